@@ -1,0 +1,51 @@
+# smartinf: `make demo` and `make test` set up everything from a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+# torch must be pinned and installed before anything that depends on it:
+# this exact version resolves to the CPU build on disk instead of GB of CUDA wheels.
+TORCH  := torch==2.13.0
+NATIVE := $(shell find src CMakeLists.txt pyproject.toml -type f \( -name '*.h' -o -name '*.cc' -o -name '*.pyx' -o -name '*.py' -o -name '*.txt' -o -name '*.toml' \))
+
+.PHONY: setup demo test bench probe csim system-deps clean
+
+setup: $(VENV)/.built
+
+# Debian packages the native core builds against (io_uring); installed when missing and root.
+system-deps:
+	@if [ ! -f /usr/include/liburing.h ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing liburing-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev >/dev/null; \
+	  else echo "warning: liburing-dev is missing and we are not root: building without io_uring (thread engine only)"; fi; \
+	fi
+
+$(VENV)/.deps: pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q "scikit-build-core>=0.10" "cython>=3.0" "cmake>=3.24" ninja
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(NATIVE)
+	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench]"
+	@grep -h "smartinf:" build/*/CMakeFiles/smartinf-config.log 2>/dev/null || true
+	touch $@
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m pytest -q bench --benchmark-json=bench/results/bench.json
+
+probe: setup
+	$(PY) -m smartinf.probe
+
+csim:
+	@echo "csim: HLS C-simulation arrives with the SmartSSD kernels (hls_kernels/)"
+
+clean:
+	rm -rf build $(VENV)

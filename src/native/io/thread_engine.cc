@@ -1,0 +1,109 @@
+// Fallback engine: a small pool of threads doing pread/pwrite, for when io_uring cannot
+// be set up. Same contract as the io_uring engine: submit, then wait.
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "error.h"
+#include "io/engine.h"
+
+namespace smartinf::io {
+namespace {
+
+// Runs one op to completion: retries EINTR/EAGAIN and resubmits the rest of short I/O.
+int transfer(Op op) {
+  while (op.len > 0) {
+    ssize_t res = op.write ? ::pwrite(op.fd, op.buf, op.len, static_cast<off_t>(op.offset))
+                           : ::pread(op.fd, op.buf, op.len, static_cast<off_t>(op.offset));
+    if (res < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return errno;
+    }
+    if (res == 0) return EIO;  // unexpected end of file
+    op.buf = static_cast<char*>(op.buf) + res;
+    op.offset += static_cast<uint64_t>(res);
+    op.len -= static_cast<uint64_t>(res);
+  }
+  return 0;
+}
+
+class ThreadEngine final : public Engine {
+ public:
+  explicit ThreadEngine(const Options& options) : piece_bytes_(options.piece_bytes) {
+    for (unsigned i = 0; i < std::max(1u, options.threads); ++i)
+      workers_.emplace_back([this] { work(); });
+  }
+  ~ThreadEngine() override {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    ready_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void submit(std::span<const Op> ops) override {
+    {
+      std::lock_guard lock(mu_);
+      for (const Op& piece : split(ops, piece_bytes_)) {
+        queue_.push_back(piece);
+        ++outstanding_;
+      }
+    }
+    ready_.notify_all();
+  }
+
+  void wait() override {
+    std::unique_lock lock(mu_);
+    done_.wait(lock, [this] { return outstanding_ == 0; });
+    if (error_) {
+      SystemError e = *error_;
+      error_.reset();
+      throw e;
+    }
+  }
+
+  const char* name() const override { return "threads"; }
+
+ private:
+  void work() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      ready_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      Op op = queue_.front();
+      queue_.pop_front();
+      int code = 0;
+      if (!error_) {  // after a failure, drain instead of starting more
+        lock.unlock();
+        code = transfer(op);
+        lock.lock();
+      }
+      if (code && !error_)
+        error_ = SystemError(code, op.write ? "write failed" : "read failed",
+                             op.path ? *op.path : std::string("?"));
+      if (--outstanding_ == 0) done_.notify_all();
+    }
+  }
+
+  uint64_t piece_bytes_;
+  std::mutex mu_;
+  std::condition_variable ready_, done_;
+  std::deque<Op> queue_;
+  size_t outstanding_ = 0;
+  bool stop_ = false;
+  std::optional<SystemError> error_;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_thread_engine(const Options& options) {
+  return std::make_unique<ThreadEngine>(options);
+}
+
+}  // namespace smartinf::io

@@ -1,0 +1,155 @@
+// io_uring engine: O_DIRECT-friendly, fixed buffers, bounded queue depth, batched submits.
+// The submit/reap loop follows liburing's examples/io_uring-cp.c.
+#include <deque>
+#include <optional>
+
+#include "error.h"
+#include "io/engine.h"
+
+#ifdef SMARTINF_HAVE_URING
+#include <liburing.h>
+
+namespace smartinf::io {
+namespace {
+
+class UringEngine final : public Engine {
+ public:
+  explicit UringEngine(const Options& options) : options_(options) {
+    check(io_uring_queue_init(options.queue_depth, &ring_, 0), "io_uring_queue_init",
+          "io_uring");
+    if (!options.fixed_buffers.empty()) {
+      int res = io_uring_register_buffers(&ring_, options.fixed_buffers.data(),
+                                          options.fixed_buffers.size());
+      fixed_ = res == 0;  // without registration, plain reads/writes still work
+    }
+  }
+  ~UringEngine() override {
+    try {
+      wait();
+    } catch (...) {
+    }
+    io_uring_queue_exit(&ring_);
+  }
+
+  void submit(std::span<const Op> ops) override {
+    for (const Op& piece : split(ops, options_.piece_bytes)) pending_.push_back(piece);
+    fill();
+  }
+
+  void wait() override {
+    while (inflight_ > 0) {
+      io_uring_cqe* cqe = nullptr;
+      int res = io_uring_wait_cqe(&ring_, &cqe);
+      if (res == -EINTR) continue;
+      check(res, "io_uring_wait_cqe", "io_uring");
+      unsigned head, seen = 0;
+      io_uring_for_each_cqe(&ring_, head, cqe) {
+        complete(static_cast<size_t>(cqe->user_data), cqe->res);
+        ++seen;
+      }
+      io_uring_cq_advance(&ring_, seen);
+      fill();
+    }
+    if (error_) {
+      SystemError e = *error_;
+      error_.reset();
+      throw e;
+    }
+  }
+
+  const char* name() const override { return "uring"; }
+
+ private:
+  void complete(size_t index, int res) {
+    --inflight_;
+    Op& op = slots_[index];
+    free_.push_back(index);
+    if (res == -EAGAIN || res == -EINTR) {
+      pending_.push_front(op);
+    } else if (res < 0) {
+      record(-res, op);
+    } else if (res == 0 && op.len > 0) {
+      record(EIO, op);  // unexpected end of file
+    } else if (static_cast<uint64_t>(res) < op.len) {  // short I/O: resubmit the rest
+      op.buf = static_cast<char*>(op.buf) + res;
+      op.offset += res;
+      op.len -= res;
+      pending_.push_front(op);
+    }
+  }
+
+  void record(int code, const Op& op) {
+    if (!error_)
+      error_ = SystemError(code, op.write ? "write failed" : "read failed",
+                           op.path ? *op.path : std::string("?"));
+  }
+
+  void fill() {
+    if (error_) pending_.clear();  // after a failure, drain instead of starting more
+    unsigned queued = 0;
+    while (!pending_.empty() && inflight_ < options_.queue_depth) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (!sqe) break;
+      Op op = pending_.front();
+      pending_.pop_front();
+      size_t index;
+      if (free_.empty()) {
+        index = slots_.size();
+        slots_.push_back(op);
+      } else {
+        index = free_.back();
+        free_.pop_back();
+        slots_[index] = op;
+      }
+      const unsigned len = static_cast<unsigned>(op.len);
+      if (fixed_ && op.buf_index >= 0) {
+        if (op.write)
+          io_uring_prep_write_fixed(sqe, op.fd, op.buf, len, op.offset, op.buf_index);
+        else
+          io_uring_prep_read_fixed(sqe, op.fd, op.buf, len, op.offset, op.buf_index);
+      } else if (op.write) {
+        io_uring_prep_write(sqe, op.fd, op.buf, len, op.offset);
+      } else {
+        io_uring_prep_read(sqe, op.fd, op.buf, len, op.offset);
+      }
+      io_uring_sqe_set_data64(sqe, index);
+      ++inflight_;
+      ++queued;
+    }
+    if (queued == 0) return;
+    int res;
+    do res = io_uring_submit(&ring_);
+    while (res == -EINTR || res == -EAGAIN);
+    check(res, "io_uring_submit", "io_uring");
+  }
+
+  Options options_;
+  io_uring ring_{};
+  bool fixed_ = false;
+  std::deque<Op> pending_;
+  std::vector<Op> slots_;  // ops in flight, indexed by user_data
+  std::vector<size_t> free_;
+  unsigned inflight_ = 0;
+  std::optional<SystemError> error_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_uring_engine(const Options& options) {
+  return std::make_unique<UringEngine>(options);
+}
+bool uring_available_at_build() { return true; }
+
+}  // namespace smartinf::io
+
+#else  // built without liburing
+
+namespace smartinf::io {
+std::unique_ptr<Engine> make_uring_engine(const Options&) {
+  throw SystemError(ENOSYS, "smartinf was built without liburing (install liburing-dev)",
+                    "io_uring");
+}
+bool uring_available_at_build() { return false; }
+}  // namespace smartinf::io
+
+#endif

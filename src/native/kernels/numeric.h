@@ -1,0 +1,76 @@
+// Element types of gradients and params, and exact fp16/bf16 <-> fp32 conversions.
+// Branch-free bit formulas (those of the FP16 library used by PyTorch's c10) so loops
+// vectorise on a baseline ISA and HLS synthesises them; rounding is nearest-even,
+// matching torch's `.to(torch.float16 / torch.bfloat16)`.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace smartinf::kernels {
+
+enum class DType : uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
+
+inline unsigned dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
+
+inline float to_float(f16 x) {
+  const uint32_t w = static_cast<uint32_t>(x.bits) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t magnitude = two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized);
+  return float_of(sign | magnitude);
+}
+
+template <class T> T from_float(float x);
+
+template <> inline float from_float<float>(float x) { return x; }
+
+template <> inline bf16 from_float<bf16>(float x) {
+  const uint32_t u = bits_of(x);
+  if (x != x) return bf16{0x7FC0};  // NaN stays a quiet NaN
+  return bf16{static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+
+template <> inline f16 from_float<f16>(float x) {
+  float base = (__builtin_fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits_of(x);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits_of(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+}
+
+// Calls fn.template operator()<G, P>() for the runtime (grad, param) dtype pair.
+template <class Fn>
+inline void dispatch(DType grad, DType param, Fn&& fn) {
+  auto with_param = [&](auto g) {
+    using G = decltype(g);
+    switch (param) {
+      case DType::f32: fn(G{}, float{}); break;
+      case DType::f16: fn(G{}, f16{}); break;
+      case DType::bf16: fn(G{}, bf16{}); break;
+    }
+  };
+  switch (grad) {
+    case DType::f32: with_param(float{}); break;
+    case DType::f16: with_param(f16{}); break;
+    case DType::bf16: with_param(bf16{}); break;
+  }
+}
+
+}  // namespace smartinf::kernels

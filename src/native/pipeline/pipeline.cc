@@ -1,0 +1,285 @@
+#include "pipeline/pipeline.h"
+
+#include <stdexcept>
+
+namespace smartinf::pipeline {
+namespace {
+
+constexpr uint64_t kMaxChunk = uint64_t(1) << 28;  // 3 GiB of states in one slot
+constexpr size_t kMaxSlots = 256;
+
+device::Optimizer parse_optimizer(const std::string& name) {
+  if (name == "adam") return device::Optimizer::adam;
+  if (name == "adamw") return device::Optimizer::adamw;
+  throw std::invalid_argument("unknown optimizer '" + name + "' (expected 'adam' or 'adamw')");
+}
+
+}  // namespace
+
+Pipeline::Pipeline(const PipelineOptions& options)
+    : options_(options), optimizer_(parse_optimizer(options.optimizer)) {
+  if (options.devices.empty()) throw std::invalid_argument("a pipeline needs at least one device");
+  if (options.chunk == 0 || options.chunk > kMaxChunk)
+    throw std::invalid_argument("chunk must be between 1 and " + std::to_string(kMaxChunk) +
+                                " params, got " + std::to_string(options.chunk));
+  if (options.slots == 0 || options.slots > kMaxSlots)
+    throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
+                                ", got " + std::to_string(options.slots));
+  store::StoreConfig config{options.chunk, options.optimizer, "fp32"};
+  const device::SlotGeometry geometry{options.slots, options.chunk};
+  for (const DeviceSpec& spec : options.devices) {
+    if (spec.kind != "cpu")
+      throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
+    Unit unit;
+    unit.store = std::make_unique<store::StateStore>(spec.dir, config, notes_);
+    unit.device = device::make_cpu_device(spec.dir, geometry);
+    devices_.push_back(std::move(unit));
+  }
+  // A crash between two devices' commits leaves some one step ahead; their previous
+  // copies are intact, so roll them back to the step every device has.
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (const Unit& u : devices_) {
+    lo = std::min(lo, u.store->step());
+    hi = std::max(hi, u.store->step());
+  }
+  if (hi > lo + 1)
+    throw std::invalid_argument("device directories are at steps " + std::to_string(lo) +
+                                " and " + std::to_string(hi) +
+                                ": they do not belong to one pipeline");
+  for (Unit& u : devices_) {
+    if (u.store->step() == hi && hi != lo) {
+      u.store->rollback_last_step();
+      notes_.push_back(u.store->dir() + " was committed one step ahead of the others " +
+                       "(interrupted commit): rolled back to step " + std::to_string(lo));
+    }
+  }
+  step_ = lo;
+  for (Unit& u : devices_) u.ring = std::make_unique<Ring>(*u.device, *u.store, options.ring, notes_);
+}
+
+Pipeline::~Pipeline() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Pipeline::require_open() const {
+  if (devices_.empty()) throw std::invalid_argument("the pipeline is closed");
+}
+
+const Pipeline::Placement& Pipeline::placed(size_t sg) const {
+  require_open();
+  if (sg >= placement_.size())
+    throw std::out_of_range("unknown sub-group " + std::to_string(sg) + " (the pipeline has " +
+                            std::to_string(placement_.size()) + ")");
+  return placement_[sg];
+}
+
+uint64_t Pipeline::numel(size_t sg) const {
+  const Placement& p = placed(sg);
+  return devices_[p.unit].store->record(p.local).numel;
+}
+
+uint64_t Pipeline::subgroup_steps(size_t sg) const {
+  const Placement& p = placed(sg);
+  return devices_[p.unit].store->record(p.local).steps;
+}
+
+void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
+  for (Job& job : jobs) devices_[unit].ring->push(job);
+  if (!jobs.empty()) jobs.front().completion->wait();
+}
+
+size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
+  const auto id = static_cast<int64_t>(placement_.size());
+  // Balanced by bytes: the device with the fewest params so far (a deterministic choice,
+  // so reopening with the same devices places every sub-group where it was).
+  size_t unit = 0;
+  for (size_t u = 1; u < devices_.size(); ++u)
+    if (devices_[u].numel < devices_[unit].numel) unit = u;
+  for (size_t u = 0; u < devices_.size(); ++u)
+    if (u != unit && devices_[u].store->holds(id))
+      throw std::invalid_argument(
+          devices_[u].store->dir() + " holds sub-group " + std::to_string(id) +
+          " but this pipeline places it on " + devices_[unit].store->dir() +
+          "; pass the same devices in the same order as when the directories were made");
+  store::StateStore& store = *devices_[unit].store;
+  bool created = false;
+  const size_t local = store.attach(id, numel, created);
+  if (created) {
+    const store::SubgroupRecord& r = store.record(local);
+    std::vector<Job> jobs;
+    auto done = std::make_shared<Completion>(store.chunks(local));
+    for (uint64_t c = 0; c < store.chunks(local); ++c) {
+      Job job;
+      job.kind = JobKind::init;
+      job.completion = done;
+      job.dst = store.extent(local, c, r.copy);
+      job.input = init ? init + c * options_.chunk : nullptr;
+      jobs.push_back(job);
+    }
+    try {
+      submit_and_wait(unit, jobs);
+    } catch (...) {
+      store.detach_last();
+      throw;
+    }
+  }
+  resumed = !created;
+  devices_[unit].numel += numel;
+  placement_.push_back(Placement{unit, local});
+  updated_.push_back(false);
+  return static_cast<size_t>(id);
+}
+
+std::shared_ptr<Completion> Pipeline::update(size_t sg, const void* grad,
+                                             kernels::DType grad_dtype, void* out,
+                                             kernels::DType out_dtype, const UpdateHyper& h) {
+  std::lock_guard lock(mu_);
+  const Placement& p = placed(sg);
+  if (updated_[sg])
+    throw std::invalid_argument("sub-group " + std::to_string(sg) +
+                                " was already updated in this step; commit the step first");
+  Unit& unit = devices_[p.unit];
+  const store::StateStore& store = *unit.store;
+  const store::SubgroupRecord& r = store.record(p.local);
+  device::Kernel kernel;
+  kernel.optimizer = optimizer_;
+  kernel.adam = kernels::adam_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                   optimizer_ == device::Optimizer::adamw, r.steps + 1,
+                                   h.grad_scale);
+  kernel.grad = grad_dtype;
+  kernel.param = out_dtype;
+  auto done = std::make_shared<Completion>(store.chunks(p.local));
+  updated_[sg] = true;
+  unit.updated.push_back(p.local);
+  completions_.push_back(done);
+  last_hyper_ = {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
+                 {"weight_decay", h.weight_decay}};
+  const size_t gsize = kernels::dtype_size(grad_dtype), osize = kernels::dtype_size(out_dtype);
+  for (uint64_t c = 0; c < store.chunks(p.local); ++c) {
+    Job job;
+    job.kind = JobKind::update;
+    job.completion = done;
+    job.src = store.extent(p.local, c, r.copy);
+    job.dst = store.extent(p.local, c, r.copy ^ 1u);
+    job.input = static_cast<const char*>(grad) + c * options_.chunk * gsize;
+    job.output = static_cast<char*>(out) + c * options_.chunk * osize;
+    job.kernel = kernel;
+    unit.ring->push(job);
+  }
+  return done;
+}
+
+void Pipeline::read_states(size_t sg, float* param, float* exp_avg, float* exp_avg_sq) {
+  std::lock_guard lock(mu_);
+  const Placement& p = placed(sg);
+  const store::StateStore& store = *devices_[p.unit].store;
+  const store::SubgroupRecord& r = store.record(p.local);
+  auto done = std::make_shared<Completion>(store.chunks(p.local));
+  std::vector<Job> jobs;
+  for (uint64_t c = 0; c < store.chunks(p.local); ++c) {
+    Job job;
+    job.kind = JobKind::read;
+    job.completion = done;
+    job.src = store.extent(p.local, c, r.copy);
+    float* arrays[3] = {param, exp_avg, exp_avg_sq};
+    for (int a = 0; a < 3; ++a) job.exported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
+    jobs.push_back(job);
+  }
+  submit_and_wait(p.unit, jobs);
+}
+
+// Waits for all of the step's work; with keep=false (or on any error) the step's updates
+// are forgotten and the committed copies stay current.
+void Pipeline::wait_step(bool keep) {
+  std::exception_ptr error;
+  for (Unit& u : devices_) {
+    try {
+      u.ring->drain();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  for (auto& done : completions_) {
+    try {
+      done->wait();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  completions_.clear();
+  std::fill(updated_.begin(), updated_.end(), false);
+  if (error || !keep) {
+    for (Unit& u : devices_) u.updated.clear();
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+void Pipeline::commit() {
+  std::lock_guard lock(mu_);
+  require_open();
+  wait_step(true);
+  for (Unit& u : devices_) {
+    u.store->commit(u.updated, step_ + 1, last_hyper_);
+    u.updated.clear();
+  }
+  ++step_;
+}
+
+void Pipeline::discard() {
+  std::lock_guard lock(mu_);
+  require_open();
+  wait_step(false);
+}
+
+void Pipeline::close() {
+  std::lock_guard lock(mu_);
+  if (devices_.empty()) return;
+  std::exception_ptr error;
+  try {
+    wait_step(false);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (Unit& u : devices_) {
+    u.ring.reset();
+    try {
+      u.store->save_layout();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  devices_.clear();
+  if (error) std::rethrow_exception(error);
+}
+
+std::map<std::string, double> Pipeline::stats() const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, double> s{{"host_to_device", 0}, {"device_to_host", 0},
+                                  {"storage_read", 0},   {"storage_write", 0},
+                                  {"chunks", 0}};
+  for (const char* name : kStageNames) s[std::string("busy_") + name] = 0;
+  for (const Unit& u : devices_) {
+    const Counters& c = u.ring->counters();
+    s["host_to_device"] += c.host_to_device;
+    s["device_to_host"] += c.device_to_host;
+    s["storage_read"] += c.storage_read;
+    s["storage_write"] += c.storage_write;
+    s["chunks"] += c.chunks;
+    for (size_t i = 0; i < kStages; ++i)
+      s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
+  }
+  s["step"] = static_cast<double>(step_);
+  return s;
+}
+
+std::string Pipeline::engine() const {
+  return devices_.empty() ? std::string("closed") : devices_.front().ring->engine_name();
+}
+
+}  // namespace smartinf::pipeline

@@ -1,0 +1,179 @@
+#include "pipeline/ring.h"
+
+#include <chrono>
+
+#include "kernels/numeric.h"
+
+namespace smartinf::pipeline {
+namespace {
+
+class Timer {
+ public:
+  explicit Timer(std::atomic<uint64_t>& sink)
+      : sink_(sink), start_(std::chrono::steady_clock::now()) {}
+  ~Timer() {
+    sink_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now() - start_)
+                 .count();
+  }
+
+ private:
+  std::atomic<uint64_t>& sink_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
+
+Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& options,
+           std::vector<std::string>& notes)
+    : device_(device),
+      store_(store),
+      jobs_(2 * device.slot_count()),
+      computing_(device.slot_count()),
+      writing_(device.slot_count()) {
+  io::Options io_options;
+  io_options.queue_depth = options.queue_depth;
+  io_options.piece_bytes = options.piece_bytes;
+  if (device.registrable())
+    for (size_t i = 0; i < device.slot_count(); ++i)
+      io_options.fixed_buffers.push_back(iovec{device.slot(i).states, device.slot_states_bytes()});
+  reader_ = io::make_engine(options.io, io_options, notes);
+  writer_ = io::make_engine(reader_->name(), io_options, notes);
+  engine_name_ = reader_->name();
+  for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
+  loader_ = std::thread([this] { load_loop(); });
+  computer_ = std::thread([this] { compute_loop(); });
+  writer_thread_ = std::thread([this] { write_loop(); });
+}
+
+Ring::~Ring() {
+  jobs_.close();
+  loader_.join();
+  computing_.close();
+  computer_.join();
+  writing_.close();
+  writer_thread_.join();
+}
+
+void Ring::push(Job job) {
+  {
+    std::lock_guard lock(mu_);
+    ++in_flight_;
+  }
+  jobs_.push(std::move(job));
+}
+
+void Ring::drain() {
+  std::unique_lock lock(mu_);
+  idle_.wait(lock, [&] { return in_flight_ == 0; });
+  if (write_error_) {
+    std::exception_ptr e = write_error_;
+    write_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void Ring::finished() {
+  std::lock_guard lock(mu_);
+  if (--in_flight_ == 0) idle_.notify_all();
+}
+
+io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
+  io::Op op;
+  op.write = write;
+  op.fd = store_.fd();
+  op.path = &store_.file_path();
+  op.buf = device_.slot(slot).states;
+  op.len = e.bytes;
+  op.offset = e.offset;
+  op.buf_index = static_cast<int>(slot);
+  return op;
+}
+
+void Ring::load_loop() {
+  while (std::optional<Job> job = jobs_.pop()) {
+    const size_t slot = *free_slots_.pop();
+    try {
+      if (job->kind == JobKind::init) {
+        Timer t(counters_.busy_ns[kHostToDevice]);
+        device_.init_states(slot, static_cast<const float*>(job->input), job->dst.numel);
+        if (job->input) counters_.host_to_device += job->dst.numel * 4;
+      } else {
+        Timer t(counters_.busy_ns[kLoad]);
+        const io::Op op = state_io(false, job->src, slot);
+        reader_->submit({&op, 1});
+        if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
+          Timer h(counters_.busy_ns[kHostToDevice]);
+          const size_t bytes = job->src.numel * kernels::dtype_size(job->kernel.grad);
+          device_.copy_in(slot, job->input, bytes);
+          counters_.host_to_device += bytes;
+        }
+        reader_->wait();
+        counters_.storage_read += job->src.bytes;
+      }
+    } catch (...) {
+      job->completion->chunk_done(std::current_exception());
+      free_slots_.push(slot);
+      finished();
+      continue;
+    }
+    if (job->kind == JobKind::init)
+      writing_.push(Loaded{std::move(*job), slot});
+    else
+      computing_.push(Loaded{std::move(*job), slot});
+  }
+}
+
+void Ring::compute_loop() {
+  while (std::optional<Loaded> item = computing_.pop()) {
+    Job& job = item->job;
+    const size_t numel = job.src.numel;
+    if (job.kind == JobKind::read) {
+      Timer t(counters_.busy_ns[kDeviceToHost]);
+      device_.export_states(item->slot, job.exported[0], job.exported[1], job.exported[2], numel);
+      for (float* a : job.exported) counters_.device_to_host += a ? numel * 4 : 0;
+    } else {
+      {
+        Timer t(counters_.busy_ns[kCompute]);
+        device_.compute(item->slot, job.kernel, numel);
+      }
+      Timer t(counters_.busy_ns[kDeviceToHost]);
+      const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
+      device_.copy_out(item->slot, job.output, bytes);
+      counters_.device_to_host += bytes;
+    }
+    ++counters_.chunks;
+    job.completion->chunk_done();  // OUT: the caller may reuse its buffers now
+    if (job.kind == JobKind::read) {
+      free_slots_.push(item->slot);
+      finished();
+    } else {
+      writing_.push(std::move(*item));
+    }
+  }
+}
+
+void Ring::write_loop() {
+  while (std::optional<Loaded> item = writing_.pop()) {
+    Job& job = item->job;
+    std::exception_ptr error;
+    try {
+      Timer t(counters_.busy_ns[kWriteback]);
+      const io::Op op = state_io(true, job.dst, item->slot);
+      writer_->submit({&op, 1});
+      writer_->wait();
+      counters_.storage_write += job.dst.bytes;
+    } catch (...) {
+      error = std::current_exception();
+    }
+    if (job.kind == JobKind::init) job.completion->chunk_done(error);
+    free_slots_.push(item->slot);
+    {
+      std::lock_guard lock(mu_);
+      if (error && !write_error_) write_error_ = error;
+    }
+    finished();
+  }
+}
+
+}  // namespace smartinf::pipeline

@@ -1,0 +1,94 @@
+// The transfer handler: a ring of K fixed device slots and three stage threads.
+//   loader:   take a free slot (blocks when all K are busy), read the chunk's states from
+//             storage, copy the gradient in (host -> device) while the read is in flight
+//   computer: run the kernel, copy params out (device -> host); the request's chunk is done
+//   writer:   write the states back to storage (the other shadow copy), free the slot
+// Different chunks are in different stages at once; memory is K slots whatever the model.
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "device/device.h"
+#include "io/engine.h"
+#include "pipeline/completion.h"
+#include "pipeline/queue.h"
+#include "store/state_store.h"
+
+namespace smartinf::pipeline {
+
+enum class JobKind { update, init, read };
+
+struct Job {
+  JobKind kind = JobKind::update;
+  std::shared_ptr<Completion> completion;
+  store::Extent src{};  // states read from (update, read)
+  store::Extent dst{};  // states written to (update, init)
+  const void* input = nullptr;  // update: gradient; init: fp32 params (null = zeros)
+  void* output = nullptr;       // update: updated params
+  float* exported[3] = {nullptr, nullptr, nullptr};  // read: param, exp_avg, exp_avg_sq
+  device::Kernel kernel{};
+};
+
+enum Stage { kLoad, kHostToDevice, kCompute, kDeviceToHost, kWriteback, kStages };
+inline constexpr std::array<const char*, kStages> kStageNames = {
+    "load", "host_to_device", "compute", "device_to_host", "writeback"};
+
+struct Counters {
+  std::atomic<uint64_t> host_to_device{0}, device_to_host{0}, storage_read{0},
+      storage_write{0}, chunks{0};
+  std::array<std::atomic<uint64_t>, kStages> busy_ns{};
+};
+
+struct RingOptions {
+  std::string io = "auto";
+  unsigned queue_depth = 16;
+  uint64_t piece_bytes = 1 << 20;
+};
+
+class Ring {
+ public:
+  Ring(device::Device& device, store::StateStore& store, const RingOptions& options,
+       std::vector<std::string>& notes);
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+
+  void push(Job job);  // blocks while the ring is saturated (back-pressure)
+  // Waits for every pushed job, write-backs included; rethrows (once) the first
+  // write-back error, which means the step must not be committed.
+  void drain();
+
+  const Counters& counters() const { return counters_; }
+  const char* engine_name() const { return engine_name_; }
+
+ private:
+  struct Loaded {
+    Job job;
+    size_t slot;
+  };
+  void load_loop();
+  void compute_loop();
+  void write_loop();
+  void finished();
+  io::Op state_io(bool write, const store::Extent& e, size_t slot) const;
+
+  device::Device& device_;
+  store::StateStore& store_;
+  std::unique_ptr<io::Engine> reader_, writer_;
+  const char* engine_name_ = "";
+  Queue<Job> jobs_;
+  Queue<size_t> free_slots_;
+  Queue<Loaded> computing_, writing_;
+  Counters counters_;
+
+  std::mutex mu_;
+  std::condition_variable idle_;
+  size_t in_flight_ = 0;
+  std::exception_ptr write_error_;
+  std::thread loader_, computer_, writer_thread_;
+};
+
+}  // namespace smartinf::pipeline

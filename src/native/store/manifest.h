@@ -1,0 +1,34 @@
+// The manifest of a device directory: layout, optimizer, per-sub-group copy/step, and the
+// pipeline step it was committed at. Text, one record per line, CRC32 of the body last.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace smartinf::store {
+
+struct SubgroupRecord {
+  int64_t id = 0;        // the pipeline's sub-group id
+  uint64_t numel = 0;
+  uint64_t offset = 0;   // byte offset of the first chunk's extents in states.bin
+  uint32_t copy = 0;     // which of the A/B copies holds the committed state
+  uint64_t steps = 0;    // optimizer steps applied (Adam's t)
+  uint64_t last = 0;     // pipeline step that last updated it (one-step rollback)
+};
+
+struct Manifest {
+  static constexpr int kVersion = 1;
+  uint64_t chunk = 0;            // params per chunk
+  std::string state_dtype = "fp32";
+  std::string optimizer;         // adam, adamw, ...
+  std::map<std::string, double> hyper;  // informational: last hyper-parameters used
+  uint64_t step = 0;             // pipeline steps committed
+  std::vector<SubgroupRecord> subgroups;
+
+  std::string serialize() const;
+  // Throws std::invalid_argument naming `path` and the first thing that is wrong.
+  static Manifest parse(const std::string& text, const std::string& path);
+};
+
+}  // namespace smartinf::store

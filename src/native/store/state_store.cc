@@ -1,0 +1,200 @@
+#include "store/state_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "error.h"
+
+namespace smartinf::store {
+namespace {
+
+bool read_file(const std::string& path, std::string& text) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  text = buf.str();
+  return true;
+}
+
+void fsync_dir(const std::string& dir) {
+  int dfd = check_errno(::open(dir.c_str(), O_RDONLY | O_DIRECTORY), "open directory", dir);
+  int res = ::fsync(dfd);
+  ::close(dfd);
+  check_errno(res, "fsync directory", dir);
+}
+
+void mismatch(const std::string& dir, const std::string& what, const std::string& stored,
+              const std::string& wanted) {
+  throw std::invalid_argument(dir + " holds states made with " + what + " " + stored +
+                              ", not " + wanted +
+                              "; open it with the same settings or use another directory");
+}
+
+}  // namespace
+
+StateStore::StateStore(const std::string& dir, const StoreConfig& config,
+                       std::vector<std::string>& notes)
+    : dir_(dir), states_path_(dir + "/states.bin"), manifest_path_(dir + "/manifest") {
+  std::string text;
+  const bool resume = read_file(manifest_path_, text);
+  if (resume) {
+    manifest_ = Manifest::parse(text, manifest_path_);
+    if (manifest_.chunk != config.chunk)
+      mismatch(dir, "chunk", std::to_string(manifest_.chunk), std::to_string(config.chunk));
+    if (manifest_.optimizer != config.optimizer)
+      mismatch(dir, "optimizer", manifest_.optimizer, config.optimizer);
+    if (manifest_.state_dtype != config.state_dtype)
+      mismatch(dir, "state dtype", manifest_.state_dtype, config.state_dtype);
+  } else {
+    manifest_.chunk = config.chunk;
+    manifest_.optimizer = config.optimizer;
+    manifest_.state_dtype = config.state_dtype;
+  }
+
+  // Without a manifest nothing was ever committed here: an old states.bin is an orphan.
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (resume ? 0 : O_TRUNC);
+  fd_ = ::open(states_path_.c_str(), flags | O_DIRECT, 0644);
+  if (fd_ < 0 && errno == EINVAL) {
+    direct_ = false;
+    notes.push_back("no O_DIRECT on " + dir + " (tmpfs?): using buffered I/O there");
+    fd_ = ::open(states_path_.c_str(), flags, 0644);
+  }
+  check_errno(fd_, "cannot open the states file", states_path_);
+
+  struct stat st {};
+  check_errno(::fstat(fd_, &st), "fstat", states_path_);
+  for (size_t i = 0; i < manifest_.subgroups.size(); ++i) {
+    const SubgroupRecord& r = manifest_.subgroups[i];
+    local_of_[r.id] = i;
+    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk) +
+                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk));
+  }
+  if (static_cast<uint64_t>(st.st_size) < file_end_) {
+    ::close(fd_);
+    throw std::invalid_argument(states_path_ + " has " + std::to_string(st.st_size) +
+                                " bytes but its manifest needs " + std::to_string(file_end_) +
+                                " (truncated copy?)");
+  }
+}
+
+StateStore::~StateStore() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
+  if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
+  if (auto it = local_of_.find(id); it != local_of_.end()) {
+    const SubgroupRecord& r = manifest_.subgroups[it->second];
+    if (r.numel != numel)
+      throw std::invalid_argument(dir_ + " holds sub-group " + std::to_string(id) + " with " +
+                                  std::to_string(r.numel) + " params, not " +
+                                  std::to_string(numel) + "; add sub-groups in the same order " +
+                                  "and sizes as when the directory was made");
+    created = false;
+    return it->second;
+  }
+  SubgroupRecord r;
+  r.id = id;
+  r.numel = numel;
+  r.offset = file_end_;
+  const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
+  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk) + (tail ? extent_bytes(tail) : 0));
+  int res = ::posix_fallocate(fd_, static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
+  if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_, file_end_ + bytes) ? errno : 0;
+  if (res != 0) {
+    (void)::ftruncate(fd_, static_cast<off_t>(file_end_));  // give back what was allocated
+    throw SystemError(res, "cannot allocate " + std::to_string(bytes) + " bytes of states",
+                      states_path_);
+  }
+  file_end_ += bytes;
+  manifest_.subgroups.push_back(r);
+  local_of_[id] = manifest_.subgroups.size() - 1;
+  layout_dirty_ = true;
+  created = true;
+  return manifest_.subgroups.size() - 1;
+}
+
+void StateStore::detach_last() {
+  const SubgroupRecord r = manifest_.subgroups.back();
+  manifest_.subgroups.pop_back();
+  local_of_.erase(r.id);
+  file_end_ = r.offset;
+  (void)::ftruncate(fd_, static_cast<off_t>(file_end_));
+}
+
+uint64_t StateStore::chunks(size_t local) const {
+  return (manifest_.subgroups[local].numel + manifest_.chunk - 1) / manifest_.chunk;
+}
+
+Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
+  const SubgroupRecord& r = manifest_.subgroups[local];
+  const uint64_t numel = std::min(manifest_.chunk, r.numel - chunk * manifest_.chunk);
+  const uint64_t bytes = extent_bytes(numel);
+  // Full chunks come first, so chunk c starts after c pairs of full-size extents.
+  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk);
+  return Extent{base + copy * bytes, bytes, numel};
+}
+
+void StateStore::commit(const std::vector<size_t>& updated, uint64_t pipeline_step,
+                        const std::map<std::string, double>& hyper) {
+  check_errno(::fdatasync(fd_), "fdatasync", states_path_);
+  for (size_t local : updated) {
+    SubgroupRecord& r = manifest_.subgroups[local];
+    r.copy ^= 1u;
+    r.steps += 1;
+    r.last = pipeline_step;
+  }
+  manifest_.step = pipeline_step;
+  if (!hyper.empty()) manifest_.hyper = hyper;
+  write_manifest();
+}
+
+void StateStore::save_layout() {
+  if (!layout_dirty_) return;
+  check_errno(::fdatasync(fd_), "fdatasync", states_path_);
+  write_manifest();
+}
+
+void StateStore::rollback_last_step() {
+  for (SubgroupRecord& r : manifest_.subgroups) {
+    if (r.last != manifest_.step || r.steps == 0) continue;
+    r.copy ^= 1u;
+    r.steps -= 1;
+    r.last = 0;
+  }
+  manifest_.step -= 1;
+  write_manifest();
+}
+
+void StateStore::write_manifest() {
+  const std::string text = manifest_.serialize();
+  const std::string tmp = manifest_path_ + ".tmp";
+  int fd = check_errno(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                       "cannot write the manifest", tmp);
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int code = errno;
+      ::close(fd);
+      throw SystemError(code, "cannot write the manifest", tmp);
+    }
+    done += static_cast<size_t>(n);
+  }
+  int res = ::fdatasync(fd);
+  int code = errno;
+  ::close(fd);
+  if (res < 0) throw SystemError(code, "fdatasync", tmp);
+  check_errno(::rename(tmp.c_str(), manifest_path_.c_str()), "rename", manifest_path_);
+  fsync_dir(dir_);
+  layout_dirty_ = false;
+}
+
+}  // namespace smartinf::store

@@ -1,0 +1,80 @@
+// A device's storage directory: `states.bin` (per chunk two extents, copy A and B, each
+// [param | exp_avg | exp_avg_sq] fp32, 4 KiB aligned) and `manifest`. A step reads each
+// sub-group's committed copy and writes the other one; commit() makes those writes
+// durable and then flips the copies in a manifest replaced atomically (shadow paging).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "store/manifest.h"
+
+namespace smartinf::store {
+
+inline constexpr uint64_t kAlign = 4096;
+inline constexpr unsigned kStateArrays = 3;  // param, exp_avg, exp_avg_sq
+
+inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+inline uint64_t extent_bytes(uint64_t numel) { return align_up(numel * kStateArrays * 4); }
+
+struct StoreConfig {
+  uint64_t chunk = 0;
+  std::string optimizer;
+  std::string state_dtype = "fp32";
+};
+
+struct Extent {
+  uint64_t offset;  // bytes into states.bin
+  uint64_t bytes;   // aligned I/O size
+  uint64_t numel;   // params in this chunk
+};
+
+class StateStore {
+ public:
+  // Opens `dir` (which must exist), resuming from its manifest when there is one.
+  // Throws std::invalid_argument when the directory was made with another layout.
+  StateStore(const std::string& dir, const StoreConfig& config, std::vector<std::string>& notes);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  // Local index of sub-group `id`; a new one gets fresh extents at the end of the file.
+  // `created` tells whether it was new (its states must be initialised before commit).
+  size_t attach(int64_t id, uint64_t numel, bool& created);
+  // Forgets the sub-group attach() just created (its initialisation failed).
+  void detach_last();
+
+  bool holds(int64_t id) const { return local_of_.count(id) != 0; }
+  const SubgroupRecord& record(size_t local) const { return manifest_.subgroups[local]; }
+  size_t subgroup_count() const { return manifest_.subgroups.size(); }
+  uint64_t chunks(size_t local) const;
+  Extent extent(size_t local, uint64_t chunk, uint32_t copy) const;
+
+  // Durably applies one pipeline step: the listed sub-groups' written copies become current.
+  void commit(const std::vector<size_t>& updated, uint64_t pipeline_step,
+              const std::map<std::string, double>& hyper);
+  // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
+  void save_layout();
+  // Undoes the last committed step (its shadow copies are still intact).
+  void rollback_last_step();
+
+  uint64_t step() const { return manifest_.step; }
+  int fd() const { return fd_; }
+  const std::string& file_path() const { return states_path_; }
+  const std::string& dir() const { return dir_; }
+  bool direct() const { return direct_; }
+
+ private:
+  void write_manifest();
+
+  std::string dir_, states_path_, manifest_path_;
+  Manifest manifest_;
+  std::map<int64_t, size_t> local_of_;
+  uint64_t file_end_ = 0;
+  bool layout_dirty_ = false;
+  bool direct_ = true;
+  int fd_ = -1;
+};
+
+}  // namespace smartinf::store

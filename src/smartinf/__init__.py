@@ -1,0 +1,1 @@
+"""smartinf: near-storage optimizer updates for storage-offloaded LLM training."""

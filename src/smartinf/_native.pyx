@@ -1,0 +1,178 @@
+# cython: language_level=3, binding=False
+# distutils: language = c++
+"""Binding of the C++ core: translates arguments and errors, releases the GIL. No logic."""
+from libc.stdint cimport uint8_t, uint64_t, uintptr_t
+from libcpp cimport bool as cbool
+from libcpp.map cimport map as cmap
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+
+cdef extern from "_native_errors.h":
+    cdef void raise_py_error()
+
+
+cdef extern from "kernels/numeric.h" namespace "smartinf::kernels":
+    cdef enum class DType(uint8_t):
+        f32
+        f16
+        bf16
+
+
+cdef extern from "io/engine.h" namespace "smartinf::io":
+    cbool uring_available_at_build()
+
+
+cdef extern from "pipeline/completion.h" namespace "smartinf::pipeline":
+    cdef cppclass Completion:
+        cbool done()
+        void wait() except +raise_py_error nogil
+
+
+cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
+    cdef cppclass DeviceSpec:
+        string kind
+        string dir
+
+    cdef cppclass RingOptions:
+        string io
+        unsigned queue_depth
+        uint64_t piece_bytes
+
+    cdef cppclass PipelineOptions:
+        vector[DeviceSpec] devices
+        string optimizer
+        uint64_t chunk
+        size_t slots
+        RingOptions ring
+
+    cdef cppclass UpdateHyper:
+        double lr, beta1, beta2, eps, weight_decay, grad_scale
+
+    cdef cppclass Pipeline:
+        Pipeline(const PipelineOptions&) except +raise_py_error nogil
+        size_t add_subgroup(uint64_t, const float*, cbool&) except +raise_py_error nogil
+        shared_ptr[Completion] update(size_t, const void*, DType, void*, DType,
+                                      const UpdateHyper&) except +raise_py_error nogil
+        void read_states(size_t, float*, float*, float*) except +raise_py_error nogil
+        void commit() except +raise_py_error nogil
+        void discard() except +raise_py_error nogil
+        void close() except +raise_py_error nogil
+        cbool closed()
+        uint64_t step()
+        size_t subgroup_count()
+        uint64_t numel(size_t) except +raise_py_error
+        uint64_t subgroup_steps(size_t) except +raise_py_error
+        cbool pending()
+        cmap[string, double] stats()
+        string engine()
+        vector[string] notes()
+
+
+def io_uring_built() -> bool:
+    return uring_available_at_build()
+
+
+cdef class NativeCompletion:
+    cdef shared_ptr[Completion] c
+
+    def done(self) -> bool:
+        return self.c.get().done()
+
+    def wait(self) -> None:
+        with nogil:
+            self.c.get().wait()
+
+
+cdef class NativePipeline:
+    cdef Pipeline* p
+
+    def __cinit__(self, list dirs, str optimizer, uint64_t chunk, size_t slots, str io,
+                  unsigned queue_depth, uint64_t piece_bytes):
+        cdef PipelineOptions options
+        cdef DeviceSpec spec
+        for d in dirs:
+            spec.kind = b"cpu"
+            spec.dir = d.encode()
+            options.devices.push_back(spec)
+        options.optimizer = optimizer.encode()
+        options.chunk = chunk
+        options.slots = slots
+        options.ring.io = io.encode()
+        options.ring.queue_depth = queue_depth
+        options.ring.piece_bytes = piece_bytes
+        with nogil:
+            self.p = new Pipeline(options)
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            with nogil:
+                del self.p
+
+    def add_subgroup(self, uint64_t numel, uintptr_t init):
+        cdef cbool resumed = False
+        cdef size_t sg
+        with nogil:
+            sg = self.p.add_subgroup(numel, <const float*>init, resumed)
+        return sg, resumed
+
+    def update(self, size_t sg, uintptr_t grad, int grad_dtype, uintptr_t out, int out_dtype,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               double grad_scale) -> NativeCompletion:
+        cdef UpdateHyper h
+        h.lr, h.beta1, h.beta2, h.eps = lr, beta1, beta2, eps
+        h.weight_decay, h.grad_scale = weight_decay, grad_scale
+        cdef NativeCompletion done = NativeCompletion()
+        with nogil:
+            done.c = self.p.update(sg, <const void*>grad, <DType>grad_dtype, <void*>out,
+                                   <DType>out_dtype, h)
+        return done
+
+    def read_states(self, size_t sg, uintptr_t param, uintptr_t exp_avg, uintptr_t exp_avg_sq):
+        with nogil:
+            self.p.read_states(sg, <float*>param, <float*>exp_avg, <float*>exp_avg_sq)
+
+    def commit(self):
+        with nogil:
+            self.p.commit()
+
+    def discard(self):
+        with nogil:
+            self.p.discard()
+
+    def close(self):
+        with nogil:
+            self.p.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.p.closed()
+
+    @property
+    def step(self) -> int:
+        return self.p.step()
+
+    @property
+    def subgroup_count(self) -> int:
+        return self.p.subgroup_count()
+
+    @property
+    def pending(self) -> bool:
+        return self.p.pending()
+
+    def numel(self, size_t sg) -> int:
+        return self.p.numel(sg)
+
+    def subgroup_steps(self, size_t sg) -> int:
+        return self.p.subgroup_steps(sg)
+
+    def stats(self) -> dict:
+        return {k.decode(): v for k, v in self.p.stats()}
+
+    @property
+    def engine(self) -> str:
+        return self.p.engine().decode()
+
+    def notes(self) -> list:
+        return [n.decode() for n in self.p.notes()]
