@@ -1,1 +1,19 @@
-"""smartinf: near-storage optimizer updates for storage-offloaded LLM training."""
+"""smartinf: near-storage optimizer updates for storage-offloaded LLM training.
+
+The optimizer states (fp32 master weights, Adam moments) live on computational storage
+devices and are updated next to the storage; only gradients go in and updated params
+come out.
+"""
+from . import _build_info
+from ._native import io_uring_built
+from .devices import CpuDevice
+from .pipeline import Pipeline, UpdateFuture
+from .update_rules import Adam, AdamW
+
+__version__ = "0.1.0"
+__all__ = ["Pipeline", "UpdateFuture", "CpuDevice", "Adam", "AdamW", "build_info", "__version__"]
+
+
+def build_info() -> dict[str, bool]:
+    """What the native core was built with: io_uring (liburing) and XRT (SmartSSD)."""
+    return {"io_uring": _build_info.IO_URING, "xrt": _build_info.XRT}

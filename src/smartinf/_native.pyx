@@ -24,6 +24,12 @@ cdef extern from "io/engine.h" namespace "smartinf::io":
     cbool uring_available_at_build()
 
 
+cdef extern from "io/bandwidth.h" namespace "smartinf::io":
+    double time_io(const string&, uint64_t, cbool, const string&, uint64_t,
+                   unsigned) except +raise_py_error nogil
+    double time_adam_kernel(uint64_t, DType, DType) except +raise_py_error nogil
+
+
 cdef extern from "pipeline/completion.h" namespace "smartinf::pipeline":
     cdef cppclass Completion:
         cbool done()
@@ -72,6 +78,22 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
 
 def io_uring_built() -> bool:
     return uring_available_at_build()
+
+
+def time_storage(str path, uint64_t nbytes, cbool write, str engine, uint64_t block,
+                 unsigned depth) -> float:
+    cdef string p = path.encode(), e = engine.encode()
+    cdef double seconds
+    with nogil:
+        seconds = time_io(p, nbytes, write, e, block, depth)
+    return seconds
+
+
+def time_kernel(uint64_t numel, int grad_dtype, int param_dtype) -> float:
+    cdef double seconds
+    with nogil:
+        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype)
+    return seconds
 
 
 cdef class NativeCompletion:

@@ -18,6 +18,18 @@ struct bf16 { uint16_t bits; };
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
+// Unsigned a < b through a signed compare: baseline SSE2 has only signed 32-bit compares,
+// so this form lets the conversions below vectorise.
+inline bool below(uint32_t a, uint32_t b) {
+  return static_cast<int32_t>(a ^ 0x80000000u) < static_cast<int32_t>(b ^ 0x80000000u);
+}
+
+// a < b ? x : y without a branch, for the vectoriser.
+inline uint32_t select_below(uint32_t a, uint32_t b, uint32_t x, uint32_t y) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(below(a, b));
+  return (x & mask) | (y & ~mask);
+}
+
 inline float to_float(float x) { return x; }
 
 inline float to_float(bf16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
@@ -28,7 +40,8 @@ inline float to_float(f16 x) {
   const uint32_t two_w = w + w;
   const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t magnitude = two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized);
+  const uint32_t magnitude =
+      select_below(two_w, 1u << 27, bits_of(denormalized), bits_of(normalized));
   return float_of(sign | magnitude);
 }
 
@@ -48,11 +61,11 @@ template <> inline f16 from_float<f16>(float x) {
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = select_below(bias, 0x71000000u, 0x71000000u, bias);
   base = float_of((bias >> 1) + 0x07800000u) + base;
   const uint32_t b = bits_of(base);
   const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
-  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+  return f16{static_cast<uint16_t>((sign >> 16) | select_below(0xFF000000u, shl1_w, 0x7E00u, nonsign))};
 }
 
 // Calls fn.template operator()<G, P>() for the runtime (grad, param) dtype pair.

@@ -1,0 +1,21 @@
+// Raw storage bandwidth through an engine, and the update kernel's throughput: the limits
+// the probe reports and benchmarks divide by, measured with the pipeline's own code.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "io/engine.h"
+#include "kernels/numeric.h"
+
+namespace smartinf::io {
+
+// Seconds to write (then, with write=false, read back) `bytes` of `path` sequentially
+// with O_DIRECT, in `block` bytes per request, `depth` blocks in flight. The file is
+// created when writing and left in place for the read pass.
+double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
+               uint64_t block, unsigned depth);
+
+// Seconds for one Adam(W) update over `numel` in-memory params.
+double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param);
+
+}  // namespace smartinf::io

@@ -1,0 +1,289 @@
+"""``Pipeline``: optimizer states on near-storage devices, updated per sub-group.
+
+A sub-group is a flat range of parameters. Its fp32 master copy and optimizer states
+live on a device's storage; ``update`` sends the gradient in and gets the updated
+parameters out, while the transfer handler overlaps storage reads, the update kernel,
+the parameter copy-out and the write-back of the states of different chunks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from . import _native, buffers, defaults
+from .devices import DeviceLike, resolve
+from .update_rules import AdamW, UpdateRule
+
+logger = logging.getLogger("smartinf")
+_warned: set[str] = set()
+
+
+class UpdateFuture:
+    """Completion of one ``Pipeline.update``: done when every updated param is in ``out``.
+
+    The gradient and ``out`` buffers must stay untouched until then; the future keeps
+    them alive. Write-back of the states continues after it is done.
+    """
+
+    __slots__ = ("_native", "_buffers")
+
+    def __init__(self, native: Any, keep_alive: tuple) -> None:
+        self._native = native
+        self._buffers = keep_alive
+
+    def done(self) -> bool:
+        return self._native.done()
+
+    def wait(self) -> None:
+        """Blocks until the params are out; raises the update's error, if any."""
+        self._native.wait()
+
+    get = result = wait
+
+
+class Pipeline:
+    """Near-storage optimizer over one or more devices.
+
+    Parameters
+    ----------
+    devices
+        A device, a directory path, or a list of them (one per computational storage
+        device). Each directory holds ``states.bin`` and ``manifest``; reopening a
+        directory resumes at its last committed step.
+    optimizer
+        The update rule and its hyper-parameters (``smartinf.AdamW()`` by default).
+    slots
+        Ring slots per device (``SMARTINF_SLOTS``, 4): memory is ``slots`` chunks per
+        device, whatever the model size.
+    chunk
+        Parameters per chunk (``SMARTINF_CHUNK``, 1 Mi); fixed for a directory.
+    param_dtype
+        If given, every ``out`` must have this dtype (float32, float16 or bfloat16).
+    io
+        Storage engine: ``auto`` (io_uring, else threads), ``uring`` or ``threads``
+        (``SMARTINF_IO``).
+    """
+
+    __slots__ = ("_native", "_devices", "optimizer", "_param_dtype", "_inflight", "_final_stats")
+
+    def __init__(
+        self,
+        devices: DeviceLike | Sequence[DeviceLike],
+        optimizer: Optional[UpdateRule] = None,
+        *,
+        slots: Optional[int] = None,
+        chunk: Optional[int] = None,
+        param_dtype: Any = None,
+        io: Optional[str] = None,
+        queue_depth: Optional[int] = None,
+    ) -> None:
+        self._native = None
+        self._devices = resolve(devices)
+        self.optimizer = AdamW() if optimizer is None else optimizer
+        if not isinstance(self.optimizer, UpdateRule):
+            raise TypeError(f"optimizer must be smartinf.Adam(...) or smartinf.AdamW(...), "
+                            f"got {type(optimizer).__name__}")
+        self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
+        slots = defaults.slots() if slots is None else slots
+        chunk = defaults.chunk() if chunk is None else chunk
+        queue_depth = defaults.queue_depth() if queue_depth is None else queue_depth
+        io = defaults.io() if io is None else io
+        for name, value, low, high in (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
+                                       ("queue_depth", queue_depth, 1, 4096)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not low <= value <= high:
+                raise ValueError(f"{name}={value} is outside [{low}, {high}]")
+        if io not in defaults.IO_ENGINES:
+            raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
+        for d in self._devices:
+            os.makedirs(d.path, exist_ok=True)
+        self._inflight: list[UpdateFuture] = []
+        self._final_stats: dict[str, float] = {}
+        self._native = _native.NativePipeline(
+            [d.path for d in self._devices], self.optimizer.name, chunk, slots, io,
+            queue_depth, defaults.PIECE_BYTES)
+        for note in self._native.notes():
+            if note not in _warned:
+                _warned.add(note)
+                logger.warning(note)
+
+    # -- layout -----------------------------------------------------------------------
+    def add_subgroup(self, numel: int, init: Any = None) -> int:
+        """Adds the next sub-group of ``numel`` params and returns its id.
+
+        ``init`` (fp32, ``numel`` elements; zeros when None) becomes the master weights of
+        a new sub-group; the optimizer moments start at zero. When the directories already
+        hold this sub-group (reopened), its stored states are kept and ``init`` is ignored.
+        """
+        native = self._open()
+        if not isinstance(numel, (int, np.integer)) or isinstance(numel, bool):
+            raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+        if numel <= 0:
+            raise ValueError(f"numel must be positive, got {numel}")
+        address, owner = 0, None
+        if init is not None:
+            address, _, owner = buffers.host_buffer("init", init, int(numel), [buffers.F32],
+                                                    writable=False)
+        sg, _resumed = native.add_subgroup(int(numel), address)
+        del owner
+        return sg
+
+    @property
+    def num_subgroups(self) -> int:
+        return self._open().subgroup_count
+
+    def numel(self, sg: int) -> int:
+        return self._open().numel(self._subgroup(sg))
+
+    @property
+    def step_count(self) -> int:
+        """Steps committed (restored when a directory is reopened)."""
+        return self._open().step
+
+    def subgroup_steps(self, sg: int) -> int:
+        """Optimizer steps applied to sub-group ``sg`` (Adam's ``t``)."""
+        return self._open().subgroup_steps(self._subgroup(sg))
+
+    # -- steps ------------------------------------------------------------------------
+    def update(self, sg: int, grad: Any, out: Any, *, lr: Optional[float] = None,
+               weight_decay: Optional[float] = None, grad_scale: float = 1.0) -> UpdateFuture:
+        """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
+
+        ``grad`` is the sub-group's gradient (fp32/fp16/bf16, contiguous, on the CPU,
+        multiplied by ``grad_scale`` — pass 1/loss_scale — before use); ``out`` receives
+        the updated params (fp32/fp16/bf16). ``lr`` and ``weight_decay`` override the
+        optimizer's for this update (schedulers). Each sub-group is updated at most once
+        per step; the step becomes durable with ``commit()`` (or ``with pipe.step():``).
+        """
+        native = self._open()
+        sg = self._subgroup(sg)
+        numel = native.numel(sg)
+        g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
+                                writable=False)
+        allowed = [self._param_dtype] if self._param_dtype is not None else \
+            [buffers.F32, buffers.F16, buffers.BF16]
+        o = buffers.host_buffer("out", out, numel, allowed, writable=True)
+        if _overlaps(g, o, numel):
+            raise ValueError("grad and out overlap; give out its own memory")
+        rule = self.optimizer
+        lr = rule.lr if lr is None else lr
+        weight_decay = rule.weight_decay if weight_decay is None else weight_decay
+        rule.__class__(lr=lr, betas=rule.betas, eps=rule.eps, weight_decay=weight_decay)  # validates
+        if not np.isfinite(grad_scale) or grad_scale <= 0:
+            raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
+        done = native.update(sg, g.address, g.dtype, o.address, o.dtype, float(lr),
+                             rule.betas[0], rule.betas[1], float(rule.eps), float(weight_decay),
+                             float(grad_scale))
+        future = UpdateFuture(done, (g.owner, o.owner))
+        self._inflight.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Waits until every update started so far has its params out."""
+        for future in self._inflight:
+            future.wait()
+
+    def commit(self) -> None:
+        """Ends the step: waits for its write-backs, makes them durable, then flips the
+        sub-groups' shadow copies in one atomic manifest update per device."""
+        native = self._open()
+        try:
+            native.commit()
+        finally:
+            self._inflight.clear()
+
+    def discard(self) -> None:
+        """Ends the step without committing it: the last committed states stay current."""
+        native = self._open()
+        try:
+            native.discard()
+        finally:
+            self._inflight.clear()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Pipeline"]:
+        """``with pipe.step(): pipe.update(...)`` commits on success, discards on error."""
+        self._open()
+        try:
+            yield self
+        except BaseException:
+            self.discard()
+            raise
+        self.commit()
+
+    # -- states -----------------------------------------------------------------------
+    def read_states(self, sg: int) -> dict[str, np.ndarray]:
+        """The committed fp32 states of ``sg``: ``param``, ``exp_avg``, ``exp_avg_sq``."""
+        native = self._open()
+        sg = self._subgroup(sg)
+        arrays = {k: np.empty(native.numel(sg), np.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+        native.read_states(sg, *(a.ctypes.data for a in arrays.values()))
+        return arrays
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Bytes moved per link (``host_to_device``, ``device_to_host``, ``storage_read``,
+        ``storage_write``), busy seconds per stage (``busy_*``), ``chunks`` and ``step``."""
+        if self._native is None or self._native.closed:
+            return dict(self._final_stats)
+        return self._native.stats()
+
+    @property
+    def engine(self) -> str:
+        """The storage engine in use: ``uring`` or ``threads``."""
+        return self._open().engine
+
+    @property
+    def devices(self) -> list:
+        return list(self._devices)
+
+    # -- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the devices. An uncommitted step is discarded; the layout is saved."""
+        if self._native is None or self._native.closed:
+            return
+        if self._native.pending:
+            logger.warning("closing with an uncommitted step: its updates are discarded")
+        self._final_stats = self._native.stats()
+        try:
+            self._native.close()
+        finally:
+            self._inflight.clear()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._native is None or self._native.closed else \
+            f"{self._native.subgroup_count} sub-groups, step {self._native.step}, {self._native.engine}"
+        return f"Pipeline({[d.path for d in self._devices]}, {self.optimizer}, {state})"
+
+    def _open(self) -> Any:
+        if self._native is None or self._native.closed:
+            raise ValueError("the pipeline is closed")
+        return self._native
+
+    def _subgroup(self, sg: Any) -> int:
+        if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):
+            raise TypeError(f"sub-group id must be an int, got {type(sg).__name__}")
+        count = self._native.subgroup_count
+        if not 0 <= sg < count:
+            raise IndexError(f"unknown sub-group {sg}: the pipeline has {count} (0..{count - 1})")
+        return int(sg)
+
+
+def _overlaps(a: buffers.Buffer, b: buffers.Buffer, numel: int) -> bool:
+    size = {buffers.F32: 4, buffers.F16: 2, buffers.BF16: 2}
+    return a.address < b.address + numel * size[b.dtype] and b.address < a.address + numel * size[a.dtype]
