@@ -1,0 +1,30 @@
+import numpy as np
+import pytest
+
+import smartinf
+from smartinf import defaults
+
+
+def test_environment_sets_defaults_and_arguments_win(disk_dir, monkeypatch):
+    monkeypatch.setenv("SMARTINF_IO", "threads")
+    monkeypatch.setenv("SMARTINF_CHUNK", "4096")
+    monkeypatch.setenv("SMARTINF_SLOTS", "2")
+    assert (defaults.io(), defaults.chunk(), defaults.slots()) == ("threads", 4096, 2)
+    with smartinf.Pipeline(disk_dir) as pipe:
+        assert pipe.engine == "threads"
+        pipe.add_subgroup(10000)
+        with pipe.step():
+            pipe.update(0, np.zeros(10000, np.float32), np.empty(10000, np.float32))
+        assert pipe.stats["chunks"] == 3  # 10000 params in 4096-param chunks
+    with pytest.raises(ValueError, match="chunk 4096, not 8192"):
+        smartinf.Pipeline(disk_dir, chunk=8192)  # the explicit argument wins over the env
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("SMARTINF_IO", "aio", "SMARTINF_IO='aio'"),
+    ("SMARTINF_SLOTS", "many", "SMARTINF_SLOTS='many' is not an integer"),
+])
+def test_bad_environment_is_named(disk_dir, monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        smartinf.Pipeline(disk_dir)
