@@ -29,7 +29,7 @@ $(VENV)/.deps: pyproject.toml | system-deps
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench]"
-	@grep -h "smartinf:" build/*/CMakeFiles/smartinf-config.log 2>/dev/null || true
+	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@
 
 demo: setup

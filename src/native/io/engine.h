@@ -27,7 +27,11 @@ struct Options {
   uint64_t piece_bytes = 1 << 20;  // large ops are split so several are in flight
   unsigned threads = 2;            // thread engine only
   std::vector<iovec> fixed_buffers;  // io_uring: registered once, used by Op::buf_index
+  bool low_priority = false;         // best-effort class, lowest level (write-back)
 };
+
+// The ioprio value of `low_priority` requests (linux/ioprio.h: BE class, level 7).
+inline constexpr unsigned short kLowIoPriority = (2u << 13) | 7u;
 
 class Engine {
  public:

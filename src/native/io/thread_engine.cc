@@ -1,5 +1,6 @@
 // Fallback engine: a small pool of threads doing pread/pwrite, for when io_uring cannot
 // be set up. Same contract as the io_uring engine: submit, then wait.
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <condition_variable>
@@ -35,7 +36,11 @@ class ThreadEngine final : public Engine {
  public:
   explicit ThreadEngine(const Options& options) : piece_bytes_(options.piece_bytes) {
     for (unsigned i = 0; i < std::max(1u, options.threads); ++i)
-      workers_.emplace_back([this] { work(); });
+      workers_.emplace_back([this, low = options.low_priority] {
+        // ioprio_set(IOPRIO_WHO_PROCESS, this thread); advisory, so failure is ignored.
+        if (low) (void)::syscall(SYS_ioprio_set, 1, 0, kLowIoPriority);
+        work();
+      });
   }
   ~ThreadEngine() override {
     {

@@ -112,6 +112,7 @@ class UringEngine final : public Engine {
       } else {
         io_uring_prep_read(sqe, op.fd, op.buf, len, op.offset);
       }
+      if (options_.low_priority) sqe->ioprio = kLowIoPriority;
       io_uring_sqe_set_data64(sqe, index);
       ++inflight_;
       ++queued;

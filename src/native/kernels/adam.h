@@ -40,13 +40,15 @@ inline AdamStep adam_step(double lr, double beta1, double beta2, double eps,
   return s;
 }
 
-// torch.lerp's formula, chosen by the weight, so exp_avg rounds the same way.
+// torch.lerp's two formulas; torch picks one by |weight| < 0.5. The weight is fixed for a
+// step, so the choice is a template argument: a branch inside the loop stops GCC from
+// vectorising it.
+template <bool SmallWeight>
 inline float lerp(float self, float end, float weight) {
-  return std::fabs(weight) < 0.5f ? self + weight * (end - self)
-                                  : end - (end - self) * (1.0f - weight);
+  return SmallWeight ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
-template <bool Decoupled, class G, class P>
+template <bool Decoupled, bool SmallWeight, class G, class P>
 inline void adam_range(std::size_t n, float* __restrict param, float* __restrict exp_avg,
                        float* __restrict exp_avg_sq, const G* __restrict grad,
                        P* __restrict out, const AdamStep& s) {
@@ -57,7 +59,7 @@ inline void adam_range(std::size_t n, float* __restrict param, float* __restrict
       p = p * s.decay;
     else
       g = g + s.weight_decay * p;
-    const float m = lerp(exp_avg[i], g, s.one_minus_beta1);
+    const float m = lerp<SmallWeight>(exp_avg[i], g, s.one_minus_beta1);
     const float v = exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * g * g;
     const float denom = std::sqrt(v) / s.bias2_sqrt + s.eps;
     p = p + s.neg_step_size * (m / denom);
@@ -71,10 +73,15 @@ inline void adam_range(std::size_t n, float* __restrict param, float* __restrict
 template <class G, class P>
 inline void adam(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
                  const G* grad, P* out, const AdamStep& s) {
-  if (s.decoupled)
-    adam_range<true>(n, param, exp_avg, exp_avg_sq, grad, out, s);
+  const bool small = std::fabs(s.one_minus_beta1) < 0.5f;
+  if (s.decoupled && small)
+    adam_range<true, true>(n, param, exp_avg, exp_avg_sq, grad, out, s);
+  else if (s.decoupled)
+    adam_range<true, false>(n, param, exp_avg, exp_avg_sq, grad, out, s);
+  else if (small)
+    adam_range<false, true>(n, param, exp_avg, exp_avg_sq, grad, out, s);
   else
-    adam_range<false>(n, param, exp_avg, exp_avg_sq, grad, out, s);
+    adam_range<false, false>(n, param, exp_avg, exp_avg_sq, grad, out, s);
 }
 
 }  // namespace smartinf::kernels

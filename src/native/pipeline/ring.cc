@@ -1,5 +1,7 @@
 #include "pipeline/ring.h"
 
+#include <pthread.h>
+
 #include <chrono>
 
 #include "kernels/numeric.h"
@@ -38,12 +40,14 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
     for (size_t i = 0; i < device.slot_count(); ++i)
       io_options.fixed_buffers.push_back(iovec{device.slot(i).states, device.slot_states_bytes()});
   reader_ = io::make_engine(options.io, io_options, notes);
+  io_options.low_priority = true;  // write-back yields to the loads on the critical path
   writer_ = io::make_engine(reader_->name(), io_options, notes);
   engine_name_ = reader_->name();
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
-  loader_ = std::thread([this] { load_loop(); });
-  computer_ = std::thread([this] { compute_loop(); });
-  writer_thread_ = std::thread([this] { write_loop(); });
+  // Named for top -H / perf: one thread per stage.
+  loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
+  computer_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
+  writer_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-write"); write_loop(); });
 }
 
 Ring::~Ring() {

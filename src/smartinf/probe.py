@@ -1,0 +1,242 @@
+"""The limits a step is measured against: raw storage, host memory and kernel throughput.
+
+``python -m smartinf.probe [DIR ...] [--json] [--size-mib N] [--engine auto|uring|threads]``
+
+For each directory: sequential ``O_DIRECT`` write then read bandwidth through the
+project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 in
+flight; the page cache is not involved). Then host memory copy bandwidth and the Adam
+kernel's throughput per grad/param dtype pair. The functions return dataclasses (the
+demo and the benchmarks divide by them); only ``main`` prints.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _native, buffers, build_info, defaults
+
+logger = logging.getLogger("smartinf")
+
+MiB = 1 << 20
+GiB = 1 << 30
+BLOCK = 1 * MiB  # the pipeline's storage piece size
+DEPTH = 16  # the pipeline's default queue depth
+KERNEL_NUMEL = 16 * MiB
+HOST_COPY_BYTES = 256 * MiB
+#: (grad, param) dtype pairs the kernel is timed for.
+KERNEL_DTYPES = (("float32", "float32"), ("float32", "float16"),
+                 ("float16", "float16"), ("bfloat16", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class StorageLimit:
+    """Raw sequential bandwidth of one directory's storage, bytes per second."""
+
+    directory: str
+    nbytes: int
+    write_bps: float
+    read_bps: float
+    write_s: float
+    read_s: float
+    engine: str  # the engine actually used: "uring" or "threads"
+    block: int = BLOCK
+    depth: int = DEPTH
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """Host memory copy bandwidth (bytes copied per second, best of ``repeats``)."""
+
+    nbytes: int
+    bps: float
+    seconds: float
+    repeats: int
+
+
+@dataclass(frozen=True)
+class KernelThroughput:
+    """One Adam update over ``numel`` in-memory params with the given dtypes."""
+
+    numel: int
+    grad: str
+    param: str
+    seconds: float
+    params_per_s: float
+
+    @property
+    def state_bps(self) -> float:
+        """Optimizer-state bytes the kernel gets through per second (12 read + 12 written
+        per param): compare with the storage bandwidth to see which one limits."""
+        return self.params_per_s * 24
+
+
+def engine_in_use(directory: str, engine: str = "auto") -> str:
+    """The storage engine ``engine`` resolves to here (``uring`` or ``threads``): ``auto``
+    falls back to threads when io_uring is not built or refused at run time."""
+    # A throwaway Pipeline resolves the engine exactly as the core does.
+    from .pipeline import Pipeline
+
+    scratch = tempfile.mkdtemp(prefix=".smartinf-probe-engine-", dir=directory)
+    try:
+        with Pipeline(scratch, chunk=1024, slots=1, io=engine) as pipe:
+            return pipe.engine
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_directory(directory: str, nbytes: int) -> str:
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.exists(directory):
+        raise FileNotFoundError(errno.ENOENT, "probe directory does not exist", directory)
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, "probe path is not a directory", directory)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "probe directory is not writable", directory)
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"probe needs {nbytes / GiB:.2f} GiB free, "
+                      f"{free / GiB:.2f} GiB left (use a smaller size)", directory)
+    return directory
+
+
+def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
+                    repeats: int = 1) -> StorageLimit:
+    """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
+    through the storage engine (1 MiB requests, queue depth 16); the file is removed after.
+    With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
+    (the highest bandwidth gives the smallest limit, so a ratio to it is never flattered).
+
+    Raises ``OSError`` naming the directory when it is missing, not writable or too full.
+    """
+    if engine not in defaults.IO_ENGINES:
+        raise ValueError(f"engine={engine!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    nbytes = -(-int(nbytes) // BLOCK) * BLOCK  # whole blocks: O_DIRECT needs aligned lengths
+    directory = _check_directory(directory, nbytes)
+    used = engine_in_use(directory, engine)
+    path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
+    try:
+        write_s = read_s = float("inf")
+        for _ in range(repeats):
+            write_s = min(write_s, _native.time_storage(path, nbytes, True, engine, BLOCK, DEPTH))
+            read_s = min(read_s, _native.time_storage(path, nbytes, False, engine, BLOCK, DEPTH))
+    finally:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+    limit = StorageLimit(directory, nbytes, nbytes / write_s, nbytes / read_s,
+                         write_s, read_s, used)
+    logger.info("storage %s: write %.2f GB/s, read %.2f GB/s (%s, %d MiB)", directory,
+                limit.write_bps / 1e9, limit.read_bps / 1e9, used, nbytes // MiB)
+    return limit
+
+
+def measure_host_copy(nbytes: int = HOST_COPY_BYTES, repeats: int = 3) -> HostCopy:
+    """Host memory copy bandwidth: ``np.copyto`` of ``nbytes``, best of ``repeats``."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    dst.fill(1)  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return HostCopy(nbytes, nbytes / best, best, repeats)
+
+
+def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
+                   param: str = "float32") -> KernelThroughput:
+    """Adam kernel throughput for one grad/param dtype pair (dtype names or codes);
+    the first call warms up (allocation, page faults), the second is timed."""
+    g, p = buffers.dtype_code(grad), buffers.dtype_code(param)
+    _native.time_kernel(numel, g, p)
+    seconds = _native.time_kernel(numel, g, p)
+    return KernelThroughput(numel, buffers.DTYPE_NAMES[g], buffers.DTYPE_NAMES[p], seconds,
+                            numel / seconds)
+
+
+def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str = "auto",
+          repeats: int = 1, kernel_numel: int = KERNEL_NUMEL,
+          host_copy_bytes: int = HOST_COPY_BYTES) -> dict:
+    """Everything ``python -m smartinf.probe`` reports, as a JSON-ready dict."""
+    dirs = [tempfile.gettempdir()] if not dirs else list(dirs)
+    storage = [measure_storage(d, nbytes, engine, repeats) for d in dirs]
+    return {
+        "build": build_info(),
+        "engine_requested": engine,
+        "repeats": repeats,
+        "storage": [dataclasses.asdict(s) for s in storage],
+        "host_copy": dataclasses.asdict(measure_host_copy(host_copy_bytes)),
+        "kernel": [dict(dataclasses.asdict(k), state_bps=k.state_bps)
+                   for k in (measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES)],
+    }
+
+
+def format_report(result: dict) -> str:
+    """The probe result as a readable table."""
+    build = result["build"]
+    lines = [f"smartinf build: io_uring={build['io_uring']} xrt={build['xrt']}; "
+             f"engine requested: {result['engine_requested']}", "",
+             f"{'directory':<40} {'engine':<8} {'size':>8} {'write GB/s':>11} {'read GB/s':>10}"]
+    if result.get("repeats", 1) > 1:
+        lines[-1] += f"   (best of {result['repeats']})"
+    for s in result["storage"]:
+        lines.append(f"{s['directory']:<40} {s['engine']:<8} {s['nbytes'] // MiB:>5} MiB "
+                     f"{s['write_bps'] / 1e9:>11.2f} {s['read_bps'] / 1e9:>10.2f}")
+    hc = result["host_copy"]
+    lines += ["", f"host memory copy: {hc['bps'] / 1e9:.2f} GB/s "
+                  f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
+              f"{'Adam kernel grad/param':<24} {'Mparams/s':>10} {'state GB/s':>11}"]
+    for k in result["kernel"]:
+        lines.append(f"{k['grad'] + '/' + k['param']:<24} {k['params_per_s'] / 1e6:>10.0f} "
+                     f"{k['state_bps'] / 1e9:>11.2f}")
+    lines.append("(state GB/s: 24 B of fp32 states read+written per param, vs storage above)")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m smartinf.probe",
+        description="Raw O_DIRECT storage bandwidth per directory, host copy bandwidth and "
+                    "Adam kernel throughput: the limits smartinf steps are measured against.")
+    parser.add_argument("dirs", nargs="*", metavar="DIR",
+                        help=f"directories to measure (default: {tempfile.gettempdir()})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--size-mib", type=int, default=GiB // MiB, metavar="N",
+                        help="test file size per directory in MiB (default: %(default)s)")
+    parser.add_argument("--engine", choices=defaults.IO_ENGINES, default="auto",
+                        help="storage engine (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="R",
+                        help="repeat the storage write+read R times, keep the best "
+                             "(default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.size_mib <= 0 or args.repeats < 1:
+        parser.error("--size-mib and --repeats must be positive")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = probe(args.dirs, args.size_mib * MiB, args.engine, args.repeats)
+    except (OSError, ValueError) as e:
+        print(f"smartinf.probe: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
