@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 import smartinf
 from smartinf import model, probe
@@ -45,34 +46,7 @@ def plan_params(directory: str, wanted: int, probe_bytes: int) -> int:
     return fits
 
 
-class Bar:
-    """A minimal progress bar on stderr, for when tqdm is not installed."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.n = total, desc, 0
-        self._draw()
-
-    def update(self, n: int) -> None:
-        self.n += n
-        self._draw()
-
-    def _draw(self) -> None:
-        width = 30
-        filled = width * self.n // self.total
-        sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] "
-                         f"{self.n / 1e6:.0f}/{self.total / 1e6:.0f} M params")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\r\033[K")  # clear the line: the step's summary replaces it
-        sys.stderr.flush()
-
-
-def progress(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return Bar(total, desc)
+def progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="param", unit_scale=True, leave=False)
 
 

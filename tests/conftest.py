@@ -20,13 +20,52 @@ def disk_dir(tmp_path):
 
 @pytest.fixture
 def shm_dir(tmp_path_factory):
+    """A directory on tmpfs (/dev/shm)."""
     if not os.path.isdir(SHM) or _fs_type(SHM) != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm to test the buffered fallback on")
+        pytest.skip("no tmpfs at /dev/shm")
     path = tmp_path_factory.mktemp("x")  # unique name, reused under /dev/shm
     target = os.path.join(SHM, f"smartinf-test-{os.getpid()}-{path.name}")
     os.makedirs(target)
     yield target
     subprocess.run(["rm", "-rf", target], check=False)
+
+
+@pytest.fixture
+def no_direct_dir(tmp_path):
+    """A directory whose file system refuses O_DIRECT, to exercise the buffered fallback.
+
+    tmpfs refused it before Linux 6.6 and accepts it since; ramfs still refuses it, so
+    where /dev/shm takes O_DIRECT a ramfs is mounted (root only)."""
+    if os.path.isdir(SHM) and not _direct_io_works(SHM):
+        target = os.path.join(SHM, f"smartinf-test-{os.getpid()}-{tmp_path.name}")
+        os.makedirs(target)
+        yield target
+        subprocess.run(["rm", "-rf", target], check=False)
+        return
+    target = tmp_path / "ramfs"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "smartinf-test", str(target)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"{SHM} accepts O_DIRECT (Linux >= 6.6 tmpfs) and mounting a ramfs "
+                    f"failed ({mounted.stderr.strip() or 'not root'}): no file system "
+                    f"without O_DIRECT to test the fallback on")
+    try:
+        yield str(target)
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
+
+
+def _direct_io_works(directory) -> bool:
+    path = os.path.join(directory, f".smartinf-direct-{os.getpid()}")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def _fs_type(path) -> str:

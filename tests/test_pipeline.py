@@ -288,17 +288,23 @@ def test_counters_match_traffic_model(disk_dir):
         assert delta[f"busy_{stage}"] > 0
 
 
-def test_buffered_fallback_on_tmpfs(shm_dir):
+@pytest.mark.parametrize("where", ["shm_dir", "no_direct_dir"])
+def test_memory_file_systems(request, where, caplog):
+    """tmpfs, and a file system without O_DIRECT (buffered fallback, one warning)."""
+    directory = request.getfixturevalue(where)
     rng = np.random.default_rng(4)
     inits = make(rng)
     rule = smartinf.AdamW()
     ref = TorchReference(inits, rule)
-    with smartinf.Pipeline(shm_dir, rule, chunk=CHUNK) as pipe:
+    with smartinf.Pipeline(directory, rule, chunk=CHUNK) as pipe:
         for x in inits:
             pipe.add_subgroup(x.size, init=x)
         outs = run_steps(pipe, ref, rng, 2)
         for i, out in enumerate(outs):
-            assert_close_fp32(out, ref.states(i)["param"], f"sub-group {i} on tmpfs")
+            assert_close_fp32(out, ref.states(i)["param"], f"sub-group {i} in {where}")
+    fallback = [r for r in caplog.records if "no O_DIRECT" in r.getMessage()]
+    if where == "no_direct_dir":
+        assert len(fallback) == 1 and directory in fallback[0].getMessage()
 
 
 def test_memory_is_fixed_by_slots_not_model(disk_dir):

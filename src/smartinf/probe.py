@@ -51,6 +51,7 @@ class StorageLimit:
     write_s: float
     read_s: float
     engine: str  # the engine actually used: "uring" or "threads"
+    direct: bool  # False where the file system has no O_DIRECT (tmpfs): page-cache speed
     block: int = BLOCK
     depth: int = DEPTH
 
@@ -96,6 +97,22 @@ def engine_in_use(directory: str, engine: str = "auto") -> str:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def supports_direct_io(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs cannot: there
+    the engines fall back to buffered I/O and the probe measures the page cache)."""
+    fd, path = tempfile.mkstemp(prefix=".smartinf-probe-direct-", dir=directory)
+    os.close(fd)
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_DIRECT))
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.remove(path)
+
+
 def _check_directory(directory: str, nbytes: int) -> str:
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.exists(directory):
@@ -104,8 +121,9 @@ def _check_directory(directory: str, nbytes: int) -> str:
         raise NotADirectoryError(errno.ENOTDIR, "probe path is not a directory", directory)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "probe directory is not writable", directory)
-    free = shutil.disk_usage(directory).free
-    if free < nbytes:
+    usage = shutil.disk_usage(directory)
+    free = usage.free
+    if usage.total and free < nbytes:  # ramfs reports no size at all: nothing to check
         raise OSError(errno.ENOSPC, f"probe needs {nbytes / GiB:.2f} GiB free, "
                       f"{free / GiB:.2f} GiB left (use a smaller size)", directory)
     return directory
@@ -141,7 +159,10 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
         except FileNotFoundError:
             pass
     limit = StorageLimit(directory, nbytes, nbytes / write_s, nbytes / read_s,
-                         write_s, read_s, used)
+                         write_s, read_s, used, supports_direct_io(directory))
+    if not limit.direct:
+        logger.warning("%s has no O_DIRECT (tmpfs?): measured buffered I/O, i.e. memory "
+                       "speed, not a storage limit", directory)
     logger.info("storage %s: write %.2f GB/s, read %.2f GB/s (%s, %d MiB)", directory,
                 limit.write_bps / 1e9, limit.read_bps / 1e9, used, nbytes // MiB)
     return limit
@@ -198,7 +219,8 @@ def format_report(result: dict) -> str:
         lines[-1] += f"   (best of {result['repeats']})"
     for s in result["storage"]:
         lines.append(f"{s['directory']:<40} {s['engine']:<8} {s['nbytes'] // MiB:>5} MiB "
-                     f"{s['write_bps'] / 1e9:>11.2f} {s['read_bps'] / 1e9:>10.2f}")
+                     f"{s['write_bps'] / 1e9:>11.2f} {s['read_bps'] / 1e9:>10.2f}"
+                     + ("" if s["direct"] else "   buffered: no O_DIRECT here"))
     hc = result["host_copy"]
     lines += ["", f"host memory copy: {hc['bps'] / 1e9:.2f} GB/s "
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",

@@ -99,7 +99,8 @@ void Ring::load_loop() {
     const size_t slot = *free_slots_.pop();
     try {
       if (job->kind == JobKind::init) {
-        Timer t(counters_.busy_ns[kHostToDevice]);
+        // Initial params cross the host link; zero states are made on the device.
+        Timer t(counters_.busy_ns[job->input ? kHostToDevice : kCompute]);
         device_.init_states(slot, static_cast<const float*>(job->input), job->dst.numel);
         if (job->input) counters_.host_to_device += job->dst.numel * 4;
       } else {

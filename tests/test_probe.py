@@ -1,0 +1,98 @@
+"""python -m smartinf.probe: raw storage bandwidth, host copy, kernel throughput."""
+import json
+import os
+
+import pytest
+
+from smartinf import probe
+
+SMALL = ["--size-mib", "8"]
+
+
+def run_json(capsys, *args):
+    assert probe.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir, tmp_path_factory):
+    other = str(tmp_path_factory.mktemp("second"))
+    result = run_json(capsys, disk_dir, other, *SMALL)
+    assert [s["directory"] for s in result["storage"]] == [disk_dir, other]
+    for s in result["storage"]:
+        assert s["nbytes"] == 8 << 20
+        assert s["engine"] in ("uring", "threads")
+        assert s["direct"] is True
+        assert s["write_bps"] == pytest.approx(s["nbytes"] / s["write_s"])
+        assert s["read_bps"] == pytest.approx(s["nbytes"] / s["read_s"])
+        assert s["read_bps"] > 0 and s["write_bps"] > 0
+    assert os.listdir(disk_dir) == [] and os.listdir(other) == []
+    pairs = [(k["grad"], k["param"]) for k in result["kernel"]]
+    assert pairs == list(probe.KERNEL_DTYPES)
+    for k in result["kernel"]:
+        assert k["params_per_s"] == pytest.approx(k["numel"] / k["seconds"])
+        assert k["state_bps"] == pytest.approx(24 * k["params_per_s"])
+    assert result["host_copy"]["bps"] > 0
+    assert set(result["build"]) >= {"io_uring", "xrt"}
+
+
+def test_engine_choice_is_reported(capsys, disk_dir):
+    result = run_json(capsys, disk_dir, *SMALL, "--engine", "threads")
+    assert result["engine_requested"] == "threads"
+    assert result["storage"][0]["engine"] == "threads"
+
+
+def test_size_is_rounded_up_to_whole_blocks(disk_dir):
+    limit = probe.measure_storage(disk_dir, 3 * probe.BLOCK + 1)
+    assert limit.nbytes == 4 * probe.BLOCK
+
+
+def test_table_names_directory_and_kernels(capsys, disk_dir):
+    assert probe.main([disk_dir, *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert disk_dir in out
+    for grad, param in probe.KERNEL_DTYPES:
+        assert f"{grad}/{param}" in out
+    assert "host memory copy" in out
+
+
+def test_no_direct_io_is_flagged_as_buffered(capsys, no_direct_dir, caplog):
+    result = run_json(capsys, no_direct_dir, *SMALL)
+    assert result["storage"][0]["direct"] is False
+    assert any("no O_DIRECT" in r.getMessage() for r in caplog.records)
+    assert probe.main([no_direct_dir, *SMALL]) == 0
+    assert "buffered: no O_DIRECT here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: os.path.join(root, "missing"), "does not exist"),
+    (lambda root: open(os.path.join(root, "file"), "w").close() or os.path.join(root, "file"),
+     "not a directory"),
+])
+def test_bad_directory_is_a_clear_error(capsys, tmp_path, make, message):
+    path = make(str(tmp_path))
+    assert probe.main([path, *SMALL]) == 1
+    err = capsys.readouterr().err
+    assert message in err and path in err
+
+
+def test_too_little_space_is_refused_before_writing(disk_dir):
+    free = __import__("shutil").disk_usage(disk_dir).free
+    with pytest.raises(OSError, match="GiB free"):
+        probe.measure_storage(disk_dir, free + (1 << 30))
+    assert os.listdir(disk_dir) == []
+
+
+@pytest.mark.parametrize("args", [["--size-mib", "0"], ["--repeats", "0"], ["--engine", "spdk"]])
+def test_bad_options_exit_with_usage_error(args):
+    with pytest.raises(SystemExit) as e:
+        probe.main(args)
+    assert e.value.code == 2
+
+
+def test_bad_arguments_to_functions():
+    with pytest.raises(ValueError, match="engine"):
+        probe.measure_storage("/tmp", 1 << 20, engine="spdk")
+    with pytest.raises(ValueError, match="nbytes"):
+        probe.measure_storage("/tmp", 0)
+    with pytest.raises((TypeError, ValueError), match="float64"):
+        probe.measure_kernel(1024, "float64", "float32")
