@@ -1,7 +1,7 @@
 # cython: language_level=3, binding=False
 # distutils: language = c++
 """Binding of the C++ core: translates arguments and errors, releases the GIL. No logic."""
-from libc.stdint cimport uint8_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, uint8_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.map cimport map as cmap
 from libcpp.memory cimport shared_ptr
@@ -49,19 +49,29 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass PipelineOptions:
         vector[DeviceSpec] devices
         string optimizer
+        float initial_state
         uint64_t chunk
         size_t slots
         RingOptions ring
 
     cdef cppclass UpdateHyper:
-        double lr, beta1, beta2, eps, weight_decay, grad_scale
+        double lr, weight_decay, beta1, beta2, eps, momentum, dampening, lr_decay, grad_scale
+        cbool nesterov
+
+    cdef cppclass Gradient:
+        const void* data
+        DType dtype
+        const int32_t* index
+        uint64_t nnz
 
     cdef cppclass Pipeline:
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
         size_t add_subgroup(uint64_t, const float*, cbool&) except +raise_py_error nogil
-        shared_ptr[Completion] update(size_t, const void*, DType, void*, DType,
+        shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&) except +raise_py_error nogil
-        void read_states(size_t, float*, float*, float*) except +raise_py_error nogil
+        void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
+        void read_states(size_t, float* const*) except +raise_py_error nogil
+        unsigned state_arrays()
         void commit() except +raise_py_error nogil
         void discard() except +raise_py_error nogil
         void close() except +raise_py_error nogil
@@ -110,8 +120,8 @@ cdef class NativeCompletion:
 cdef class NativePipeline:
     cdef Pipeline* p
 
-    def __cinit__(self, list dirs, str optimizer, uint64_t chunk, size_t slots, str io,
-                  unsigned queue_depth, uint64_t piece_bytes):
+    def __cinit__(self, list dirs, str optimizer, float initial_state, uint64_t chunk,
+                  size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes):
         cdef PipelineOptions options
         cdef DeviceSpec spec
         for d in dirs:
@@ -119,6 +129,7 @@ cdef class NativePipeline:
             spec.dir = d.encode()
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
+        options.initial_state = initial_state
         options.chunk = chunk
         options.slots = slots
         options.ring.io = io.encode()
@@ -139,21 +150,33 @@ cdef class NativePipeline:
             sg = self.p.add_subgroup(numel, <const float*>init, resumed)
         return sg, resumed
 
-    def update(self, size_t sg, uintptr_t grad, int grad_dtype, uintptr_t out, int out_dtype,
-               double lr, double beta1, double beta2, double eps, double weight_decay,
-               double grad_scale) -> NativeCompletion:
+    def update(self, size_t sg, uintptr_t grad, int grad_dtype, uintptr_t index, uint64_t nnz,
+               uintptr_t out, int out_dtype, dict hyper) -> NativeCompletion:
+        cdef Gradient g
+        g.data, g.dtype, g.index, g.nnz = <const void*>grad, <DType>grad_dtype, <const int32_t*>index, nnz
         cdef UpdateHyper h
-        h.lr, h.beta1, h.beta2, h.eps = lr, beta1, beta2, eps
-        h.weight_decay, h.grad_scale = weight_decay, grad_scale
+        h.lr, h.weight_decay, h.grad_scale = hyper["lr"], hyper["weight_decay"], hyper["grad_scale"]
+        h.beta1, h.beta2, h.eps = hyper.get("beta1", 0.9), hyper.get("beta2", 0.999), hyper.get("eps", 1e-8)
+        h.momentum, h.dampening = hyper.get("momentum", 0.0), hyper.get("dampening", 0.0)
+        h.nesterov, h.lr_decay = hyper.get("nesterov", False), hyper.get("lr_decay", 0.0)
         cdef NativeCompletion done = NativeCompletion()
         with nogil:
-            done.c = self.p.update(sg, <const void*>grad, <DType>grad_dtype, <void*>out,
-                                   <DType>out_dtype, h)
+            done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h)
         return done
 
-    def read_states(self, size_t sg, uintptr_t param, uintptr_t exp_avg, uintptr_t exp_avg_sq):
+    def write_states(self, size_t sg, list arrays, uint64_t steps):
+        cdef const float* ptrs[3]
+        for a in range(3):
+            ptrs[a] = <const float*><uintptr_t>(arrays[a] if a < len(arrays) else 0)
         with nogil:
-            self.p.read_states(sg, <float*>param, <float*>exp_avg, <float*>exp_avg_sq)
+            self.p.write_states(sg, ptrs, steps)
+
+    def read_states(self, size_t sg, list arrays):
+        cdef float* ptrs[3]
+        for a in range(3):
+            ptrs[a] = <float*><uintptr_t>(arrays[a] if a < len(arrays) else 0)
+        with nogil:
+            self.p.read_states(sg, ptrs)
 
     def commit(self):
         with nogil:
@@ -185,6 +208,10 @@ cdef class NativePipeline:
 
     def numel(self, size_t sg) -> int:
         return self.p.numel(sg)
+
+    @property
+    def state_arrays(self) -> int:
+        return self.p.state_arrays()
 
     def subgroup_steps(self, size_t sg) -> int:
         return self.p.subgroup_steps(sg)

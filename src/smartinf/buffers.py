@@ -73,3 +73,26 @@ def host_buffer(name: str, x: Any, numel: int, dtypes: Iterable[int], *, writabl
             raise ValueError(f"{name} is read-only")
         return Buffer(x.ctypes.data, DTYPE_CODES[x.dtype], x)
     raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x).__name__}")
+
+
+def index_buffer(name: str, x: Any, nnz: int) -> Buffer:
+    """Checks that ``x`` is a contiguous CPU int32 vector of ``nnz`` compressed positions."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} is on {x.device}; move it to the CPU (pinned) first")
+        if x.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {x.dtype}, expected torch.int32")
+        if not x.is_contiguous() or x.dim() != 1:
+            raise ValueError(f"{name} must be a contiguous 1-D tensor")
+        if x.numel() != nnz:
+            raise ValueError(f"{name} has {x.numel()} elements, the values have {nnz}")
+        return Buffer(x.data_ptr(), -1, x)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.int32:
+            raise TypeError(f"{name} has dtype {x.dtype}, expected int32")
+        if not x.flags.c_contiguous or x.ndim != 1:
+            raise ValueError(f"{name} must be a contiguous 1-D array")
+        if x.size != nnz:
+            raise ValueError(f"{name} has {x.size} elements, the values have {nnz}")
+        return Buffer(x.ctypes.data, -1, x)
+    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x).__name__}")

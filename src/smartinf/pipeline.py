@@ -8,6 +8,7 @@ the parameter copy-out and the write-back of the states of different chunks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Iterator, Optional, Sequence
@@ -15,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _native, buffers, defaults
+from .compress import Compressed
 from .devices import DeviceLike, resolve
 from .update_rules import AdamW, UpdateRule
 
@@ -55,7 +57,8 @@ class Pipeline:
         device). Each directory holds ``states.bin`` and ``manifest``; reopening a
         directory resumes at its last committed step.
     optimizer
-        The update rule and its hyper-parameters (``smartinf.AdamW()`` by default).
+        The update rule and its hyper-parameters: ``smartinf.AdamW()`` (the default),
+        ``Adam``, ``SGD`` or ``Adagrad``; fixed for a directory.
     slots
         Ring slots per device (``SMARTINF_SLOTS``, 4): memory is ``slots`` chunks per
         device, whatever the model size.
@@ -85,8 +88,8 @@ class Pipeline:
         self._devices = resolve(devices)
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
-            raise TypeError(f"optimizer must be smartinf.Adam(...) or smartinf.AdamW(...), "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...) or "
+                            f"Adagrad(...), got {type(optimizer).__name__}")
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -105,8 +108,9 @@ class Pipeline:
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
         self._native = _native.NativePipeline(
-            [d.path for d in self._devices], self.optimizer.name, chunk, slots, io,
-            queue_depth, defaults.PIECE_BYTES)
+            [d.path for d in self._devices], self.optimizer.name,
+            float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
+            defaults.PIECE_BYTES)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
@@ -146,40 +150,53 @@ class Pipeline:
         return self._open().step
 
     def subgroup_steps(self, sg: int) -> int:
-        """Optimizer steps applied to sub-group ``sg`` (Adam's ``t``)."""
+        """Optimizer steps applied to sub-group ``sg`` (Adam's ``t``, AdaGrad's ``step``)."""
         return self._open().subgroup_steps(self._subgroup(sg))
 
     # -- steps ------------------------------------------------------------------------
-    def update(self, sg: int, grad: Any, out: Any, *, lr: Optional[float] = None,
-               weight_decay: Optional[float] = None, grad_scale: float = 1.0) -> UpdateFuture:
+    def update(self, sg: int, grad: Any, out: Any, *, grad_scale: float = 1.0,
+               **overrides: Any) -> UpdateFuture:
         """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
 
-        ``grad`` is the sub-group's gradient (fp32/fp16/bf16, contiguous, on the CPU,
-        multiplied by ``grad_scale`` — pass 1/loss_scale — before use); ``out`` receives
-        the updated params (fp32/fp16/bf16). ``lr`` and ``weight_decay`` override the
-        optimizer's for this update (schedulers). Each sub-group is updated at most once
-        per step; the step becomes durable with ``commit()`` (or ``with pipe.step():``).
+        ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
+        ``smartinf.compress.Compressed`` (top-k int32 indices + fp16/bf16 values, on the
+        CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
+        tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
+        clipping coefficient) before use. ``out`` receives the updated params
+        (fp32/fp16/bf16). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
+        schedulers, param groups). Each sub-group is updated at most once per step; the
+        step becomes durable with ``commit()`` (or ``with pipe.step():``).
         """
         native = self._open()
         sg = self._subgroup(sg)
         numel = native.numel(sg)
-        g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
-                                writable=False)
         allowed = [self._param_dtype] if self._param_dtype is not None else \
             [buffers.F32, buffers.F16, buffers.BF16]
         o = buffers.host_buffer("out", out, numel, allowed, writable=True)
-        if _overlaps(g, o, numel):
+        if isinstance(grad, Compressed):
+            if grad.numel != numel:
+                raise ValueError(f"the compressed gradient is of {grad.numel} params, "
+                                 f"sub-group {sg} has {numel}")
+            nnz = len(grad.values)
+            g = buffers.host_buffer("grad.values", grad.values, nnz, [buffers.F16, buffers.BF16],
+                                    writable=False)
+            index = buffers.index_buffer("grad.indices", grad.indices, nnz)
+            keep = (g.owner, index.owner, o.owner)
+            spans = [(g, nnz), (index, nnz)]
+        else:
+            g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
+                                    writable=False)
+            index, nnz, keep, spans = None, 0, (g.owner, o.owner), [(g, numel)]
+        if any(_overlaps(b, n, o, numel) for b, n in spans):
             raise ValueError("grad and out overlap; give out its own memory")
-        rule = self.optimizer
-        lr = rule.lr if lr is None else lr
-        weight_decay = rule.weight_decay if weight_decay is None else weight_decay
-        rule.__class__(lr=lr, betas=rule.betas, eps=rule.eps, weight_decay=weight_decay)  # validates
+        rule = self._rule(overrides)
         if not np.isfinite(grad_scale) or grad_scale <= 0:
             raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
-        done = native.update(sg, g.address, g.dtype, o.address, o.dtype, float(lr),
-                             rule.betas[0], rule.betas[1], float(rule.eps), float(weight_decay),
-                             float(grad_scale))
-        future = UpdateFuture(done, (g.owner, o.owner))
+        hyper = dict(rule.hyper(), grad_scale=float(grad_scale))
+        done = native.update(sg, g.address, g.dtype, index.address if index else 0, nnz,
+                             o.address, o.dtype, hyper)
+        future = UpdateFuture(done, keep)
         self._inflight.append(future)
         return future
 
@@ -218,12 +235,35 @@ class Pipeline:
 
     # -- states -----------------------------------------------------------------------
     def read_states(self, sg: int) -> dict[str, np.ndarray]:
-        """The committed fp32 states of ``sg``: ``param``, ``exp_avg``, ``exp_avg_sq``."""
+        """The committed fp32 states of ``sg``: ``param`` and the optimizer's
+        (``exp_avg``/``exp_avg_sq``, ``momentum_buffer`` or ``sum``)."""
         native = self._open()
         sg = self._subgroup(sg)
-        arrays = {k: np.empty(native.numel(sg), np.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
-        native.read_states(sg, *(a.ctypes.data for a in arrays.values()))
+        names = ("param", *self.optimizer.state_names)
+        arrays = {k: np.empty(native.numel(sg), np.float32) for k in names}
+        native.read_states(sg, [a.ctypes.data for a in arrays.values()])
         return arrays
+
+    def write_states(self, sg: int, states: dict, steps: int) -> None:
+        """Replaces the states of ``sg`` as part of the current step (current once it is
+        committed, like an update): ``states`` maps ``param`` and the optimizer's state
+        names (see ``read_states``) to fp32 buffers of the sub-group's size; a missing
+        state starts at the optimizer's initial value. ``steps`` is the sub-group's
+        optimizer step count from then on (Adam's ``t``)."""
+        native = self._open()
+        sg = self._subgroup(sg)
+        numel = native.numel(sg)
+        names = ("param", *self.optimizer.state_names)
+        unknown = set(states) - set(names)
+        if unknown:
+            raise ValueError(f"unknown states {sorted(unknown)}: {self.optimizer.name} keeps {names}")
+        if "param" not in states:
+            raise ValueError("states must include 'param' (the fp32 master weights)")
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+        held = [buffers.host_buffer(k, states[k], numel, [buffers.F32], writable=False)
+                if k in states else None for k in names]
+        native.write_states(sg, [b.address if b else 0 for b in held], int(steps))
 
     @property
     def stats(self) -> dict[str, float]:
@@ -275,6 +315,18 @@ class Pipeline:
             raise ValueError("the pipeline is closed")
         return self._native
 
+    def _rule(self, overrides: dict) -> UpdateRule:
+        """The optimizer with this update's hyper-parameter overrides (validated)."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if not overrides:
+            return self.optimizer
+        fields = {f.name for f in dataclasses.fields(self.optimizer)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise TypeError(f"unknown hyper-parameters {sorted(unknown)} for "
+                            f"{type(self.optimizer).__name__}: expected some of {sorted(fields)}")
+        return dataclasses.replace(self.optimizer, **overrides)
+
     def _subgroup(self, sg: Any) -> int:
         if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):
             raise TypeError(f"sub-group id must be an int, got {type(sg).__name__}")
@@ -284,6 +336,7 @@ class Pipeline:
         return int(sg)
 
 
-def _overlaps(a: buffers.Buffer, b: buffers.Buffer, numel: int) -> bool:
-    size = {buffers.F32: 4, buffers.F16: 2, buffers.BF16: 2}
-    return a.address < b.address + numel * size[b.dtype] and b.address < a.address + numel * size[a.dtype]
+def _overlaps(a: buffers.Buffer, a_numel: int, out: buffers.Buffer, numel: int) -> bool:
+    size = {buffers.F32: 4, buffers.F16: 2, buffers.BF16: 2, -1: 4}  # -1: int32 indices
+    return (a.address < out.address + numel * size[out.dtype]
+            and out.address < a.address + a_numel * size[a.dtype])

@@ -1,9 +1,15 @@
-"""Optimizer update rules a Pipeline applies next to the storage, with their hyper-parameters."""
+"""Optimizer update rules a Pipeline applies next to the storage, with their hyper-parameters.
+
+Each rule names its native kernel (``name``), the fp32 state arrays it keeps on storage
+after the master weight (``state_names``, named as in torch's optimizer state) and the
+value those start at (``initial_state``). ``hyper()`` is what one update sends to the
+kernel; a rule is immutable, ``dataclasses.replace`` makes a per-update variant.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Tuple
+from dataclasses import asdict, dataclass
+from typing import Tuple, Union
 
 
 def _check(name: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
@@ -23,6 +29,8 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     name = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
+    initial_state = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
@@ -36,6 +44,10 @@ class Adam:
         _check("eps", self.eps, 0.0, math.inf, open_low=True)
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
 
+    def hyper(self) -> dict:
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0],
+                "beta2": self.betas[1], "eps": self.eps}
+
 
 @dataclass(frozen=True)
 class AdamW(Adam):
@@ -45,4 +57,64 @@ class AdamW(Adam):
     name = "adamw"
 
 
-UpdateRule = Adam
+@dataclass(frozen=True)
+class SGD:
+    """SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
+
+    The momentum buffer is stored even when ``momentum`` is 0 (then it is not read), so
+    the layout of a directory does not depend on a hyper-parameter a scheduler may change.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    name = "sgd"
+    state_names = ("momentum_buffer",)
+    initial_state = 0.0
+
+    def __post_init__(self) -> None:
+        _check("lr", self.lr, 0.0, math.inf)
+        _check("momentum", self.momentum, 0.0, math.inf)
+        _check("dampening", self.dampening, -math.inf, math.inf)
+        _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {type(self.nesterov).__name__}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def hyper(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """AdaGrad with learning-rate decay and L2 weight decay, as ``torch.optim.Adagrad``."""
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    name = "adagrad"
+    state_names = ("sum",)
+
+    def __post_init__(self) -> None:
+        _check("lr", self.lr, 0.0, math.inf)
+        _check("lr_decay", self.lr_decay, 0.0, math.inf)
+        _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check("initial_accumulator_value", self.initial_accumulator_value, 0.0, math.inf)
+        _check("eps", self.eps, 0.0, math.inf)
+
+    @property
+    def initial_state(self) -> float:
+        return self.initial_accumulator_value
+
+    def hyper(self) -> dict:
+        return {"lr": self.lr, "lr_decay": self.lr_decay, "weight_decay": self.weight_decay,
+                "eps": self.eps}
+
+
+UpdateRule = Union[Adam, SGD, Adagrad]
+RULES = {"adam": Adam, "adamw": AdamW, "sgd": SGD, "adagrad": Adagrad}

@@ -1,13 +1,15 @@
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "device/device.h"
+#include "kernels/decompress.h"
 #include "store/state_store.h"
 
 namespace smartinf::device {
 
-size_t SlotGeometry::states_bytes() const { return store::extent_bytes(chunk); }
+size_t SlotGeometry::states_bytes() const { return store::extent_bytes(chunk, arrays); }
 
 namespace {
 
@@ -18,17 +20,18 @@ struct FreeDeleter {
 class CpuDevice final : public Device {
  public:
   CpuDevice(std::string dir, const SlotGeometry& g) : dir_(std::move(dir)), geometry_(g) {
-    // One allocation per slot: states, then grad, then out, each page aligned.
+    // One allocation per slot: states, grad, out, compressed pairs, each page aligned.
     const size_t io = store::align_up(g.chunk * 4);
-    slot_bytes_ = g.states_bytes() + 2 * io;
+    slot_bytes_ = g.states_bytes() + 3 * io + store::align_up(g.chunk * 2);
     for (size_t i = 0; i < g.count; ++i) {
       void* mem = std::aligned_alloc(store::kAlign, slot_bytes_);
       if (!mem) throw std::bad_alloc();
       std::memset(mem, 0, slot_bytes_);  // touch now: memory is fixed at creation
       char* base = static_cast<char*>(mem);
       memory_.emplace_back(mem);
-      slots_.push_back(Slot{reinterpret_cast<float*>(base), base + g.states_bytes(),
-                            base + g.states_bytes() + io});
+      char* io_base = base + g.states_bytes();
+      slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io,
+                            reinterpret_cast<int32_t*>(io_base + 2 * io), io_base + 3 * io});
     }
   }
 
@@ -43,16 +46,43 @@ class CpuDevice final : public Device {
     std::memcpy(slots_[i].grad, grad, bytes);
   }
 
+  void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
+                          size_t value_bytes) override {
+    std::memcpy(slots_[i].index, index, nnz * 4);
+    std::memcpy(slots_[i].values, values, nnz * value_bytes);
+  }
+
   void compute(size_t i, const Kernel& k, size_t numel) override {
     const Slot& s = slots_[i];
+    DType grad = k.grad;
+    if (k.compressed) {  // the dense fp32 gradient is rebuilt in the slot first
+      float* dense = static_cast<float*>(s.grad);
+      if (grad == DType::bf16)
+        kernels::decompress(numel, dense, s.index, static_cast<const kernels::bf16*>(s.values),
+                            k.nnz, k.base);
+      else
+        kernels::decompress(numel, dense, s.index, static_cast<const kernels::f16*>(s.values),
+                            k.nnz, k.base);
+      grad = DType::f32;
+    }
     float* param = s.states;
-    float* exp_avg = param + numel;
-    float* exp_avg_sq = exp_avg + numel;
-    kernels::dispatch(k.grad, k.param, [&](auto g, auto p) {
-      using G = decltype(g);
-      using P = decltype(p);
-      kernels::adam(numel, param, exp_avg, exp_avg_sq, static_cast<const G*>(s.grad),
-                    static_cast<P*>(s.out), k.adam);
+    float* state1 = param + numel;  // exp_avg | momentum_buffer | sum
+    float* state2 = state1 + numel;  // exp_avg_sq (Adam only)
+    kernels::dispatch(grad, k.param, [&](auto g, auto p) {
+      const auto* gp = static_cast<const decltype(g)*>(s.grad);
+      auto* op = static_cast<decltype(p)*>(s.out);
+      switch (k.optimizer) {
+        case Optimizer::adam:
+        case Optimizer::adamw:
+          kernels::adam(numel, param, state1, state2, gp, op, k.adam);
+          break;
+        case Optimizer::sgd:
+          kernels::sgd(numel, param, state1, gp, op, k.sgd);
+          break;
+        case Optimizer::adagrad:
+          kernels::adagrad(numel, param, state1, gp, op, k.adagrad);
+          break;
+      }
     });
   }
 
@@ -60,21 +90,21 @@ class CpuDevice final : public Device {
     std::memcpy(dst, slots_[i].out, bytes);
   }
 
-  void init_states(size_t i, const float* param, size_t numel) override {
+  void init_states(size_t i, const float* const* arrays, const float* fill,
+                   size_t numel) override {
     float* states = slots_[i].states;
-    if (param)
-      std::memcpy(states, param, numel * 4);
-    else
-      std::memset(states, 0, numel * 4);
-    std::memset(states + numel, 0, 2 * numel * 4);
+    for (unsigned a = 0; a < geometry_.arrays; ++a, states += numel) {
+      if (arrays[a])
+        std::memcpy(states, arrays[a], numel * 4);
+      else
+        std::fill(states, states + numel, fill[a]);
+    }
   }
 
-  void export_states(size_t i, float* param, float* exp_avg, float* exp_avg_sq,
-                     size_t numel) override {
+  void export_states(size_t i, float* const* arrays, size_t numel) override {
     const float* states = slots_[i].states;
-    float* dst[store::kStateArrays] = {param, exp_avg, exp_avg_sq};
-    for (unsigned a = 0; a < store::kStateArrays; ++a)
-      if (dst[a]) std::memcpy(dst[a], states + a * numel, numel * 4);
+    for (unsigned a = 0; a < geometry_.arrays; ++a)
+      if (arrays[a]) std::memcpy(arrays[a], states + a * numel, numel * 4);
   }
 
  private:

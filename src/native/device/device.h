@@ -7,32 +7,50 @@
 #include <string>
 #include <vector>
 
+#include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/numeric.h"
+#include "kernels/sgd.h"
 
 namespace smartinf::device {
 
 using kernels::DType;
 
-enum class Optimizer { adam, adamw };
+enum class Optimizer { adam, adamw, sgd, adagrad };
 
-// What COMPUTE does to one chunk.
+// fp32 arrays per parameter on storage: the master weight, then the optimizer's states
+// (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; AdaGrad: sum).
+inline unsigned state_arrays(Optimizer o) {
+  return o == Optimizer::adam || o == Optimizer::adamw ? 3 : 2;
+}
+inline constexpr unsigned kMaxStateArrays = 3;
+
+// What COMPUTE does to one chunk: the update rule with this step's scalars, and how the
+// gradient arrived (dense in `grad`, or `nnz` top-k pairs to decompress first).
 struct Kernel {
   Optimizer optimizer = Optimizer::adamw;
   kernels::AdamStep adam{};
-  DType grad = DType::f32;
-  DType param = DType::f32;
+  kernels::SgdStep sgd{};
+  kernels::AdagradStep adagrad{};
+  DType grad = DType::f32;   // dense gradient dtype, or the compressed values' dtype
+  DType param = DType::f32;  // dtype of the updated params sent out
+  bool compressed = false;
+  uint64_t nnz = 0;          // compressed: pairs in this chunk
+  uint64_t base = 0;         // compressed: sub-group position of the chunk's first param
 };
 
 struct Slot {
-  float* states = nullptr;  // [param | exp_avg | exp_avg_sq] of up to `chunk` params
+  float* states = nullptr;  // the state arrays of up to `chunk` params, one after another
   void* grad = nullptr;     // gradient of the chunk (up to 4 B/param)
   void* out = nullptr;      // updated params in the caller's dtype (up to 4 B/param)
+  int32_t* index = nullptr; // compressed gradient: indices, then values (up to 6 B/param)
+  void* values = nullptr;
 };
 
 struct SlotGeometry {
   size_t count = 0;
-  size_t chunk = 0;  // params per slot
+  size_t chunk = 0;   // params per slot
+  unsigned arrays = 3;  // state arrays per param
   size_t states_bytes() const;
 };
 
@@ -47,14 +65,17 @@ class Device {
   // Whether slot memory may be registered with io_uring as fixed buffers.
   virtual bool registrable() const = 0;
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
+  // host -> device: `nnz` top-k pairs (int32 index, value of `value_bytes`).
+  virtual void copy_in_compressed(size_t slot, const int32_t* index, const void* values,
+                                  size_t nnz, size_t value_bytes) = 0;
   // Runs the kernel over `numel` params of the slot; the states are laid out as stored.
   virtual void compute(size_t slot, const Kernel& kernel, size_t numel) = 0;
   virtual void copy_out(size_t slot, void* dst, size_t bytes) = 0;  // device -> host
-  // Fresh states from the host: param (zeros when null), exp_avg = exp_avg_sq = 0.
-  virtual void init_states(size_t slot, const float* param, size_t numel) = 0;
-  // The slot's states to the host, one array each (any may be null).
-  virtual void export_states(size_t slot, float* param, float* exp_avg, float* exp_avg_sq,
-                             size_t numel) = 0;
+  // States from the host, one array each; a null array is filled with `fill[a]`.
+  virtual void init_states(size_t slot, const float* const* arrays, const float* fill,
+                           size_t numel) = 0;
+  // The slot's states to the host, one array each (a null array is skipped).
+  virtual void export_states(size_t slot, float* const* arrays, size_t numel) = 0;
 };
 
 // The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the

@@ -11,7 +11,52 @@ constexpr size_t kMaxSlots = 256;
 device::Optimizer parse_optimizer(const std::string& name) {
   if (name == "adam") return device::Optimizer::adam;
   if (name == "adamw") return device::Optimizer::adamw;
-  throw std::invalid_argument("unknown optimizer '" + name + "' (expected 'adam' or 'adamw')");
+  if (name == "sgd") return device::Optimizer::sgd;
+  if (name == "adagrad") return device::Optimizer::adagrad;
+  throw std::invalid_argument("unknown optimizer '" + name +
+                              "' (expected adam, adamw, sgd or adagrad)");
+}
+
+// The kernel scalars of one update at optimizer step `t`.
+device::Kernel make_kernel(device::Optimizer o, const UpdateHyper& h, uint64_t t) {
+  device::Kernel k;
+  k.optimizer = o;
+  switch (o) {
+    case device::Optimizer::adam:
+    case device::Optimizer::adamw:
+      k.adam = kernels::adam_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                  o == device::Optimizer::adamw, t, h.grad_scale);
+      break;
+    case device::Optimizer::sgd:
+      k.sgd = kernels::sgd_step(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, t,
+                                h.grad_scale);
+      break;
+    case device::Optimizer::adagrad:
+      k.adagrad = kernels::adagrad_step(h.lr, h.lr_decay, h.eps, h.weight_decay, t, h.grad_scale);
+      break;
+  }
+  return k;
+}
+
+// The first pair of each chunk (and nnz at the end) in a compressed gradient; checks
+// that positions ascend strictly inside the sub-group before anything is queued.
+std::vector<uint64_t> split_pairs(const int32_t* index, uint64_t nnz, uint64_t numel,
+                                  uint64_t chunk) {
+  std::vector<uint64_t> first(1, 0);
+  int64_t previous = -1;
+  for (uint64_t j = 0; j < nnz; ++j) {
+    const int64_t i = index[j];
+    if (i <= previous || static_cast<uint64_t>(i) >= numel)
+      throw std::invalid_argument(
+          "compressed gradient index " + std::to_string(i) + " at position " +
+          std::to_string(j) + (i <= previous ? " does not ascend strictly"
+                                             : " is outside the sub-group of " +
+                                                   std::to_string(numel) + " params"));
+    while (static_cast<uint64_t>(i) >= first.size() * chunk) first.push_back(j);
+    previous = i;
+  }
+  while (first.size() <= (numel + chunk - 1) / chunk) first.push_back(nnz);
+  return first;
 }
 
 }  // namespace
@@ -25,8 +70,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.slots == 0 || options.slots > kMaxSlots)
     throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
                                 ", got " + std::to_string(options.slots));
-  store::StoreConfig config{options.chunk, options.optimizer, "fp32"};
-  const device::SlotGeometry geometry{options.slots, options.chunk};
+  const unsigned arrays = device::state_arrays(optimizer_);
+  store::StoreConfig config{options.chunk, options.optimizer, arrays, "fp32"};
+  const device::SlotGeometry geometry{options.slots, options.chunk, arrays};
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
@@ -111,17 +157,8 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) 
   bool created = false;
   const size_t local = store.attach(id, numel, created);
   if (created) {
-    const store::SubgroupRecord& r = store.record(local);
-    std::vector<Job> jobs;
-    auto done = std::make_shared<Completion>(store.chunks(local));
-    for (uint64_t c = 0; c < store.chunks(local); ++c) {
-      Job job;
-      job.kind = JobKind::init;
-      job.completion = done;
-      job.dst = store.extent(local, c, r.copy);
-      job.input = init ? init + c * options_.chunk : nullptr;
-      jobs.push_back(job);
-    }
+    const float* arrays[device::kMaxStateArrays] = {init};
+    std::vector<Job> jobs = init_jobs(unit, local, store.record(local).copy, arrays);
     try {
       submit_and_wait(unit, jobs);
     } catch (...) {
@@ -136,46 +173,89 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) 
   return static_cast<size_t>(id);
 }
 
-std::shared_ptr<Completion> Pipeline::update(size_t sg, const void* grad,
-                                             kernels::DType grad_dtype, void* out,
-                                             kernels::DType out_dtype, const UpdateHyper& h) {
-  std::lock_guard lock(mu_);
-  const Placement& p = placed(sg);
+std::vector<Job> Pipeline::init_jobs(size_t unit, size_t local, uint32_t copy,
+                                     const float* const* arrays) const {
+  const store::StateStore& store = *devices_[unit].store;
+  auto done = std::make_shared<Completion>(store.chunks(local));
+  std::vector<Job> jobs;
+  for (uint64_t c = 0; c < store.chunks(local); ++c) {
+    Job job;
+    job.kind = JobKind::init;
+    job.completion = done;
+    job.dst = store.extent(local, c, copy);
+    for (unsigned a = 0; a < state_arrays(); ++a) {
+      job.imported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
+      job.fill[a] = a == 0 ? 0.0f : options_.initial_state;
+    }
+    jobs.push_back(job);
+  }
+  return jobs;
+}
+
+void Pipeline::mark_written(size_t sg, uint64_t steps) {
+  const Placement& p = placement_[sg];
   if (updated_[sg])
     throw std::invalid_argument("sub-group " + std::to_string(sg) +
                                 " was already updated in this step; commit the step first");
+  updated_[sg] = true;
+  devices_[p.unit].updated.push_back(store::Written{p.local, steps});
+}
+
+std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void* out,
+                                             kernels::DType out_dtype, const UpdateHyper& h) {
+  std::lock_guard lock(mu_);
+  const Placement& p = placed(sg);
   Unit& unit = devices_[p.unit];
   const store::StateStore& store = *unit.store;
   const store::SubgroupRecord& r = store.record(p.local);
-  device::Kernel kernel;
-  kernel.optimizer = optimizer_;
-  kernel.adam = kernels::adam_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                                   optimizer_ == device::Optimizer::adamw, r.steps + 1,
-                                   h.grad_scale);
-  kernel.grad = grad_dtype;
+  const bool compressed = g.index != nullptr;
+  if (compressed && g.dtype == kernels::DType::f32)
+    throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
+  const std::vector<uint64_t> first =
+      compressed ? split_pairs(g.index, g.nnz, r.numel, options_.chunk) : std::vector<uint64_t>{};
+  mark_written(sg, r.steps + 1);
+  device::Kernel kernel = make_kernel(optimizer_, h, r.steps + 1);
+  kernel.grad = g.dtype;
   kernel.param = out_dtype;
+  kernel.compressed = compressed;
   auto done = std::make_shared<Completion>(store.chunks(p.local));
-  updated_[sg] = true;
-  unit.updated.push_back(p.local);
   completions_.push_back(done);
-  last_hyper_ = {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
-                 {"weight_decay", h.weight_decay}};
-  const size_t gsize = kernels::dtype_size(grad_dtype), osize = kernels::dtype_size(out_dtype);
+  last_hyper_ = {{"lr", h.lr}, {"weight_decay", h.weight_decay}};
+  if (optimizer_ == device::Optimizer::adam || optimizer_ == device::Optimizer::adamw)
+    last_hyper_.insert({{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}});
+  const size_t gsize = kernels::dtype_size(g.dtype), osize = kernels::dtype_size(out_dtype);
   for (uint64_t c = 0; c < store.chunks(p.local); ++c) {
     Job job;
     job.kind = JobKind::update;
     job.completion = done;
     job.src = store.extent(p.local, c, r.copy);
     job.dst = store.extent(p.local, c, r.copy ^ 1u);
-    job.input = static_cast<const char*>(grad) + c * options_.chunk * gsize;
     job.output = static_cast<char*>(out) + c * options_.chunk * osize;
     job.kernel = kernel;
+    if (compressed) {
+      job.input = g.index + first[c];
+      job.values = static_cast<const char*>(g.data) + first[c] * gsize;
+      job.kernel.nnz = first[c + 1] - first[c];
+      job.kernel.base = c * options_.chunk;
+    } else {
+      job.input = static_cast<const char*>(g.data) + c * options_.chunk * gsize;
+    }
     unit.ring->push(job);
   }
   return done;
 }
 
-void Pipeline::read_states(size_t sg, float* param, float* exp_avg, float* exp_avg_sq) {
+void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t steps) {
+  std::lock_guard lock(mu_);
+  const Placement& p = placed(sg);
+  mark_written(sg, steps);
+  const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
+  std::vector<Job> jobs = init_jobs(p.unit, p.local, shadow, arrays);
+  completions_.push_back(jobs.front().completion);
+  submit_and_wait(p.unit, jobs);
+}
+
+void Pipeline::read_states(size_t sg, float* const* arrays) {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
   const store::StateStore& store = *devices_[p.unit].store;
@@ -187,8 +267,8 @@ void Pipeline::read_states(size_t sg, float* param, float* exp_avg, float* exp_a
     job.kind = JobKind::read;
     job.completion = done;
     job.src = store.extent(p.local, c, r.copy);
-    float* arrays[3] = {param, exp_avg, exp_avg_sq};
-    for (int a = 0; a < 3; ++a) job.exported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
+    for (unsigned a = 0; a < state_arrays(); ++a)
+      job.exported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
     jobs.push_back(job);
   }
   submit_and_wait(p.unit, jobs);

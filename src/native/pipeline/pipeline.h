@@ -21,16 +21,32 @@ struct DeviceSpec {
 
 struct PipelineOptions {
   std::vector<DeviceSpec> devices;
-  std::string optimizer = "adamw";  // adam | adamw
+  std::string optimizer = "adamw";  // adam | adamw | sgd | adagrad
+  float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
   size_t slots = 4;                 // K slots per device
   RingOptions ring;
 };
 
-// Hyper-parameters of one update; the step count t comes from the stored sub-group.
+// Hyper-parameters of one update (each optimizer reads its own); the step count t comes
+// from the stored sub-group.
 struct UpdateHyper {
-  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  double grad_scale = 1.0;  // 1 / loss scale
+  double lr = 1e-3, weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;        // Adam(W); eps also AdaGrad
+  double momentum = 0.0, dampening = 0.0;               // SGD
+  bool nesterov = false;
+  double lr_decay = 0.0;                                // AdaGrad
+  double grad_scale = 1.0;  // 1 / loss scale (and clipping), applied to the gradient
+};
+
+// One sub-group's gradient as it crosses the host link: dense (`data`, numel elements of
+// `dtype`), or SmartComp top-k pairs (`index`: nnz ascending int32 positions, `data`: nnz
+// values of `dtype`, fp16/bf16) that the device decompresses.
+struct Gradient {
+  const void* data = nullptr;
+  kernels::DType dtype = kernels::DType::f32;
+  const int32_t* index = nullptr;
+  uint64_t nnz = 0;
 };
 
 class Pipeline {
@@ -39,16 +55,20 @@ class Pipeline {
   ~Pipeline();
 
   // Registers sub-group number subgroup_count() with `numel` params. A new one is
-  // initialised (params from `init`, zeros when null; moments zero) before this returns;
-  // one the directories already hold is resumed and `init` is ignored.
+  // initialised (params from `init`, zeros when null; states `initial_state`) before this
+  // returns; one the directories already hold is resumed and `init` is ignored.
   size_t add_subgroup(uint64_t numel, const float* init, bool& resumed);
 
   // Queues one sub-group's update; the completion is done when all params are in `out`.
-  std::shared_ptr<Completion> update(size_t sg, const void* grad, kernels::DType grad_dtype,
-                                     void* out, kernels::DType out_dtype,
-                                     const UpdateHyper& hyper);
-  // The committed states of a sub-group (any pointer may be null).
-  void read_states(size_t sg, float* param, float* exp_avg, float* exp_avg_sq);
+  std::shared_ptr<Completion> update(size_t sg, const Gradient& grad, void* out,
+                                     kernels::DType out_dtype, const UpdateHyper& hyper);
+  // Replaces a sub-group's states (state_arrays() arrays of numel; a null one keeps the
+  // optimizer's initial value) and its step count, as part of the current step: they
+  // become current at commit(), like an update.
+  void write_states(size_t sg, const float* const* arrays, uint64_t steps);
+  // The committed states of a sub-group, state_arrays() arrays (a null one is skipped).
+  void read_states(size_t sg, float* const* arrays);
+  unsigned state_arrays() const { return device::state_arrays(optimizer_); }
 
   void commit();   // waits for the step, makes it durable, advances step()
   void discard();  // waits for the step and forgets its updates
@@ -69,7 +89,7 @@ class Pipeline {
     std::unique_ptr<device::Device> device;
     std::unique_ptr<store::StateStore> store;
     std::unique_ptr<Ring> ring;
-    std::vector<size_t> updated;  // local sub-groups written this step
+    std::vector<store::Written> updated;  // local sub-groups written this step
     uint64_t numel = 0;           // placed so far, for balancing
   };
   struct Placement {
@@ -80,6 +100,9 @@ class Pipeline {
   void require_open() const;
   void wait_step(bool keep);
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);
+  std::vector<Job> init_jobs(size_t unit, size_t local, uint32_t copy,
+                             const float* const* arrays) const;
+  void mark_written(size_t sg, uint64_t steps);
 
   PipelineOptions options_;
   device::Optimizer optimizer_;

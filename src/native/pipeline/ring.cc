@@ -99,19 +99,28 @@ void Ring::load_loop() {
     const size_t slot = *free_slots_.pop();
     try {
       if (job->kind == JobKind::init) {
-        // Initial params cross the host link; zero states are made on the device.
-        Timer t(counters_.busy_ns[job->input ? kHostToDevice : kCompute]);
-        device_.init_states(slot, static_cast<const float*>(job->input), job->dst.numel);
-        if (job->input) counters_.host_to_device += job->dst.numel * 4;
+        // Arrays from the host cross the host link; filled ones are made on the device.
+        uint64_t bytes = 0;
+        for (const float* a : job->imported) bytes += a ? job->dst.numel * 4 : 0;
+        Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
+        device_.init_states(slot, job->imported, job->fill, job->dst.numel);
+        counters_.host_to_device += bytes;
       } else {
         Timer t(counters_.busy_ns[kLoad]);
         const io::Op op = state_io(false, job->src, slot);
         reader_->submit({&op, 1});
         if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
           Timer h(counters_.busy_ns[kHostToDevice]);
-          const size_t bytes = job->src.numel * kernels::dtype_size(job->kernel.grad);
-          device_.copy_in(slot, job->input, bytes);
-          counters_.host_to_device += bytes;
+          const device::Kernel& k = job->kernel;
+          const size_t size = kernels::dtype_size(k.grad);
+          if (k.compressed) {
+            device_.copy_in_compressed(slot, static_cast<const int32_t*>(job->input),
+                                       job->values, k.nnz, size);
+            counters_.host_to_device += k.nnz * (4 + size);
+          } else {
+            device_.copy_in(slot, job->input, job->src.numel * size);
+            counters_.host_to_device += job->src.numel * size;
+          }
         }
         reader_->wait();
         counters_.storage_read += job->src.bytes;
@@ -135,7 +144,7 @@ void Ring::compute_loop() {
     const size_t numel = job.src.numel;
     if (job.kind == JobKind::read) {
       Timer t(counters_.busy_ns[kDeviceToHost]);
-      device_.export_states(item->slot, job.exported[0], job.exported[1], job.exported[2], numel);
+      device_.export_states(item->slot, job.exported, numel);
       for (float* a : job.exported) counters_.device_to_host += a ? numel * 4 : 0;
     } else {
       {

@@ -26,9 +26,14 @@ struct Job {
   std::shared_ptr<Completion> completion;
   store::Extent src{};  // states read from (update, read)
   store::Extent dst{};  // states written to (update, init)
-  const void* input = nullptr;  // update: gradient; init: fp32 params (null = zeros)
-  void* output = nullptr;       // update: updated params
-  float* exported[3] = {nullptr, nullptr, nullptr};  // read: param, exp_avg, exp_avg_sq
+  // update: the dense gradient, or the compressed pairs' indices (then `values`)
+  const void* input = nullptr;
+  const void* values = nullptr;
+  void* output = nullptr;  // update: updated params
+  // init: the state arrays from the host; a null one is filled with `fill`
+  const float* imported[device::kMaxStateArrays] = {};
+  float fill[device::kMaxStateArrays] = {};
+  float* exported[device::kMaxStateArrays] = {};  // read: the state arrays to the host
   device::Kernel kernel{};
 };
 

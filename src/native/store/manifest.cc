@@ -36,7 +36,7 @@ std::string Manifest::serialize() const {
   out << "subgroups " << subgroups.size() << '\n';
   for (const SubgroupRecord& r : subgroups)
     out << "sg " << r.id << ' ' << r.numel << ' ' << r.offset << ' ' << r.copy << ' '
-        << r.steps << ' ' << r.last << '\n';
+        << r.steps << ' ' << r.last << ' ' << r.prev_steps << '\n';
   std::string body = out.str();
   char crc[32];
   std::snprintf(crc, sizeof crc, "crc32 %08" PRIx32 "\n", crc_of(body));
@@ -82,7 +82,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
       have_count = ok;
     } else if (key == "sg") {
       SubgroupRecord r;
-      ok = bool(in >> r.id >> r.numel >> r.offset >> r.copy >> r.steps >> r.last) && r.copy < 2;
+      ok = bool(in >> r.id >> r.numel >> r.offset >> r.copy >> r.steps >> r.last >> r.prev_steps) &&
+           r.copy < 2;
       if (ok) m.subgroups.push_back(r);
     } else {
       bad(path, "unknown record '" + key + "'");

@@ -15,10 +15,11 @@ struct SubgroupRecord {
   uint32_t copy = 0;     // which of the A/B copies holds the committed state
   uint64_t steps = 0;    // optimizer steps applied (Adam's t)
   uint64_t last = 0;     // pipeline step that last updated it (one-step rollback)
+  uint64_t prev_steps = 0;  // `steps` before that update (a state import may set any)
 };
 
 struct Manifest {
-  static constexpr int kVersion = 1;
+  static constexpr int kVersion = 2;  // 2: sub-groups record prev_steps
   uint64_t chunk = 0;            // params per chunk
   std::string state_dtype = "fp32";
   std::string optimizer;         // adam, adamw, ...

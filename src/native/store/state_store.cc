@@ -40,7 +40,10 @@ void mismatch(const std::string& dir, const std::string& what, const std::string
 
 StateStore::StateStore(const std::string& dir, const StoreConfig& config,
                        std::vector<std::string>& notes)
-    : dir_(dir), states_path_(dir + "/states.bin"), manifest_path_(dir + "/manifest") {
+    : dir_(dir),
+      states_path_(dir + "/states.bin"),
+      manifest_path_(dir + "/manifest"),
+      arrays_(config.arrays) {
   std::string text;
   const bool resume = read_file(manifest_path_, text);
   if (resume) {
@@ -72,8 +75,8 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   for (size_t i = 0; i < manifest_.subgroups.size(); ++i) {
     const SubgroupRecord& r = manifest_.subgroups[i];
     local_of_[r.id] = i;
-    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk) +
-                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk));
+    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk, arrays_) +
+                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk, arrays_));
   }
   if (static_cast<uint64_t>(st.st_size) < file_end_) {
     ::close(fd_);
@@ -104,7 +107,7 @@ size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
   r.numel = numel;
   r.offset = file_end_;
   const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
-  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk) + (tail ? extent_bytes(tail) : 0));
+  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, arrays_) + (tail ? extent_bytes(tail, arrays_) : 0));
   int res = ::posix_fallocate(fd_, static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
   if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_, file_end_ + bytes) ? errno : 0;
   if (res != 0) {
@@ -135,19 +138,20 @@ uint64_t StateStore::chunks(size_t local) const {
 Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const SubgroupRecord& r = manifest_.subgroups[local];
   const uint64_t numel = std::min(manifest_.chunk, r.numel - chunk * manifest_.chunk);
-  const uint64_t bytes = extent_bytes(numel);
+  const uint64_t bytes = extent_bytes(numel, arrays_);
   // Full chunks come first, so chunk c starts after c pairs of full-size extents.
-  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk);
+  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk, arrays_);
   return Extent{base + copy * bytes, bytes, numel};
 }
 
-void StateStore::commit(const std::vector<size_t>& updated, uint64_t pipeline_step,
+void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,
                         const std::map<std::string, double>& hyper) {
   check_errno(::fdatasync(fd_), "fdatasync", states_path_);
-  for (size_t local : updated) {
-    SubgroupRecord& r = manifest_.subgroups[local];
+  for (const Written& w : written) {
+    SubgroupRecord& r = manifest_.subgroups[w.local];
     r.copy ^= 1u;
-    r.steps += 1;
+    r.prev_steps = r.steps;
+    r.steps = w.steps;
     r.last = pipeline_step;
   }
   manifest_.step = pipeline_step;
@@ -163,9 +167,9 @@ void StateStore::save_layout() {
 
 void StateStore::rollback_last_step() {
   for (SubgroupRecord& r : manifest_.subgroups) {
-    if (r.last != manifest_.step || r.steps == 0) continue;
+    if (r.last != manifest_.step) continue;
     r.copy ^= 1u;
-    r.steps -= 1;
+    r.steps = r.prev_steps;
     r.last = 0;
   }
   manifest_.step -= 1;

@@ -13,15 +13,22 @@
 namespace smartinf::store {
 
 inline constexpr uint64_t kAlign = 4096;
-inline constexpr unsigned kStateArrays = 3;  // param, exp_avg, exp_avg_sq
 
 inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-inline uint64_t extent_bytes(uint64_t numel) { return align_up(numel * kStateArrays * 4); }
+// One chunk's states: `arrays` fp32 arrays of `numel` (param first, then the optimizer's).
+inline uint64_t extent_bytes(uint64_t numel, unsigned arrays) { return align_up(numel * arrays * 4); }
 
 struct StoreConfig {
   uint64_t chunk = 0;
   std::string optimizer;
+  unsigned arrays = 3;  // fp32 state arrays per param, fixed by the optimizer
   std::string state_dtype = "fp32";
+};
+
+// A sub-group written in the step being committed, and its optimizer step count after it.
+struct Written {
+  size_t local;
+  uint64_t steps;
 };
 
 struct Extent {
@@ -52,7 +59,7 @@ class StateStore {
   Extent extent(size_t local, uint64_t chunk, uint32_t copy) const;
 
   // Durably applies one pipeline step: the listed sub-groups' written copies become current.
-  void commit(const std::vector<size_t>& updated, uint64_t pipeline_step,
+  void commit(const std::vector<Written>& written, uint64_t pipeline_step,
               const std::map<std::string, double>& hyper);
   // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
   void save_layout();
@@ -71,6 +78,7 @@ class StateStore {
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
   std::map<int64_t, size_t> local_of_;
+  unsigned arrays_ = 3;
   uint64_t file_end_ = 0;
   bool layout_dirty_ = false;
   bool direct_ = true;
