@@ -1,0 +1,483 @@
+"""Drop-in ``torch.optim`` optimizers whose states live on near-storage devices.
+
+``smartinf.optim.AdamW(model.parameters(), lr=..., devices=["/nvme0/run1"])`` behaves like
+``torch.optim.AdamW`` but keeps the fp32 master weights and the optimizer states only on
+the devices' storage, in sub-groups of flattened parameters. ``step()`` sends each
+sub-group's gradient through host staging buffers (top-k compressed when ``compress`` is
+given), the device updates the states next to the storage, and the updated params come
+back into the model (fp32, fp16 or bf16, on CPU or CUDA). Host memory is two staging
+pairs of one sub-group each, whatever the model size.
+
+Per-group hyper-parameters are read at every step, so ``torch.optim.lr_scheduler`` works.
+``state_dict()`` / ``load_state_dict()`` speak torch's format, streamed one sub-group at a
+time; ``save(dir)`` copies the device directories as a native checkpoint, resumed by
+constructing the optimizer on them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from . import update_rules
+from .compress import Compressed, TopK
+from .devices import DeviceLike
+from .pipeline import Pipeline
+
+logger = logging.getLogger("smartinf")
+
+#: Parameters per sub-group unless ``subgroup_size`` says otherwise (DeepSpeed's
+#: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
+DEFAULT_SUBGROUP_SIZE = 16 << 20
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False,
+                "differentiable": False, "fused": None}
+
+
+@dataclass
+class _Slice:
+    """Elements [start, stop) of a parameter's flat view, at ``offset`` in its sub-group."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass
+class _Subgroup:
+    id: int
+    group: int
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    slices: list
+
+
+def plan_subgroups(param_groups: Sequence[dict], size: int) -> list[_Subgroup]:
+    """Cuts the params of each group, in order, into flat sub-groups of at most ``size``
+    elements; a sub-group holds one dtype and one device, a param may span sub-groups.
+    The plan is deterministic, so reopening the devices finds every sub-group again."""
+    plan: list[_Subgroup] = []
+    for g, group in enumerate(param_groups):
+        current: Optional[_Subgroup] = None
+        for p in group["params"]:
+            start = 0
+            while start < p.numel():
+                if (current is None or current.numel == size or current.dtype != p.dtype
+                        or current.device != p.device):
+                    current = _Subgroup(len(plan), g, 0, p.dtype, p.device, [])
+                    plan.append(current)
+                stop = min(p.numel(), start + size - current.numel)
+                current.slices.append(_Slice(p, start, stop, current.numel))
+                current.numel += stop - start
+                start = stop
+    return plan
+
+
+class _Staging:
+    """Two host buffer pairs (gradient in, params out) of one sub-group each; pinned when
+    CUDA is present so copies to and from the GPU run asynchronously."""
+
+    def __init__(self, size: int) -> None:
+        pin = torch.cuda.is_available()
+        self.size = size
+        self._grads = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._outs = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+
+    def grad(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._grads[i].view(dtype)[:numel]
+
+    def out(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._outs[i].view(dtype)[:numel]
+
+
+def _flat(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().view(-1)
+
+
+class _StorageOptimizer(torch.optim.Optimizer):
+    """The common machinery; subclasses name the torch optimizer they stand in for."""
+
+    torch_class: type = torch.optim.Optimizer
+    rule_class: type = update_rules.AdamW
+
+    def __init__(self, params: Iterable, defaults: dict, *, devices: DeviceLike | Sequence[DeviceLike],
+                 subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
+                 max_grad_norm: Optional[float] = None, slots: Optional[int] = None,
+                 chunk: Optional[int] = None, io: Optional[str] = None) -> None:
+        if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
+            raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
+        if compress is not None and not isinstance(compress, TopK):
+            raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
+        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        # torch's own defaults, so param_groups carry exactly torch's keys and a state_dict
+        # moves between this optimizer and the torch one.
+        probe = torch.nn.Parameter(torch.zeros(1))
+        full = dict(self.torch_class([probe], **defaults).defaults)
+        super().__init__(params, full)
+        self.compress = compress
+        self.max_grad_norm = max_grad_norm
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.last_grad_norm: Optional[float] = None
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
+                                    f"float32, float16 and bfloat16 parameters")
+        self._plan = plan_subgroups(self.param_groups, subgroup_size)
+        self._staging = _Staging(max((sg.numel for sg in self._plan), default=1))
+        self.pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
+                                 chunk=chunk, io=io)
+        try:
+            self._attach()
+        except BaseException:
+            self.pipeline.close()
+            raise
+
+    # -- hyper-parameters -------------------------------------------------------------
+    def _check_group(self, group: dict) -> None:
+        decoupled = self.rule_class is update_rules.AdamW
+        if group.get("decoupled_weight_decay", decoupled) != decoupled:
+            raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']} does not "
+                             f"match {type(self).__name__}; use smartinf.optim."
+                             f"{'AdamW' if not decoupled else 'Adam'}")
+        for key, allowed in _UNSUPPORTED.items():
+            if key in group and group[key] not in (allowed, None, False):
+                raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim."
+                                 f"{type(self).__name__}")
+
+    def _rule(self, group: dict) -> Any:
+        """The update rule with this group's current hyper-parameters (read every step)."""
+        fields = {f: group[f] for f in self.rule_class.__dataclass_fields__ if f in group}
+        fields = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        if "betas" in fields:
+            fields["betas"] = tuple(float(b) for b in fields["betas"])
+        return self.rule_class(**fields)
+
+    # -- layout -----------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Registers the sub-groups; new ones start from the model's params, resumed ones
+        (reopened devices) put their stored master weights back into the model."""
+        resumed = self.pipeline.num_subgroups > 0
+        for sg in self._plan:
+            master = self._staging.grad(0, torch.float32, sg.numel)
+            if not resumed:
+                for s in sg.slices:
+                    master[s.offset:s.offset + s.stop - s.start].copy_(_flat(s.param)[s.start:s.stop])
+            got = self.pipeline.add_subgroup(sg.numel, init=None if resumed else master)
+            if got != sg.id:
+                raise RuntimeError(f"sub-group {sg.id} registered as {got}")
+        if resumed:
+            with torch.no_grad():
+                for sg in self._plan:
+                    param = torch.from_numpy(self.pipeline.read_states(sg.id)["param"])
+                    self._scatter(sg, param)
+            logger.info("resumed %d sub-groups at step %d from %s", len(self._plan),
+                        self.pipeline.step_count, [d.path for d in self.pipeline.devices])
+
+    def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
+        for s in sg.slices:
+            _flat(s.param)[s.start:s.stop].copy_(flat[s.offset:s.offset + s.stop - s.start],
+                                                 non_blocking=True)
+
+    def _gather_grad(self, sg: _Subgroup) -> torch.Tensor:
+        """The sub-group's gradient as one flat tensor on its own device. A param without
+        a gradient gets zeros when others in its sub-group have one (torch would skip it;
+        here its states still decay); a sub-group without any gradient is not updated."""
+        parts = []
+        for s in sg.slices:
+            g = s.param.grad
+            parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
+                         if g is None else g.detach().reshape(-1)[s.start:s.stop])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # -- step -------------------------------------------------------------------------
+    def _grad_scale(self, grad_scale: float) -> Optional[float]:
+        """The factor every gradient is multiplied by (1/loss scale, then clipping), or
+        None when a gradient holds inf/NaN (the step must be skipped)."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return grad_scale
+        norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), 2.0)
+        if not torch.isfinite(total):
+            return None
+        self.last_grad_norm = float(total) * grad_scale
+        if self.max_grad_norm is None:
+            return grad_scale
+        # torch.nn.utils.clip_grad_norm_ on the unscaled gradients: the same coefficient,
+        # rounded to fp32 as torch multiplies the gradients by an fp32 tensor.
+        coef = torch.clamp(self.max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
+        return grad_scale * float(coef)
+
+    def _send(self, sg: _Subgroup, buffer: int, scale: float) -> Any:
+        """Stages the sub-group's gradient on the host and starts its update."""
+        group = self.param_groups[sg.group]
+        out = self._staging.out(buffer, sg.dtype, sg.numel)
+        dense = self._gather_grad(sg)
+        if self.compress is not None:
+            c = self.compress.compress(dense, key=sg.id)
+            grad: Any = Compressed(c.indices.to("cpu", non_blocking=True),
+                                   c.values.to("cpu", non_blocking=True), c.numel)
+        else:
+            grad = self._staging.grad(buffer, sg.dtype, sg.numel)
+            grad.copy_(dense, non_blocking=True)
+        if sg.device.type == "cuda":
+            torch.cuda.current_stream(sg.device).synchronize()  # the host copies landed
+        rule = self._rule(group)
+        return self.pipeline.update(sg.id, grad, out, grad_scale=scale,
+                                    **{f: getattr(rule, f) for f in rule.__dataclass_fields__})
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
+        """One optimizer step over every sub-group. ``grad_scale`` multiplies the
+        gradients (pass 1/loss scale with manual loss scaling). A step whose gradients
+        hold inf/NaN is skipped without touching the stored states:
+        ``last_step_skipped`` tells, ``skipped_steps`` counts (a loss scaler backs off)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._check_group(group)
+        scale = self._grad_scale(grad_scale)
+        self.last_step_skipped = scale is None
+        if scale is None:
+            self.skipped_steps += 1
+            logger.info("gradients hold inf/NaN: step skipped, stored states untouched")
+            return loss
+        pending: list = [None, None]  # (sub-group, future) per staging pair
+        with self.pipeline.step():
+            active = [sg for sg in self._plan
+                      if any(s.param.grad is not None for s in sg.slices)]
+            for i, sg in enumerate(active):
+                b = i % 2
+                if pending[b] is not None:
+                    self._finish(*pending[b], buffer=b)
+                pending[b] = (sg, self._send(sg, b, scale))
+            for b in (len(active) % 2, 1 - len(active) % 2):
+                if pending[b] is not None:
+                    self._finish(*pending[b], buffer=b)
+        return loss
+
+    def _finish(self, sg: _Subgroup, future: Any, buffer: int) -> None:
+        future.wait()
+        self._scatter(sg, self._staging.out(buffer, sg.dtype, sg.numel))
+        if sg.device.type == "cuda":
+            torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
+
+    # -- traffic ----------------------------------------------------------------------
+    def traffic(self) -> dict[str, float]:
+        """Bytes moved so far per link (host_to_device, device_to_host, storage_read,
+        storage_write) and the steps committed."""
+        s = self.pipeline.stats
+        return {k: s.get(k, 0.0) for k in ("host_to_device", "device_to_host", "storage_read",
+                                          "storage_write", "step")}
+
+    # -- torch state_dict ---------------------------------------------------------------
+    def _state_names(self) -> tuple:
+        return self.rule_class.state_names
+
+    def _torch_state(self, steps: int, arrays: dict, group: dict) -> dict:
+        """One param's entry of torch's optimizer state from the stored arrays."""
+        state = {"step": torch.tensor(float(steps))}
+        state.update(arrays)
+        return state
+
+    def _stored_steps(self, state: dict, group: dict) -> int:
+        return int(state["step"]) if "step" in state else 0
+
+    def state_dict(self) -> dict:
+        """torch's optimizer ``state_dict`` (loadable by the torch optimizer this one
+        stands in for). The states are read from the devices one sub-group at a time into
+        per-param tensors; the master weights are the model's params there."""
+        ids = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                ids.setdefault(id(p), len(ids))
+        per_param: dict[int, dict] = {}
+        for sg in self._plan:
+            stored = self.pipeline.read_states(sg.id)
+            steps = self.pipeline.subgroup_steps(sg.id)
+            group = self.param_groups[sg.group]
+            for s in sg.slices:
+                entry = per_param.get(ids[id(s.param)])
+                if entry is None:
+                    arrays = {n: torch.empty(s.param.shape, dtype=torch.float32)
+                              for n in self._state_names()}
+                    entry = per_param[ids[id(s.param)]] = self._torch_state(steps, arrays, group)
+                for n in self._state_names():
+                    if isinstance(entry.get(n), torch.Tensor):
+                        entry[n].view(-1)[s.start:s.stop] = torch.from_numpy(
+                            stored[n][s.offset:s.offset + s.stop - s.start])
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [ids[id(p)] for p in group["params"]]
+            groups.append(packed)
+        # torch has no entry for a param without states (SGD before momentum is used).
+        state = {k: v for k, v in per_param.items() if any(x is not None for x in v.values())}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads torch's optimizer ``state_dict`` format (from this class or the torch
+        optimizer): hyper-parameters into ``param_groups``, states onto the devices one
+        sub-group at a time, committed atomically. The master weights are taken from the
+        model's current params (torch's format has none)."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError("state_dict must be an optimizer state_dict with 'state' and "
+                             "'param_groups'")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        ids = {}
+        for mine, theirs in zip(self.param_groups, saved):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError(f"a param group has {len(theirs['params'])} params in the "
+                                 f"state_dict and {len(mine['params'])} here")
+            for p, i in zip(mine["params"], theirs["params"]):
+                ids[id(p)] = i
+        states = state_dict["state"]
+        for p_id in ids.values():
+            entry = states.get(p_id, {})
+            for n in self._state_names():
+                value = entry.get(n)
+                if value is not None and not isinstance(value, torch.Tensor):
+                    raise TypeError(f"state {n!r} of param {p_id} is {type(value).__name__}, "
+                                    f"expected a tensor")
+        new_groups = []
+        for mine, theirs in zip(self.param_groups, saved):
+            group = dict(theirs, params=mine["params"])
+            self._check_group(group)
+            self._rule(group)  # validates the hyper-parameters before anything is written
+            new_groups.append(group)
+        with self.pipeline.step():
+            for sg in self._plan:
+                arrays = {"param": self._staging.grad(0, torch.float32, sg.numel)}
+                arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
+                               for n in self._state_names()})
+                steps = None
+                for s in sg.slices:
+                    n_elems = s.stop - s.start
+                    dst = slice(s.offset, s.offset + n_elems)
+                    arrays["param"][dst].copy_(_flat(s.param)[s.start:s.stop])
+                    entry = states.get(ids[id(s.param)], {})
+                    steps = self._stored_steps(entry, new_groups[sg.group]) if steps is None else steps
+                    for n in self._state_names():
+                        value = entry.get(n)
+                        if value is None:
+                            arrays[n][dst].fill_(self.pipeline.optimizer.initial_state)
+                        else:
+                            if value.numel() != s.param.numel():
+                                raise ValueError(f"state {n!r} of param {ids[id(s.param)]} has "
+                                                 f"{value.numel()} elements, the param "
+                                                 f"{s.param.numel()}")
+                            arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
+                self.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
+                                           steps or 0)
+        for group, new in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(new)
+
+    # -- native checkpoint ----------------------------------------------------------------
+    def save(self, directory: str) -> list[str]:
+        """Copies every device directory (states file + manifest) under ``directory``
+        (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
+        steps. Resume by constructing the optimizer with ``devices=`` the returned paths."""
+        if os.path.exists(directory) and os.listdir(directory):
+            raise FileExistsError(f"{directory} is not empty; save into a new directory")
+        os.makedirs(directory, exist_ok=True)
+        targets = []
+        for i, device in enumerate(self.pipeline.devices):
+            target = os.path.join(directory, f"device-{i}")
+            os.makedirs(target)
+            # The manifest last: a copy interrupted before it is not a resumable directory.
+            shutil.copyfile(os.path.join(device.path, "states.bin"), os.path.join(target, "states.bin"))
+            shutil.copyfile(os.path.join(device.path, "manifest"), os.path.join(target, "manifest"))
+            targets.append(target)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
+            json.dump(hyper, f, default=str)
+        os.replace(f.name, os.path.join(directory, "param_groups.json"))
+        return targets
+
+    def close(self) -> None:
+        """Closes the pipeline (the devices keep the last committed step)."""
+        self.pipeline.close()
+
+    def __repr__(self) -> str:
+        return f"smartinf.optim.{type(self).__name__}({len(self._plan)} sub-groups on {self.pipeline!r})"
+
+
+class Adam(_StorageOptimizer):
+    """``torch.optim.Adam`` with states on near-storage devices."""
+
+    torch_class = torch.optim.Adam
+    rule_class = update_rules.Adam
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay}, **kwargs)
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` with states on near-storage devices."""
+
+    torch_class = torch.optim.AdamW
+    rule_class = update_rules.AdamW
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+class SGD(_StorageOptimizer):
+    """``torch.optim.SGD`` with the momentum buffer on near-storage devices."""
+
+    torch_class = torch.optim.SGD
+    rule_class = update_rules.SGD
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
+                                  "weight_decay": weight_decay, "nesterov": nesterov}, **kwargs)
+
+    def _torch_state(self, steps: int, arrays: dict, group: dict) -> dict:
+        # torch keeps a momentum buffer only once a step with momentum ran.
+        buf = arrays["momentum_buffer"] if group["momentum"] != 0 and steps > 0 else None
+        return {"momentum_buffer": buf}
+
+    def _stored_steps(self, state: dict, group: dict) -> int:
+        return 1 if state.get("momentum_buffer") is not None else 0
+
+
+class Adagrad(_StorageOptimizer):
+    """``torch.optim.Adagrad`` with the squared-gradient sum on near-storage devices."""
+
+    torch_class = torch.optim.Adagrad
+    rule_class = update_rules.Adagrad
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10, **kwargs: Any) -> None:
+        super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
+                                  "initial_accumulator_value": initial_accumulator_value,
+                                  "eps": eps}, **kwargs)
+        values = {g["initial_accumulator_value"] for g in self.param_groups}
+        if len(values) > 1:
+            self.pipeline.close()
+            raise ValueError(f"param groups differ in initial_accumulator_value {sorted(values)}: "
+                             f"smartinf.optim.Adagrad needs one value for all groups")
