@@ -118,7 +118,8 @@ def assert_close_fp32(actual, expected, what=""):
     addcmul) where our portable kernel rounds twice, a 1-ulp difference that cancellation
     in exp_avg can leave on elements much smaller than the rest of the tensor.
     """
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    actual = np.asarray(actual, np.float64).ravel()
+    expected = np.asarray(expected, np.float64).ravel()
     err = np.abs(actual - expected)
     bound = 1e-6 * np.maximum(np.abs(expected), np.abs(expected).mean()) + 1e-30
     worst = np.argmax(err - bound)

@@ -111,7 +111,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict, *, devices: DeviceLike | Sequence[DeviceLike],
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, slots: Optional[int] = None,
-                 chunk: Optional[int] = None, io: Optional[str] = None) -> None:
+                 chunk: Optional[int] = None, io: Optional[str] = None,
+                 **torch_options: Any) -> None:
         if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
             raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
         if compress is not None and not isinstance(compress, TopK):
@@ -121,7 +122,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # torch's own defaults, so param_groups carry exactly torch's keys and a state_dict
         # moves between this optimizer and the torch one.
         probe = torch.nn.Parameter(torch.zeros(1))
-        full = dict(self.torch_class([probe], **defaults).defaults)
+        full = dict(self.torch_class([probe], **defaults, **torch_options).defaults)
         super().__init__(params, full)
         self.compress = compress
         self.max_grad_norm = max_grad_norm
@@ -168,22 +169,21 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _attach(self) -> None:
         """Registers the sub-groups; new ones start from the model's params, resumed ones
         (reopened devices) put their stored master weights back into the model."""
-        resumed = self.pipeline.num_subgroups > 0
         for sg in self._plan:
             master = self._staging.grad(0, torch.float32, sg.numel)
-            if not resumed:
-                for s in sg.slices:
-                    master[s.offset:s.offset + s.stop - s.start].copy_(_flat(s.param)[s.start:s.stop])
-            got = self.pipeline.add_subgroup(sg.numel, init=None if resumed else master)
+            for s in sg.slices:
+                master[s.offset:s.offset + s.stop - s.start].copy_(_flat(s.param)[s.start:s.stop])
+            got = self.pipeline.add_subgroup(sg.numel, init=master)
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
+            if self.pipeline.resumed(sg.id):
+                with torch.no_grad():
+                    self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
+        resumed = sum(self.pipeline.resumed(sg.id) for sg in self._plan)
         if resumed:
-            with torch.no_grad():
-                for sg in self._plan:
-                    param = torch.from_numpy(self.pipeline.read_states(sg.id)["param"])
-                    self._scatter(sg, param)
-            logger.info("resumed %d sub-groups at step %d from %s", len(self._plan),
-                        self.pipeline.step_count, [d.path for d in self.pipeline.devices])
+            logger.info("resumed %d of %d sub-groups at step %d from %s", resumed,
+                        len(self._plan), self.pipeline.step_count,
+                        [d.path for d in self.pipeline.devices])
 
     def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:

@@ -71,7 +71,8 @@ class Pipeline:
         (``SMARTINF_IO``).
     """
 
-    __slots__ = ("_native", "_devices", "optimizer", "_param_dtype", "_inflight", "_final_stats")
+    __slots__ = ("_native", "_devices", "optimizer", "_param_dtype", "_inflight", "_final_stats",
+                 "_resumed")
 
     def __init__(
         self,
@@ -107,6 +108,7 @@ class Pipeline:
             os.makedirs(d.path, exist_ok=True)
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
+        self._resumed: set[int] = set()
         self._native = _native.NativePipeline(
             [d.path for d in self._devices], self.optimizer.name,
             float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
@@ -133,9 +135,15 @@ class Pipeline:
         if init is not None:
             address, _, owner = buffers.host_buffer("init", init, int(numel), [buffers.F32],
                                                     writable=False)
-        sg, _resumed = native.add_subgroup(int(numel), address)
+        sg, resumed = native.add_subgroup(int(numel), address)
         del owner
+        if resumed:
+            self._resumed.add(sg)
         return sg
+
+    def resumed(self, sg: int) -> bool:
+        """Whether sub-group ``sg`` was found on the devices (reopened) rather than created."""
+        return self._subgroup(sg) in self._resumed
 
     @property
     def num_subgroups(self) -> int:

@@ -1,0 +1,328 @@
+"""smartinf.optim against torch.optim on the same model and gradients."""
+import hashlib
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import smartinf.optim as so
+from smartinf.compress import TopK, decompress
+from conftest import assert_close_fp32
+
+CASES = [
+    (so.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (so.Adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05)),
+    (so.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, dampening=0.1, weight_decay=1e-2)),
+    (so.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True)),
+    (so.SGD, torch.optim.SGD, dict(lr=5e-2)),
+    (so.Adagrad, torch.optim.Adagrad, dict(lr=1e-1, lr_decay=1e-2, weight_decay=1e-2,
+                                           initial_accumulator_value=0.1)),
+]
+IDS = ["adamw", "adam", "sgd-momentum", "sgd-nesterov", "sgd-plain", "adagrad"]
+SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 9)).to(dtype)
+
+
+def groups(model, **second):
+    """Two param groups: weights, and biases with their own hyper-parameters."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, **second}]
+
+
+def reference_grads(model, step):
+    """Gradients of a fixed loss at the reference model's params (fed to both sides)."""
+    torch.manual_seed(100 + step)
+    x = torch.randn(16, 24, dtype=next(model.parameters()).dtype)
+    model.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def set_grads(model, grads):
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.to(p.dtype).clone()
+
+
+def assert_models_close(a, b):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert_close_fp32(pa.detach().numpy(), pb.detach().numpy(), name)
+
+
+@pytest.mark.parametrize("ours, theirs, kw", CASES, ids=IDS)
+def test_matches_torch_with_groups_and_scheduler(disk_dir, ours, theirs, kw):
+    a, b = make_model(), make_model()
+    second = {"lr": kw["lr"] / 2, "weight_decay": 0.0}
+    oa = ours(groups(a, **second), devices=[disk_dir], **SMALL, **kw)
+    ob = theirs(groups(b, **second), **kw)
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=5, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=5, gamma=0.5)
+    assert len(oa._plan) > 2  # the layout really splits params
+    for step in range(20):
+        grads = reference_grads(b, step)
+        set_grads(a, grads)
+        oa.step()
+        ob.step()
+        sa.step()
+        sb.step()
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"]
+    assert_models_close(a, b)
+    assert oa.pipeline.step_count == 20
+    oa.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_params_within_one_ulp(disk_dir, dtype):
+    """An fp16/bf16 model: the fp32 master lives on storage; the model gets it rounded."""
+    low, master = make_model(dtype), make_model(dtype).float()
+    ours = so.AdamW(low.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    ref = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    for step in range(20):
+        grads = reference_grads(low, step)  # fp16/bf16 gradients of the low-precision model
+        set_grads(low, grads)
+        set_grads(master, [g.float() for g in grads])
+        ours.step()
+        ref.step()
+    for p, q in zip(low.parameters(), master.parameters()):
+        expected = q.detach().to(dtype)
+        ulp = (torch.nextafter(expected.abs().float().to(dtype), torch.tensor(math.inf, dtype=dtype))
+               .float() - expected.abs().float())
+        assert torch.all((p.float() - expected.float()).abs() <= ulp)
+    ours.close()
+
+
+@pytest.mark.parametrize("ours, theirs, kw", [CASES[0], CASES[2], CASES[5]], ids=["adamw", "sgd", "adagrad"])
+def test_state_dict_round_trips_through_torch(disk_dir, tmp_path, ours, theirs, kw):
+    a, b = make_model(), make_model()
+    oa = ours(a.parameters(), devices=[disk_dir], **SMALL, **kw)
+    for step in range(3):
+        set_grads(a, reference_grads(b, step))
+        oa.step()
+    saved = oa.state_dict()
+    b.load_state_dict(a.state_dict())
+    ob = theirs(b.parameters(), **kw)
+    ob.load_state_dict(saved)  # torch accepts our state_dict ...
+    back = ob.state_dict()
+    for key, entry in saved["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(back["state"][key][name], value), name
+    assert [dict(g) for g in back["param_groups"]] == [dict(g) for g in saved["param_groups"]]
+    # ... and ours accepts torch's: a fresh optimizer continues exactly like torch does.
+    c = make_model()
+    c.load_state_dict(a.state_dict())
+    oc = ours(c.parameters(), devices=[str(tmp_path / "fresh")], **SMALL, **kw)
+    oc.load_state_dict(back)
+    for step in range(3, 6):
+        grads = reference_grads(b, step)
+        set_grads(c, grads)
+        oc.step()
+        ob.step()
+    assert_models_close(c, b)
+    oa.close()
+    oc.close()
+
+
+def states_digest(directory):
+    with open(os.path.join(directory, "states.bin"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("compress", [None, TopK(0.1)], ids=["dense", "topk"])
+def test_overflow_step_is_skipped_and_storage_untouched(disk_dir, compress):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], compress=compress, **SMALL)
+    set_grads(a, reference_grads(b, 0))
+    oa.step()
+    before = states_digest(disk_dir)
+    params = [p.detach().clone() for p in a.parameters()]
+    traffic = oa.traffic()
+    grads = reference_grads(b, 1)
+    grads[2][3, 4] = math.inf
+    set_grads(a, grads)
+    oa.step()
+    assert oa.last_step_skipped and oa.skipped_steps == 1
+    assert states_digest(disk_dir) == before
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), params))
+    assert oa.traffic() == traffic and oa.pipeline.step_count == 1
+    grads[2][3, 4] = math.nan
+    set_grads(a, grads)
+    oa.step()
+    assert oa.skipped_steps == 2
+    set_grads(a, reference_grads(b, 2))
+    oa.step()
+    assert not oa.last_step_skipped and oa.pipeline.step_count == 2
+    oa.close()
+
+
+def test_clipping_matches_clip_grad_norm(disk_dir):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], max_grad_norm=0.05, **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(10):
+        grads = reference_grads(b, step)
+        set_grads(a, grads)
+        oa.step()
+        norm = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+        assert oa.last_grad_norm == pytest.approx(float(norm), rel=1e-6)
+        ob.step()
+    assert_models_close(a, b)
+    oa.close()
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_topk_compression_equals_torch_on_the_kept_gradient(disk_dir, error_feedback):
+    """Ours with top-k == torch AdamW fed decompress(compress(g)); the host link carries
+    6 B per kept element, and clipping uses the dense gradients."""
+    a, b = make_model(), make_model()
+    ratio = 0.05
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], max_grad_norm=0.5,
+                  compress=TopK(ratio, error_feedback=error_feedback), **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    reference = TopK(ratio, error_feedback=error_feedback)
+    sizes = [sg.numel for sg in oa._plan]
+    for step in range(8):
+        grads = reference_grads(b, step)
+        set_grads(a, grads)
+        before = oa.traffic()["host_to_device"]
+        oa.step()
+        sent = oa.traffic()["host_to_device"] - before
+        assert sent == sum(6 * reference.k(n) for n in sizes)
+        # the reference: clip on dense grads, then the same top-k per sub-group
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = float(torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+        flat = torch.cat([g.reshape(-1) for g in grads]) * coef
+        kept, start = [], 0
+        for sg in oa._plan:
+            kept.append(decompress(reference.compress(flat[start:start + sg.numel], key=sg.id)))
+            start += sg.numel
+        dense = torch.cat(kept)
+        offset = 0
+        for p in b.parameters():
+            p.grad = dense[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        ob.step()
+    assert_models_close(a, b)
+    assert oa.compress.residual_bytes == (4 * sum(sizes) if error_feedback else 0)
+    oa.close()
+
+
+def test_reopening_resumes_training(disk_dir):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(4):
+        set_grads(a, reference_grads(b, step))
+        oa.step()
+        ob.step()
+    oa.close()
+    fresh = make_model()  # new weights: the stored master weights replace them
+    oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    assert_models_close(fresh, b)
+    for step in range(4, 8):
+        set_grads(fresh, reference_grads(b, step))
+        oc.step()
+        ob.step()
+    assert_models_close(fresh, b)
+    oc.close()
+
+
+def test_native_save_is_a_resumable_checkpoint(disk_dir, tmp_path):
+    a, b = make_model(), make_model()
+    oa = so.Adagrad(a.parameters(), lr=1e-1, devices=[disk_dir], **SMALL)
+    ob = torch.optim.Adagrad(b.parameters(), lr=1e-1)
+    for step in range(3):
+        set_grads(a, reference_grads(b, step))
+        oa.step()
+        ob.step()
+    dirs = oa.save(str(tmp_path / "ckpt"))
+    set_grads(a, reference_grads(b, 99))
+    oa.step()  # training goes on after the save; the checkpoint does not move
+    oa.close()
+    resumed_model = make_model()
+    oc = so.Adagrad(resumed_model.parameters(), lr=1e-1, devices=dirs, **SMALL)
+    assert oc.pipeline.step_count == 3
+    for step in range(3, 6):
+        set_grads(resumed_model, reference_grads(b, step))
+        oc.step()
+        ob.step()
+    assert_models_close(resumed_model, b)
+    with pytest.raises(FileExistsError, match="not empty"):
+        oc.save(str(tmp_path / "ckpt"))
+    oc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_model_matches_cpu_reference(disk_dir):
+    a, b = make_model().cuda(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(10):
+        grads = reference_grads(b, step)
+        set_grads(a, [g.cuda() for g in grads])
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert_close_fp32(pa.detach().cpu().numpy(), pb.detach().numpy(), "cuda param")
+    oa.close()
+
+
+def test_subgroups_without_grads_are_not_updated(disk_dir):
+    """As torch skips params without .grad: their sub-group (here its own param group)
+    is not sent, and weight decay does not touch it."""
+    model = make_model()
+    frozen = model[2].weight
+    before = frozen.detach().clone()
+    oa = so.AdamW([{"params": [model[0].weight]}, {"params": [frozen]}], lr=0.1,
+                  weight_decay=0.5, devices=[disk_dir])
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    sent = oa.traffic()["host_to_device"]
+    oa.step()
+    assert torch.equal(frozen, before)
+    assert not torch.equal(model[0].weight, make_model()[0].weight)
+    assert oa.traffic()["host_to_device"] - sent == model[0].weight.numel() * 4
+    oa.close()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"amsgrad": True}, ValueError, "amsgrad=True is not supported"),
+    ({"maximize": True}, ValueError, "maximize=True is not supported"),
+    ({"subgroup_size": 0}, ValueError, "subgroup_size"),
+    ({"compress": 0.01}, TypeError, "TopK"),
+    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
+    ({"lr": -1.0}, ValueError, "learning rate"),  # torch's own check
+    ({"fused": True}, ValueError, "fused=True is not supported"),
+    ({"nesterov": True}, TypeError, "nesterov"),
+])
+def test_bad_settings(disk_dir, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        so.AdamW(make_model().parameters(), devices=[disk_dir], **kwargs)
+
+
+def test_bad_params_and_state_dicts(disk_dir, tmp_path):
+    with pytest.raises(TypeError, match="torch.float64"):
+        so.SGD([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], devices=[disk_dir])
+    model = make_model()
+    oa = so.AdamW(model.parameters(), devices=[str(tmp_path / "a")], **SMALL)
+    set_grads(model, reference_grads(make_model(), 0))
+    oa.step()
+    digest = states_digest(str(tmp_path / "a"))
+    good = oa.state_dict()
+    with pytest.raises(ValueError, match="param groups"):
+        oa.load_state_dict({"state": {}, "param_groups": good["param_groups"] * 2})
+    wrong = {"state": {0: dict(good["state"][0], exp_avg=torch.zeros(5))},
+             "param_groups": good["param_groups"]}
+    with pytest.raises(ValueError, match="has 5 elements"):
+        oa.load_state_dict(wrong)
+    adam_groups = [dict(g, decoupled_weight_decay=False) for g in good["param_groups"]]
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        oa.load_state_dict({"state": good["state"], "param_groups": adam_groups})
+    assert states_digest(str(tmp_path / "a")) == digest  # nothing half-loaded
+    assert oa.pipeline.step_count == 1
+    oa.close()
