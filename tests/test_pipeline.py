@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import smartinf
+from smartinf.compress import Compressed, TopK, decompress
 from conftest import ENGINES, TorchReference, assert_close_fp32
 
 SIZES = [2500, 1000, 7, 3001]  # not multiples of the chunk, a full chunk, a tiny one
@@ -370,6 +371,17 @@ def _snapshot(d):
     (lambda p: p.add_subgroup(0), ValueError, "numel must be positive"),
     (lambda p: p.add_subgroup(10, init=np.ones(10, np.float16)), TypeError, "init has dtype float16"),
     (lambda p: p.read_states(3), IndexError, "unknown sub-group 3"),
+    (lambda p: p.update(0, Compressed(torch.tensor([5, 3], dtype=torch.int32), torch.ones(2, dtype=torch.float16), 2500),
+                        np.empty(2500, np.float32)), ValueError, "does not ascend strictly"),
+    (lambda p: p.update(0, Compressed(torch.tensor([3, 2500], dtype=torch.int32), torch.ones(2, dtype=torch.float16), 2501),
+                        np.empty(2500, np.float32)), ValueError, "is of 2501 params"),
+    (lambda p: p.update(0, Compressed(torch.tensor([-1, 3], dtype=torch.int32), torch.ones(2, dtype=torch.float16), 2500),
+                        np.empty(2500, np.float32)), ValueError, "outside the sub-group"),
+    (lambda p: p.update(0, np.ones(2500, np.float32), np.empty(2500, np.float32), momentum=0.9), TypeError, "unknown hyper-parameters"),
+    (lambda p: p.write_states(0, {"exp_avg": np.zeros(2500, np.float32)}, 1), ValueError, "must include 'param'"),
+    (lambda p: p.write_states(0, {"param": np.zeros(2500, np.float32), "sum": np.zeros(2500, np.float32)}, 1), ValueError, "unknown states"),
+    (lambda p: p.write_states(0, {"param": np.zeros(2500, np.float32)}, -1), ValueError, "steps must be"),
+    (lambda p: p.write_states(0, {"param": np.zeros(2499, np.float32)}, 1), ValueError, "param has 2499 elements"),
 ])
 def test_bad_input(committed, call, error, match):
     pipe, d = committed
@@ -466,3 +478,37 @@ def test_unwritable_directory(tmp_path):
         if os.geteuid() == 0:
             subprocess.run(["chattr", "-i", str(d)], check=True)
         d.chmod(0o700)
+
+
+def test_compressed_update_equals_dense_update_of_the_kept_gradient(disk_dir, tmp_path):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(2500).astype(np.float32)
+    g = torch.from_numpy(rng.standard_normal(2500).astype(np.float32))
+    c = TopK(0.1, value_dtype=torch.bfloat16).compress(g)
+    out_c, out_d = np.empty(2500, np.float32), np.empty(2500, np.float32)
+    with smartinf.Pipeline(disk_dir, chunk=CHUNK) as a, \
+            smartinf.Pipeline(str(tmp_path / "dense"), chunk=CHUNK) as b:
+        for pipe in (a, b):
+            pipe.add_subgroup(2500, init=x)
+        before = a.stats["host_to_device"]
+        with a.step(), b.step():
+            a.update(0, c, out_c).wait()
+            b.update(0, decompress(c), out_d).wait()
+        assert a.stats["host_to_device"] - before == 250 * 6  # int32 index + bf16 value
+        np.testing.assert_array_equal(out_c, out_d)
+        for name, value in b.read_states(0).items():
+            np.testing.assert_array_equal(a.read_states(0)[name], value, name)
+
+
+def test_written_states_become_current_at_commit(committed):
+    pipe, d = committed
+    states = {"param": np.full(2500, 2.0, np.float32), "exp_avg": np.full(2500, 0.5, np.float32)}
+    committed_param = pipe.read_states(0)["param"]
+    pipe.write_states(0, states, 7)
+    np.testing.assert_array_equal(pipe.read_states(0)["param"], committed_param)  # not yet
+    pipe.commit()
+    got = pipe.read_states(0)
+    np.testing.assert_array_equal(got["param"], states["param"])
+    np.testing.assert_array_equal(got["exp_avg"], states["exp_avg"])
+    np.testing.assert_array_equal(got["exp_avg_sq"], np.zeros(2500, np.float32))  # initial value
+    assert pipe.subgroup_steps(0) == 7

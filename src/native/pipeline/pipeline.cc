@@ -46,12 +46,13 @@ std::vector<uint64_t> split_pairs(const int32_t* index, uint64_t nnz, uint64_t n
   int64_t previous = -1;
   for (uint64_t j = 0; j < nnz; ++j) {
     const int64_t i = index[j];
-    if (i <= previous || static_cast<uint64_t>(i) >= numel)
+    const bool outside = i < 0 || static_cast<uint64_t>(i) >= numel;
+    if (outside || i <= previous)
       throw std::invalid_argument(
           "compressed gradient index " + std::to_string(i) + " at position " +
-          std::to_string(j) + (i <= previous ? " does not ascend strictly"
-                                             : " is outside the sub-group of " +
-                                                   std::to_string(numel) + " params"));
+          std::to_string(j) + (outside ? " is outside the sub-group of " +
+                                             std::to_string(numel) + " params"
+                                       : " does not ascend strictly"));
     while (static_cast<uint64_t>(i) >= first.size() * chunk) first.push_back(j);
     previous = i;
   }
