@@ -143,6 +143,11 @@ def _print_summary(data: dict) -> None:
         if "compute_serial_s" in s:
             lines.append("  " + " " * 22 + f" Adam kernel alone, 1 thread: {s['compute_serial_s']:.3f} s"
                          f" ({s['kernel_params_per_s_1thread'] / 1e6:.0f} M params/s)")
+    for name, t in sorted(data.get("topk", {}).items()):
+        lines.append(f"  topk {name:<20} compress {t['compress_s_per_1e8'] * 1e3:7.1f} ms/1e8  "
+                     f"link time saved {t['link_s_saved'] * 1e3:7.1f} ms "
+                     f"({t['link_bytes_per_s'] / 1e9:.1f} GB/s)  saved/compress "
+                     f"{t['saved_over_compress']:.2f}")
     if "engine_threads_vs_uring" in data:
         lines.append(f"  threads / uring step time: {data['engine_threads_vs_uring']:.2f}")
     for name, m in sorted(data.get("rss", {}).items()):

@@ -2,10 +2,14 @@
 
 #include <zlib.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
-#include <sstream>
+#include <cstdlib>
 #include <stdexcept>
+#include <type_traits>
 
 namespace smartinf::store {
 namespace {
@@ -24,20 +28,64 @@ uint32_t crc_of(const std::string& body) {
 
 }  // namespace
 
+// Plain snprintf/strto* instead of iostreams: a core built by a newer GCC than the
+// process's libstdc++ (torch's environment on the GPU machines) crashed in ostream
+// formatting, whose static initialisation moved into the library in GCC 13.
+namespace {
+
+template <class... Args>
+void append(std::string& out, const char* format, Args... args) {
+  char line[512];
+  const int n = std::snprintf(line, sizeof line, format, args...);
+  out.append(line, static_cast<size_t>(std::min(n, static_cast<int>(sizeof line) - 1)));
+}
+
+// Whitespace-separated words of the manifest body, read one at a time.
+class Words {
+ public:
+  explicit Words(const std::string& text) : p_(text.c_str()), end_(p_ + text.size()) {}
+  bool next(std::string& word) {
+    while (p_ < end_ && std::isspace(static_cast<unsigned char>(*p_))) ++p_;
+    const char* start = p_;
+    while (p_ < end_ && !std::isspace(static_cast<unsigned char>(*p_))) ++p_;
+    word.assign(start, p_);
+    return !word.empty();
+  }
+  template <class T>
+  bool number(T& value) {
+    std::string word;
+    if (!next(word) || (std::is_unsigned_v<T> && word[0] == '-')) return false;
+    char* stop = nullptr;
+    errno = 0;
+    if constexpr (std::is_floating_point_v<T>)
+      value = std::strtod(word.c_str(), &stop);
+    else if constexpr (std::is_signed_v<T>)
+      value = static_cast<T>(std::strtoll(word.c_str(), &stop, 10));
+    else
+      value = static_cast<T>(std::strtoull(word.c_str(), &stop, 10));
+    return stop == word.c_str() + word.size() && errno == 0;
+  }
+
+ private:
+  const char* p_;
+  const char* end_;
+};
+
+}  // namespace
+
 std::string Manifest::serialize() const {
-  std::ostringstream out;
-  out.precision(17);
-  out << kMagic << ' ' << kVersion << '\n';
-  out << "chunk " << chunk << '\n';
-  out << "state_dtype " << state_dtype << '\n';
-  out << "optimizer " << optimizer << '\n';
-  for (const auto& [key, value] : hyper) out << "hyper " << key << ' ' << value << '\n';
-  out << "step " << step << '\n';
-  out << "subgroups " << subgroups.size() << '\n';
+  std::string body;
+  append(body, "%s %d\n", kMagic, kVersion);
+  append(body, "chunk %" PRIu64 "\n", chunk);
+  append(body, "state_dtype %s\n", state_dtype.c_str());
+  append(body, "optimizer %s\n", optimizer.c_str());
+  for (const auto& [key, value] : hyper) append(body, "hyper %s %.17g\n", key.c_str(), value);
+  append(body, "step %" PRIu64 "\n", step);
+  append(body, "subgroups %zu\n", subgroups.size());
   for (const SubgroupRecord& r : subgroups)
-    out << "sg " << r.id << ' ' << r.numel << ' ' << r.offset << ' ' << r.copy << ' '
-        << r.steps << ' ' << r.last << ' ' << r.prev_steps << '\n';
-  std::string body = out.str();
+    append(body, "sg %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRIu32 " %" PRIu64 " %" PRIu64
+                 " %" PRIu64 "\n",
+           r.id, r.numel, r.offset, r.copy, r.steps, r.last, r.prev_steps);
   char crc[32];
   std::snprintf(crc, sizeof crc, "crc32 %08" PRIx32 "\n", crc_of(body));
   return body + crc;
@@ -55,10 +103,10 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     bad(path, "malformed checksum line");
   if (stored != crc_of(body)) bad(path, "checksum mismatch");
 
-  std::istringstream in(body);
+  Words in(body);
   std::string magic;
   int version = 0;
-  if (!(in >> magic >> version) || magic != kMagic) bad(path, "not a smartinf manifest");
+  if (!in.next(magic) || magic != kMagic || !in.number(version)) bad(path, "not a smartinf manifest");
   if (version != kVersion)
     bad(path, "format version " + std::to_string(version) + ", this smartinf reads " +
                   std::to_string(kVersion));
@@ -66,24 +114,24 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   size_t count = 0;
   bool have_count = false;
   std::string key;
-  while (in >> key) {
+  while (in.next(key)) {
     bool ok = true;
-    if (key == "chunk") ok = bool(in >> m.chunk);
-    else if (key == "state_dtype") ok = bool(in >> m.state_dtype);
-    else if (key == "optimizer") ok = bool(in >> m.optimizer);
-    else if (key == "step") ok = bool(in >> m.step);
+    if (key == "chunk") ok = in.number(m.chunk);
+    else if (key == "state_dtype") ok = in.next(m.state_dtype);
+    else if (key == "optimizer") ok = in.next(m.optimizer);
+    else if (key == "step") ok = in.number(m.step);
     else if (key == "hyper") {
       std::string name;
-      double value;
-      ok = bool(in >> name >> value);
+      double value = 0;
+      ok = in.next(name) && in.number(value);
       if (ok) m.hyper[name] = value;
     } else if (key == "subgroups") {
-      ok = bool(in >> count) && count < (1u << 24);
+      ok = in.number(count) && count < (1u << 24);
       have_count = ok;
     } else if (key == "sg") {
       SubgroupRecord r;
-      ok = bool(in >> r.id >> r.numel >> r.offset >> r.copy >> r.steps >> r.last >> r.prev_steps) &&
-           r.copy < 2;
+      ok = in.number(r.id) && in.number(r.numel) && in.number(r.offset) && in.number(r.copy) &&
+           in.number(r.steps) && in.number(r.last) && in.number(r.prev_steps) && r.copy < 2;
       if (ok) m.subgroups.push_back(r);
     } else {
       bad(path, "unknown record '" + key + "'");

@@ -4,8 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
+#include <cerrno>
 #include <stdexcept>
 
 #include "error.h"
@@ -13,13 +12,24 @@
 namespace smartinf::store {
 namespace {
 
+// False when `path` does not exist; any other failure is an error, never "no manifest".
 bool read_file(const std::string& path, std::string& text) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  text = buf.str();
-  return true;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) return false;
+  check_errno(fd, "cannot read the manifest", path);
+  text.clear();
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(fd);
+      if (err) throw SystemError(err, "cannot read the manifest", path);
+      return true;
+    }
+    text.append(buf, static_cast<size_t>(n));
+  }
 }
 
 void fsync_dir(const std::string& dir) {

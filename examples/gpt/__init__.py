@@ -1,0 +1,1 @@
+"""End-to-end demo: a compact GPT trained on generated text, to compare optimizers."""

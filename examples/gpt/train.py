@@ -1,0 +1,219 @@
+"""Trains the compact GPT on generated text with one optimizer per run, and compares them.
+
+    python -m examples.gpt.train [--steps 250] [--runs torch ...] [--out gpt_losses.png] [--dir DIR]
+    python examples/gpt/train.py ...            (same, from the repository root or anywhere)
+
+Every run starts from the same initial weights and sees the same batches, so the loss
+curves differ only by the optimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import smartinf.optim  # noqa: E402
+from smartinf.compress import TopK  # noqa: E402
+
+from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+DEMO_RUNS = ["torch", "smartinf", "smartinf-topk1%"]
+FINAL_WINDOW = 20  # steps averaged for the "final loss": one step's loss is noisy
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model and batch shape; the vocabulary size follows from ``n_topics``."""
+    # ~23 M params, 256 tokens a step: ~0.33 s a step (torch AdamW) on one core here.
+    batch_size: int = 4
+    seq_len: int = 64
+    d_model: int = 512
+    n_layer: int = 7
+    n_head: int = 8
+    n_topics: int = 8  # ~180 words per topic, plus 256 names: a 1.7 k-word vocabulary
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, seq_len=self.seq_len, d_model=self.d_model,
+                         n_layer=self.n_layer, n_head=self.n_head)
+
+
+def _sync(device: torch.device) -> None:
+    """Waits for queued kernels so that wall-clock times are per phase (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(make_optimizer: OptimizerFactory, steps: int, config: TrainConfig = TrainConfig(),
+          seed: int = 0, device: str | torch.device = "cpu",
+          dtype: torch.dtype = torch.bfloat16, progress_desc: str = "train") -> dict:
+    """Trains a fresh model for ``steps`` steps; same ``seed``, same weights and batches.
+
+    ``dtype`` is the autocast dtype of forward and backward (``torch.float32``: no
+    autocast); parameters, gradients and optimizer states stay fp32.
+    Returns per-step ``losses``, ``fwd_bwd_s`` and ``opt_s`` (step + zero_grad), the model
+    size, and ``traffic`` (bytes per link during the steps) when the optimizer has a
+    ``traffic()`` method. An optimizer with
+    a ``close()`` method is closed at the end, since it does not outlive the run.
+    """
+    device = torch.device(device)
+    lang = Language(n_topics=config.n_topics)
+    model = GPT(config.model_config(lang.vocab_size), seed=seed).to(device)
+    data = batches(lang, config.batch_size, config.seq_len, seed)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    opt = make_optimizer(list(model.parameters()))
+    result: dict = {"config": asdict(config), "vocab_size": lang.vocab_size,
+                    "params": model.num_params(),
+                    "tokens_per_step": config.batch_size * config.seq_len,
+                    "losses": [], "fwd_bwd_s": [], "opt_s": []}
+    traffic = getattr(opt, "traffic", None)
+    start = traffic() if callable(traffic) else {}  # leaves out the initial state write
+    try:
+        bar = tqdm(range(steps), desc=progress_desc, unit="step", dynamic_ncols=True)
+        for _ in bar:
+            inputs, targets = (t.to(device) for t in next(data))
+            t0 = time.perf_counter()
+            with autocast:
+                logits = model(inputs)
+            # fp32 loss: a bf16 log-softmax over thousands of words loses precision.
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            _sync(device)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            t2 = time.perf_counter()
+            result["losses"].append(loss.item())
+            result["fwd_bwd_s"].append(t1 - t0)
+            result["opt_s"].append(t2 - t1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", step_ms=f"{(t2 - t0) * 1e3:.0f}",
+                            opt_ms=f"{(t2 - t1) * 1e3:.0f}")
+        bar.close()
+        if callable(traffic):
+            result["traffic"] = {k: v - start[k] for k, v in traffic().items()}
+    finally:
+        close = getattr(opt, "close", None)
+        if callable(close):
+            close()
+    return result
+
+
+def summarize(result: dict) -> dict[str, float]:
+    """Final loss (mean of the last steps) and mean step times.
+
+    The first step is left out of the times: it allocates the optimizer's state.
+    """
+    last = result["losses"][-FINAL_WINDOW:]
+    fwd_bwd = result["fwd_bwd_s"][1:] or result["fwd_bwd_s"]
+    opt = result["opt_s"][1:] or result["opt_s"]
+    return {"final_loss": sum(last) / len(last),
+            "step_s": (sum(fwd_bwd) + sum(opt)) / len(opt),
+            "opt_s": sum(opt) / len(opt)}
+
+
+def plot_losses(results: dict[str, list[float]], path: str | os.PathLike) -> None:
+    """One labelled loss curve per run: raw (faint) and a moving average (bold)."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state or GUI backend
+
+    fig = Figure(figsize=(8, 5), layout="tight")
+    ax = fig.add_subplot()
+    window = 10
+    for i, (name, losses) in enumerate(results.items()):
+        color = f"C{i}"
+        ax.plot(range(1, len(losses) + 1), losses, color=color, alpha=0.25, linewidth=0.8)
+        if len(losses) >= window:
+            smooth = [sum(losses[j - window:j]) / window for j in range(window, len(losses) + 1)]
+            ax.plot(range(window, len(losses) + 1), smooth, color=color, linewidth=2, label=name)
+        else:
+            ax.lines[-1].set(alpha=1, label=name)
+    ax.set(xlabel="step", ylabel="training loss (nats/token)", title="GPT training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def optimizers(lr: float, weight_decay: float, state_dir: str) -> dict[str, OptimizerFactory]:
+    """The runs, by name: each makes an optimizer for the model's params."""
+    def run_dir(name: str) -> str:  # a fresh directory per run for on-disk states
+        path = os.path.join(state_dir, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    runs: dict[str, OptimizerFactory] = {
+        "torch": lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
+    }
+    def smartinf_adamw(name: str, compress: TopK | None = None) -> OptimizerFactory:
+        return lambda params: smartinf.optim.AdamW(
+            params, lr=lr, weight_decay=weight_decay, devices=[run_dir(name)], compress=compress)
+
+    runs["smartinf"] = smartinf_adamw("smartinf")
+    runs["smartinf-topk1%"] = smartinf_adamw("smartinf-topk1%", TopK(0.01))
+    # Not in the default demo: the error-feedback variant of the accuracy measurement.
+    runs["smartinf-topk1%-ef"] = smartinf_adamw("smartinf-topk1%-ef", TopK(0.01, error_feedback=True))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--runs", nargs="+", metavar="NAME", help="runs to do (default: all)")
+    p.add_argument("--out", default="gpt_losses.png", help="loss-curve PNG")
+    p.add_argument("--dir", help="directory for on-disk optimizer states (default: a temporary one)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="autocast dtype of forward/backward")
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads (default: torch's choice, one per core); use fewer "
+                        "when other processes keep cores busy: waiting threads spin")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="gpt-states-", dir=args.dir) as state_dir:
+        runs = optimizers(args.lr, args.weight_decay, state_dir)
+        names = args.runs or DEMO_RUNS
+        unknown = [n for n in names if n not in runs]
+        if unknown:
+            p.error(f"unknown run(s) {unknown}; known: {list(runs)}")
+        config = TrainConfig()
+        results = {}
+        for name in names:
+            results[name] = train(runs[name], args.steps, config, seed=args.seed,
+                                  dtype=getattr(torch, args.dtype), progress_desc=name)
+    first = next(iter(results.values()))
+    print(f"model: {first['params'] / 1e6:.1f} M params, vocab {first['vocab_size']} "
+          f"(ln vocab = {math.log(first['vocab_size']):.2f}), {first['tokens_per_step']} tokens/step, "
+          f"{args.steps} steps, {args.dtype} autocast")
+    print(f"{'run':<16} {'final loss':>10} {'step ms':>9} {'opt ms':>8}")
+    for name, r in results.items():
+        s = summarize(r)
+        print(f"{name:<16} {s['final_loss']:>10.3f} {s['step_s'] * 1e3:>9.0f} {s['opt_s'] * 1e3:>8.0f}")
+    for name, r in results.items():
+        if "traffic" in r:  # cumulative bytes per link, shown per param and step
+            t, per = r["traffic"], r["params"] * args.steps
+            print(f"traffic {name} (B/param/step): host->device {t['host_to_device'] / per:.2f}, "
+                  f"device->host {t['device_to_host'] / per:.2f}, storage read "
+                  f"{t['storage_read'] / per:.2f}, write {t['storage_write'] / per:.2f}")
+    plot_losses({name: r["losses"] for name, r in results.items()}, args.out)
+    print(f"loss curves: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
