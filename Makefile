@@ -32,8 +32,12 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@
 
+# The optimizer step over 200 M params on disk, then GPT training: torch AdamW vs
+# smartinf.optim.AdamW vs smartinf with 1 % top-k (loss curves in results/).
 demo: setup
 	$(PY) examples/demo.py
+	@mkdir -p results
+	$(PY) examples/gpt/train.py --steps 250 --out results/gpt_losses.png
 
 test: setup
 	$(PY) -m pytest -q tests
