@@ -326,3 +326,30 @@ def test_bad_params_and_state_dicts(disk_dir, tmp_path):
     assert states_digest(str(tmp_path / "a")) == digest  # nothing half-loaded
     assert oa.pipeline.step_count == 1
     oa.close()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+
+
+def test_state_dict_of_a_large_model_is_not_in_anonymous_memory(disk_dir, tmp_path):
+    """8 M params: 64 MB of exported Adam states go to the page cache, not to RssAnon;
+    torch.save writes them and torch.load(mmap=True) + load_state_dict reads them back."""
+    params = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(8)]
+    opt = so.AdamW(params, lr=1e-3, devices=[disk_dir], subgroup_size=3 << 20)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    before = _rss_anon()
+    saved = opt.state_dict()
+    grown = _rss_anon() - before
+    assert grown < 16 << 20, f"state_dict grew anonymous memory by {grown / 2**20:.0f} MiB"
+    assert all(torch.all(saved["state"][i]["exp_avg"] == 0.05) for i in range(8))
+    assert [f for f in os.listdir(disk_dir) if f.startswith(".state_dict")] == []
+    torch.save(saved, tmp_path / "opt.pt")
+    del saved
+    loaded = torch.load(tmp_path / "opt.pt", mmap=True)
+    opt.load_state_dict(loaded)
+    assert opt.pipeline.read_states(0)["exp_avg"][0] == np.float32(0.05)
+    opt.close()

@@ -297,10 +297,24 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _stored_steps(self, state: dict, group: dict) -> int:
         return int(state["step"]) if "step" in state else 0
 
+    def _export_tensor(self, shape: torch.Size) -> torch.Tensor:
+        """An fp32 tensor backed by an unlinked file in the first device directory: the
+        exported states live in the page cache (evictable, written back to disk), not in
+        anonymous host memory, so a state_dict of a model larger than RAM still works."""
+        fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=self.pipeline.devices[0].path)
+        os.close(fd)
+        try:
+            flat = torch.from_file(path, shared=True, size=max(1, math.prod(shape)),
+                                   dtype=torch.float32)
+        finally:
+            os.remove(path)  # the mapping keeps the data until the tensor is freed
+        return flat[:math.prod(shape)].view(shape)
+
     def state_dict(self) -> dict:
         """torch's optimizer ``state_dict`` (loadable by the torch optimizer this one
         stands in for). The states are read from the devices one sub-group at a time into
-        per-param tensors; the master weights are the model's params there."""
+        per-param tensors backed by unlinked files (page cache, not anonymous memory);
+        ``torch.save`` streams them. The master weights are the model's params there."""
         ids = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -313,8 +327,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             for s in sg.slices:
                 entry = per_param.get(ids[id(s.param)])
                 if entry is None:
-                    arrays = {n: torch.empty(s.param.shape, dtype=torch.float32)
-                              for n in self._state_names()}
+                    arrays = {n: self._export_tensor(s.param.shape) for n in self._state_names()}
                     entry = per_param[ids[id(s.param)]] = self._torch_state(steps, arrays, group)
                 for n in self._state_names():
                     if isinstance(entry.get(n), torch.Tensor):
