@@ -209,7 +209,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if not grads:
             return grad_scale
         norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), 2.0)
+        # One host sync for the whole check: the norms meet on the first grad's device.
+        total = torch.linalg.vector_norm(
+            torch.stack([n.float().to(norms[0].device) for n in norms]), 2.0).cpu()
         if not torch.isfinite(total):
             return None
         self.last_grad_norm = float(total) * grad_scale
