@@ -353,3 +353,18 @@ def test_state_dict_of_a_large_model_is_not_in_anonymous_memory(disk_dir, tmp_pa
     opt.load_state_dict(loaded)
     assert opt.pipeline.read_states(0)["exp_avg"][0] == np.float32(0.05)
     opt.close()
+
+
+def test_bad_hyperparameter_in_a_later_group_changes_nothing(disk_dir):
+    model = make_model()
+    opt = so.AdamW(groups(model), lr=1e-2, devices=[disk_dir], **SMALL)
+    set_grads(model, reference_grads(make_model(), 0))
+    opt.step()
+    digest = states_digest(disk_dir)
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[1]["lr"] = -1.0  # e.g. a broken scheduler
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert states_digest(disk_dir) == digest and opt.pipeline.step_count == 1
+    opt.close()

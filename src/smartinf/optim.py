@@ -222,9 +222,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(self.max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
         return grad_scale * float(coef)
 
-    def _send(self, sg: _Subgroup, buffer: int, scale: float) -> Any:
+    def _send(self, sg: _Subgroup, buffer: int, scale: float, hyper: dict) -> Any:
         """Stages the sub-group's gradient on the host and starts its update."""
-        group = self.param_groups[sg.group]
         out = self._staging.out(buffer, sg.dtype, sg.numel)
         dense = self._gather_grad(sg)
         if self.compress is not None:
@@ -236,9 +235,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             grad.copy_(dense, non_blocking=True)
         if sg.device.type == "cuda":
             torch.cuda.current_stream(sg.device).synchronize()  # the host copies landed
-        rule = self._rule(group)
-        return self.pipeline.update(sg.id, grad, out, grad_scale=scale,
-                                    **{f: getattr(rule, f) for f in rule.__dataclass_fields__})
+        return self.pipeline.update(sg.id, grad, out, grad_scale=scale, **hyper)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
@@ -250,8 +247,12 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every group's hyper-parameters are checked before any sub-group is sent: a bad
+        # one found halfway would leave earlier sub-groups' params updated in the model.
         for group in self.param_groups:
             self._check_group(group)
+        rules = [self._rule(group) for group in self.param_groups]
+        hyper = [{f: getattr(r, f) for f in r.__dataclass_fields__} for r in rules]
         scale = self._grad_scale(grad_scale)
         self.last_step_skipped = scale is None
         if scale is None:
@@ -266,7 +267,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 b = i % 2
                 if pending[b] is not None:
                     self._finish(*pending[b], buffer=b)
-                pending[b] = (sg, self._send(sg, b, scale))
+                pending[b] = (sg, self._send(sg, b, scale, hyper[sg.group]))
             for b in (len(active) % 2, 1 - len(active) % 2):
                 if pending[b] is not None:
                     self._finish(*pending[b], buffer=b)
