@@ -51,6 +51,14 @@ def set_grads(model, grads):
         p.grad = g.to(p.dtype).clone()
 
 
+def train_both(model, ours, reference, ref_opt, steps):
+    """Steps ``ours`` and the torch optimizer on the reference model's gradients."""
+    for step in steps:
+        set_grads(model, reference_grads(reference, step))
+        ours.step()
+        ref_opt.step()
+
+
 def assert_models_close(a, b):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert_close_fp32(pa.detach().numpy(), pb.detach().numpy(), name)
@@ -119,11 +127,7 @@ def test_state_dict_round_trips_through_torch(disk_dir, tmp_path, ours, theirs, 
     c.load_state_dict(a.state_dict())
     oc = ours(c.parameters(), devices=[str(tmp_path / "fresh")], **SMALL, **kw)
     oc.load_state_dict(back)
-    for step in range(3, 6):
-        grads = reference_grads(b, step)
-        set_grads(c, grads)
-        oc.step()
-        ob.step()
+    train_both(c, oc, b, ob, range(3, 6))
     assert_models_close(c, b)
     oa.close()
     oc.close()
@@ -217,18 +221,12 @@ def test_reopening_resumes_training(disk_dir):
     a, b = make_model(), make_model()
     oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
     ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
-    for step in range(4):
-        set_grads(a, reference_grads(b, step))
-        oa.step()
-        ob.step()
+    train_both(a, oa, b, ob, range(4))
     oa.close()
     fresh = make_model()  # new weights: the stored master weights replace them
     oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
     assert_models_close(fresh, b)
-    for step in range(4, 8):
-        set_grads(fresh, reference_grads(b, step))
-        oc.step()
-        ob.step()
+    train_both(fresh, oc, b, ob, range(4, 8))
     assert_models_close(fresh, b)
     oc.close()
 
@@ -237,10 +235,7 @@ def test_native_save_is_a_resumable_checkpoint(disk_dir, tmp_path):
     a, b = make_model(), make_model()
     oa = so.Adagrad(a.parameters(), lr=1e-1, devices=[disk_dir], **SMALL)
     ob = torch.optim.Adagrad(b.parameters(), lr=1e-1)
-    for step in range(3):
-        set_grads(a, reference_grads(b, step))
-        oa.step()
-        ob.step()
+    train_both(a, oa, b, ob, range(3))
     dirs = oa.save(str(tmp_path / "ckpt"))
     set_grads(a, reference_grads(b, 99))
     oa.step()  # training goes on after the save; the checkpoint does not move
@@ -248,10 +243,7 @@ def test_native_save_is_a_resumable_checkpoint(disk_dir, tmp_path):
     resumed_model = make_model()
     oc = so.Adagrad(resumed_model.parameters(), lr=1e-1, devices=dirs, **SMALL)
     assert oc.pipeline.step_count == 3
-    for step in range(3, 6):
-        set_grads(resumed_model, reference_grads(b, step))
-        oc.step()
-        ob.step()
+    train_both(resumed_model, oc, b, ob, range(3, 6))
     assert_models_close(resumed_model, b)
     with pytest.raises(FileExistsError, match="not empty"):
         oc.save(str(tmp_path / "ckpt"))
