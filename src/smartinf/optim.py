@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -27,9 +26,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from . import update_rules
+from .checkpoint import save_devices
 from .compress import Compressed, TopK
 from .devices import DeviceLike
 from .pipeline import Pipeline
+from .staging import Staging, double_buffered
 
 logger = logging.getLogger("smartinf")
 
@@ -81,23 +82,6 @@ def plan_subgroups(param_groups: Sequence[dict], size: int) -> list[_Subgroup]:
     return plan
 
 
-class _Staging:
-    """Two host buffer pairs (gradient in, params out) of one sub-group each; pinned when
-    CUDA is present so copies to and from the GPU run asynchronously."""
-
-    def __init__(self, size: int) -> None:
-        pin = torch.cuda.is_available()
-        self.size = size
-        self._grads = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._outs = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-
-    def grad(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._grads[i].view(dtype)[:numel]
-
-    def out(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._outs[i].view(dtype)[:numel]
-
-
 def _flat(p: torch.Tensor) -> torch.Tensor:
     return p.detach().view(-1)
 
@@ -136,7 +120,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
                                     f"float32, float16 and bfloat16 parameters")
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
-        self._staging = _Staging(max((sg.numel for sg in self._plan), default=1))
+        self._staging = Staging(max((sg.numel for sg in self._plan), default=1))
         self.pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
                                  chunk=chunk, io=io)
         try:
@@ -259,18 +243,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             logger.info("gradients hold inf/NaN: step skipped, stored states untouched")
             return loss
-        pending: list = [None, None]  # (sub-group, future) per staging pair
         with self.pipeline.step():
             active = [sg for sg in self._plan
                       if any(s.param.grad is not None for s in sg.slices)]
-            for i, sg in enumerate(active):
-                b = i % 2
-                if pending[b] is not None:
-                    self._finish(*pending[b], buffer=b)
-                pending[b] = (sg, self._send(sg, b, scale, hyper[sg.group]))
-            for b in (len(active) % 2, 1 - len(active) % 2):
-                if pending[b] is not None:
-                    self._finish(*pending[b], buffer=b)
+            double_buffered(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
+                            self._finish)
         return loss
 
     def _finish(self, sg: _Subgroup, future: Any, buffer: int) -> None:
@@ -411,17 +388,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Copies every device directory (states file + manifest) under ``directory``
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
         steps. Resume by constructing the optimizer with ``devices=`` the returned paths."""
-        if os.path.exists(directory) and os.listdir(directory):
-            raise FileExistsError(f"{directory} is not empty; save into a new directory")
-        os.makedirs(directory, exist_ok=True)
-        targets = []
-        for i, device in enumerate(self.pipeline.devices):
-            target = os.path.join(directory, f"device-{i}")
-            os.makedirs(target)
-            # The manifest last: a copy interrupted before it is not a resumable directory.
-            shutil.copyfile(os.path.join(device.path, "states.bin"), os.path.join(target, "states.bin"))
-            shutil.copyfile(os.path.join(device.path, "manifest"), os.path.join(target, "manifest"))
-            targets.append(target)
+        targets = save_devices([d.path for d in self.pipeline.devices], directory)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
             json.dump(hyper, f, default=str)

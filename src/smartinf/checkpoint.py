@@ -1,0 +1,65 @@
+"""Native checkpoints: copies of device directories (states file + manifest).
+
+A device directory is consistent when its manifest describes its states file, so every
+copy writes the states first and the manifest last, through a temporary name and an
+atomic rename: an interrupted copy leaves a directory without a manifest (refused as a
+checkpoint, or taken as fresh by a Pipeline) instead of a manifest over foreign states.
+``shutil.copyfile`` uses ``copy_file_range``/``sendfile`` (a reflink where the file system
+has them), so no copy passes through Python buffers.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Sequence
+
+STATES = "states.bin"
+MANIFEST = "manifest"
+
+
+def copy_device_dir(source: str, target: str) -> None:
+    """Makes ``target`` hold the committed states of device directory ``source``."""
+    for name in (STATES, MANIFEST):
+        if not os.path.isfile(os.path.join(source, name)):
+            raise FileNotFoundError(f"{source} is not a smartinf device directory: no {name}")
+    os.makedirs(target, exist_ok=True)
+    manifest = os.path.join(target, MANIFEST)
+    if os.path.exists(manifest):
+        os.remove(manifest)  # from here on the target is not taken for a committed directory
+    shutil.copyfile(os.path.join(source, STATES), os.path.join(target, STATES))
+    staged = manifest + ".copy"
+    shutil.copyfile(os.path.join(source, MANIFEST), staged)
+    _fsync(os.path.join(target, STATES))
+    _fsync(staged)
+    os.replace(staged, manifest)
+    _fsync(target)
+
+
+def save_devices(paths: Sequence[str], directory: str) -> list[str]:
+    """Copies device directories ``paths`` to ``directory/device-<i>``; returns those."""
+    if os.path.exists(directory) and os.listdir(directory):
+        raise FileExistsError(f"{directory} is not empty; save into a new directory")
+    targets = [os.path.join(directory, f"device-{i}") for i in range(len(paths))]
+    for path, target in zip(paths, targets):
+        copy_device_dir(path, target)
+    return targets
+
+
+def restore_devices(directory: str, paths: Sequence[str]) -> None:
+    """Copies a checkpoint made by :func:`save_devices` back into device directories
+    ``paths`` (whose Pipeline must be closed); the device count must match."""
+    saved = sorted(d for d in os.listdir(directory) if d.startswith("device-")) \
+        if os.path.isdir(directory) else []
+    if len(saved) != len(paths):
+        raise ValueError(f"{directory} holds {len(saved)} device directories, this run has "
+                         f"{len(paths)} devices; restore with the device count it was saved with")
+    for i, path in enumerate(paths):
+        copy_device_dir(os.path.join(directory, f"device-{i}"), path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
