@@ -1,0 +1,174 @@
+"""Trains the compact GPT with DeepSpeed ZeRO-3, the optimizer step on smartinf devices.
+
+    torchrun --nproc_per_node=2 examples/deepspeed/train.py --dir /nvme/run [--steps 20]
+    python examples/deepspeed/train.py --mode zero-infinity --dir /nvme/run   (the baseline)
+
+``--mode smartinf`` (the default) is the integration: one ``"smartinf"`` block in the
+DeepSpeed config and ``smartinf.integrations.deepspeed.initialize`` in place of
+``deepspeed.initialize``. The other modes run DeepSpeed alone on the same model and data:
+``deepspeed-cpu`` (ZeRO-3, optimizer offloaded to CPU, DeepSpeedCPUAdam) and
+``zero-infinity`` (ZeRO-3, optimizer states swapped to NVMe: ZeRO-Infinity). Each rank
+reads its own batches; every mode sees the same ones. Per step the script prints the
+loss (mean over ranks), the forward / backward / optimizer-step seconds and the bytes
+this process read from and wrote to storage during the step; ``--json`` writes them.
+Without a GPU, run with ``DS_ACCELERATOR=cpu`` (gloo; fp32 or bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
+from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+
+MODES = ("smartinf", "deepspeed-cpu", "zero-infinity")
+MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
+    "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
+    "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
+    "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
+}
+
+
+def ds_config(args: argparse.Namespace, world: int) -> dict:
+    """The DeepSpeed config of a mode: identical but for where the optimizer runs."""
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
+                                                  "betas": [0.9, 0.95], "eps": 1e-8}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": args.lr,
+                                                     "warmup_num_steps": args.warmup}},
+        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size,
+                              "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10 ** 9,
+    }
+    if args.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": args.initial_scale_power,
+                          "loss_scale_window": 100}
+    elif args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    storage = os.path.join(args.dir, args.mode)
+    if args.mode == "smartinf":
+        config["smartinf"] = {"devices": [storage]}
+        if args.topk:
+            config["smartinf"]["compress"] = {"ratio": args.topk}
+    elif args.mode == "deepspeed-cpu":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    else:
+        config["zero_optimization"]["offload_optimizer"] = {
+            "device": "nvme", "nvme_path": storage, "pin_memory": True, "buffer_count": 4}
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 1,
+                         "single_submit": False, "overlap_events": True}
+    return config
+
+
+def storage_bytes() -> tuple[int, int]:
+    """(read, written) bytes this process moved to and from storage so far (all threads)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES, default="smartinf")
+    p.add_argument("--dir", required=True, help="storage directory (states / swap files)")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
+    p.add_argument("--sub-group-size", type=int, default=100_000_000)
+    p.add_argument("--initial-scale-power", type=int, default=16)
+    p.add_argument("--save", help="checkpoint directory: save after --save-at steps")
+    p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--load", help="checkpoint directory to resume from")
+    p.add_argument("--json", help="write the per-step record here (rank 0)")
+    p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
+    args = p.parse_args()
+
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device(get_accelerator().current_device_name())
+    d_model, n_layer, n_head, vocab = MODELS[args.model]
+    lang = Language()
+    model = GPT(GPTConfig(vocab or lang.vocab_size, args.seq, d_model, n_layer, n_head), seed=0)
+    config = ds_config(args, world)
+    init = smartinf_ds.initialize if args.mode == "smartinf" else deepspeed.initialize
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
+
+    start = 0
+    if args.load:
+        path, client = engine.load_checkpoint(args.load)
+        if path is None:
+            raise SystemExit(f"no checkpoint found in {args.load}")
+        start = client["step"]
+    data = batches(lang, args.batch, args.seq, seed=1000 + rank)
+    for _ in range(start):
+        next(data)  # the batches the checkpointed steps consumed
+
+    records = []
+    for step in range(start, args.steps):
+        x, y = (t.to(device) for t in next(data))
+        io0 = storage_bytes()
+        t0 = time.perf_counter()
+        logits = engine(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        get_accelerator().synchronize()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        get_accelerator().synchronize()
+        t2 = time.perf_counter()
+        engine.step()
+        get_accelerator().synchronize()
+        t3 = time.perf_counter()
+        io1 = storage_bytes()
+        mean_loss = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean_loss)
+        rec = {"step": step + 1, "loss": mean_loss.item() / world, "fwd_s": t1 - t0,
+               "bwd_s": t2 - t1, "step_s": t3 - t2, "storage_read": io1[0] - io0[0],
+               "storage_written": io1[1] - io0[1],
+               "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
+               "skipped": bool(engine.optimizer.overflow)}
+        records.append(rec)
+        if rank == 0:
+            print(f"step {rec['step']:4d}  loss {rec['loss']:.6f}  fwd {rec['fwd_s']:.3f}s  "
+                  f"bwd {rec['bwd_s']:.3f}s  step {rec['step_s']:.3f}s  "
+                  f"read {rec['storage_read'] / 1e6:.1f} MB  written "
+                  f"{rec['storage_written'] / 1e6:.1f} MB", flush=True)
+        if args.save and step + 1 == args.save_at:
+            engine.save_checkpoint(args.save, client_state={"step": step + 1})
+
+    if args.json and rank == 0:
+        params = sum(p.ds_numel for p in engine.module.parameters())
+        Path(args.json).write_text(json.dumps({
+            "mode": args.mode, "model": args.model, "params": params, "world_size": world,
+            "dtype": args.dtype, "topk": args.topk, "steps": records}, indent=1))
+    if args.params_out:
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            if rank == 0:
+                torch.save([q.detach().float().cpu().clone() for q in params], args.params_out)
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Integrations of smartinf with training frameworks (import the one you use)."""

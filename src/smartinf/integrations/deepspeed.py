@@ -1,0 +1,410 @@
+"""DeepSpeed ZeRO-3 with the optimizer step next to the storage.
+
+``smartinf.integrations.deepspeed.initialize(...)`` takes exactly what
+``deepspeed.initialize`` takes; a ``"smartinf"`` block in the config moves the fp32
+master weights and optimizer states of every ZeRO-3 sub-group onto near-storage devices::
+
+    "zero_optimization": {"stage": 3, "sub_group_size": 100000000},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+    "smartinf": {"devices": ["/nvme0/run1", "/nvme1/run1"],   # one directory per CSD
+                 "slots": 4, "chunk": 1048576, "io": "auto",
+                 "compress": {"ratio": 0.01}}                  # optional SmartComp top-k
+
+Plug-in point: DeepSpeed's engine builds its stage-3 optimizer by importing the name
+``DeepSpeedZeroOptimizer_Stage3`` from ``deepspeed.runtime.zero.stage3`` at that moment
+(as it does for its own ``SuperOffloadOptimizer_Stage3``). :class:`SmartInfEngine` builds
+:class:`SmartInfinityStage3`, a subclass of it, by giving that name the subclass for the
+duration of the call; ``initialize`` has ``deepspeed.initialize`` build a
+``SmartInfEngine`` the same way. Nothing else of DeepSpeed is changed: partitioning,
+gradient reduce-scatter, the overflow check, loss scaling, gradient clipping, schedulers
+and checkpoints stay DeepSpeed's.
+
+What the subclass changes: no fp32 partition, no optimizer state and no fp32 gradient
+buffer is allocated or swapped; each sub-group's master weights and states live in a
+:class:`smartinf.Pipeline` over ``devices/rank<R>`` (one set per rank). At ``step()`` each
+sub-group's gradient partition (DeepSpeed's reduced, partitioned gradients; top-k
+compressed on the accelerator when configured) goes to the pipeline with
+``grad_scale = 1 / (loss scale x clip coefficient)``, and the updated params come out into
+the sub-group's fp16/bf16/fp32 partition. ``engine.save_checkpoint`` / ``load_checkpoint``
+copy the device directories into ``<checkpoint>/<tag>/smartinf/rank<R>``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+try:
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+    from deepspeed.runtime.zero import stage3
+except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
+    raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
+                      "pip install 'smartinf[deepspeed]'") from e
+
+from .. import update_rules
+from ..checkpoint import restore_devices, save_devices
+from ..compress import Compressed, TopK
+from ..pipeline import Pipeline
+from ..staging import Staging, double_buffered
+
+logger = logging.getLogger("smartinf")
+
+__all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings"]
+
+CONFIG_KEY = "smartinf"
+
+
+@dataclass
+class Settings:
+    """The ``"smartinf"`` block of a DeepSpeed config."""
+
+    devices: list
+    slots: Optional[int] = None
+    chunk: Optional[int] = None
+    io: Optional[str] = None
+    queue_depth: Optional[int] = None
+    compress: Optional[dict] = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Settings":
+        block = config.get(CONFIG_KEY)
+        if not isinstance(block, dict):
+            raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
+                             f'least "devices": [directories]), got {block!r}')
+        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress"}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
+                             f'known: {sorted(known)}')
+        devices = block.get("devices")
+        if isinstance(devices, str):
+            devices = [devices]
+        if not isinstance(devices, list) or not devices or \
+                not all(isinstance(d, str) and d for d in devices):
+            raise ValueError(f'"{CONFIG_KEY}.devices" must be a non-empty list of directories, '
+                             f'got {devices!r}')
+        compress = block.get("compress")
+        if compress is not None:
+            if not isinstance(compress, dict) or not set(compress) <= {"ratio", "value_dtype",
+                                                                       "error_feedback"}:
+                raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
+                                 f'optionally "value_dtype", "error_feedback"; got {compress!r}')
+        return cls(devices=devices, slots=block.get("slots"), chunk=block.get("chunk"),
+                   io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress)
+
+    def rank_dirs(self, rank: int) -> list[str]:
+        """Each rank keeps its partition's states in its own sub-directory."""
+        return [os.path.join(d, f"rank{rank:05d}") for d in self.devices]
+
+    def top_k(self) -> Optional[TopK]:
+        if self.compress is None:
+            return None
+        c = dict(self.compress)
+        if "value_dtype" in c:
+            c["value_dtype"] = getattr(torch, str(c["value_dtype"]).replace("torch.", ""))
+        return TopK(**c)
+
+
+def check_config(config: dict) -> None:
+    """Refuses configurations the integration does not run, before anything is built."""
+    Settings.from_config(config)
+    zero = config.get("zero_optimization", {})
+    if int(zero.get("stage", 0)) != 3:
+        raise ValueError(f'smartinf runs the ZeRO stage 3 optimizer step: set '
+                         f'"zero_optimization": {{"stage": 3}} (got stage {zero.get("stage", 0)})')
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload not in (None, "none"):
+        raise ValueError(f'"zero_optimization.offload_optimizer" is {offload!r}: the optimizer '
+                         f'states live on the smartinf devices; remove offload_optimizer')
+    if (zero.get("offload_param") or {}).get("device", "none") == "nvme":
+        raise ValueError('"zero_optimization.offload_param" to nvme is not supported with '
+                         'smartinf yet; use "cpu" or "none"')
+    if config.get("hybrid_engine", {}).get("enabled"):
+        raise ValueError("the DeepSpeed hybrid engine is not supported with smartinf")
+
+
+# Base optimizers whose update smartinf runs: name -> (Adam-like?, decoupled weight decay?)
+def _rule_class(optimizer: torch.optim.Optimizer) -> type:
+    name = type(optimizer).__name__
+    if name in ("DeepSpeedCPUAdam", "FusedAdam", "ZenFlowCPUAdam"):
+        decoupled = bool(getattr(optimizer, "adamw_mode", getattr(optimizer, "adam_w_mode", True)))
+        return update_rules.AdamW if decoupled else update_rules.Adam
+    if isinstance(optimizer, torch.optim.Adam):  # torch's AdamW is an Adam subclass
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or \
+            optimizer.defaults.get("decoupled_weight_decay", False)
+        return update_rules.AdamW if decoupled else update_rules.Adam
+    if isinstance(optimizer, torch.optim.SGD):
+        return update_rules.SGD
+    if name in ("Adagrad", "DeepSpeedCPUAdagrad"):
+        return update_rules.Adagrad
+    raise ValueError(f"smartinf runs Adam, AdamW, SGD and Adagrad; the DeepSpeed optimizer is "
+                     f"{name}")
+
+
+def _rule(rule_class: type, group: dict) -> Any:
+    """The update rule with a param group's current hyper-parameters (read every step)."""
+    for key, allowed in (("amsgrad", False), ("bias_correction", True), ("maximize", False)):
+        if key in group and bool(group[key]) != allowed:
+            raise ValueError(f"{key}={group[key]!r} is not supported by smartinf")
+    fields = {f: group[f] for f in rule_class.__dataclass_fields__ if f in group}
+    fields = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    if "betas" in fields:
+        fields["betas"] = tuple(float(b) for b in fields["betas"])
+    return rule_class(**fields)
+
+
+class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
+    """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
+
+    def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any,
+                 ds_config: dict, **kwargs: Any) -> None:
+        check_config(ds_config)
+        self.settings = Settings.from_config(ds_config)
+        self._rule_class = _rule_class(init_optimizer)
+        self._compress = self.settings.top_k()
+        self.pipeline: Optional[Pipeline] = None
+        self.last_step_seconds = 0.0
+        self._resumed = False
+        super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        self._agree_on_resume()
+
+    # -- layout: sub-groups live on the devices ---------------------------------------
+    def _create_fp32_partitions(self) -> None:
+        """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
+        started from the partition's params (or resumed from the devices)."""
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        if any(flat is None for flat in self.fp16_partitioned_groups_flat):
+            raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
+        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self._staging = Staging(max(numels))
+        self._dirs = self.settings.rank_dirs(dist.get_rank())
+        self.pipeline = self._open_pipeline()
+        self._attach()
+        for i, numel in enumerate(numels):
+            placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
+            ids = self.fp16_partitioned_groups_flat_id[i]
+            placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
+            self.fp32_partitioned_groups_flat.append(placeholder)
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+
+    def _open_pipeline(self) -> Pipeline:
+        s = self.settings
+        return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
+                        slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth)
+
+    def _attach(self) -> None:
+        """Registers every sub-group; resumed ones put their master weights into the model."""
+        for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+            master = self._staging.grad(0, torch.float32, flat.numel())
+            master.copy_(flat)
+            if self.pipeline.add_subgroup(flat.numel(), init=master) != i:
+                raise RuntimeError(f"sub-group {i} was registered out of order")
+            if self.pipeline.resumed(i):
+                self._resumed = True
+                flat.copy_(torch.from_numpy(self.pipeline.read_states(i)["param"]))
+                self._unflatten_partitioned_parameters(i)
+
+    def _agree_on_resume(self) -> None:
+        """All ranks resume or none; then the kept-whole (persistent) params are gathered
+        again from the resumed partitions."""
+        flags = torch.tensor([float(self._resumed), -float(self._resumed)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] != -flags[1]:
+            raise RuntimeError(f"some ranks found stored states in {self.settings.devices} and "
+                               f"others did not: load a checkpoint or use fresh directories")
+        if self._resumed:
+            logger.info("resumed %d sub-groups at step %d from %s", self.pipeline.num_subgroups,
+                        self.pipeline.step_count, self._dirs)
+            if self.persistent_parameters:
+                self.persistent_parameters[0].all_gather(self.persistent_parameters)
+
+    def initialize_optimizer_states(self) -> None:
+        """Nothing to allocate: the states were created on the devices with the sub-groups."""
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """DeepSpeed's ZeRO-3 step (overflow check, loss scale, norm, clipping) with the
+        per-sub-group update in the pipeline, two sub-groups in flight."""
+        self._pre_step()
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_norm = None
+        if not self.overflow:
+            scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
+            if is_invalid_grad_norm(scaled_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            return  # skipped: the stored states are untouched
+        self._global_grad_norm = scaled_norm / self.loss_scale
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
+        start = time.perf_counter()
+        self.zero_grad(set_to_none=True)
+        scale = float(1.0 / self._combined_scale(scaled_norm))
+        rules = [_rule(self._rule_class, g) for g in self.optimizer.param_groups]
+        hyper = [{f: getattr(r, f) for f in r.__dataclass_fields__} for r in rules]
+        with self.pipeline.step():
+            double_buffered(
+                range(len(self.fp16_groups)),
+                lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
+                self._finish)
+        self.last_step_seconds = time.perf_counter() - start
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
+        self._post_step({stage3.OPTIMIZER_STEP_TIMER})
+
+    def _combined_scale(self, total_norm: Any) -> Any:
+        """What DeepSpeed divides the gradients by: loss scale times the clip coefficient."""
+        combined = self.loss_scale
+        if self.clip_grad > 0.0:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined = torch.clamp(clip, min=1.0) * self.loss_scale
+        return combined
+
+    def _send(self, i: int, buffer: int, scale: float, hyper: dict) -> Any:
+        flat = self.fp16_partitioned_groups_flat[i]
+        grad = self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
+        if self._compress is not None:
+            c = self._compress.compress(grad, key=i)
+            g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
+                                c.values.to("cpu", non_blocking=True), c.numel)
+        elif grad.is_cpu:
+            g = grad
+        else:
+            g = self._staging.grad(buffer, grad.dtype, grad.numel())
+            g.copy_(grad, non_blocking=True)
+        out = flat if flat.is_cpu else self._staging.out(buffer, flat.dtype, flat.numel())
+        if grad.is_cuda:
+            torch.cuda.current_stream(grad.device).synchronize()  # the host copies landed
+        return self.pipeline.update(i, g, out, grad_scale=scale, **hyper)
+
+    def _finish(self, i: int, future: Any, buffer: int) -> None:
+        future.wait()
+        flat = self.fp16_partitioned_groups_flat[i]
+        if not flat.is_cpu:
+            flat.copy_(self._staging.out(buffer, flat.dtype, flat.numel()), non_blocking=True)
+            torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
+        self._unflatten_partitioned_parameters(i)
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save_states(self, directory: str) -> None:
+        """Copies this rank's device directories (the last committed step) to ``directory``."""
+        save_devices(self._dirs, directory)
+
+    def restore_states(self, directory: str) -> None:
+        """Replaces this rank's device directories with a copy saved by ``save_states`` and
+        puts the restored master weights into the model's partitions."""
+        self.pipeline.close()
+        restore_devices(directory, self._dirs)
+        self.pipeline = self._open_pipeline()
+        self._attach()
+        missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
+        if missing:
+            raise ValueError(f"the checkpoint in {directory} lacks sub-groups {missing} of "
+                             f"this model; was it saved with another model or world size?")
+        if self.persistent_parameters:
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+
+    def traffic(self) -> dict[str, float]:
+        """Bytes moved so far per link and the steps committed (this rank)."""
+        s = self.pipeline.stats
+        return {k: s.get(k, 0.0) for k in ("host_to_device", "device_to_host", "storage_read",
+                                          "storage_write", "step")}
+
+    def destroy(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+        super().destroy()
+
+
+class SmartInfEngine(DeepSpeedEngine):
+    """DeepSpeed's engine with :class:`SmartInfinityStage3` and checkpoints that carry the
+    smartinf device directories."""
+
+    def _configure_zero_optimizer(self, optimizer: Any) -> Any:
+        with _named(stage3, "DeepSpeedZeroOptimizer_Stage3", SmartInfinityStage3):
+            return super()._configure_zero_optimizer(optimizer)
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
+        """DeepSpeed's checkpoint plus ``<save_dir>/<tag>/smartinf/rank<R>``: the device
+        directories, copied first so a ``latest`` tag never names a checkpoint without them."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self.optimizer.save_states(self._states_dir(save_dir, tag))
+        dist.barrier()
+        return super().save_checkpoint(save_dir, tag, client_state or {}, save_latest,
+                                       exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
+        """DeepSpeed's load, then the device directories of the same tag (unless only the
+        module is loaded)."""
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    tag = f.read().strip()
+        path, client_state = super().load_checkpoint(
+            load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only, custom_load_fn)
+        if path is not None and load_optimizer_states and not load_module_only:
+            states = self._states_dir(load_dir, str(tag))
+            if not os.path.isdir(states):
+                raise FileNotFoundError(f"{states} does not exist: the checkpoint was not saved "
+                                        f"by smartinf.integrations.deepspeed (or with another "
+                                        f"world size)")
+            self.optimizer.restore_states(states)
+            dist.barrier()
+        return path, client_state
+
+    def _states_dir(self, root: str, tag: str) -> str:
+        return os.path.join(root, tag, "smartinf", f"rank{dist.get_rank():05d}")
+
+
+@contextlib.contextmanager
+def _named(module: Any, name: str, value: Any) -> Iterator[None]:
+    """Gives ``module.name`` another value for the duration of a call (the engine looks
+    its classes up by name at construction)."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
+    """``deepspeed.initialize`` with the ZeRO-3 optimizer step on smartinf devices, as
+    configured by the ``"smartinf"`` block of ``config`` (a dict or a JSON path).
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like DeepSpeed."""
+    if config is None and "config_params" in kwargs:
+        config = kwargs.pop("config_params")
+    if config is None:
+        raise ValueError("pass the DeepSpeed config (a dict or a JSON path) as config=")
+    if not isinstance(config, dict):
+        from deepspeed.runtime.config_utils import load_ds_config  # noqa: PLC0415
+        config = load_ds_config(config)
+    config = _with_torch_adam(config)
+    check_config(config)
+    with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine):
+        return deepspeed.initialize(*args, config=config, **kwargs)
+
+
+def _with_torch_adam(config: dict) -> dict:
+    """The base optimizer only holds hyper-parameters here; torch's Adam(W) does that
+    without DeepSpeed's FusedAdam, which would compile a CUDA op on first use."""
+    opt = config.get("optimizer")
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        params = dict(opt.get("params", {}))
+        params.setdefault("torch_adam", True)
+        config = dict(config, optimizer=dict(opt, params=params))
+    return config
