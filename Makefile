@@ -6,18 +6,21 @@ PY     := $(BIN)/python
 # torch must be pinned and installed before anything that depends on it:
 # this exact version resolves to the CPU build on disk instead of GB of CUDA wheels.
 TORCH  := torch==2.13.0
+# DeepSpeed compiles its ops (cpu_adam, async_io, shm comm) on first use: once, kept here.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 NATIVE := $(shell find src CMakeLists.txt pyproject.toml -type f \( -name '*.h' -o -name '*.cc' -o -name '*.pyx' -o -name '*.py' -o -name '*.txt' -o -name '*.toml' \))
 
 .PHONY: setup demo test bench probe csim system-deps clean
 
 setup: $(VENV)/.built
 
-# Debian packages the native core builds against (io_uring); installed when missing and root.
+# Debian packages: liburing for the native core, libaio for DeepSpeed's async_io op (the
+# ZeRO-Infinity baseline); installed when missing and root.
 system-deps:
-	@if [ ! -f /usr/include/liburing.h ]; then \
+	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/libaio.h ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing liburing-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev >/dev/null; \
-	  else echo "warning: liburing-dev is missing and we are not root: building without io_uring (thread engine only)"; fi; \
+	    echo "installing liburing-dev libaio-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libaio-dev >/dev/null; \
+	  else echo "warning: liburing-dev or libaio-dev is missing and we are not root: no io_uring engine (threads), no DeepSpeed NVMe baseline"; fi; \
 	fi
 
 $(VENV)/.deps: pyproject.toml | system-deps
@@ -28,7 +31,7 @@ $(VENV)/.deps: pyproject.toml | system-deps
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE)
-	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench]"
+	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench,deepspeed]"
 	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@
 

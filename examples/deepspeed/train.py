@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
     p.add_argument("--initial-scale-power", type=int, default=16)
+    p.add_argument("--nan-at", type=int, default=0,
+                   help="make this step's gradients NaN (the step must be skipped)")
     p.add_argument("--save", help="checkpoint directory: save after --save-at steps")
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load", help="checkpoint directory to resume from")
@@ -132,6 +134,8 @@ def main() -> None:
         t0 = time.perf_counter()
         logits = engine(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        if step + 1 == args.nan_at:
+            loss = loss * float("nan")
         get_accelerator().synchronize()
         t1 = time.perf_counter()
         engine.backward(loss)
@@ -160,7 +164,7 @@ def main() -> None:
     if args.json and rank == 0:
         params = sum(p.ds_numel for p in engine.module.parameters())
         Path(args.json).write_text(json.dumps({
-            "mode": args.mode, "model": args.model, "params": params, "world_size": world,
+            "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
             "dtype": args.dtype, "topk": args.topk, "steps": records}, indent=1))
     if args.params_out:
         params = list(engine.module.parameters())

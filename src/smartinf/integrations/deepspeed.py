@@ -222,8 +222,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise RuntimeError(f"some ranks found stored states in {self.settings.devices} and "
                                f"others did not: load a checkpoint or use fresh directories")
         if self._resumed:
-            logger.info("resumed %d sub-groups at step %d from %s", self.pipeline.num_subgroups,
-                        self.pipeline.step_count, self._dirs)
+            logger.warning("resumed %d sub-groups at step %d from %s (states of an earlier "
+                           "run); to start over, use fresh directories", self.pipeline.num_subgroups,
+                           self.pipeline.step_count, self._dirs)
             if self.persistent_parameters:
                 self.persistent_parameters[0].all_gather(self.persistent_parameters)
 

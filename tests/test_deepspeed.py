@@ -1,0 +1,173 @@
+"""smartinf.integrations.deepspeed against DeepSpeed's own ZeRO-3 + DeepSpeedCPUAdam.
+
+Each run is examples/deepspeed/train.py under torch.distributed.run (gloo on CPU), so the
+integration is tested as users run it: same model, same batches, same config but for
+where the optimizer runs. DeepSpeed's JIT ops (cpu_adam, shm comm) build once into
+TORCH_EXTENSIONS_DIR (the Makefile points it at build/torch_extensions).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
+import smartinf.integrations.deepspeed as sds  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
+STEPS = 8
+
+
+def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
+          extra: tuple = ()) -> dict:
+    """Runs the example; returns its per-step record and final params."""
+    out = tmp / name
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), "--mode", mode,
+           "--dir", storage, "--steps", str(STEPS), "--json", f"{out}.json",
+           "--params-out", f"{out}.pt", *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    record = json.loads(Path(f"{out}.json").read_text())
+    record["params"] = torch.load(f"{out}.pt")
+    return record
+
+
+def losses(record: dict) -> list:
+    return [s["loss"] for s in record["steps"]]
+
+
+def params_rel_diff(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over every parameter."""
+    num = sum(float((x - y).double().pow(2).sum()) for x, y in zip(a["params"], b["params"]))
+    den = sum(float(y.double().pow(2).sum()) for y in b["params"])
+    return math.sqrt(num / den)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("deepspeed")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
+    """Loss-for-loss equal to DeepSpeed's ZeRO-3 + CPU Adam, including a skipped step
+    (NaN gradients at step 3: DeepSpeed's overflow check must keep the states as they
+    were) and gradient clipping (clip 1.0 acts on this model's early steps)."""
+    extra = ("--nan-at", "3")
+    ours = train(work, disk_dir, f"ours-{world}", world=world, extra=extra)
+    ref = train(work, disk_dir, f"ref-{world}", mode="deepspeed-cpu", world=world, extra=extra)
+    assert [s["skipped"] for s in ours["steps"]] == [s["skipped"] for s in ref["steps"]]
+    assert [s["skipped"] for s in ours["steps"]].count(True) == 1
+    for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
+        if step == 3:
+            assert math.isnan(a) and math.isnan(b)
+        else:
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    assert losses(ours)[-1] < losses(ours)[0]  # it trains
+    assert params_rel_diff(ours, ref) <= 1e-5
+    # The states live on storage: every applied step reads and writes this rank's share.
+    params = ours["num_params"]
+    applied = [s for s in ours["steps"] if not s["skipped"]]
+    assert all(s["storage_read"] >= 12 * params / world for s in applied[1:])
+    assert all(s["storage_written"] >= 12 * params / world for s in applied)
+
+
+def test_bf16_within_noise_of_deepspeed(work, disk_dir):
+    ours = train(work, disk_dir, "ours-bf16", extra=("--dtype", "bf16"))
+    ref = train(work, disk_dir, "ref-bf16", mode="deepspeed-cpu", extra=("--dtype", "bf16"))
+    assert losses(ours)[:3] == losses(ref)[:3]  # before rounding noise can differ
+    for a, b in zip(losses(ours), losses(ref)):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    assert ours["params"][0].dtype == torch.float32  # gathered as fp32 copies of bf16
+
+
+def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
+    """Without a checkpoint, a new run on the same directories continues from their last
+    committed step (master weights back into the model), as smartinf.optim does."""
+    first = train(work, disk_dir, "first")
+    second = train(work, disk_dir, "second")
+    assert losses(second)[0] < losses(first)[0] - 0.05
+    assert losses(second)[0] != losses(first)[-1]  # a new batch after step 8's update
+
+
+def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
+    """Save at step 4 of 8, then a new process (same storage directories, which by then
+    hold step 8) loads the checkpoint: steps 5-8 repeat exactly."""
+    ckpt = str(work / "ckpt")
+    first = train(work, disk_dir, "ckpt-first", world=2, extra=("--save", ckpt, "--save-at", "4"))
+    again = train(work, disk_dir, "ckpt-again", world=2, extra=("--load", ckpt))
+    assert [s["step"] for s in again["steps"]] == [5, 6, 7, 8]
+    assert losses(again) == losses(first)[4:]
+    assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
+    for rank in (0, 1):
+        saved = Path(ckpt) / "global_step4" / "smartinf" / f"rank{rank:05d}" / "device-0"
+        assert (saved / "manifest").is_file() and (saved / "states.bin").stat().st_size > 0
+
+
+def test_topk_compression_trains(work, disk_dir):
+    dense = train(work, os.path.join(disk_dir, "dense"), "ours-dense")
+    topk = train(work, os.path.join(disk_dir, "topk"), "ours-topk", extra=("--topk", "0.1"))
+    assert losses(topk)[0] == losses(dense)[0]
+    assert losses(topk)[1:] != losses(dense)[1:]  # the update used the compressed gradient
+    assert losses(topk)[-1] < losses(topk)[0]
+
+
+# -- configuration errors (no processes started) ---------------------------------------
+BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"smartinf": None}, 'needs a "smartinf" block'),
+    ({"smartinf": {"devices": []}}, "non-empty list of directories"),
+    ({"smartinf": {"devices": ["/a"], "slot": 4}}, "unknown keys ['slot']"),
+    ({"smartinf": {"devices": ["/a"], "compress": {"k": 3}}}, '"smartinf.compress" must be'),
+    ({"zero_optimization": {"stage": 2}}, "ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     "remove offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "offload_param"),
+])
+def test_config_errors(change, message):
+    config = {k: v for k, v in {**BASE, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as e:
+        sds.check_config(config)
+    assert message in str(e.value)
+
+
+def test_per_rank_directories_and_compression_settings():
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a", "/b"],
+                                               "compress": {"ratio": 0.01, "value_dtype": "bfloat16"}}})
+    assert s.rank_dirs(3) == ["/a/rank00003", "/b/rank00003"]
+    top = s.top_k()
+    assert top.ratio == 0.01 and top.value_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("make, rule", [
+    (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1), "adamw"),
+    (lambda p: torch.optim.Adam(p, lr=1e-3), "adam"),
+    (lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), "sgd"),
+    (lambda p: torch.optim.Adagrad(p, lr=1e-3), "adagrad"),
+])
+def test_base_optimizer_maps_to_its_update_rule(make, rule):
+    opt = make([torch.nn.Parameter(torch.zeros(2))])
+    cls = sds._rule_class(opt)
+    assert cls.name == rule
+    assert sds._rule(cls, opt.param_groups[0]).lr == 1e-3
+
+
+def test_unsupported_base_optimizer_and_amsgrad_are_refused():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="RMSprop"):
+        sds._rule_class(torch.optim.RMSprop(p))
+    opt = torch.optim.AdamW(p, amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        sds._rule(sds._rule_class(opt), opt.param_groups[0])
