@@ -156,19 +156,37 @@ def _print_summary(data: dict) -> None:
                      f"(after imports {m['baseline_rss_bytes'] / 2**20:7.1f} MiB)")
     if "rss_ratio_big_vs_small" in data:
         lines.append(f"  rss ratio big/small (peak): {data['rss_ratio_big_vs_small']:.3f}")
+    ds = data.get("deepspeed")
+    if ds:
+        lines.append(f"  DeepSpeed ZeRO-3, {ds['params'] / 1e6:.0f} M params, per iteration (median):")
+        for mode, m in ds["modes"].items():
+            lines.append(f"    {mode:<14} fwd {m['fwd_s']:6.2f} s  bwd {m['bwd_s']:6.2f} s  step "
+                         f"{m['step_s']:6.2f} s  (storage limit {m['storage_limit_s']:5.2f} s)  "
+                         f"storage {m['storage_bytes_per_param']:5.1f} B/param")
+        lines.append(f"    step speedup {ds['step_speedup']:.2f} (traffic bound "
+                     f"{ds['traffic_bound']:.2f}), iteration speedup {ds['iteration_speedup']:.2f}")
     print("\n".join(lines))
 
 
-def _plot(data: dict) -> None:
-    steps = data.get("steps", {})
-    if not steps:
-        return
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is missing (pip install smartinf[bench]): no step_vs_limit.png")
+        logger.warning("matplotlib is missing (pip install smartinf[bench]): no PNG")
+        return None
+    return plt
+
+
+def _plot(data: dict) -> None:
+    plt = _pyplot()
+    if plt is None:
+        return
+    if "deepspeed" in data:
+        plot_deepspeed(plt, data["deepspeed"], os.path.join(RESULTS, "deepspeed_head_to_head.png"))
+    steps = data.get("steps", {})
+    if not steps:
         return
     names = sorted(steps)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -194,4 +212,25 @@ def _plot(data: dict) -> None:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "step_vs_limit.png"), dpi=100)
+    plt.close(fig)
+
+
+def plot_deepspeed(plt, ds: dict, path: str) -> None:
+    """Stacked fwd / bwd / step seconds per mode, and storage bytes per param."""
+    modes = list(ds["modes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bottom = [0.0] * len(modes)
+    for phase in ("fwd_s", "bwd_s", "step_s"):
+        values = [ds["modes"][m][phase] for m in modes]
+        ax1.bar(modes, values, 0.5, bottom=bottom, label=phase[:-2])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax1.set_ylabel("seconds per iteration (median)")
+    ax1.set_title(f"ZeRO-3, {ds['params'] / 1e6:.0f} M params: step speedup "
+                  f"{ds['step_speedup']:.2f} (bound {ds['traffic_bound']:.2f})")
+    ax1.legend(fontsize=8)
+    ax2.bar(modes, [ds["modes"][m]["storage_bytes_per_param"] for m in modes], 0.5)
+    ax2.set_ylabel("storage bytes per param per iteration")
+    ax2.set_title("storage traffic")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -39,6 +39,7 @@ MODES = ("smartinf", "deepspeed-cpu", "zero-infinity")
 MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
     "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
+    "270m": (1024, 21, 16, None),        # 266 M: the CPU head-to-head benchmark
     "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
 }
 

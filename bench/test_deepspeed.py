@@ -1,0 +1,75 @@
+"""Head-to-head on this machine: DeepSpeed ZeRO-3 with ZeRO-Infinity's NVMe optimizer
+offload (DeepSpeed's aio handle + DeepSpeedCPUAdam swap loop) against the smartinf
+integration, same model (266 M params), same batches, same directory, same run.
+
+Each mode is examples/deepspeed/train.py in its own process; per iteration it records
+forward / backward / optimizer-step seconds and the bytes the process read from and
+wrote to storage (/proc/self/io). The first iteration (warm-up) is dropped, the median of
+the rest kept. Bytes per parameter bound the step: ZeRO-Infinity moves 32 B/param
+(p, m, v read and written + the fp32 gradient written in backward and read in the step),
+smartinf 24 B, so at storage speed the step speedup is at most 32/24 = 1.33.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import env_int, require_disk
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = os.environ.get("SMARTINF_BENCH_DS_MODEL", "270m")
+STEPS = env_int("SMARTINF_BENCH_DS_STEPS", 4)
+MODES = ("zero-infinity", "smartinf")
+TRAFFIC_BOUND = 32 / 24
+
+
+def run(mode: str, directory: str, out: Path) -> dict:
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+           str(ROOT / "examples" / "deepspeed" / "train.py"), "--mode", mode,
+           "--model", MODEL, "--dir", directory, "--steps", str(STEPS), "--batch", "1",
+           "--json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return json.loads(out.read_text())
+
+
+def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
+    steps = record["steps"][1:]  # the first iteration warms up
+    median = {k: statistics.median(s[k] for s in steps)
+              for k in ("fwd_s", "bwd_s", "step_s", "storage_read", "storage_written")}
+    n = record["num_params"]
+    limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
+    return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
+            "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
+            "storage_limit_s": limit, "params": n,
+            "losses": [s["loss"] for s in record["steps"]]}
+
+
+def test_head_to_head_zero_infinity_vs_smartinf(bench_dir, storage_limits, summary, tmp_path):
+    require_disk(bench_dir, 40 * 266 * 10 ** 6, "the DeepSpeed head-to-head")
+    read_bw, write_bw = storage_limits.read_bw, storage_limits.write_bw
+    results = {}
+    for mode in MODES:
+        directory = os.path.join(bench_dir, "deepspeed")
+        record = run(mode, directory, tmp_path / f"{mode}.json")
+        subprocess.run(["rm", "-rf", directory], check=False)  # both modes fit the disk
+        results[mode] = summarize(record, read_bw, write_bw)
+    zi, si = results["zero-infinity"], results["smartinf"]
+    # Same model, same data, same first step: the modes agree before any update.
+    assert abs(zi["losses"][0] - si["losses"][0]) <= 1e-5 * abs(zi["losses"][0])
+    summary["deepspeed"] = {
+        "model": MODEL, "params": si["params"], "modes": results,
+        "step_speedup": zi["step_s"] / si["step_s"],
+        "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
+        "traffic_bound": TRAFFIC_BOUND,
+        "read_bytes_per_s": read_bw, "write_bytes_per_s": write_bw,
+    }
