@@ -60,7 +60,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
     }
     if args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": args.initial_scale_power,
-                          "loss_scale_window": 100}
+                          "loss_scale_window": args.loss_scale_window}
     elif args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     storage = os.path.join(args.dir, args.mode)
@@ -98,7 +98,8 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
-    p.add_argument("--initial-scale-power", type=int, default=16)
+    p.add_argument("--initial-scale-power", type=int, default=16, help="fp16 loss scaling")
+    p.add_argument("--loss-scale-window", type=int, default=1000, help="fp16 loss scaling")
     p.add_argument("--nan-at", type=int, default=0,
                    help="make this step's gradients NaN (the step must be skipped)")
     p.add_argument("--save", help="checkpoint directory: save after --save-at steps")
