@@ -109,6 +109,7 @@ def main() -> None:
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
     args = p.parse_args()
 
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(get_accelerator().current_device_name())
