@@ -184,7 +184,8 @@ def _plot(data: dict) -> None:
     if plt is None:
         return
     if "deepspeed" in data:
-        plot_deepspeed(plt, data["deepspeed"], os.path.join(RESULTS, "deepspeed_head_to_head.png"))
+        from deepspeed_report import plot
+        plot(plt, data["deepspeed"], os.path.join(RESULTS, "deepspeed_head_to_head.png"))
     steps = data.get("steps", {})
     if not steps:
         return
@@ -214,23 +215,3 @@ def _plot(data: dict) -> None:
     fig.savefig(os.path.join(RESULTS, "step_vs_limit.png"), dpi=100)
     plt.close(fig)
 
-
-def plot_deepspeed(plt, ds: dict, path: str) -> None:
-    """Stacked fwd / bwd / step seconds per mode, and storage bytes per param."""
-    modes = list(ds["modes"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    bottom = [0.0] * len(modes)
-    for phase in ("fwd_s", "bwd_s", "step_s"):
-        values = [ds["modes"][m][phase] for m in modes]
-        ax1.bar(modes, values, 0.5, bottom=bottom, label=phase[:-2])
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax1.set_ylabel("seconds per iteration (median)")
-    ax1.set_title(f"ZeRO-3, {ds['params'] / 1e6:.0f} M params: step speedup "
-                  f"{ds['step_speedup']:.2f} (bound {ds['traffic_bound']:.2f})")
-    ax1.legend(fontsize=8)
-    ax2.bar(modes, [ds["modes"][m]["storage_bytes_per_param"] for m in modes], 0.5)
-    ax2.set_ylabel("storage bytes per param per iteration")
-    ax2.set_title("storage traffic")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

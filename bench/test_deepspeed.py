@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import env_int, require_disk
+from deepspeed_report import compare, summarize
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
 
@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("SMARTINF_BENCH_DS_MODEL", "270m")
 STEPS = env_int("SMARTINF_BENCH_DS_STEPS", 4)
 MODES = ("zero-infinity", "smartinf")
-TRAFFIC_BOUND = 32 / 24
 
 
 def run(mode: str, directory: str, out: Path) -> dict:
@@ -40,18 +39,6 @@ def run(mode: str, directory: str, out: Path) -> dict:
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return json.loads(out.read_text())
-
-
-def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
-    steps = record["steps"][1:]  # the first iteration warms up
-    median = {k: statistics.median(s[k] for s in steps)
-              for k in ("fwd_s", "bwd_s", "step_s", "storage_read", "storage_written")}
-    n = record["num_params"]
-    limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
-    return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
-            "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
-            "storage_limit_s": limit, "params": n,
-            "losses": [s["loss"] for s in record["steps"]]}
 
 
 def test_head_to_head_zero_infinity_vs_smartinf(bench_dir, storage_limits, summary, tmp_path):
@@ -66,10 +53,4 @@ def test_head_to_head_zero_infinity_vs_smartinf(bench_dir, storage_limits, summa
     zi, si = results["zero-infinity"], results["smartinf"]
     # Same model, same data, same first step: the modes agree before any update.
     assert abs(zi["losses"][0] - si["losses"][0]) <= 1e-5 * abs(zi["losses"][0])
-    summary["deepspeed"] = {
-        "model": MODEL, "params": si["params"], "modes": results,
-        "step_speedup": zi["step_s"] / si["step_s"],
-        "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
-        "traffic_bound": TRAFFIC_BOUND,
-        "read_bytes_per_s": read_bw, "write_bytes_per_s": write_bw,
-    }
+    summary["deepspeed"] = dict(compare(results, read_bw, write_bw), model=MODEL)

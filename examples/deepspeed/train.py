@@ -154,7 +154,10 @@ def main() -> None:
                "bwd_s": t2 - t1, "step_s": t3 - t2, "storage_read": io1[0] - io0[0],
                "storage_written": io1[1] - io0[1],
                "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
-               "skipped": bool(engine.optimizer.overflow)}
+               "skipped": bool(engine.optimizer.overflow),
+               # smartinf: the part of the step spent in the pipeline (after DeepSpeed's
+               # overflow check and norm)
+               "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}
         records.append(rec)
         if rank == 0:
             print(f"step {rec['step']:4d}  loss {rec['loss']:.6f}  fwd {rec['fwd_s']:.3f}s  "

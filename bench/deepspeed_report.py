@@ -1,0 +1,91 @@
+"""Summaries and the plot of DeepSpeed head-to-head runs (records of examples/deepspeed/train.py).
+
+    python bench/deepspeed_report.py OUT_PREFIX --read-gbps R --write-gbps W RECORD.json ...
+
+writes OUT_PREFIX.json and OUT_PREFIX.png from records measured elsewhere (the GPU runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+TRAFFIC_BOUND = 32 / 24  # storage B/param per iteration: ZeRO-Infinity / smartinf
+
+
+def label(record: dict) -> str:
+    return record["mode"] + (f" top-{record['topk']:.0%}" if record.get("topk") else "")
+
+
+def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
+    """Medians over the iterations after the first (warm-up); the storage limit of the
+    iteration's bytes at the bandwidths measured in the same run."""
+    steps = record["steps"][1:]
+    median = {k: statistics.median(s[k] for s in steps)
+              for k in ("fwd_s", "bwd_s", "step_s", "storage_read", "storage_written")}
+    n = record["num_params"]
+    limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
+    return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
+            "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
+            "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
+
+
+def compare(modes: dict, read_bw: float, write_bw: float) -> dict:
+    zi, si = modes["zero-infinity"], modes["smartinf"]
+    return {"params": si["params"], "modes": modes,
+            "step_speedup": zi["step_s"] / si["step_s"],
+            "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
+            "traffic_bound": TRAFFIC_BOUND, "read_bytes_per_s": read_bw,
+            "write_bytes_per_s": write_bw}
+
+
+def plot(plt, ds: dict, path: str) -> None:
+    """Stacked fwd / bwd / step seconds per mode, and storage bytes per param."""
+    modes = list(ds["modes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(modes)
+    for phase in ("fwd_s", "bwd_s", "step_s"):
+        values = [ds["modes"][m][phase] for m in modes]
+        ax1.bar(modes, values, 0.5, bottom=bottom, label=phase[:-2])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax1.set_ylabel("seconds per iteration (median)")
+    ax1.set_title(f"ZeRO-3, {ds['params'] / 1e6:.0f} M params: step speedup "
+                  f"{ds['step_speedup']:.2f} (bound {ds['traffic_bound']:.2f})", fontsize=10)
+    ax1.legend(fontsize=8)
+    ax2.bar(modes, [ds["modes"][m]["storage_bytes_per_param"] for m in modes], 0.5)
+    ax2.set_ylabel("storage bytes per param per iteration")
+    ax2.set_title("storage traffic", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--read-gbps", type=float, required=True)
+    p.add_argument("--write-gbps", type=float, required=True)
+    p.add_argument("records", nargs="+")
+    args = p.parse_args()
+    rb, wb = args.read_gbps * 1e9, args.write_gbps * 1e9
+    modes = {}
+    for path in args.records:
+        record = json.loads(Path(path).read_text())
+        modes[label(record)] = summarize(record, rb, wb)
+    report = compare(modes, rb, wb)
+    Path(args.out + ".json").write_text(json.dumps(report, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plot(plt, report, args.out + ".png")
+    for name, m in modes.items():
+        print(f"{name:<20} fwd {m['fwd_s']:6.2f}  bwd {m['bwd_s']:6.2f}  step {m['step_s']:6.2f}  "
+              f"iteration {m['iteration_s']:6.2f} s  storage {m['storage_bytes_per_param']:5.1f} B/param"
+              f"  limit {m['storage_limit_s']:6.2f} s")
+    print(f"step speedup {report['step_speedup']:.2f}  iteration speedup "
+          f"{report['iteration_speedup']:.2f}  (traffic bound {TRAFFIC_BOUND:.2f})")
+
+
+if __name__ == "__main__":
+    main()
