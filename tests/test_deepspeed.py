@@ -8,6 +8,7 @@ TORCH_EXTENSIONS_DIR (the Makefile points it at build/torch_extensions).
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,9 @@ STEPS = 8
 
 
 def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
-          extra: tuple = ()) -> dict:
-    """Runs the example; returns its per-step record and final params."""
+          extra: tuple = (), fails_with: str = "") -> dict:
+    """Runs the example; returns its per-step record and final params (or, when it must
+    fail, checks that ``fails_with`` is in its output)."""
     out = tmp / name
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not torch.cuda.is_available():
@@ -35,6 +37,9 @@ def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: 
            "--dir", storage, "--steps", str(STEPS), "--json", f"{out}.json",
            "--params-out", f"{out}.pt", *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if fails_with:
+        assert done.returncode != 0 and fails_with in done.stdout + done.stderr, done.stderr[-3000:]
+        return {}
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     record = json.loads(Path(f"{out}.json").read_text())
     record["params"] = torch.load(f"{out}.pt")
@@ -111,6 +116,12 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     for rank in (0, 1):
         saved = Path(ckpt) / "global_step4" / "smartinf" / f"rank{rank:05d}" / "device-0"
         assert (saved / "manifest").is_file() and (saved / "states.bin").stat().st_size > 0
+    # Ranks one step apart (as after a crash between their commits) are refused on reopen.
+    older = Path(ckpt) / "global_step4" / "smartinf" / "rank00001" / "device-0"
+    live = Path(disk_dir) / "smartinf" / "rank00001"
+    for f in ("states.bin", "manifest"):
+        shutil.copyfile(older / f, live / f)
+    train(work, disk_dir, "ckpt-mixed", world=2, fails_with="hold different steps (4 to 8")
 
 
 def test_topk_compression_trains(work, disk_dir):
