@@ -42,7 +42,7 @@ demo: setup
 	@mkdir -p results
 	$(PY) examples/gpt/train.py --steps 250 --out results/gpt_losses.png
 
-test: setup
+test: setup csim
 	$(PY) -m pytest -q tests
 
 bench: setup
@@ -51,8 +51,16 @@ bench: setup
 probe: setup
 	$(PY) -m smartinf.probe
 
-csim:
-	@echo "csim: HLS C-simulation arrives with the SmartSSD kernels (hls_kernels/)"
+# C simulation of the SmartSSD HLS kernels (plain g++): each top function against the C++
+# reference, bit for bit.
+CXX ?= g++
+csim: build/csim
+	build/csim
+
+build/csim: hls_kernels/csim_test.cpp hls_kernels/kernels.cpp $(wildcard hls_kernels/*.h) $(wildcard src/native/kernels/*.h)
+	@mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-label -I src/native -I hls_kernels \
+	  hls_kernels/csim_test.cpp hls_kernels/kernels.cpp -o $@
 
 clean:
 	rm -rf build $(VENV)

@@ -1,0 +1,165 @@
+// C simulation of the HLS top functions (plain g++: `#pragma HLS` is ignored): each must
+// equal the C++ reference (src/native/kernels/ on whole arrays, as the cpu device runs
+// it) bit for bit on states and params, for lengths that are and are not multiples of a
+// beat, zero-length included, and leave the bytes after each array untouched.
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "update.h"
+
+using smartinf::hls::Beat;
+namespace k = smartinf::kernels;
+
+#define DECLARE_ADAM(NAME) \
+  extern "C" void NAME(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::AdamStep);
+#define DECLARE_TOPK(NAME)                                                                 \
+  extern "C" void NAME(Beat*, Beat*, Beat*, const Beat*, const Beat*, int, unsigned long long, \
+                       Beat*, int, k::AdamStep);
+DECLARE_ADAM(smartinf_adam_f32_f16)
+DECLARE_ADAM(smartinf_adam_f32_bf16)
+DECLARE_ADAM(smartinf_adam_f16_f16)
+DECLARE_ADAM(smartinf_adam_bf16_bf16)
+DECLARE_ADAM(smartinf_adam_f32_f32)
+DECLARE_TOPK(smartinf_adam_topk_f16_f16)
+DECLARE_TOPK(smartinf_adam_topk_bf16_bf16)
+extern "C" void smartinf_sgd_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::SgdStep);
+extern "C" void smartinf_adagrad_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::AdagradStep);
+
+static std::mt19937 rng(7);
+static int failures = 0, checks = 0;
+constexpr unsigned char CANARY = 0xA5;
+
+// An array of n T in whole beats, plus one more beat; everything past n is canary bytes.
+template <class T>
+struct Device {
+  std::vector<Beat> beats;
+  std::size_t n;
+  explicit Device(const std::vector<T>& host) : beats(host.size() * sizeof(T) / 64 + 2), n(host.size()) {
+    std::memset(beats.data(), CANARY, beats.size() * sizeof(Beat));
+    if (n) std::memcpy(beats.data(), host.data(), n * sizeof(T));
+  }
+  Beat* data() { return beats.data(); }
+  bool equals(const std::vector<T>& host) const {
+    if (n && std::memcmp(beats.data(), host.data(), n * sizeof(T)) != 0) return false;
+    const auto* tail = reinterpret_cast<const unsigned char*>(beats.data()) + n * sizeof(T);
+    const std::size_t rest = beats.size() * sizeof(Beat) - n * sizeof(T);
+    for (std::size_t i = 0; i < rest; ++i)
+      if (tail[i] != CANARY) return false;
+    return true;
+  }
+};
+
+static void check(bool ok, const char* what, int n) {
+  ++checks;
+  if (!ok) {
+    ++failures;
+    std::printf("FAIL %s n=%d\n", what, n);
+  }
+}
+
+static float value(std::size_t i) {
+  static const float special[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 70000.0f, -1e-8f, 1e30f};
+  if (i % 97 == 5) return special[(i / 97) % 7];
+  return std::normal_distribution<float>(0.0f, 1.0f)(rng);
+}
+
+template <class T>
+static std::vector<T> random(std::size_t n, float scale = 1.0f) {
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = k::from_float<T>(value(i) * scale);
+  return v;
+}
+
+static std::vector<float> positive(std::size_t n) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = std::uniform_real_distribution<float>(0.0f, 0.01f)(rng);
+  return v;
+}
+
+template <class G, class P>
+static void adam_case(void (*kernel)(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::AdamStep),
+                      const char* name, int n, const k::AdamStep& s) {
+  auto p = random<float>(n), m = random<float>(n, 0.1f), v = positive(n);
+  auto g = random<G>(n);
+  std::vector<P> out(n);
+  Device<float> dp(p), dm(m), dv(v);
+  Device<G> dg(g);
+  Device<P> dout(out);
+  k::adam(n, p.data(), m.data(), v.data(), g.data(), out.data(), s);
+  kernel(dp.data(), dm.data(), dv.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(p) && dm.equals(m) && dv.equals(v), name, n);
+  check(dout.equals(out), name, n);
+  check(dg.equals(g), name, n);  // the gradient is read only
+}
+
+template <class V, class P>
+static void topk_case(void (*kernel)(Beat*, Beat*, Beat*, const Beat*, const Beat*, int,
+                                     unsigned long long, Beat*, int, k::AdamStep),
+                      const char* name, int n, const k::AdamStep& s) {
+  const unsigned long long base = 3u << 20;  // the chunk's first sub-group position
+  std::vector<int32_t> index;
+  for (int i = 0; i < n; ++i)
+    if (std::uniform_real_distribution<float>(0, 1)(rng) < 0.1f) index.push_back(static_cast<int32_t>(base + i));
+  auto values = random<V>(index.size());
+  auto p = random<float>(n), m = random<float>(n, 0.1f), v = positive(n);
+  std::vector<P> out(n);
+  std::vector<float> dense(n);
+  Device<float> dp(p), dm(m), dv(v);
+  Device<int32_t> di(index);
+  Device<V> dval(values);
+  Device<P> dout(out);
+  k::decompress(n, dense.data(), index.data(), values.data(), index.size(), base);
+  k::adam(n, p.data(), m.data(), v.data(), dense.data(), out.data(), s);
+  kernel(dp.data(), dm.data(), dv.data(), di.data(), dval.data(), static_cast<int>(index.size()),
+         base, dout.data(), n, s);
+  check(dp.equals(p) && dm.equals(m) && dv.equals(v) && dout.equals(out), name, n);
+}
+
+static void two_state_cases(int n) {
+  for (int first = 0; first < 2; ++first)
+    for (int nesterov = 0; nesterov < 2; ++nesterov) {
+      const auto s = k::sgd_step(0.05, 0.9, nesterov ? 0.0 : 0.1, 0.01, nesterov, first ? 1 : 4, 0.25);
+      auto p = random<float>(n), buf = random<float>(n, 0.1f);
+      auto g = random<float>(n);
+      std::vector<k::f16> out(n);
+      Device<float> dp(p), db(buf), dg(g);
+      Device<k::f16> dout(out);
+      k::sgd(n, p.data(), buf.data(), g.data(), out.data(), s);
+      smartinf_sgd_f32_f16(dp.data(), db.data(), dg.data(), dout.data(), n, s);
+      check(dp.equals(p) && db.equals(buf) && dout.equals(out), "sgd_f32_f16", n);
+    }
+  const auto s = k::adagrad_step(0.1, 0.01, 1e-10, 0.01, 3, 0.5);
+  auto p = random<float>(n), sum = positive(n);
+  auto g = random<float>(n);
+  std::vector<k::f16> out(n);
+  Device<float> dp(p), ds(sum), dg(g);
+  Device<k::f16> dout(out);
+  k::adagrad(n, p.data(), sum.data(), g.data(), out.data(), s);
+  smartinf_adagrad_f32_f16(dp.data(), ds.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(p) && ds.equals(sum) && dout.equals(out), "adagrad_f32_f16", n);
+}
+
+int main() {
+  const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500};
+  for (int n : lengths) {
+    for (int variant = 0; variant < 3; ++variant) {
+      // AdamW, Adam (L2), and a beta1 that takes torch.lerp's other formula.
+      const bool decoupled = variant != 1;
+      const double beta1 = variant == 2 ? 0.3 : 0.9;
+      const auto s = k::adam_step(1e-3, beta1, 0.999, 1e-8, 0.01, decoupled, 3, 0.5);
+      adam_case<float, k::f16>(smartinf_adam_f32_f16, "adam_f32_f16", n, s);
+      adam_case<float, k::bf16>(smartinf_adam_f32_bf16, "adam_f32_bf16", n, s);
+      adam_case<k::f16, k::f16>(smartinf_adam_f16_f16, "adam_f16_f16", n, s);
+      adam_case<k::bf16, k::bf16>(smartinf_adam_bf16_bf16, "adam_bf16_bf16", n, s);
+      adam_case<float, float>(smartinf_adam_f32_f32, "adam_f32_f32", n, s);
+      topk_case<k::f16, k::f16>(smartinf_adam_topk_f16_f16, "adam_topk_f16_f16", n, s);
+      topk_case<k::bf16, k::bf16>(smartinf_adam_topk_bf16_bf16, "adam_topk_bf16_bf16", n, s);
+    }
+    two_state_cases(n);
+  }
+  std::printf("csim: %d checks, %d failures (%zu lengths, 9 top functions)\n", checks, failures,
+              sizeof(lengths) / sizeof(lengths[0]));
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,70 @@
+// Vitis HLS top functions of the SmartSSD update kernels (one chunk of params per run).
+//
+// Ports: the fp32 state arrays share the `states` AXI bundle (they stream from the
+// SSD-filled DRAM region), the gradient or top-k pairs the `grads` bundle, the updated
+// params the `params` bundle; all 512-bit with 64-beat bursts. Scalars (n, the step's
+// hyper-parameters) are AXI-lite registers. Names say gradient and param dtypes:
+// smartinf_adam_f32_f16 takes fp32 gradients and writes fp16 params.
+#include "update.h"
+
+using smartinf::hls::Beat;
+namespace k = smartinf::kernels;
+namespace h = smartinf::hls;
+
+#define SMARTINF_PORT(p, bundle) \
+  _Pragma(SMARTINF_STR(HLS INTERFACE m_axi port = p bundle = bundle offset = slave max_read_burst_length = 64 max_write_burst_length = 64 num_read_outstanding = 16 num_write_outstanding = 16))
+#define SMARTINF_STR(x) #x
+
+// Adam / AdamW (step.decoupled), dense gradient.
+#define SMARTINF_ADAM(NAME, G, P)                                                              \
+  extern "C" void NAME(Beat* param, Beat* exp_avg, Beat* exp_avg_sq, const Beat* grad,         \
+                       Beat* out, int n, k::AdamStep step) {                                   \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(exp_avg, states)                                                             \
+    SMARTINF_PORT(exp_avg_sq, states)                                                          \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* states[3] = {param, exp_avg, exp_avg_sq};                                            \
+    h::DenseGrad<G> g{grad};                                                                   \
+    h::update_chunk<h::AdamMath, h::DenseGrad<G>, P>(states, g, out, n, h::AdamMath{step});    \
+  }
+
+// Adam / AdamW fused with SmartComp decompression: nnz (int32 index, V value) pairs with
+// ascending sub-group positions; this chunk starts at position `base`.
+#define SMARTINF_ADAM_TOPK(NAME, V, P)                                                         \
+  extern "C" void NAME(Beat* param, Beat* exp_avg, Beat* exp_avg_sq, const Beat* index,        \
+                       const Beat* values, int nnz, unsigned long long base, Beat* out, int n, \
+                       k::AdamStep step) {                                                     \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(exp_avg, states)                                                             \
+    SMARTINF_PORT(exp_avg_sq, states)                                                          \
+    SMARTINF_PORT(index, grads)                                                                \
+    SMARTINF_PORT(values, grads)                                                               \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* states[3] = {param, exp_avg, exp_avg_sq};                                            \
+    h::TopkGrad<V> g{index, values, nnz, base};                                                \
+    h::update_chunk<h::AdamMath, h::TopkGrad<V>, P>(states, g, out, n, h::AdamMath{step});     \
+  }
+
+// SGD (momentum buffer) and AdaGrad (squared-gradient sum): two state arrays.
+#define SMARTINF_TWO_STATE(NAME, MATH, STEP, G, P)                                             \
+  extern "C" void NAME(Beat* param, Beat* state, const Beat* grad, Beat* out, int n,           \
+                       STEP step) {                                                            \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(state, states)                                                               \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* states[2] = {param, state};                                                          \
+    h::DenseGrad<G> g{grad};                                                                   \
+    h::update_chunk<MATH, h::DenseGrad<G>, P>(states, g, out, n, MATH{step});                  \
+  }
+
+SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)
+SMARTINF_ADAM(smartinf_adam_f32_bf16, float, k::bf16)
+SMARTINF_ADAM(smartinf_adam_f16_f16, k::f16, k::f16)
+SMARTINF_ADAM(smartinf_adam_bf16_bf16, k::bf16, k::bf16)
+SMARTINF_ADAM(smartinf_adam_f32_f32, float, float)
+SMARTINF_ADAM_TOPK(smartinf_adam_topk_f16_f16, k::f16, k::f16)
+SMARTINF_ADAM_TOPK(smartinf_adam_topk_bf16_bf16, k::bf16, k::bf16)
+SMARTINF_TWO_STATE(smartinf_sgd_f32_f16, h::SgdMath, k::SgdStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::AdagradMath, k::AdagradStep, float, k::f16)

@@ -1,0 +1,96 @@
+// The update kernels' tile loop: burst-read a tile of each fp32 state array and of the
+// gradient (or decompress the top-k pairs that fall in it), run the element-wise math of
+// src/native/kernels/ on the on-chip tile, burst-write states and params back.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "beats.h"
+#include "kernels/adagrad.h"
+#include "kernels/adam.h"
+#include "kernels/decompress.h"
+#include "kernels/sgd.h"
+
+namespace smartinf::hls {
+
+// The math of one optimizer on a tile; NS fp32 state arrays, the param first.
+struct AdamMath {
+  static constexpr int NS = 3;
+  kernels::AdamStep s;
+  template <class G, class P>
+  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
+    kernels::adam(n, st[0], st[1], st[2], g, out, s);
+  }
+};
+
+struct SgdMath {
+  static constexpr int NS = 2;
+  kernels::SgdStep s;
+  template <class G, class P>
+  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
+    kernels::sgd(n, st[0], st[1], g, out, s);
+  }
+};
+
+struct AdagradMath {
+  static constexpr int NS = 2;
+  kernels::AdagradStep s;
+  template <class G, class P>
+  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
+    kernels::adagrad(n, st[0], st[1], g, out, s);
+  }
+};
+
+// Where a tile's gradient comes from: a dense G array, or top-k (int32 index, V value)
+// pairs with ascending sub-group positions, this chunk starting at position `base`.
+template <class G>
+struct DenseGrad {
+  using Elem = G;
+  const Beat* grad;
+  void tile(std::size_t start, int count, G* g) { load(grad, start, count, g); }
+};
+
+template <class V>
+struct TopkGrad {
+  using Elem = float;
+  const Beat* index;
+  const Beat* values;
+  int nnz;
+  uint64_t base;
+  int next = 0;  // the first pair not yet used (pairs come in ascending order)
+  int32_t idx[TILE] = {};
+  V val[TILE] = {};
+  void tile(std::size_t start, int count, float* g) {
+    const uint64_t end = base + start + static_cast<uint64_t>(count);
+    int m = 0;
+  gather_pairs:
+    for (; next < nnz; ++next, ++m) {
+#pragma HLS PIPELINE II = 1
+      const int32_t i = element<int32_t>(index, static_cast<std::size_t>(next));
+      if (static_cast<uint64_t>(i) >= end) break;
+      idx[m] = i;
+      val[m] = element<V>(values, static_cast<std::size_t>(next));
+    }
+    kernels::decompress(static_cast<std::size_t>(count), g, idx, val, static_cast<std::size_t>(m),
+                        base + start);
+  }
+};
+
+// One chunk of n params: states[0..NS) are the fp32 state arrays (param first).
+template <class Math, class Grad, class P>
+inline void update_chunk(Beat* const* states, Grad& grad, Beat* out, int n, const Math& math) {
+  float st[Math::NS][TILE];
+  typename Grad::Elem g[TILE];
+  P o[TILE];
+tiles:
+  for (int start = 0; start < n; start += TILE) {
+    const int count = n - start < TILE ? n - start : TILE;
+    for (int a = 0; a < Math::NS; ++a) load(states[a], start, count, st[a]);
+    grad.tile(start, count, g);
+    math(count, st, g, o);
+    for (int a = 0; a < Math::NS; ++a) store(states[a], start, count, st[a]);
+    store(out, start, count, o);
+  }
+}
+
+}  // namespace smartinf::hls
