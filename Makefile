@@ -14,13 +14,14 @@ NATIVE := $(shell find src CMakeLists.txt pyproject.toml -type f \( -name '*.h' 
 
 setup: $(VENV)/.built
 
-# Debian packages: liburing for the native core, libaio for DeepSpeed's async_io op (the
-# ZeRO-Infinity baseline); installed when missing and root.
+# Debian packages: liburing for the native core, libxrt-dev for the SmartSSD device (and
+# XRT's noop emulation the tests use), libaio for DeepSpeed's async_io op (the ZeRO-Infinity
+# baseline); installed when missing and root.
 system-deps:
-	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/libaio.h ]; then \
+	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/libaio.h ] || [ ! -f /usr/include/xrt/xrt/xrt_device.h ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing liburing-dev libaio-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libaio-dev >/dev/null; \
-	  else echo "warning: liburing-dev or libaio-dev is missing and we are not root: no io_uring engine (threads), no DeepSpeed NVMe baseline"; fi; \
+	    echo "installing liburing-dev libaio-dev libxrt-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libaio-dev libxrt-dev >/dev/null; \
+	  else echo "warning: liburing-dev, libaio-dev or libxrt-dev is missing and we are not root: no io_uring engine (threads), no DeepSpeed NVMe baseline, no SmartSSD device"; fi; \
 	fi
 
 $(VENV)/.deps: pyproject.toml | system-deps

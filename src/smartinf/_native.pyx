@@ -36,10 +36,18 @@ cdef extern from "pipeline/completion.h" namespace "smartinf::pipeline":
         void wait() except +raise_py_error nogil
 
 
+cdef extern from "device/device.h" namespace "smartinf::device":
+    cdef cppclass XrtOptions:
+        unsigned index
+        string bdf
+        string xclbin
+
+
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
         string kind
         string dir
+        XrtOptions xrt
 
     cdef cppclass RingOptions:
         string io
@@ -120,13 +128,17 @@ cdef class NativeCompletion:
 cdef class NativePipeline:
     cdef Pipeline* p
 
-    def __cinit__(self, list dirs, str optimizer, float initial_state, uint64_t chunk,
+    def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
                   size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes):
+        """devices: (kind, dir, fpga index, fpga BDF, xclbin) per device."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
-        for d in dirs:
-            spec.kind = b"cpu"
+        for kind, d, index, bdf, xclbin in devices:
+            spec.kind = kind.encode()
             spec.dir = d.encode()
+            spec.xrt.index = index
+            spec.xrt.bdf = bdf.encode()
+            spec.xrt.xclbin = xclbin.encode()
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state

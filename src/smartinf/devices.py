@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
-from . import defaults
+from . import _build_info, defaults
+
+_BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def _abspath(path: object, what: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} path must be a str or os.PathLike, got {type(path).__name__}")
+    return os.path.abspath(os.fspath(path))
 
 
 @dataclass(frozen=True)
@@ -21,18 +30,56 @@ class CpuDevice:
     kind = "cpu"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.path, (str, os.PathLike)):
-            raise TypeError(f"CpuDevice path must be a str or os.PathLike, got {type(self.path).__name__}")
-        object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        object.__setattr__(self, "path", _abspath(self.path, "CpuDevice"))
+
+    def native_spec(self) -> tuple:
+        return ("cpu", self.path, 0, "", "")
 
 
-Device = CpuDevice
-DeviceLike = Union[CpuDevice, str, "os.PathLike[str]"]
+@dataclass(frozen=True)
+class XrtDevice:
+    """A Samsung SmartSSD through XRT: its FPGA (``fpga``: index or PCIe BDF such as
+    ``"0000:3b:00.1"``) and ``path``, a directory on the NVMe of the same SmartSSD, which
+    the FPGA reads peer to peer. ``xclbin`` is the build of ``hls_kernels/``; without it
+    the device moves data but its kernel stage is unavailable (an update raises)."""
+
+    path: str
+    fpga: Union[int, str] = 0
+    xclbin: Optional[str] = None
+    kind = "xrt"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", _abspath(self.path, "XrtDevice"))
+        if isinstance(self.fpga, bool) or not isinstance(self.fpga, (int, str)):
+            raise TypeError(f"fpga must be a device index or a PCIe BDF string, got {self.fpga!r}")
+        if isinstance(self.fpga, int) and self.fpga < 0:
+            raise ValueError(f"fpga index must be >= 0, got {self.fpga}")
+        if isinstance(self.fpga, str) and not _BDF.match(self.fpga):
+            raise ValueError(f"fpga={self.fpga!r} is not a PCIe BDF (like 0000:3b:00.1)")
+        if self.xclbin is not None:
+            object.__setattr__(self, "xclbin", _abspath(self.xclbin, "xclbin"))
+            if not os.path.isfile(self.xclbin):
+                raise FileNotFoundError(f"xclbin {self.xclbin} does not exist: build it with "
+                                        f"`make -C hls_kernels` (Vitis) or pass its path")
+
+    def native_spec(self) -> tuple:
+        if not _build_info.XRT:
+            raise OSError("smartinf was built without XRT: install XRT (Debian: libxrt-dev, or "
+                          "Xilinx's xrt package) and reinstall smartinf")
+        if not os.environ.get("XILINX_XRT"):
+            raise OSError("XILINX_XRT is not set: source /opt/xilinx/xrt/setup.sh (or set "
+                          "XILINX_XRT to XRT's install prefix) before opening a SmartSSD")
+        index, bdf = (self.fpga, "") if isinstance(self.fpga, int) else (0, self.fpga)
+        return ("xrt", self.path, index, bdf, self.xclbin or "")
+
+
+Device = Union[CpuDevice, XrtDevice]
+DeviceLike = Union[CpuDevice, XrtDevice, str, "os.PathLike[str]"]
 
 
 def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[CpuDevice]:
     """Turns the ``devices`` argument (a device, a path, or a list of them) into devices."""
-    if isinstance(devices, (str, os.PathLike, CpuDevice)):
+    if isinstance(devices, (str, os.PathLike, CpuDevice, XrtDevice)):
         devices = [devices]
     if not isinstance(devices, Sequence) or len(devices) == 0:
         raise ValueError("devices must be a non-empty list of devices or directory paths")
@@ -43,8 +90,9 @@ def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[CpuDevice]:
             if kind != "cpu":
                 raise ValueError(f"SMARTINF_DEVICE={kind!r}: only 'cpu' is available in this build")
             d = CpuDevice(d)
-        if not isinstance(d, CpuDevice):
-            raise TypeError(f"not a device: {d!r} (pass smartinf.CpuDevice(path) or a path)")
+        if not isinstance(d, (CpuDevice, XrtDevice)):
+            raise TypeError(f"not a device: {d!r} (pass smartinf.CpuDevice(path), "
+                            f"smartinf.XrtDevice(path, fpga) or a path)")
         resolved.append(d)
     paths = [d.path for d in resolved]
     if len(set(paths)) != len(paths):

@@ -87,6 +87,7 @@ class Pipeline:
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
+        specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
             raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...) or "
@@ -110,7 +111,7 @@ class Pipeline:
         self._final_stats: dict[str, float] = {}
         self._resumed: set[int] = set()
         self._native = _native.NativePipeline(
-            [d.path for d in self._devices], self.optimizer.name,
+            specs, self.optimizer.name,
             float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
             defaults.PIECE_BYTES)
         for note in self._native.notes():

@@ -64,6 +64,8 @@ class Device {
   virtual size_t slot_states_bytes() const = 0;
   // Whether slot memory may be registered with io_uring as fixed buffers.
   virtual bool registrable() const = 0;
+  // Whether slot memory is aligned for O_DIRECT (XRT's emulation maps unaligned memory).
+  virtual bool direct_io() const { return true; }
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: `nnz` top-k pairs (int32 index, value of `value_bytes`).
   virtual void copy_in_compressed(size_t slot, const int32_t* index, const void* values,
@@ -81,5 +83,16 @@ class Device {
 // The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the
 // calling thread.
 std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry);
+
+// A SmartSSD through XRT (built when libxrt is found: SMARTINF_HAVE_XRT): the FPGA by
+// index or PCIe BDF, and the xclbin of hls_kernels/ (without one the kernel stage is
+// unavailable; data movement still works).
+struct XrtOptions {
+  unsigned index = 0;
+  std::string bdf;
+  std::string xclbin;
+};
+std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
+                                        const XrtOptions& options);
 
 }  // namespace smartinf::device

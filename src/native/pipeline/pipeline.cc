@@ -75,11 +75,26 @@ Pipeline::Pipeline(const PipelineOptions& options)
   store::StoreConfig config{options.chunk, options.optimizer, arrays, "fp32"};
   const device::SlotGeometry geometry{options.slots, options.chunk, arrays};
   for (const DeviceSpec& spec : options.devices) {
-    if (spec.kind != "cpu")
+    if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
+#ifndef SMARTINF_HAVE_XRT
+    if (spec.kind == "xrt")
+      throw std::invalid_argument("smartinf was built without XRT: install XRT (Debian: "
+                                  "libxrt-dev; or Xilinx's xrt package) and rebuild smartinf");
+#endif
     Unit unit;
-    unit.store = std::make_unique<store::StateStore>(spec.dir, config, notes_);
-    unit.device = device::make_cpu_device(spec.dir, geometry);
+#ifdef SMARTINF_HAVE_XRT
+    if (spec.kind == "xrt")
+      unit.device = device::make_xrt_device(spec.dir, geometry, spec.xrt);
+    else
+#endif
+      unit.device = device::make_cpu_device(spec.dir, geometry);
+    store::StoreConfig device_config = config;
+    device_config.direct = unit.device->direct_io();
+    if (!device_config.direct)
+      notes_.push_back(unit.device->describe() + ": slot memory is not page aligned (XRT "
+                       "emulation?): buffered I/O on " + spec.dir);
+    unit.store = std::make_unique<store::StateStore>(spec.dir, device_config, notes_);
     devices_.push_back(std::move(unit));
   }
   // A crash between two devices' commits leaves some one step ahead; their previous

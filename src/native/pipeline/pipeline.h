@@ -15,8 +15,9 @@
 namespace smartinf::pipeline {
 
 struct DeviceSpec {
-  std::string kind = "cpu";
+  std::string kind = "cpu";  // cpu | xrt
   std::string dir;
+  device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
 };
 
 struct PipelineOptions {

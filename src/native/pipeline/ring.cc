@@ -142,19 +142,26 @@ void Ring::compute_loop() {
   while (std::optional<Loaded> item = computing_.pop()) {
     Job& job = item->job;
     const size_t numel = job.src.numel;
-    if (job.kind == JobKind::read) {
-      Timer t(counters_.busy_ns[kDeviceToHost]);
-      device_.export_states(item->slot, job.exported, numel);
-      for (float* a : job.exported) counters_.device_to_host += a ? numel * 4 : 0;
-    } else {
-      {
-        Timer t(counters_.busy_ns[kCompute]);
-        device_.compute(item->slot, job.kernel, numel);
+    try {
+      if (job.kind == JobKind::read) {
+        Timer t(counters_.busy_ns[kDeviceToHost]);
+        device_.export_states(item->slot, job.exported, numel);
+        for (float* a : job.exported) counters_.device_to_host += a ? numel * 4 : 0;
+      } else {
+        {
+          Timer t(counters_.busy_ns[kCompute]);
+          device_.compute(item->slot, job.kernel, numel);
+        }
+        Timer t(counters_.busy_ns[kDeviceToHost]);
+        const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
+        device_.copy_out(item->slot, job.output, bytes);
+        counters_.device_to_host += bytes;
       }
-      Timer t(counters_.busy_ns[kDeviceToHost]);
-      const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
-      device_.copy_out(item->slot, job.output, bytes);
-      counters_.device_to_host += bytes;
+    } catch (...) {  // e.g. a device without its kernel: nothing is written back
+      job.completion->chunk_done(std::current_exception());
+      free_slots_.push(item->slot);
+      finished();
+      continue;
     }
     ++counters_.chunks;
     job.completion->chunk_done();  // OUT: the caller may reuse its buffers now

@@ -72,8 +72,11 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
 
   // Without a manifest nothing was ever committed here: an old states.bin is an orphan.
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (resume ? 0 : O_TRUNC);
-  fd_ = ::open(states_path_.c_str(), flags | O_DIRECT, 0644);
-  if (fd_ < 0 && errno == EINVAL) {
+  fd_ = config.direct ? ::open(states_path_.c_str(), flags | O_DIRECT, 0644) : -1;
+  if (!config.direct) {
+    direct_ = false;
+    fd_ = ::open(states_path_.c_str(), flags, 0644);
+  } else if (fd_ < 0 && errno == EINVAL) {
     direct_ = false;
     notes.push_back("no O_DIRECT on " + dir + " (tmpfs?): using buffered I/O there");
     fd_ = ::open(states_path_.c_str(), flags, 0644);

@@ -23,6 +23,7 @@ struct StoreConfig {
   std::string optimizer;
   unsigned arrays = 3;  // fp32 state arrays per param, fixed by the optimizer
   std::string state_dtype = "fp32";
+  bool direct = true;  // O_DIRECT where the file system has it (false: the slots cannot take it)
 };
 
 // A sub-group written in the step being committed, and its optimizer step count after it.

@@ -1,0 +1,171 @@
+// A Samsung SmartSSD through XRT's native C++ API: slot states in P2P buffer objects
+// (FPGA DRAM mapped into the host address space, so the storage engine reads the SSD
+// straight into them, peer to peer), gradients in and params out through normal buffer
+// objects with explicit syncs, and one kernel run (hls_kernels/) per chunk.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <xrt/xrt_bo.h>
+#include <xrt/xrt_device.h>
+#include <xrt/xrt_kernel.h>
+
+#include "device/device.h"
+#include "store/state_store.h"
+
+namespace smartinf::device {
+
+namespace {
+
+const char* dtype_name(DType t) { return t == DType::f32 ? "f32" : t == DType::f16 ? "f16" : "bf16"; }
+
+// The hls_kernels/ top function for this update (kernels.cpp names them so).
+std::string kernel_name(const Kernel& k) {
+  const std::string types = std::string(dtype_name(k.grad)) + "_" + dtype_name(k.param);
+  switch (k.optimizer) {
+    case Optimizer::adam:
+    case Optimizer::adamw:
+      return std::string(k.compressed ? "smartinf_adam_topk_" : "smartinf_adam_") + types;
+    case Optimizer::sgd:
+      return "smartinf_sgd_" + types;
+    case Optimizer::adagrad:
+      return "smartinf_adagrad_" + types;
+  }
+  return "";
+}
+
+class XrtDevice final : public Device {
+ public:
+  XrtDevice(std::string dir, const SlotGeometry& g, const XrtOptions& o)
+      : dir_(std::move(dir)), geometry_(g), device_(open(o)) {
+    if (!o.xclbin.empty()) {
+      uuid_ = device_.load_xclbin(o.xclbin);
+      loaded_ = true;
+    }
+    const size_t io = io_ = store::align_up(g.chunk * 4);
+    for (size_t i = 0; i < g.count; ++i) {
+      Buffers b;
+      // Memory group 0: the SmartSSD's single DDR bank, which holds its P2P window.
+      b.states = xrt::bo(device_, g.states_bytes(), xrt::bo::flags::p2p, 0);
+      b.grad = xrt::bo(device_, io, xrt::bo::flags::normal, 0);
+      b.out = xrt::bo(device_, io, xrt::bo::flags::normal, 0);
+      b.pairs = xrt::bo(device_, io + store::align_up(g.chunk * 2), xrt::bo::flags::normal, 0);
+      char* pairs = b.pairs.map<char*>();
+      slots_.push_back(Slot{b.states.map<float*>(), b.grad.map<void*>(), b.out.map<void*>(),
+                            reinterpret_cast<int32_t*>(pairs), pairs + io});
+      buffers_.push_back(std::move(b));
+    }
+  }
+
+  std::string describe() const override { return "xrt:" + dir_; }
+  const std::string& storage_dir() const override { return dir_; }
+  size_t slot_count() const override { return slots_.size(); }
+  Slot slot(size_t i) override { return slots_[i]; }
+  size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
+  // P2P pages cannot be pinned as io_uring fixed buffers: plain reads into the mapping.
+  bool registrable() const override { return false; }
+  bool direct_io() const override {
+    for (const Slot& s : slots_)
+      if (reinterpret_cast<uintptr_t>(s.states) % store::kAlign != 0) return false;
+    return true;
+  }
+
+  void copy_in(size_t i, const void* grad, size_t bytes) override {
+    std::memcpy(slots_[i].grad, grad, bytes);
+    buffers_[i].grad.sync(XCL_BO_SYNC_BO_TO_DEVICE, bytes, 0);
+  }
+
+  void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
+                          size_t value_bytes) override {
+    std::memcpy(slots_[i].index, index, nnz * 4);
+    std::memcpy(slots_[i].values, values, nnz * value_bytes);
+    buffers_[i].pairs.sync(XCL_BO_SYNC_BO_TO_DEVICE);
+  }
+
+  void compute(size_t i, const Kernel& k, size_t numel) override {
+    if (!loaded_)
+      throw std::runtime_error("kernel stage unavailable on " + describe() +
+                               ": no xclbin loaded (pass xclbin= with the build of hls_kernels/)");
+    if (numel % 16 != 0)
+      throw std::runtime_error("the SmartSSD kernels need chunks of a multiple of 16 params "
+                               "(512-bit beats); this chunk has " + std::to_string(numel));
+    const std::string name = kernel_name(k);
+    xrt::kernel kernel(device_, uuid_, name);
+    Buffers& b = buffers_[i];
+    const size_t bytes = numel * 4;
+    xrt::bo param(b.states, bytes, 0), state1(b.states, bytes, bytes);
+    xrt::run run;
+    switch (k.optimizer) {
+      case Optimizer::adam:
+      case Optimizer::adamw: {
+        xrt::bo state2(b.states, bytes, 2 * bytes);
+        if (k.compressed) {  // pairs BO: int32 indices, then the values
+          xrt::bo index(b.pairs, io_, 0), values(b.pairs, b.pairs.size() - io_, io_);
+          run = kernel(param, state1, state2, index, values, static_cast<int>(k.nnz),
+                       static_cast<unsigned long long>(k.base), b.out, static_cast<int>(numel), k.adam);
+        } else {
+          run = kernel(param, state1, state2, b.grad, b.out, static_cast<int>(numel), k.adam);
+        }
+        break;
+      }
+      case Optimizer::sgd:
+        run = kernel(param, state1, b.grad, b.out, static_cast<int>(numel), k.sgd);
+        break;
+      case Optimizer::adagrad:
+        run = kernel(param, state1, b.grad, b.out, static_cast<int>(numel), k.adagrad);
+        break;
+    }
+    run.wait();
+  }
+
+  void copy_out(size_t i, void* dst, size_t bytes) override {
+    buffers_[i].out.sync(XCL_BO_SYNC_BO_FROM_DEVICE, bytes, 0);
+    std::memcpy(dst, slots_[i].out, bytes);
+  }
+
+  void init_states(size_t i, const float* const* arrays, const float* fill,
+                   size_t numel) override {
+    float* states = slots_[i].states;
+    for (unsigned a = 0; a < geometry_.arrays; ++a, states += numel) {
+      if (arrays[a])
+        std::memcpy(states, arrays[a], numel * 4);
+      else
+        std::fill(states, states + numel, fill[a]);
+    }
+  }
+
+  void export_states(size_t i, float* const* arrays, size_t numel) override {
+    const float* states = slots_[i].states;
+    for (unsigned a = 0; a < geometry_.arrays; ++a)
+      if (arrays[a]) std::memcpy(arrays[a], states + a * numel, numel * 4);
+  }
+
+ private:
+  struct Buffers {
+    xrt::bo states, grad, out, pairs;
+  };
+
+  static xrt::device open(const XrtOptions& o) {
+    return o.bdf.empty() ? xrt::device(o.index) : xrt::device(o.bdf);
+  }
+
+  std::string dir_;
+  SlotGeometry geometry_;
+  xrt::device device_;
+  xrt::uuid uuid_;
+  bool loaded_ = false;
+  size_t io_ = 0;
+  std::vector<Buffers> buffers_;
+  std::vector<Slot> slots_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
+                                        const XrtOptions& options) {
+  return std::make_unique<XrtDevice>(dir, geometry, options);
+}
+
+}  // namespace smartinf::device

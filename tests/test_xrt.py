@@ -1,0 +1,129 @@
+"""The SmartSSD device (XRT) as far as XRT's `noop` emulation goes, and its input checks.
+
+Under XCL_EMULATION_MODE=noop XRT opens a device and allocates, maps and syncs P2P and
+normal buffer objects without an FPGA, so the pipeline's data movement through them
+(states written back from the P2P slots, loaded into them again) runs for real; there
+is no xclbin, so the kernel stage reports itself unavailable, and nothing stored may be
+lost by that. Running the kernels needs the hardware (test at the end, skipped here).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import smartinf
+
+NOOP_SHIM = "libxrt_noop.so.2"
+
+
+def noop_shim():
+    for d in ("/usr/lib/x86_64-linux-gnu", "/opt/xilinx/xrt/lib", "/usr/lib64", "/usr/lib"):
+        if os.path.exists(os.path.join(d, NOOP_SHIM)):
+            return os.path.join(d, NOOP_SHIM)
+    return None
+
+
+@pytest.fixture
+def noop_env(tmp_path):
+    """Environment for XRT's noop emulation; XRT looks for the shim in $XILINX_XRT/lib,
+    where Debian's libxrt1 does not put it, so a prefix with a link to it is made."""
+    if not smartinf.build_info()["xrt"]:
+        pytest.skip("smartinf was built without XRT (libxrt-dev not found at build time)")
+    shim = noop_shim()
+    if shim is None:
+        pytest.skip(f"XRT's noop emulation shim ({NOOP_SHIM}) is not installed")
+    prefix = tmp_path / "xrt"
+    (prefix / "lib").mkdir(parents=True)
+    os.symlink(shim, prefix / "lib" / NOOP_SHIM)
+    return dict(os.environ, XILINX_XRT=str(prefix), XCL_EMULATION_MODE="noop")
+
+
+SCENARIO = textwrap.dedent("""
+    import json, sys
+    import numpy as np, smartinf
+    d = sys.argv[1]
+    x = np.random.default_rng(0).standard_normal(3000).astype(np.float32)
+    pipe = smartinf.Pipeline([smartinf.XrtDevice(d, 0)], smartinf.AdamW(), chunk=1024, slots=2)
+    sg = pipe.add_subgroup(3000, init=x)           # WRITEBACK from the P2P slots
+    st = pipe.read_states(sg)                       # LOAD into them
+    r = {"describe": repr(pipe), "init_equal": bool(np.array_equal(st["param"], x)),
+         "moments_zero": bool(not st["exp_avg"].any() and not st["exp_avg_sq"].any()),
+         "written": pipe.stats["storage_write"], "read": pipe.stats["storage_read"]}
+    try:
+        with pipe.step():
+            pipe.update(sg, np.ones(3000, np.float32), np.empty(3000, np.float16)).wait()
+        r["update"] = "ran"
+    except RuntimeError as e:
+        r["update"] = str(e)
+    r["after_equal"] = bool(np.array_equal(pipe.read_states(sg)["param"], x))
+    r["step"] = pipe.step_count
+    pipe.close()
+    pipe = smartinf.Pipeline([smartinf.XrtDevice(d, 0)], smartinf.AdamW(), chunk=1024, slots=2)
+    sg = pipe.add_subgroup(3000)
+    r["resumed"] = pipe.resumed(sg)
+    r["resumed_equal"] = bool(np.array_equal(pipe.read_states(sg)["param"], x))
+    pipe.close()
+    print(json.dumps(r))
+""")
+
+
+def test_noop_data_movement_through_xrt_buffers(noop_env, disk_dir):
+    done = subprocess.run([sys.executable, "-c", SCENARIO, disk_dir], env=noop_env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["init_equal"] and r["moments_zero"]
+    assert r["written"] >= 3000 * 12 and r["read"] >= 3000 * 12
+    assert r["update"].startswith("kernel stage unavailable on xrt:")
+    assert "xclbin" in r["update"]
+    assert r["after_equal"] and r["step"] == 0  # the failed step stored nothing
+    assert r["resumed"] and r["resumed_equal"]
+    # XRT's emulation maps unaligned memory: the store says it fell back to buffered I/O.
+    assert "not page aligned" in done.stderr
+
+
+def test_xrt_device_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="PCIe BDF"):
+        smartinf.XrtDevice(str(tmp_path), "3b:00")
+    with pytest.raises(ValueError, match=">= 0"):
+        smartinf.XrtDevice(str(tmp_path), -1)
+    with pytest.raises(TypeError, match="fpga"):
+        smartinf.XrtDevice(str(tmp_path), 1.5)
+    with pytest.raises(FileNotFoundError, match="make -C hls_kernels"):
+        smartinf.XrtDevice(str(tmp_path), "0000:3b:00.1", xclbin=str(tmp_path / "none.xclbin"))
+    assert smartinf.XrtDevice(str(tmp_path), "0000:3b:00.1").native_spec is not None
+
+
+def test_missing_xrt_environment_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("XILINX_XRT", raising=False)
+    expected = "XILINX_XRT is not set" if smartinf.build_info()["xrt"] else "built without XRT"
+    with pytest.raises(OSError, match=expected):
+        smartinf.Pipeline([smartinf.XrtDevice(str(tmp_path))])
+    assert not os.listdir(tmp_path)  # nothing was created
+
+
+@pytest.mark.skipif(not os.environ.get("SMARTINF_SMARTSSD_XCLBIN"),
+                    reason="needs a Samsung SmartSSD (KU15P FPGA + NVMe) with XRT, and "
+                           "SMARTINF_SMARTSSD_XCLBIN=<hls_kernels build>; SMARTINF_SMARTSSD_DIR "
+                           "a directory on its NVMe")
+def test_smartssd_update_equals_cpu_device(tmp_path):
+    """On the hardware: one AdamW step on the SmartSSD equals the cpu device bit for bit."""
+    xclbin, ssd_dir = os.environ["SMARTINF_SMARTSSD_XCLBIN"], os.environ["SMARTINF_SMARTSSD_DIR"]
+    x = np.random.default_rng(1).standard_normal(1 << 16).astype(np.float32)
+    g = np.random.default_rng(2).standard_normal(1 << 16).astype(np.float32)
+    outs = []
+    for dev in (smartinf.XrtDevice(os.path.join(ssd_dir, "smartinf-test"), 0, xclbin=xclbin),
+                smartinf.CpuDevice(str(tmp_path))):
+        with smartinf.Pipeline([dev], smartinf.AdamW(), chunk=1 << 14) as pipe:
+            sg = pipe.add_subgroup(x.size, init=x)
+            out = np.empty(x.size, np.float16)
+            with pipe.step():
+                pipe.update(sg, g, out).wait()
+            outs.append((out, pipe.read_states(sg)))
+    assert np.array_equal(outs[0][0].view(np.uint16), outs[1][0].view(np.uint16))
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert np.array_equal(outs[0][1][name].view(np.uint32), outs[1][1][name].view(np.uint32))
