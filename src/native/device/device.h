@@ -2,7 +2,9 @@
 // (gradients in, params out) and the update kernel. The pipeline's ring drives it; the
 // device only knows how to move and compute one chunk held in one slot.
 #pragma once
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +81,24 @@ class Device {
   // The slot's states to the host, one array each (a null array is skipped).
   virtual void export_states(size_t slot, float* const* arrays, size_t numel) = 0;
 };
+
+// init_states / export_states for a device whose slot states are host-visible (host RAM, or
+// a mapped buffer object): `arrays` fp32 arrays of `numel`, one after another.
+inline void import_host_states(float* states, unsigned arrays, const float* const* from,
+                               const float* fill, size_t numel) {
+  for (unsigned a = 0; a < arrays; ++a, states += numel) {
+    if (from[a])
+      std::memcpy(states, from[a], numel * 4);
+    else
+      std::fill(states, states + numel, fill[a]);
+  }
+}
+
+inline void export_host_states(const float* states, unsigned arrays, float* const* to,
+                               size_t numel) {
+  for (unsigned a = 0; a < arrays; ++a)
+    if (to[a]) std::memcpy(to[a], states + a * numel, numel * 4);
+}
 
 // The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the
 // calling thread.

@@ -127,19 +127,11 @@ class XrtDevice final : public Device {
 
   void init_states(size_t i, const float* const* arrays, const float* fill,
                    size_t numel) override {
-    float* states = slots_[i].states;
-    for (unsigned a = 0; a < geometry_.arrays; ++a, states += numel) {
-      if (arrays[a])
-        std::memcpy(states, arrays[a], numel * 4);
-      else
-        std::fill(states, states + numel, fill[a]);
-    }
+    import_host_states(slots_[i].states, geometry_.arrays, arrays, fill, numel);
   }
 
   void export_states(size_t i, float* const* arrays, size_t numel) override {
-    const float* states = slots_[i].states;
-    for (unsigned a = 0; a < geometry_.arrays; ++a)
-      if (arrays[a]) std::memcpy(arrays[a], states + a * numel, numel * 4);
+    export_host_states(slots_[i].states, geometry_.arrays, arrays, numel);
   }
 
  private:
