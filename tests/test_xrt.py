@@ -127,3 +127,31 @@ def test_smartssd_update_equals_cpu_device(tmp_path):
     assert np.array_equal(outs[0][0].view(np.uint16), outs[1][0].view(np.uint16))
     for name in ("param", "exp_avg", "exp_avg_sq"):
         assert np.array_equal(outs[0][1][name].view(np.uint32), outs[1][1][name].view(np.uint32))
+
+
+ERRORS = textwrap.dedent("""
+    import json, os, sys
+    import smartinf
+    d = sys.argv[1]
+    bad = os.path.join(d, "bad.xclbin")
+    with open(bad, "wb") as f:
+        f.write(b"not an xclbin" * 64)
+    r = {}
+    for name, dev in (("bdf", smartinf.XrtDevice(os.path.join(d, "a"), "0000:3b:00.1")),
+                      ("xclbin", smartinf.XrtDevice(os.path.join(d, "b"), 0, xclbin=bad))):
+        try:
+            smartinf.Pipeline([dev]).close()
+            r[name] = "opened"
+        except RuntimeError as e:
+            r[name] = str(e)
+    print(json.dumps(r))
+""")
+
+
+def test_noop_errors_name_the_fix(noop_env, tmp_path):
+    done = subprocess.run([sys.executable, "-c", ERRORS, str(tmp_path)], env=noop_env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["bdf"].startswith("cannot open XRT device 0000:3b:00.1") and "xbutil examine" in r["bdf"]
+    assert r["xclbin"].startswith("cannot load") and "xilinx_u2_gen3x4_xdma_gc_2_202110_1" in r["xclbin"]

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include <xrt/xrt_bo.h>
 #include <xrt/xrt_device.h>
 #include <xrt/xrt_kernel.h>
@@ -41,14 +43,28 @@ class XrtDevice final : public Device {
   XrtDevice(std::string dir, const SlotGeometry& g, const XrtOptions& o)
       : dir_(std::move(dir)), geometry_(g), device_(open(o)) {
     if (!o.xclbin.empty()) {
-      uuid_ = device_.load_xclbin(o.xclbin);
+      try {
+        uuid_ = device_.load_xclbin(o.xclbin);
+      } catch (const std::exception& e) {
+        throw std::runtime_error("cannot load " + o.xclbin + " on " + name(o) + " (" + e.what() +
+                                 "): it must be built from hls_kernels/ for this card's platform "
+                                 "(SmartSSD: xilinx_u2_gen3x4_xdma_gc_2_202110_1; `make -C "
+                                 "hls_kernels PLATFORM=...`)");
+      }
       loaded_ = true;
     }
     const size_t io = io_ = store::align_up(g.chunk * 4);
     for (size_t i = 0; i < g.count; ++i) {
       Buffers b;
       // Memory group 0: the SmartSSD's single DDR bank, which holds its P2P window.
-      b.states = xrt::bo(device_, g.states_bytes(), xrt::bo::flags::p2p, 0);
+      try {
+        b.states = xrt::bo(device_, g.states_bytes(), xrt::bo::flags::p2p, 0);
+      } catch (const std::exception& e) {
+        throw std::runtime_error("cannot allocate a P2P buffer on " + name(o) + " (" + e.what() +
+                                 "): enable P2P with `sudo xbutil configure --p2p enable -d " +
+                                 (o.bdf.empty() ? "<BDF>" : o.bdf) + "` (then a warm reboot) and "
+                                 "\"Above 4G decoding\" in the BIOS");
+      }
       b.grad = xrt::bo(device_, io, xrt::bo::flags::normal, 0);
       b.out = xrt::bo(device_, io, xrt::bo::flags::normal, 0);
       b.pairs = xrt::bo(device_, io + store::align_up(g.chunk * 2), xrt::bo::flags::normal, 0);
@@ -139,8 +155,22 @@ class XrtDevice final : public Device {
     xrt::bo states, grad, out, pairs;
   };
 
+  static std::string name(const XrtOptions& o) {
+    return o.bdf.empty() ? "XRT device " + std::to_string(o.index) : "XRT device " + o.bdf;
+  }
+
   static xrt::device open(const XrtOptions& o) {
-    return o.bdf.empty() ? xrt::device(o.index) : xrt::device(o.bdf);
+    try {
+      return o.bdf.empty() ? xrt::device(o.index) : xrt::device(o.bdf);
+    } catch (const std::exception& e) {
+      const bool container = ::access("/.dockerenv", F_OK) == 0 ||
+                             ::access("/run/.containerenv", F_OK) == 0;
+      throw std::runtime_error(
+          "cannot open " + name(o) + " (" + e.what() + "): `xbutil examine` lists the cards " +
+          "XRT sees" + (container ? "; this is a container: pass the card's /dev/xclmgmt* and "
+                                    "/dev/dri/renderD* devices through (docker --device)"
+                                  : ""));
+    }
   }
 
   std::string dir_;
