@@ -155,3 +155,67 @@ def test_noop_errors_name_the_fix(noop_env, tmp_path):
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["bdf"].startswith("cannot open XRT device 0000:3b:00.1") and "xbutil examine" in r["bdf"]
     assert r["xclbin"].startswith("cannot load") and "xilinx_u2_gen3x4_xdma_gc_2_202110_1" in r["xclbin"]
+
+
+# -- finding SmartSSDs in sysfs (a made-up sysfs tree: two cards and a plain NVMe drive) --
+from smartinf import smartssd  # noqa: E402
+
+
+def fake_sysfs(root, data_dir):
+    """Card A: FPGA 0000:03:00.1 + nvme0 behind switch 0000:01:00.0; card B: FPGA
+    0000:13:00.1 + nvme1 behind 0000:11:00.0; nvme2 alone. data_dir lives on nvme0n1."""
+    devices = root / "devices" / "pci0000:00"
+
+    def function(path, vendor, cls="0x000000"):
+        path.mkdir(parents=True)
+        (path / "vendor").write_text(vendor + "\n")
+        (path / "class").write_text(cls + "\n")
+        link = root / "bus" / "pci" / "devices" / path.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+        return path
+
+    def nvme(path, name):
+        ctrl = path / "nvme" / name
+        (ctrl / f"{name}n1").mkdir(parents=True)
+        link = root / "class" / "nvme" / name
+        link.mkdir(parents=True)
+        (link / "device").symlink_to(path)
+        (link / f"{name}n1").mkdir()
+        return ctrl / f"{name}n1"
+
+    for up, fpga, drive, name in (("0000:01:00.0", "0000:03:00.1", "0000:04:00.0", "nvme0"),
+                                  ("0000:11:00.0", "0000:13:00.1", "0000:14:00.0", "nvme1")):
+        switch = devices / "0000:00:01.0" / up
+        function(switch / "0000:02:00.0" / fpga.replace(".1", ".0"), "0x10ee")
+        function(switch / "0000:02:00.0" / fpga, "0x10ee")
+        ns = nvme(function(switch / "0000:02:01.0" / drive, "0x144d", "0x010802"), name)
+        if name == "nvme0":
+            st = os.stat(data_dir)
+            block = root / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+            block.parent.mkdir(parents=True)
+            block.symlink_to(ns)
+    nvme(function(devices / "0000:00:02.0" / "0000:21:00.0", "0x144d", "0x010802"), "nvme2")
+    mounts = root / "mounts"
+    mounts.write_text("/dev/nvme0n1 /mnt/ssd-a ext4 rw 0 0\n/dev/nvme1n1p1 /mnt/ssd-b xfs rw 0 0\n"
+                      "/dev/nvme2n1 /data ext4 rw 0 0\n")
+    return str(root), str(mounts)
+
+
+def test_discover_pairs_each_fpga_with_its_own_drive(tmp_path):
+    sysfs, mounts = fake_sysfs(tmp_path / "sys", tmp_path)
+    cards = smartssd.discover(sysfs, mounts)
+    assert [(c.fpga, c.nvme, c.block_devices, c.mounts) for c in cards] == [
+        ("0000:03:00.1", "nvme0", ["/dev/nvme0n1"], ["/mnt/ssd-a"]),
+        ("0000:13:00.1", "nvme1", ["/dev/nvme1n1"], ["/mnt/ssd-b"])]  # nvme2 has no FPGA
+    devices = smartinf.XrtDevice.discover(sysfs=sysfs, mounts_file=mounts)
+    assert [(d.path, d.fpga) for d in devices] == [("/mnt/ssd-a/smartinf", "0000:03:00.1"),
+                                                   ("/mnt/ssd-b/smartinf", "0000:13:00.1")]
+
+
+def test_storage_directory_must_be_on_the_cards_own_drive(tmp_path):
+    sysfs, _ = fake_sysfs(tmp_path / "sys", tmp_path)
+    smartssd.check_pairing(str(tmp_path / "run"), "0000:03:00.1", sysfs)  # same card: fine
+    with pytest.raises(ValueError, match="not on the NVMe drive of the SmartSSD with FPGA 0000:13:00.1"):
+        smartssd.check_pairing(str(tmp_path / "run"), "0000:13:00.1", sysfs)
+    smartssd.check_pairing(str(tmp_path), "0000:99:00.1", sysfs)  # unknown card: XRT decides

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from . import _build_info, defaults
+from . import _build_info, defaults, smartssd
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
@@ -69,8 +69,18 @@ class XrtDevice:
         if not os.environ.get("XILINX_XRT"):
             raise OSError("XILINX_XRT is not set: source /opt/xilinx/xrt/setup.sh (or set "
                           "XILINX_XRT to XRT's install prefix) before opening a SmartSSD")
+        if isinstance(self.fpga, str):
+            smartssd.check_pairing(self.path, self.fpga)
         index, bdf = (self.fpga, "") if isinstance(self.fpga, int) else (0, self.fpga)
         return ("xrt", self.path, index, bdf, self.xclbin or "")
+
+    @classmethod
+    def discover(cls, subdir: str = "smartinf", xclbin: Optional[str] = None,
+                 sysfs: str = "/sys", mounts_file: str = "/proc/mounts") -> list:
+        """One ready device per SmartSSD whose drive is mounted: its FPGA paired with
+        ``<mount point>/<subdir>`` on its own NVMe (see smartinf.smartssd)."""
+        return [cls(os.path.join(card.mounts[0], subdir), card.fpga, xclbin)
+                for card in smartssd.discover(sysfs, mounts_file) if card.mounts]
 
 
 Device = Union[CpuDevice, XrtDevice]
