@@ -219,3 +219,26 @@ def test_storage_directory_must_be_on_the_cards_own_drive(tmp_path):
     with pytest.raises(ValueError, match="not on the NVMe drive of the SmartSSD with FPGA 0000:13:00.1"):
         smartssd.check_pairing(str(tmp_path / "run"), "0000:13:00.1", sysfs)
     smartssd.check_pairing(str(tmp_path), "0000:99:00.1", sysfs)  # unknown card: XRT decides
+
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    from smartinf import probe
+    r = probe.measure_smartssd(sys.argv[1], 0, 8 << 20)
+    print(json.dumps(r))
+    print(probe.format_report({"build": {"io_uring": True, "xrt": True}, "engine_requested": "auto",
+                               "storage": [], "host_copy": {"bps": 1e9, "nbytes": 1 << 20, "repeats": 1},
+                               "kernel": [], "smartssd": [r]}))
+""")
+
+
+def test_probe_measures_a_smartssd_through_xrt(noop_env, disk_dir):
+    done = subprocess.run([sys.executable, "-c", PROBE, disk_dir], env=noop_env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.splitlines()[0])
+    assert r["emulation"] == "noop" and r["direct"] is False  # emulation maps unaligned memory
+    for k in ("p2p_read_bps", "p2p_write_bps", "host_to_fpga_bps", "fpga_to_host_bps"):
+        assert r[k] > 0
+    assert "[noop emulation]" in done.stdout
+    assert not [f for f in os.listdir(disk_dir) if f.startswith(".smartinf")]  # probe file removed

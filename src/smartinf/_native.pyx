@@ -42,6 +42,12 @@ cdef extern from "device/device.h" namespace "smartinf::device":
         string bdf
         string xclbin
 
+    cdef cppclass XrtBandwidth:
+        double p2p_read_s, p2p_write_s, to_fpga_s, from_fpga_s
+        cbool direct
+
+    XrtBandwidth time_xrt(const XrtOptions&, const string&, uint64_t) except +raise_py_error nogil
+
 
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
@@ -105,6 +111,19 @@ def time_storage(str path, uint64_t nbytes, cbool write, str engine, uint64_t bl
     with nogil:
         seconds = time_io(p, nbytes, write, e, block, depth)
     return seconds
+
+
+def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) -> dict:
+    """Seconds to move nbytes SSD <-> FPGA DRAM peer to peer and host <-> FPGA DRAM."""
+    cdef XrtOptions o
+    cdef string d = directory.encode()
+    cdef XrtBandwidth bw
+    o.index = index
+    o.bdf = bdf.encode()
+    with nogil:
+        bw = time_xrt(o, d, nbytes)
+    return {"p2p_read_s": bw.p2p_read_s, "p2p_write_s": bw.p2p_write_s,
+            "to_fpga_s": bw.to_fpga_s, "from_fpga_s": bw.from_fpga_s, "direct": bw.direct}
 
 
 def time_kernel(uint64_t numel, int grad_dtype, int param_dtype) -> float:

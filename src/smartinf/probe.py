@@ -192,6 +192,26 @@ def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
                             numel / seconds)
 
 
+def measure_smartssd(directory: str, fpga: "int | str" = 0, nbytes: int = 256 * MiB) -> dict:
+    """One SmartSSD through XRT: SSD -> FPGA DRAM (P2P read), FPGA DRAM -> SSD (P2P
+    write) over a file in ``directory`` on its drive, and host <-> FPGA DRAM syncs, in
+    bytes per second. Under XRT emulation (XCL_EMULATION_MODE) the figures are host ones."""
+    index, bdf = (fpga, "") if isinstance(fpga, int) else (0, fpga)
+    t = _native.time_xrt_bandwidth(index, bdf, directory, nbytes)
+    return {"fpga": fpga, "directory": directory, "nbytes": nbytes, "direct": t["direct"],
+            "emulation": os.environ.get("XCL_EMULATION_MODE") or None,
+            "p2p_read_bps": nbytes / t["p2p_read_s"], "p2p_write_bps": nbytes / t["p2p_write_s"],
+            "host_to_fpga_bps": nbytes / t["to_fpga_s"], "fpga_to_host_bps": nbytes / t["from_fpga_s"]}
+
+
+def smartssds() -> list:
+    """Every SmartSSD found in sysfs whose drive is mounted, measured (XRT builds only)."""
+    if not build_info()["xrt"] or not os.environ.get("XILINX_XRT"):
+        return []
+    from .smartssd import discover  # noqa: PLC0415
+    return [measure_smartssd(card.mounts[0], card.fpga) for card in discover() if card.mounts]
+
+
 def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str = "auto",
           repeats: int = 1, kernel_numel: int = KERNEL_NUMEL,
           host_copy_bytes: int = HOST_COPY_BYTES) -> dict:
@@ -206,6 +226,7 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
         "host_copy": dataclasses.asdict(measure_host_copy(host_copy_bytes)),
         "kernel": [dict(dataclasses.asdict(k), state_bps=k.state_bps)
                    for k in (measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES)],
+        "smartssd": smartssds(),
     }
 
 
@@ -229,6 +250,15 @@ def format_report(result: dict) -> str:
         lines.append(f"{k['grad'] + '/' + k['param']:<24} {k['params_per_s'] / 1e6:>10.0f} "
                      f"{k['state_bps'] / 1e9:>11.2f}")
     lines.append("(state GB/s: 24 B of fp32 states read+written per param, vs storage above)")
+    cards = result.get("smartssd", [])
+    lines += ["", "SmartSSDs: " + ("none found (XRT build, XILINX_XRT set, FPGA and NVMe behind "
+                                   "one switch, drive mounted)" if not cards else "")]
+    for c in cards:
+        lines.append(f"  FPGA {c['fpga']} on {c['directory']}: P2P read "
+                     f"{c['p2p_read_bps'] / 1e9:.2f} GB/s, P2P write {c['p2p_write_bps'] / 1e9:.2f} "
+                     f"GB/s, host->FPGA {c['host_to_fpga_bps'] / 1e9:.2f} GB/s, FPGA->host "
+                     f"{c['fpga_to_host_bps'] / 1e9:.2f} GB/s"
+                     + (f"  [{c['emulation']} emulation]" if c["emulation"] else ""))
     return "\n".join(lines)
 
 

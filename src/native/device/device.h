@@ -115,4 +115,12 @@ struct XrtOptions {
 std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
                                         const XrtOptions& options);
 
+// The probe's SmartSSD figures: `nbytes` through a P2P buffer to and from a file in `dir`
+// (SSD -> FPGA DRAM and back, no host copy), and host <-> FPGA DRAM syncs of a normal one.
+struct XrtBandwidth {
+  double p2p_read_s = 0, p2p_write_s = 0, to_fpga_s = 0, from_fpga_s = 0;
+  bool direct = true;  // O_DIRECT was possible (the P2P mapping is page aligned)
+};
+XrtBandwidth time_xrt(const XrtOptions& options, const std::string& dir, uint64_t nbytes);
+
 }  // namespace smartinf::device

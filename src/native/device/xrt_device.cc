@@ -8,7 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
 
 #include <xrt/xrt_bo.h>
 #include <xrt/xrt_device.h>
@@ -76,6 +80,7 @@ class XrtDevice final : public Device {
   }
 
   std::string describe() const override { return "xrt:" + dir_; }
+  xrt::device& xrt() { return device_; }
   const std::string& storage_dir() const override { return dir_; }
   size_t slot_count() const override { return slots_.size(); }
   Slot slot(size_t i) override { return slots_[i]; }
@@ -183,7 +188,54 @@ class XrtDevice final : public Device {
   std::vector<Slot> slots_;
 };
 
+// Whole-buffer file I/O in 1 MiB requests (the pipeline's piece size), timed.
+double timed_io(int fd, char* data, uint64_t nbytes, bool write) {
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t off = 0; off < nbytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(1 << 20, nbytes - off));
+    const ssize_t got = write ? ::pwrite(fd, data + off, n, static_cast<off_t>(off))
+                              : ::pread(fd, data + off, n, static_cast<off_t>(off));
+    if (got <= 0) throw std::runtime_error(std::string("P2P ") + (write ? "write" : "read") +
+                                           " failed: " + std::strerror(got < 0 ? errno : EIO));
+    off += static_cast<uint64_t>(got);
+  }
+  if (write && ::fdatasync(fd) != 0) throw std::runtime_error("fdatasync failed");
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double timed_sync(xrt::bo& bo, xclBOSyncDirection direction) {
+  const auto start = std::chrono::steady_clock::now();
+  bo.sync(direction);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
+
+XrtBandwidth time_xrt(const XrtOptions& options, const std::string& dir, uint64_t nbytes) {
+  XrtDevice device(dir, SlotGeometry{0, 1, 1}, options);
+  xrt::bo p2p(device.xrt(), nbytes, xrt::bo::flags::p2p, 0);
+  xrt::bo host(device.xrt(), nbytes, xrt::bo::flags::normal, 0);
+  char* data = p2p.map<char*>();
+  XrtBandwidth bw;
+  bw.direct = reinterpret_cast<uintptr_t>(data) % store::kAlign == 0;
+  const std::string path = dir + "/.smartinf-xrt-probe";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | (bw.direct ? O_DIRECT : 0), 0600);
+  if (fd < 0) throw std::runtime_error("cannot create " + path + ": " + std::strerror(errno));
+  try {
+    bw.p2p_write_s = timed_io(fd, data, nbytes, true);   // FPGA DRAM -> SSD
+    bw.p2p_read_s = timed_io(fd, data, nbytes, false);   // SSD -> FPGA DRAM
+  } catch (...) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw;
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  std::memset(host.map<char*>(), 1, nbytes);
+  bw.to_fpga_s = timed_sync(host, XCL_BO_SYNC_BO_TO_DEVICE);
+  bw.from_fpga_s = timed_sync(host, XCL_BO_SYNC_BO_FROM_DEVICE);
+  return bw;
+}
 
 std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
                                         const XrtOptions& options) {

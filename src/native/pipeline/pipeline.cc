@@ -77,18 +77,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
-#ifndef SMARTINF_HAVE_XRT
-    if (spec.kind == "xrt")
-      throw std::invalid_argument("smartinf was built without XRT: install XRT (Debian: "
-                                  "libxrt-dev; or Xilinx's xrt package) and rebuild smartinf");
-#endif
     Unit unit;
-#ifdef SMARTINF_HAVE_XRT
-    if (spec.kind == "xrt")
-      unit.device = device::make_xrt_device(spec.dir, geometry, spec.xrt);
-    else
-#endif
-      unit.device = device::make_cpu_device(spec.dir, geometry);
+    unit.device = spec.kind == "xrt" ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
+                                     : device::make_cpu_device(spec.dir, geometry);
     store::StoreConfig device_config = config;
     device_config.direct = unit.device->direct_io();
     if (!device_config.direct)
