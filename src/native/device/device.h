@@ -68,6 +68,8 @@ class Device {
   virtual bool registrable() const = 0;
   // Whether slot memory is aligned for O_DIRECT (XRT's emulation maps unaligned memory).
   virtual bool direct_io() const { return true; }
+  // Chunks and sub-groups must hold a multiple of this many params (FPGA beat width).
+  virtual size_t param_multiple() const { return 1; }
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: `nnz` top-k pairs (int32 index, value of `value_bytes`).
   virtual void copy_in_compressed(size_t slot, const int32_t* index, const void* values,

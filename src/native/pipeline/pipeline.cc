@@ -80,6 +80,10 @@ Pipeline::Pipeline(const PipelineOptions& options)
     Unit unit;
     unit.device = spec.kind == "xrt" ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
                                      : device::make_cpu_device(spec.dir, geometry);
+    if (options.chunk % unit.device->param_multiple() != 0)
+      throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
+                                  std::to_string(unit.device->param_multiple()) +
+                                  " params, got " + std::to_string(options.chunk));
     store::StoreConfig device_config = config;
     device_config.direct = unit.device->direct_io();
     if (!device_config.direct)
@@ -160,6 +164,11 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) 
           devices_[u].store->dir() + " holds sub-group " + std::to_string(id) +
           " but this pipeline places it on " + devices_[unit].store->dir() +
           "; pass the same devices in the same order as when the directories were made");
+  const size_t multiple = devices_[unit].device->param_multiple();
+  if (numel % multiple != 0)
+    throw std::invalid_argument("a sub-group of " + std::to_string(numel) + " params on " +
+                                devices_[unit].device->describe() + ": it needs a multiple of " +
+                                std::to_string(multiple) + " (pad the sub-group)");
   store::StateStore& store = *devices_[unit].store;
   bool created = false;
   const size_t local = store.attach(id, numel, created);
