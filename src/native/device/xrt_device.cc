@@ -4,6 +4,7 @@
 // objects with explicit syncs, and one kernel run (hls_kernels/) per chunk.
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -111,11 +112,11 @@ class XrtDevice final : public Device {
     if (!loaded_)
       throw std::runtime_error("kernel stage unavailable on " + describe() +
                                ": no xclbin loaded (pass xclbin= with the build of hls_kernels/)");
-    if (numel % 16 != 0)
-      throw std::runtime_error("the SmartSSD kernels need chunks of a multiple of 16 params "
-                               "(512-bit beats); this chunk has " + std::to_string(numel));
-    const std::string name = kernel_name(k);
-    xrt::kernel kernel(device_, uuid_, name);
+    if (numel % param_multiple() != 0)
+      throw std::runtime_error("the SmartSSD kernels need chunks of a multiple of " +
+                               std::to_string(param_multiple()) + " params (512-bit beats); "
+                               "this chunk has " + std::to_string(numel));
+    xrt::kernel& kernel = kernel_for(k);
     Buffers& b = buffers_[i];
     const size_t bytes = numel * 4;
     xrt::bo param(b.states, bytes, 0), state1(b.states, bytes, bytes);
@@ -162,6 +163,15 @@ class XrtDevice final : public Device {
     xrt::bo states, grad, out, pairs;
   };
 
+  // Kernel handles are looked up in the xclbin once, not per chunk (one compute thread
+  // per device calls this).
+  xrt::kernel& kernel_for(const Kernel& k) {
+    const std::string name = kernel_name(k);
+    auto it = kernels_.find(name);
+    if (it == kernels_.end()) it = kernels_.emplace(name, xrt::kernel(device_, uuid_, name)).first;
+    return it->second;
+  }
+
   static std::string name(const XrtOptions& o) {
     return o.bdf.empty() ? "XRT device " + std::to_string(o.index) : "XRT device " + o.bdf;
   }
@@ -186,6 +196,7 @@ class XrtDevice final : public Device {
   xrt::uuid uuid_;
   bool loaded_ = false;
   size_t io_ = 0;
+  std::map<std::string, xrt::kernel> kernels_;
   std::vector<Buffers> buffers_;
   std::vector<Slot> slots_;
 };

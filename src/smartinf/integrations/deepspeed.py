@@ -113,9 +113,10 @@ class Settings:
         return TopK(**c)
 
 
-def check_config(config: dict) -> None:
-    """Refuses configurations the integration does not run, before anything is built."""
-    Settings.from_config(config)
+def check_config(config: dict) -> Settings:
+    """Refuses configurations the integration does not run, before anything is built;
+    returns the ``"smartinf"`` block's settings."""
+    settings = Settings.from_config(config)
     zero = config.get("zero_optimization", {})
     if int(zero.get("stage", 0)) != 3:
         raise ValueError(f'smartinf runs the ZeRO stage 3 optimizer step: set '
@@ -129,6 +130,7 @@ def check_config(config: dict) -> None:
                          'smartinf yet; use "cpu" or "none"')
     if config.get("hybrid_engine", {}).get("enabled"):
         raise ValueError("the DeepSpeed hybrid engine is not supported with smartinf")
+    return settings
 
 
 # Base optimizers whose update smartinf runs: name -> (Adam-like?, decoupled weight decay?)
@@ -166,8 +168,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any,
                  ds_config: dict, **kwargs: Any) -> None:
-        check_config(ds_config)
-        self.settings = Settings.from_config(ds_config)
+        self.settings = check_config(ds_config)
         self._rule_class = _rule_class(init_optimizer)
         self._compress = self.settings.top_k()
         self.pipeline: Optional[Pipeline] = None
