@@ -54,6 +54,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         string kind
         string dir
         XrtOptions xrt
+        double storage_bps
 
     cdef cppclass RingOptions:
         string io
@@ -66,6 +67,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         float initial_state
         uint64_t chunk
         size_t slots
+        double host_link_bps
         RingOptions ring
 
     cdef cppclass UpdateHyper:
@@ -96,6 +98,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         uint64_t subgroup_steps(size_t) except +raise_py_error
         cbool pending()
         cmap[string, double] stats()
+        vector[cmap[string, double]] device_stats()
         string engine()
         vector[string] notes()
 
@@ -148,21 +151,24 @@ cdef class NativePipeline:
     cdef Pipeline* p
 
     def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
-                  size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes):
-        """devices: (kind, dir, fpga index, fpga BDF, xclbin) per device."""
+                  size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes,
+                  double host_link_bps):
+        """devices: (kind, dir, fpga index, fpga BDF, xclbin, storage bytes/s) per device."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
-        for kind, d, index, bdf, xclbin in devices:
+        for kind, d, index, bdf, xclbin, storage_bps in devices:
             spec.kind = kind.encode()
             spec.dir = d.encode()
             spec.xrt.index = index
             spec.xrt.bdf = bdf.encode()
             spec.xrt.xclbin = xclbin.encode()
+            spec.storage_bps = storage_bps
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state
         options.chunk = chunk
         options.slots = slots
+        options.host_link_bps = host_link_bps
         options.ring.io = io.encode()
         options.ring.queue_depth = queue_depth
         options.ring.piece_bytes = piece_bytes
@@ -249,6 +255,9 @@ cdef class NativePipeline:
 
     def stats(self) -> dict:
         return {k.decode(): v for k, v in self.p.stats()}
+
+    def device_stats(self) -> list:
+        return [{k.decode(): v for k, v in s} for s in self.p.device_stats()]
 
     @property
     def engine(self) -> str:

@@ -7,10 +7,14 @@ Explicit arguments always win over these.
 - ``SMARTINF_CHUNK``: parameters per chunk, i.e. per slot (1 Mi).
 - ``SMARTINF_IO``: storage engine, ``auto`` (io_uring, else threads), ``uring`` or ``threads``.
 - ``SMARTINF_QUEUE_DEPTH``: storage requests in flight per engine (16).
+- ``SMARTINF_HOST_LINK_GBPS``: cap on the host link all devices share, GB/s in each
+  direction (none): models a PCIe switch or root port with emulated devices.
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import Optional
 
 DEVICE = "cpu"
 SLOTS = 4
@@ -51,4 +55,17 @@ def io() -> str:
     value = os.environ.get("SMARTINF_IO") or IO
     if value not in IO_ENGINES:
         raise ValueError(f"SMARTINF_IO={value!r}: expected one of {', '.join(IO_ENGINES)}")
+    return value
+
+
+def host_link_gbps() -> Optional[float]:
+    raw = os.environ.get("SMARTINF_HOST_LINK_GBPS")
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"SMARTINF_HOST_LINK_GBPS={raw!r} is not a number of GB/s") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"SMARTINF_HOST_LINK_GBPS={raw!r} must be a positive number of GB/s")
     return value

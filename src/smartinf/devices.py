@@ -1,6 +1,7 @@
 """Near-storage devices a Pipeline runs on."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -9,6 +10,15 @@ from typing import Optional, Sequence, Union
 from . import _build_info, defaults, smartssd
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def positive_gbps(value: object, what: str) -> float:
+    """A bandwidth in GB/s: a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of GB/s, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what}={value!r} must be a positive finite number of GB/s")
+    return float(value)
 
 
 def _abspath(path: object, what: str) -> str:
@@ -24,16 +34,23 @@ class CpuDevice:
     Its states live in ``path`` (ideally on its own NVMe disk); host threads run the same
     kernels a SmartSSD's FPGA would, over io_uring ``O_DIRECT`` storage. ``N`` devices on
     ``N`` disks model ``N`` CSDs.
+
+    ``storage_gbps`` caps the device's storage traffic (reads and writes together, in
+    GB/s = 1e9 bytes/s) to model a CSD's internal SSD, e.g. several emulated CSDs on one
+    fast disk; ``None`` (the default) runs at the disk's speed.
     """
 
     path: str
+    storage_gbps: Optional[float] = None
     kind = "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", _abspath(self.path, "CpuDevice"))
+        if self.storage_gbps is not None:
+            object.__setattr__(self, "storage_gbps", positive_gbps(self.storage_gbps, "storage_gbps"))
 
     def native_spec(self) -> tuple:
-        return ("cpu", self.path, 0, "", "")
+        return ("cpu", self.path, 0, "", "", (self.storage_gbps or 0.0) * 1e9)
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,7 @@ class XrtDevice:
         if isinstance(self.fpga, str):
             smartssd.check_pairing(self.path, self.fpga)
         index, bdf = (self.fpga, "") if isinstance(self.fpga, int) else (0, self.fpga)
-        return ("xrt", self.path, index, bdf, self.xclbin or "")
+        return ("xrt", self.path, index, bdf, self.xclbin or "", 0.0)
 
     @classmethod
     def discover(cls, subdir: str = "smartinf", xclbin: Optional[str] = None,

@@ -5,8 +5,8 @@
 the devices' storage, in sub-groups of flattened parameters. ``step()`` sends each
 sub-group's gradient through host staging buffers (top-k compressed when ``compress`` is
 given), the device updates the states next to the storage, and the updated params come
-back into the model (fp32, fp16 or bf16, on CPU or CUDA). Host memory is two staging
-pairs of one sub-group each, whatever the model size.
+back into the model (fp32, fp16 or bf16, on CPU or CUDA). Host memory is N + 1 staging
+pairs of one sub-group each with N devices (2 with one), whatever the model size.
 
 Per-group hyper-parameters are read at every step, so ``torch.optim.lr_scheduler`` works.
 ``state_dict()`` / ``load_state_dict()`` speak torch's format, streamed one sub-group at a
@@ -30,7 +30,7 @@ from .checkpoint import save_devices
 from .compress import Compressed, TopK
 from .devices import DeviceLike
 from .pipeline import Pipeline
-from .staging import Staging, double_buffered
+from .staging import Staging, depth_for, pipelined
 
 logger = logging.getLogger("smartinf")
 
@@ -120,9 +120,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
                                     f"float32, float16 and bfloat16 parameters")
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
-        self._staging = Staging(max((sg.numel for sg in self._plan), default=1))
         self.pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
                                  chunk=chunk, io=io)
+        self._staging = Staging(max((sg.numel for sg in self._plan), default=1),
+                                depth_for(len(self.pipeline.devices)))
         try:
             self._attach()
         except BaseException:
@@ -246,8 +247,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         with self.pipeline.step():
             active = [sg for sg in self._plan
                       if any(s.param.grad is not None for s in sg.slices)]
-            double_buffered(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
-                            self._finish)
+            pipelined(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
+                      self._finish, self._staging.depth)
         return loss
 
     def _finish(self, sg: _Subgroup, future: Any, buffer: int) -> None:

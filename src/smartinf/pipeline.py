@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _native, buffers, defaults
 from .compress import Compressed
-from .devices import DeviceLike, resolve
+from .devices import DeviceLike, positive_gbps, resolve
 from .update_rules import AdamW, UpdateRule
 
 logger = logging.getLogger("smartinf")
@@ -69,10 +69,18 @@ class Pipeline:
     io
         Storage engine: ``auto`` (io_uring, else threads), ``uring`` or ``threads``
         (``SMARTINF_IO``).
+    host_link_gbps
+        Cap on the host link the devices share, GB/s in each direction
+        (``SMARTINF_HOST_LINK_GBPS``; none by default): gradients in and params out of
+        all devices together wait for it, as behind one PCIe switch.
+
+    With several devices, sub-groups are placed by bytes (each new one on the device
+    holding the fewest params) and every device runs its own ring, in parallel. Each
+    directory records its place in the device list; reopening needs the same list.
     """
 
     __slots__ = ("_native", "_devices", "optimizer", "_param_dtype", "_inflight", "_final_stats",
-                 "_resumed")
+                 "_final_device_stats", "_resumed")
 
     def __init__(
         self,
@@ -84,6 +92,7 @@ class Pipeline:
         param_dtype: Any = None,
         io: Optional[str] = None,
         queue_depth: Optional[int] = None,
+        host_link_gbps: Optional[float] = None,
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
@@ -105,15 +114,20 @@ class Pipeline:
                 raise ValueError(f"{name}={value} is outside [{low}, {high}]")
         if io not in defaults.IO_ENGINES:
             raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
+        if host_link_gbps is None:
+            host_link_gbps = defaults.host_link_gbps()
+        else:
+            host_link_gbps = positive_gbps(host_link_gbps, "host_link_gbps")
         for d in self._devices:
             os.makedirs(d.path, exist_ok=True)
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
+        self._final_device_stats: list[dict[str, float]] = []
         self._resumed: set[int] = set()
         self._native = _native.NativePipeline(
             specs, self.optimizer.name,
             float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
-            defaults.PIECE_BYTES)
+            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
@@ -277,10 +291,20 @@ class Pipeline:
     @property
     def stats(self) -> dict[str, float]:
         """Bytes moved per link (``host_to_device``, ``device_to_host``, ``storage_read``,
-        ``storage_write``), busy seconds per stage (``busy_*``), ``chunks`` and ``step``."""
+        ``storage_write``), busy seconds per stage (``busy_*``), seconds spent waiting
+        for a bandwidth cap (``wait_host_link``, ``wait_storage``), ``chunks`` and
+        ``step``: all devices together."""
         if self._native is None or self._native.closed:
             return dict(self._final_stats)
         return self._native.stats()
+
+    @property
+    def device_stats(self) -> list[dict[str, float]]:
+        """``stats`` of each device (in the order of ``devices``), plus ``numel``: the
+        params placed on it."""
+        if self._native is None or self._native.closed:
+            return [dict(s) for s in self._final_device_stats]
+        return self._native.device_stats()
 
     @property
     def engine(self) -> str:
@@ -299,6 +323,7 @@ class Pipeline:
         if self._native.pending:
             logger.warning("closing with an uncommitted step: its updates are discarded")
         self._final_stats = self._native.stats()
+        self._final_device_stats = self._native.device_stats()
         try:
             self._native.close()
         finally:

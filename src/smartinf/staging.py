@@ -1,5 +1,7 @@
-"""Host staging for sub-group updates: two buffer pairs, so the gradient of the next
-sub-group is gathered (and compressed) while the device updates the current one."""
+"""Host staging for sub-group updates: ``depth`` buffer pairs, so the gradients of the
+next sub-groups are gathered (and compressed) while the devices update earlier ones.
+With N devices the depth is N + 1: every device has a sub-group in flight while the
+next one is gathered."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -7,15 +9,21 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-class Staging:
-    """Two host buffer pairs (gradient in, params out) of ``size`` elements of up to 4
-    bytes; pinned when CUDA is present so copies to and from the GPU run asynchronously."""
+def depth_for(devices: int) -> int:
+    """Buffers that keep ``devices`` devices busy: one sub-group each, plus one gathering."""
+    return devices + 1
 
-    def __init__(self, size: int) -> None:
+
+class Staging:
+    """``depth`` host buffer pairs (gradient in, params out) of ``size`` elements of up to
+    4 bytes; pinned when CUDA is present so copies to and from the GPU run asynchronously."""
+
+    def __init__(self, size: int, depth: int = 2) -> None:
         pin = torch.cuda.is_available()
         self.size = size
-        self._grads = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._outs = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.depth = depth
+        self._grads = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
+        self._outs = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
 
     def grad(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return self._grads[i].view(dtype)[:numel]
@@ -24,17 +32,22 @@ class Staging:
         return self._outs[i].view(dtype)[:numel]
 
 
-def double_buffered(items: Sequence[Any], send: Callable[[Any, int], Any],
-                    finish: Callable[[Any, Any, int], None]) -> None:
-    """Runs ``send(item, buffer)`` for each item, alternating buffers 0 and 1, and
+def pipelined(items: Sequence[Any], send: Callable[[Any, int], Any],
+              finish: Callable[[Any, Any, int], None], depth: int = 2) -> None:
+    """Runs ``send(item, buffer)`` for each item, cycling through buffers 0..depth-1, and
     ``finish(item, sent, buffer)`` before a buffer is reused and at the end, in order:
-    item i+1 is sent while item i is still in flight."""
-    pending: list = [None, None]
+    up to ``depth`` items are in flight at once."""
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, got {depth}")
+    pending: list = [None] * depth
+    count = 0
     for i, item in enumerate(items):
-        b = i % 2
+        b = i % depth
         if pending[b] is not None:
             finish(*pending[b], b)
         pending[b] = (item, send(item, b))
-    for b in (len(items) % 2, 1 - len(items) % 2):
+        count = i + 1
+    for k in range(depth):  # the rest, oldest first
+        b = (count + k) % depth
         if pending[b] is not None:
             finish(*pending[b], b)

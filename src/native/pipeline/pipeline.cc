@@ -1,5 +1,7 @@
 #include "pipeline/pipeline.h"
 
+#include <cstdio>
+#include <random>
 #include <stdexcept>
 
 namespace smartinf::pipeline {
@@ -68,6 +70,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.chunk == 0 || options.chunk > kMaxChunk)
     throw std::invalid_argument("chunk must be between 1 and " + std::to_string(kMaxChunk) +
                                 " params, got " + std::to_string(options.chunk));
+  if (!(options.host_link_bps >= 0))
+    throw std::invalid_argument("the host link bandwidth must be positive (or 0: no cap)");
   if (options.slots == 0 || options.slots > kMaxSlots)
     throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
                                 ", got " + std::to_string(options.slots));
@@ -77,6 +81,10 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
+    if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
+      throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
+                                  "must be positive; got " + std::to_string(spec.storage_bps) +
+                                  " for " + spec.dir);
     Unit unit;
     unit.device = spec.kind == "xrt" ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
                                      : device::make_cpu_device(spec.dir, geometry);
@@ -92,6 +100,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
     unit.store = std::make_unique<store::StateStore>(spec.dir, device_config, notes_);
     devices_.push_back(std::move(unit));
   }
+  check_membership();
   // A crash between two devices' commits leaves some one step ahead; their previous
   // copies are intact, so roll them back to the step every device has.
   uint64_t lo = UINT64_MAX, hi = 0;
@@ -111,7 +120,59 @@ Pipeline::Pipeline(const PipelineOptions& options)
     }
   }
   step_ = lo;
-  for (Unit& u : devices_) u.ring = std::make_unique<Ring>(*u.device, *u.store, options.ring, notes_);
+  RingOptions ring = options.ring;
+  if (options.host_link_bps > 0) ring.host_link = std::make_shared<HostLink>(options.host_link_bps);
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    ring.storage_bps = options.devices[i].storage_bps;
+    Unit& u = devices_[i];
+    u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
+  }
+}
+
+// Every directory records its place in the device list it was made with; reopening with
+// another list would put sub-groups on other devices, so it is refused before any I/O.
+void Pipeline::check_membership() {
+  const size_t n = devices_.size();
+  const Unit* known = nullptr;
+  for (const Unit& u : devices_)
+    if (u.store->membership().count) known = known ? known : &u;
+  const auto where = [](const Unit& u) {
+    const store::Membership& m = u.store->membership();
+    return u.store->dir() + " is device " + std::to_string(m.index) + " (from 0) of a pipeline of " +
+           std::to_string(m.count);
+  };
+  const std::string fix = "; pass the directories the pipeline was made with, all of them, in "
+                          "the same order";
+  std::string id;
+  if (known) {
+    id = known->store->membership().pipeline;
+  } else {
+    std::random_device random;
+    const uint64_t bits = (uint64_t(random()) << 32) ^ random();
+    char text[17];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(bits));
+    id = text;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const Unit& u = devices_[i];
+    const store::Membership& m = u.store->membership();
+    if (!m.count) {
+      const bool empty = u.store->subgroup_count() == 0 && u.store->step() == 0;
+      if (known && empty)
+        throw std::invalid_argument(u.store->dir() + " holds no states, but " + where(*known) +
+                                    " (a directory is missing or was replaced)" + fix);
+      continue;  // new, or made by a version that did not record membership
+    }
+    if (m.pipeline != id)
+      throw std::invalid_argument(u.store->dir() + " and " + known->store->dir() +
+                                  " belong to different pipelines" + fix);
+    if (m.count != n || m.index != i)
+      throw std::invalid_argument(where(u) + ", but was passed as device " + std::to_string(i) +
+                                  " of " + std::to_string(n) + fix);
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (!devices_[i].store->membership().count)
+      devices_[i].store->set_membership({id, static_cast<uint32_t>(i), static_cast<uint32_t>(n)});
 }
 
 Pipeline::~Pipeline() {
@@ -354,24 +415,41 @@ void Pipeline::close() {
   if (error) std::rethrow_exception(error);
 }
 
+namespace {
+
+void add_counters(std::map<std::string, double>& s, const Counters& c) {
+  s["host_to_device"] += c.host_to_device;
+  s["device_to_host"] += c.device_to_host;
+  s["storage_read"] += c.storage_read;
+  s["storage_write"] += c.storage_write;
+  s["chunks"] += c.chunks;
+  for (size_t i = 0; i < kStages; ++i)
+    s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
+  s["wait_host_link"] += c.host_link_wait_ns * 1e-9;
+  s["wait_storage"] += c.storage_wait_ns * 1e-9;
+}
+
+}  // namespace
+
 std::map<std::string, double> Pipeline::stats() const {
   std::lock_guard lock(mu_);
-  std::map<std::string, double> s{{"host_to_device", 0}, {"device_to_host", 0},
-                                  {"storage_read", 0},   {"storage_write", 0},
-                                  {"chunks", 0}};
-  for (const char* name : kStageNames) s[std::string("busy_") + name] = 0;
-  for (const Unit& u : devices_) {
-    const Counters& c = u.ring->counters();
-    s["host_to_device"] += c.host_to_device;
-    s["device_to_host"] += c.device_to_host;
-    s["storage_read"] += c.storage_read;
-    s["storage_write"] += c.storage_write;
-    s["chunks"] += c.chunks;
-    for (size_t i = 0; i < kStages; ++i)
-      s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
-  }
+  std::map<std::string, double> s;
+  add_counters(s, Counters{});  // every key present, even with no device
+  for (const Unit& u : devices_) add_counters(s, u.ring->counters());
   s["step"] = static_cast<double>(step_);
   return s;
+}
+
+std::vector<std::map<std::string, double>> Pipeline::device_stats() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::map<std::string, double>> all;
+  for (const Unit& u : devices_) {
+    std::map<std::string, double> s;
+    add_counters(s, u.ring->counters());
+    s["numel"] = static_cast<double>(u.numel);
+    all.push_back(std::move(s));
+  }
+  return all;
 }
 
 std::string Pipeline::engine() const {

@@ -18,6 +18,7 @@ struct DeviceSpec {
   std::string kind = "cpu";  // cpu | xrt
   std::string dir;
   device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
+  double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
 };
 
 struct PipelineOptions {
@@ -26,6 +27,7 @@ struct PipelineOptions {
   float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
   size_t slots = 4;                 // K slots per device
+  double host_link_bps = 0;         // shared host link, each direction; 0: no cap
   RingOptions ring;
 };
 
@@ -81,7 +83,8 @@ class Pipeline {
   uint64_t numel(size_t sg) const;
   uint64_t subgroup_steps(size_t sg) const;
   bool pending() const { return !completions_.empty(); }
-  std::map<std::string, double> stats() const;
+  std::map<std::string, double> stats() const;  // all devices together
+  std::vector<std::map<std::string, double>> device_stats() const;  // one per device
   std::string engine() const;
   const std::vector<std::string>& notes() const { return notes_; }
 
@@ -98,6 +101,7 @@ class Pipeline {
     size_t local;
   };
   const Placement& placed(size_t sg) const;
+  void check_membership();
   void require_open() const;
   void wait_step(bool keep);
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);

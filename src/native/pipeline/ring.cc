@@ -30,7 +30,6 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
            std::vector<std::string>& notes)
     : device_(device),
       store_(store),
-      jobs_(2 * device.slot_count()),
       computing_(device.slot_count()),
       writing_(device.slot_count()) {
   io::Options io_options;
@@ -43,6 +42,8 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   io_options.low_priority = true;  // write-back yields to the loads on the critical path
   writer_ = io::make_engine(reader_->name(), io_options, notes);
   engine_name_ = reader_->name();
+  host_link_ = options.host_link;
+  if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
   // Named for top -H / perf: one thread per stage.
   loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
@@ -82,6 +83,16 @@ void Ring::finished() {
   if (--in_flight_ == 0) idle_.notify_all();
 }
 
+void Ring::pace_host(bool to_device, uint64_t bytes, RateLimiter::Clock::time_point started) {
+  if (host_link_)
+    counters_.host_link_wait_ns +=
+        (to_device ? host_link_->to_device : host_link_->to_host).pace(bytes, started);
+}
+
+void Ring::pace_storage(uint64_t bytes, RateLimiter::Clock::time_point started) {
+  if (storage_limit_) counters_.storage_wait_ns += storage_limit_->pace(bytes, started);
+}
+
 io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
   io::Op op;
   op.write = write;
@@ -103,27 +114,32 @@ void Ring::load_loop() {
         uint64_t bytes = 0;
         for (const float* a : job->imported) bytes += a ? job->dst.numel * 4 : 0;
         Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
+        const auto started = RateLimiter::Clock::now();
         device_.init_states(slot, job->imported, job->fill, job->dst.numel);
         counters_.host_to_device += bytes;
+        pace_host(true, bytes, started);
       } else {
         Timer t(counters_.busy_ns[kLoad]);
+        const auto read_started = RateLimiter::Clock::now();
         const io::Op op = state_io(false, job->src, slot);
         reader_->submit({&op, 1});
         if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
           Timer h(counters_.busy_ns[kHostToDevice]);
           const device::Kernel& k = job->kernel;
           const size_t size = kernels::dtype_size(k.grad);
-          if (k.compressed) {
+          const uint64_t bytes = k.compressed ? k.nnz * (4 + size) : job->src.numel * size;
+          const auto started = RateLimiter::Clock::now();
+          if (k.compressed)
             device_.copy_in_compressed(slot, static_cast<const int32_t*>(job->input),
                                        job->values, k.nnz, size);
-            counters_.host_to_device += k.nnz * (4 + size);
-          } else {
-            device_.copy_in(slot, job->input, job->src.numel * size);
-            counters_.host_to_device += job->src.numel * size;
-          }
+          else
+            device_.copy_in(slot, job->input, bytes);
+          counters_.host_to_device += bytes;
+          pace_host(true, bytes, started);
         }
         reader_->wait();
         counters_.storage_read += job->src.bytes;
+        pace_storage(job->src.bytes, read_started);
       }
     } catch (...) {
       job->completion->chunk_done(std::current_exception());
@@ -145,8 +161,12 @@ void Ring::compute_loop() {
     try {
       if (job.kind == JobKind::read) {
         Timer t(counters_.busy_ns[kDeviceToHost]);
+        const auto started = RateLimiter::Clock::now();
         device_.export_states(item->slot, job.exported, numel);
-        for (float* a : job.exported) counters_.device_to_host += a ? numel * 4 : 0;
+        uint64_t bytes = 0;
+        for (float* a : job.exported) bytes += a ? numel * 4 : 0;
+        counters_.device_to_host += bytes;
+        pace_host(false, bytes, started);
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
@@ -154,8 +174,10 @@ void Ring::compute_loop() {
         }
         Timer t(counters_.busy_ns[kDeviceToHost]);
         const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
+        const auto started = RateLimiter::Clock::now();
         device_.copy_out(item->slot, job.output, bytes);
         counters_.device_to_host += bytes;
+        pace_host(false, bytes, started);
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
       job.completion->chunk_done(std::current_exception());
@@ -180,10 +202,12 @@ void Ring::write_loop() {
     std::exception_ptr error;
     try {
       Timer t(counters_.busy_ns[kWriteback]);
+      const auto started = RateLimiter::Clock::now();
       const io::Op op = state_io(true, job.dst, item->slot);
       writer_->submit({&op, 1});
       writer_->wait();
       counters_.storage_write += job.dst.bytes;
+      pace_storage(job.dst.bytes, started);
     } catch (...) {
       error = std::current_exception();
     }

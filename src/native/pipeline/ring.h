@@ -15,6 +15,7 @@
 #include "io/engine.h"
 #include "pipeline/completion.h"
 #include "pipeline/queue.h"
+#include "pipeline/rate_limiter.h"
 #include "store/state_store.h"
 
 namespace smartinf::pipeline {
@@ -45,12 +46,16 @@ struct Counters {
   std::atomic<uint64_t> host_to_device{0}, device_to_host{0}, storage_read{0},
       storage_write{0}, chunks{0};
   std::array<std::atomic<uint64_t>, kStages> busy_ns{};
+  // Time spent waiting for a bandwidth budget (host link, emulated internal storage).
+  std::atomic<uint64_t> host_link_wait_ns{0}, storage_wait_ns{0};
 };
 
 struct RingOptions {
   std::string io = "auto";
   unsigned queue_depth = 16;
   uint64_t piece_bytes = 1 << 20;
+  std::shared_ptr<HostLink> host_link;  // shared by the pipeline's rings; null: no cap
+  double storage_bps = 0;               // cap on this device's storage traffic; 0: none
 };
 
 class Ring {
@@ -61,7 +66,9 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  void push(Job job);  // blocks while the ring is saturated (back-pressure)
+  // Queues a job without blocking (a job is a few pointers; the K slots bound the memory
+  // in flight), so one slow device never holds up the caller's work for the others.
+  void push(Job job);
   // Waits for every pushed job, write-backs included; rethrows (once) the first
   // write-back error, which means the step must not be committed.
   void drain();
@@ -79,11 +86,15 @@ class Ring {
   void write_loop();
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot) const;
+  void pace_host(bool to_device, uint64_t bytes, RateLimiter::Clock::time_point started);
+  void pace_storage(uint64_t bytes, RateLimiter::Clock::time_point started);
 
   device::Device& device_;
   store::StateStore& store_;
   std::unique_ptr<io::Engine> reader_, writer_;
   const char* engine_name_ = "";
+  std::shared_ptr<HostLink> host_link_;
+  std::unique_ptr<RateLimiter> storage_limit_;
   Queue<Job> jobs_;
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;

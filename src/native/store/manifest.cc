@@ -81,6 +81,9 @@ std::string Manifest::serialize() const {
   append(body, "optimizer %s\n", optimizer.c_str());
   for (const auto& [key, value] : hyper) append(body, "hyper %s %.17g\n", key.c_str(), value);
   append(body, "step %" PRIu64 "\n", step);
+  if (member.count)
+    append(body, "member %s %" PRIu32 " %" PRIu32 "\n", member.pipeline.c_str(), member.index,
+           member.count);
   append(body, "subgroups %zu\n", subgroups.size());
   for (const SubgroupRecord& r : subgroups)
     append(body, "sg %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRIu32 " %" PRIu64 " %" PRIu64
@@ -107,9 +110,9 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   std::string magic;
   int version = 0;
   if (!in.next(magic) || magic != kMagic || !in.number(version)) bad(path, "not a smartinf manifest");
-  if (version != kVersion)
+  if (version < kOldestVersion || version > kVersion)
     bad(path, "format version " + std::to_string(version) + ", this smartinf reads " +
-                  std::to_string(kVersion));
+                  std::to_string(kOldestVersion) + " to " + std::to_string(kVersion));
   Manifest m;
   size_t count = 0;
   bool have_count = false;
@@ -120,6 +123,9 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     else if (key == "state_dtype") ok = in.next(m.state_dtype);
     else if (key == "optimizer") ok = in.next(m.optimizer);
     else if (key == "step") ok = in.number(m.step);
+    else if (key == "member")
+      ok = in.next(m.member.pipeline) && in.number(m.member.index) &&
+           in.number(m.member.count) && m.member.index < m.member.count;
     else if (key == "hyper") {
       std::string name;
       double value = 0;

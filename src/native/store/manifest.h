@@ -18,13 +18,23 @@ struct SubgroupRecord {
   uint64_t prev_steps = 0;  // `steps` before that update (a state import may set any)
 };
 
+// Which device of which pipeline a directory is: reopening with another device list (a
+// directory missing, added, swapped or reordered) would place sub-groups elsewhere.
+struct Membership {
+  std::string pipeline;  // random id shared by the pipeline's directories
+  uint32_t index = 0;    // position in the device list
+  uint32_t count = 0;    // devices in the list; 0: unknown (a version 2 manifest)
+};
+
 struct Manifest {
-  static constexpr int kVersion = 2;  // 2: sub-groups record prev_steps
+  static constexpr int kVersion = 3;  // 2: sub-groups record prev_steps; 3: membership
+  static constexpr int kOldestVersion = 2;
   uint64_t chunk = 0;            // params per chunk
   std::string state_dtype = "fp32";
   std::string optimizer;         // adam, adamw, ...
   std::map<std::string, double> hyper;  // informational: last hyper-parameters used
   uint64_t step = 0;             // pipeline steps committed
+  Membership member;
   std::vector<SubgroupRecord> subgroups;
 
   std::string serialize() const;

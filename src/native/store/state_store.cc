@@ -178,6 +178,11 @@ void StateStore::save_layout() {
   write_manifest();
 }
 
+void StateStore::set_membership(const Membership& m) {
+  manifest_.member = m;
+  write_manifest();  // claims the directory for this pipeline at once
+}
+
 void StateStore::rollback_last_step() {
   for (SubgroupRecord& r : manifest_.subgroups) {
     if (r.last != manifest_.step) continue;

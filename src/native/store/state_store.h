@@ -68,6 +68,8 @@ class StateStore {
   void rollback_last_step();
 
   uint64_t step() const { return manifest_.step; }
+  const Membership& membership() const { return manifest_.member; }
+  void set_membership(const Membership& m);  // written to the manifest at once
   int fd() const { return fd_; }
   const std::string& file_path() const { return states_path_; }
   const std::string& dir() const { return dir_; }

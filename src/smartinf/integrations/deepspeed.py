@@ -53,7 +53,7 @@ from .. import update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import Compressed, TopK
 from ..pipeline import Pipeline
-from ..staging import Staging, double_buffered
+from ..staging import Staging, depth_for, pipelined
 
 logger = logging.getLogger("smartinf")
 
@@ -185,9 +185,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if any(flat is None for flat in self.fp16_partitioned_groups_flat):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self._staging = Staging(max(numels))
         self._dirs = self.settings.rank_dirs(dist.get_rank())
         self.pipeline = self._open_pipeline()
+        self._staging = Staging(max(numels), depth_for(len(self._dirs)))
         self._attach()
         for i, numel in enumerate(numels):
             placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
@@ -261,10 +261,10 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         rules = [_rule(self._rule_class, g) for g in self.optimizer.param_groups]
         hyper = [{f: getattr(r, f) for f in r.__dataclass_fields__} for r in rules]
         with self.pipeline.step():
-            double_buffered(
+            pipelined(
                 range(len(self.fp16_groups)),
                 lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
-                self._finish)
+                self._finish, self._staging.depth)
         self.last_step_seconds = time.perf_counter() - start
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
