@@ -1,4 +1,7 @@
 """The traffic and storage-limit model the demo and benchmarks report against."""
+import json
+import math
+
 import pytest
 
 from smartinf import model
@@ -31,6 +34,89 @@ def test_scaling_model_saturates_at_the_host_link():
     assert model.scaled_step_time(n=16, **t) == 1.0
 
 
+def test_table_one_ratios_with_smartcomp():
+    zero = model.traffic_per_param("zero-infinity")
+    ours = model.traffic_per_param("smartupdate")
+    comp = model.traffic_per_param("smartcomp", ratio=0.01)
+    # 1 % of the elements as (int32, fp16) pairs in, fp16 params out.
+    assert comp["host_to_device"] == pytest.approx(0.06)
+    assert comp["host_link_total"] == pytest.approx(2.06)
+    assert comp["storage_total"] == ours["storage_total"] == 24
+    assert zero["host_link_total"] / ours["host_link_total"] == 8
+    assert zero["host_link_total"] / comp["host_link_total"] == pytest.approx(15.53, abs=0.01)
+    assert zero["storage_total"] / ours["storage_total"] == pytest.approx(4 / 3)
+
+
+HW = model.Hardware(read_bps=2e9, write_bps=1e9, host_link_bps=4e9)  # device link = read
+
+
+def test_predict_is_the_seed_formula_on_hand_computed_cases():
+    # 1e9 params: T_opt = 12 GB / 2 GB/s + 12 GB / 1 GB/s = 18 s on one device;
+    # T_param_swap = 2 GB (the busier direction) / 2 GB/s = 1 s; B_PCIe / B_SSD = 2.
+    cases = {1: (18.0, "storage"), 4: (4.5, "storage"), 64: (0.5, "host link")}
+    for n, (expected, bound) in cases.items():
+        p = model.predict(1e9, n, HW)
+        assert p.step_s == pytest.approx(expected)
+        assert p.step_s == pytest.approx(model.scaled_step_time(18.0, 1.0, n, 4e9, 2e9))
+        assert p.bound == bound
+    assert model.predict(1e9, 64, HW).link_s == pytest.approx(2e9 / 4e9)
+
+
+def test_zero_infinity_on_a_raid0_of_the_drives():
+    # 16 B/param read and 16 written over n drives; 16 B/param each way over the link.
+    two = model.predict(1e9, 2, HW, "zero-infinity")
+    assert (two.step_s, two.bound) == (pytest.approx(16e9 / 4e9 + 16e9 / 2e9), "storage")
+    eight = model.predict(1e9, 8, HW, "zero-infinity")
+    assert (eight.step_s, eight.bound) == (pytest.approx(16e9 / 4e9), "host link")
+    slow_cpu = model.Hardware(2e9, 1e9, host_update_pps=1e8)
+    assert model.predict(1e9, 8, slow_cpu, "zero-infinity").step_s == pytest.approx(10.0)
+    rows = model.scaling_table(1e9, [2, 8], HW)
+    assert rows[0]["smartupdate"]["speedup"] == pytest.approx(12.0 / 9.0)
+    assert rows[1]["smartupdate"]["speedup"] == pytest.approx(4.0 / 2.25)
+    assert rows[1]["smartupdate"]["host_link_bytes"] == 4e9
+
+
+def test_devices_on_shared_disks_and_slow_kernels_do_not_scale():
+    shared = model.Hardware(2e9, 1e9, shared_read_bps=2e9, shared_write_bps=1e9)
+    assert model.predict(1e9, 4, shared).step_s == pytest.approx(18.0)  # one disk: no gain
+    slow = model.Hardware(2e9, 1e9, update_pps=5e7)
+    p = model.predict(1e9, 4, slow)
+    assert (p.step_s, p.bound) == (pytest.approx(5.0), "update")  # 1e9 / (4 x 5e7)
+
+
+def test_hardware_from_probe_results():
+    probe = {"storage": [{"read_bps": 2e9, "write_bps": 3e9}, {"read_bps": 1.5e9, "write_bps": 4e9}]}
+    hw = model.Hardware.from_probe(probe, host_link_bps=8e9)
+    assert (hw.read_bps, hw.write_bps, hw.link_bps, hw.host_link_bps) == (1.5e9, 3e9, 1.5e9, 8e9)
+    cards = {"storage": [], "smartssd": [{"p2p_read_bps": 3e9, "p2p_write_bps": 2e9,
+                                          "host_to_fpga_bps": 3.5e9, "fpga_to_host_bps": 3.2e9}]}
+    hw = model.Hardware.from_probe(cards)
+    assert (hw.read_bps, hw.write_bps, hw.link_bps, hw.host_link_bps) == (3e9, 2e9, 3.2e9, math.inf)
+    with pytest.raises(ValueError, match="no storage figures"):
+        model.Hardware.from_probe({"storage": []})
+
+
+def test_command_line(tmp_path, capsys):
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9}]}))
+    png = tmp_path / "scaling.png"
+    assert model.main(["--params", "1e9", "--devices", "1-3,8", "--probe", str(probe),
+                       "--host-link-gbps", "4", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["n"] for r in out["rows"]] == [1, 2, 3, 8]
+    assert out["rows"][3]["zero-infinity"]["bound"] == "host link"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert model.main(["--params", "8e9", "--read-gbps", "3", "--write-gbps", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "SmartUpdate" in table and len(table.splitlines()) == 2 + 10
+    assert model.main(["--params", "1e9", "--devices", "0-2", "--read-gbps", "1",
+                       "--write-gbps", "1"]) == 2
+    assert "device counts must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        model.main(["--params", "1e9"])
+    assert "--read-gbps" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: model.traffic_per_param("zero-offload"), "unknown scheme"),
     (lambda: model.traffic_per_param("smartupdate", grad_bytes=0), "grad_bytes"),
@@ -40,6 +126,12 @@ def test_scaling_model_saturates_at_the_host_link():
     (lambda: model.storage_bound_seconds(-5, 1, 1), "negative"),
     (lambda: model.scaled_step_time(1, 1, 0, 1, 1), "positive int"),
     (lambda: model.scaled_step_time(1, 1, 2, 0, 1), "positive"),
+    (lambda: model.traffic_per_param("smartcomp", ratio=0), "ratio"),
+    (lambda: model.Hardware(0, 1), "read_bps"),
+    (lambda: model.Hardware(1, 1, shared_read_bps=1), "both"),
+    (lambda: model.predict(0, 1, HW), "params"),
+    (lambda: model.predict(1e9, 0, HW), "n must"),
+    (lambda: model.parse_devices("a-b"), "expected N"),
 ])
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):

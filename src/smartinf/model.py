@@ -1,24 +1,37 @@
 """Traffic and scaling model of near-storage optimizer updates (pure Python, no I/O).
 
 - ``traffic_per_param``: bytes moved per parameter per optimizer step on each link, for
-  ZeRO-Infinity and for SmartUpdate (Table I of the Smart-Infinity paper).
+  ZeRO-Infinity, SmartUpdate and SmartComp (Table I of the Smart-Infinity paper).
 - ``storage_bound_seconds`` / ``storage_bound_from_bytes``: the time a step cannot beat
   on a storage device of given read and write bandwidth (the denominator of the
   "step time / storage limit" ratio the demo and the benchmarks report).
 - ``scaled_step_time``: the optimizer-step time on ``n`` near-storage devices,
   T_opt,n = max(T_opt / n, T_param_swap / min(n, B_PCIe / B_SSD)).
+- ``Hardware`` + ``predict`` / ``scaling_table``: those two applied to a machine (from a
+  probe JSON or explicit bandwidths), against ZeRO-Infinity on a RAID0 of the same drives.
 
-Bandwidths are bytes per second, times are seconds.
+``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
+prints the table and draws it. Bandwidths are bytes per second, times are seconds.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
 STATE_BYTES = 12
-SCHEMES = ("zero-infinity", "smartupdate")
+SCHEMES = ("zero-infinity", "smartupdate", "smartcomp")
+#: SmartComp sends each kept gradient element as an int32 position and its value.
+INDEX_BYTES = 4
 
 
 def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
-                      state_bytes: int = STATE_BYTES) -> dict[str, int]:
+                      state_bytes: int = STATE_BYTES, ratio: float = 0.01) -> dict[str, float]:
     """Bytes per parameter per step on each link (Table I of the Smart-Infinity paper).
 
     ``"zero-infinity"``: the host updates the params, so all optimizer states cross the
@@ -31,6 +44,11 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
     ``state_bytes`` + write ``state_bytes`` = 24 B/param that never touch the host link);
     the host link carries only the gradient in (``grad_bytes``: 4 for fp32, 2 for
     fp16/bf16) and the updated low-precision params out (``param_bytes``).
+
+    Keys: ``storage_read``, ``storage_write`` (bytes at the storage media),
+    ``"smartcomp"``: SmartUpdate with top-k gradients: the host link carries ``ratio`` of
+    the elements as (int32 position, value of ``grad_bytes``) pairs, ``ratio * (4 +
+    grad_bytes)`` B/param in, and the params out.
 
     Keys: ``storage_read``, ``storage_write`` (bytes at the storage media),
     ``host_to_device``, ``device_to_host`` (bytes over the host/storage interconnect),
@@ -46,9 +64,13 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
         read = state_bytes + fp32_grad
         write = state_bytes + fp32_grad
         h2d, d2h = write, read
-    elif scheme == "smartupdate":
+    elif scheme in ("smartupdate", "smartcomp"):
         read = write = state_bytes
         h2d, d2h = grad_bytes, param_bytes
+        if scheme == "smartcomp":
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+                raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+            h2d = ratio * (INDEX_BYTES + grad_bytes)
     else:
         raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     return {
@@ -99,3 +121,261 @@ def scaled_step_time(t_opt: float, t_param_swap: float, n: int,
     if t_opt < 0 or t_param_swap < 0:
         raise ValueError("times must not be negative")
     return max(t_opt / n, t_param_swap / min(n, b_pcie / b_ssd))
+
+
+# -- a machine, and the step time on it ------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    """Bandwidths of a machine with identical drives / computational storage devices.
+
+    ``read_bps`` / ``write_bps``: one device's storage (a SmartSSD: SSD <-> FPGA peer to
+    peer; an emulated one: its directory's disk, or its ``storage_gbps`` cap).
+    ``host_link_bps``: the link all devices share to the host (PCIe switch or root port),
+    each direction; ``inf`` for none. ``device_link_bps``: one device's own link to the
+    host, each direction (the paper's B_SSD; default ``read_bps``). ``shared_read_bps`` /
+    ``shared_write_bps``: where the devices' directories share disks (emulation on one
+    machine), what those disks do together; ``None``: every device has its own drive.
+    ``update_pps``: params per second one device's update kernel runs (``inf``: hidden).
+    ``host_update_pps``: params per second the host's CPU Adam runs, for ZeRO-Infinity.
+
+    The host link is full duplex (PCIe): gradients in and params out each have
+    ``host_link_bps``; a drive's reads and writes share its bandwidth, one after the other.
+    """
+
+    read_bps: float
+    write_bps: float
+    host_link_bps: float = math.inf
+    device_link_bps: Optional[float] = None
+    shared_read_bps: Optional[float] = None
+    shared_write_bps: Optional[float] = None
+    update_pps: float = math.inf
+    host_update_pps: float = math.inf
+
+    def __post_init__(self) -> None:
+        for name in ("read_bps", "write_bps", "host_link_bps", "device_link_bps",
+                     "shared_read_bps", "shared_write_bps", "update_pps", "host_update_pps"):
+            value = getattr(self, name)
+            if value is None and name in ("device_link_bps", "shared_read_bps", "shared_write_bps"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
+        if (self.shared_read_bps is None) != (self.shared_write_bps is None):
+            raise ValueError("give both shared_read_bps and shared_write_bps, or neither")
+
+    @property
+    def link_bps(self) -> float:
+        return self.read_bps if self.device_link_bps is None else self.device_link_bps
+
+    @classmethod
+    def from_probe(cls, result: dict, **overrides: Any) -> "Hardware":
+        """From ``python -m smartinf.probe --json`` output: the SmartSSDs' peer-to-peer and
+        host<->FPGA figures when it found any, else its directories' raw storage (the
+        slowest of them: a step waits for its slowest device). ``overrides`` win."""
+        cards = result.get("smartssd") or []
+        if cards:
+            figures = dict(read_bps=min(c["p2p_read_bps"] for c in cards),
+                           write_bps=min(c["p2p_write_bps"] for c in cards),
+                           device_link_bps=min(min(c["host_to_fpga_bps"], c["fpga_to_host_bps"])
+                                               for c in cards))
+        else:
+            storage = result.get("storage") or []
+            if not storage:
+                raise ValueError("the probe result has no storage figures: run "
+                                 "`python -m smartinf.probe DIR --json` on a device directory")
+            figures = dict(read_bps=min(s["read_bps"] for s in storage),
+                           write_bps=min(s["write_bps"] for s in storage))
+        figures.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**figures)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One optimizer step over ``params`` on ``n`` devices (or drives, for ZeRO-Infinity)."""
+
+    scheme: str
+    n: int
+    step_s: float
+    storage_s: float  # the devices' storage traffic alone
+    link_s: float     # the host link alone (the busier direction)
+    update_s: float   # the update kernels alone
+    traffic: dict     # bytes per param on each link (traffic_per_param)
+
+    @property
+    def bound(self) -> str:
+        """What the step waits for: ``storage``, ``host link`` or ``update``."""
+        return max((self.storage_s, "storage"), (self.link_s, "host link"),
+                   (self.update_s, "update"))[1]
+
+
+def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
+            grad_bytes: int = 2, param_bytes: int = 2, ratio: float = 0.01,
+            state_bytes: int = STATE_BYTES) -> Prediction:
+    """The step time of ``scheme`` on ``n`` devices.
+
+    SmartUpdate / SmartComp: ``scaled_step_time`` with T_opt the storage limit of all
+    ``params`` on one device and T_param_swap their host-link bytes (the busier
+    direction) at one device's link; never faster than shared disks allow, nor than the
+    update kernels run. ZeRO-Infinity: the host reads and writes states and fp32 grads
+    on a RAID0 of the ``n`` drives (``n`` times one drive's bandwidth) over the same
+    host link, its CPU Adam at ``hw.host_update_pps``.
+    """
+    if isinstance(params, bool) or not isinstance(params, (int, float)) or not params > 0:
+        raise ValueError(f"params must be a positive number, got {params!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    traffic = traffic_per_param(scheme, grad_bytes, param_bytes, state_bytes, ratio)
+    link_bytes = params * max(traffic["host_to_device"], traffic["device_to_host"])
+    if scheme == "zero-infinity":
+        storage = storage_bound_from_bytes(params * traffic["storage_read"],
+                                           params * traffic["storage_write"],
+                                           n * hw.read_bps, n * hw.write_bps)
+        link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
+        update = params / hw.host_update_pps
+        step = max(storage, link, update)
+    else:
+        t_opt = storage_bound_from_bytes(params * traffic["storage_read"],
+                                         params * traffic["storage_write"],
+                                         hw.read_bps, hw.write_bps)
+        t_swap = link_bytes / hw.link_bps
+        step = scaled_step_time(t_opt, t_swap, n, hw.host_link_bps, hw.link_bps)
+        storage = t_opt / n
+        link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
+        update = params / (n * hw.update_pps)
+        step = max(step, update)
+    if hw.shared_read_bps is not None:
+        shared = storage_bound_from_bytes(params * traffic["storage_read"],
+                                          params * traffic["storage_write"],
+                                          hw.shared_read_bps, hw.shared_write_bps)
+        storage = max(storage, shared)
+        step = max(step, shared)
+    return Prediction(scheme, n, step, storage, link, update, traffic)
+
+
+def scaling_table(params: float, devices: Sequence[int], hw: Hardware, grad_bytes: int = 2,
+                  param_bytes: int = 2, ratio: float = 0.01) -> list[dict]:
+    """Per device count: each scheme's predicted step, what bounds it, the host-link bytes
+    per step, and the speedups over ZeRO-Infinity on a RAID0 of the same drives."""
+    rows = []
+    for n in devices:
+        row: dict[str, Any] = {"n": n}
+        for scheme in SCHEMES:
+            p = predict(params, n, hw, scheme, grad_bytes, param_bytes, ratio)
+            row[scheme] = {"step_s": p.step_s, "bound": p.bound,
+                           "host_link_bytes": params * p.traffic["host_link_total"],
+                           "storage_bytes": params * p.traffic["storage_total"]}
+        base = row["zero-infinity"]["step_s"]
+        for scheme in ("smartupdate", "smartcomp"):
+            row[scheme]["speedup"] = base / row[scheme]["step_s"]
+        rows.append(row)
+    return rows
+
+
+# -- command line ----------------------------------------------------------------------
+def parse_devices(text: str) -> list[int]:
+    """``"1-10"``, ``"4"`` or ``"1,2,4,8"`` -> device counts."""
+    counts: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            counts += list(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"--devices {text!r}: expected N, A-B or a comma list of them") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--devices {text!r}: device counts must be >= 1")
+    return counts
+
+
+def format_table(params: float, hw: Hardware, rows: list[dict], ratio: float) -> str:
+    gb = 1e9
+    lines = [
+        f"{params:.3g} params; per device: storage read {hw.read_bps / gb:.2f} / write "
+        f"{hw.write_bps / gb:.2f} GB/s, link {hw.link_bps / gb:.2f} GB/s; shared host link "
+        + ("none" if math.isinf(hw.host_link_bps) else f"{hw.host_link_bps / gb:.2f} GB/s each way"),
+        f"{'n':>3} | {'ZeRO-Inf (RAID0) s':>18} {'bound':>9} | {'SmartUpdate s':>13} {'x':>6} {'bound':>9} "
+        f"| {f'SmartComp {ratio:.0%} s':>16} {'x':>6} | host link GB/step: ZI / SU / SC",
+    ]
+    for r in rows:
+        z, u, c = r["zero-infinity"], r["smartupdate"], r["smartcomp"]
+        lines.append(
+            f"{r['n']:>3} | {z['step_s']:>18.3f} {z['bound']:>9} | {u['step_s']:>13.3f} {u['speedup']:>5.2f}x "
+            f"{u['bound']:>9} | {c['step_s']:>16.3f} {c['speedup']:>5.2f}x | "
+            f"{z['host_link_bytes'] / gb:.1f} / {u['host_link_bytes'] / gb:.1f} / "
+            f"{c['host_link_bytes'] / gb:.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'smartinf[bench]'") from None
+    n = [r["n"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for scheme, label in (("zero-infinity", "ZeRO-Infinity, RAID0"), ("smartupdate", "SmartUpdate"),
+                          ("smartcomp", "SmartComp")):
+        left.plot(n, [r[scheme]["step_s"] for r in rows], marker="o", label=label)
+    for scheme, label in (("smartupdate", "SmartUpdate"), ("smartcomp", "SmartComp")):
+        right.plot(n, [r[scheme]["speedup"] for r in rows], marker="o", label=label)
+    left.set(xlabel="devices", ylabel="optimizer step (s)", title=title)
+    right.set(xlabel="devices", ylabel="speedup over ZeRO-Infinity (RAID0)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m smartinf.model",
+        description="Predicted optimizer-step time on 1..N near-storage devices (Smart-Infinity's "
+                    "model) against ZeRO-Infinity on a RAID0 of the same drives.")
+    parser.add_argument("--params", type=float, required=True, help="model parameters, e.g. 8e9")
+    parser.add_argument("--devices", default="1-10", help="device counts: N, A-B or a list (1-10)")
+    parser.add_argument("--probe", help="JSON from `python -m smartinf.probe DIR --json`")
+    parser.add_argument("--read-gbps", type=float, help="one device's storage read, GB/s")
+    parser.add_argument("--write-gbps", type=float, help="one device's storage write, GB/s")
+    parser.add_argument("--device-link-gbps", type=float,
+                        help="one device's own link to the host, GB/s each way (default: read)")
+    parser.add_argument("--host-link-gbps", type=float, default=16.0,
+                        help="the host link the devices share, GB/s each way (16: PCIe 3.0 x16)")
+    parser.add_argument("--host-update-gpps", type=float,
+                        help="ZeRO-Infinity's CPU Adam, G params/s (default: hidden)")
+    parser.add_argument("--grad-bytes", type=int, default=2, help="gradient element size (2)")
+    parser.add_argument("--param-bytes", type=int, default=2, help="param element size (2)")
+    parser.add_argument("--ratio", type=float, default=0.01, help="SmartComp kept fraction (0.01)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", help="write a PNG of step time and speedup per device count")
+    args = parser.parse_args(argv)
+    try:
+        gb = 1e9
+        overrides = {"read_bps": args.read_gbps and args.read_gbps * gb,
+                     "write_bps": args.write_gbps and args.write_gbps * gb,
+                     "device_link_bps": args.device_link_gbps and args.device_link_gbps * gb,
+                     "host_link_bps": args.host_link_gbps * gb,
+                     "host_update_pps": args.host_update_gpps and args.host_update_gpps * gb}
+        if args.probe:
+            with open(args.probe) as f:
+                hw = Hardware.from_probe(json.load(f), **overrides)
+        elif args.read_gbps and args.write_gbps:
+            hw = Hardware(**{k: v for k, v in overrides.items() if v is not None})
+        else:
+            parser.error("give --probe probe.json (from `python -m smartinf.probe DIR --json`) "
+                         "or both --read-gbps and --write-gbps")
+        rows = scaling_table(args.params, parse_devices(args.devices), hw, args.grad_bytes,
+                             args.param_bytes, args.ratio)
+        if args.plot:
+            plot(rows, args.plot, f"{args.params:.3g} params")
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        print(f"smartinf.model: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"params": args.params, "hardware": dataclasses.asdict(hw), "rows": rows},
+                     indent=1) if args.json else format_table(args.params, hw, rows, args.ratio))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
