@@ -1,7 +1,8 @@
 // Paces transfers to a bandwidth: models a shared host link (PCIe switch, root port) or a
 // computational storage device's internal SSD when emulated devices share one machine.
-// Transfers reserve consecutive intervals of the budget in arrival order; a transfer that
-// ran faster than its interval sleeps until the interval ends.
+// A transfer reserves the next interval of the budget when it starts (so transfers are
+// served in the order they start, with no gaps while one is waiting), and when it has
+// run faster than its interval, sleeps until the interval ends.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -17,15 +18,16 @@ class RateLimiter {
 
   explicit RateLimiter(double bytes_per_second) : ns_per_byte_(1e9 / bytes_per_second) {}
 
-  // Call after moving `bytes` that started at `started`; returns the nanoseconds slept.
-  uint64_t pace(uint64_t bytes, Clock::time_point started) {
-    Clock::time_point end;
-    {
-      std::lock_guard lock(mu_);
-      const Clock::time_point begin = std::max(started, next_free_);
-      end = begin + std::chrono::nanoseconds(static_cast<int64_t>(bytes * ns_per_byte_));
-      next_free_ = end;
-    }
+  // Call when a transfer of `bytes` starts; returns when it may end.
+  Clock::time_point reserve(uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    const Clock::time_point begin = std::max(Clock::now(), next_free_);
+    next_free_ = begin + std::chrono::nanoseconds(static_cast<int64_t>(bytes * ns_per_byte_));
+    return next_free_;
+  }
+
+  // Call when the transfer is done; returns the nanoseconds slept.
+  static uint64_t finish(Clock::time_point end) {
     const Clock::time_point now = Clock::now();
     if (end <= now) return 0;
     std::this_thread::sleep_until(end);

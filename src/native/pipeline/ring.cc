@@ -83,14 +83,14 @@ void Ring::finished() {
   if (--in_flight_ == 0) idle_.notify_all();
 }
 
-void Ring::pace_host(bool to_device, uint64_t bytes, RateLimiter::Clock::time_point started) {
-  if (host_link_)
-    counters_.host_link_wait_ns +=
-        (to_device ? host_link_->to_device : host_link_->to_host).pace(bytes, started);
+Ring::Deadline Ring::reserve_host(bool to_device, uint64_t bytes) {
+  if (!host_link_) return std::nullopt;
+  return (to_device ? host_link_->to_device : host_link_->to_host).reserve(bytes);
 }
 
-void Ring::pace_storage(uint64_t bytes, RateLimiter::Clock::time_point started) {
-  if (storage_limit_) counters_.storage_wait_ns += storage_limit_->pace(bytes, started);
+Ring::Deadline Ring::reserve_storage(uint64_t bytes) {
+  if (!storage_limit_) return std::nullopt;
+  return storage_limit_->reserve(bytes);
 }
 
 io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
@@ -114,13 +114,13 @@ void Ring::load_loop() {
         uint64_t bytes = 0;
         for (const float* a : job->imported) bytes += a ? job->dst.numel * 4 : 0;
         Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
-        const auto started = RateLimiter::Clock::now();
+        const Deadline link = reserve_host(true, bytes);
         device_.init_states(slot, job->imported, job->fill, job->dst.numel);
         counters_.host_to_device += bytes;
-        pace_host(true, bytes, started);
+        finish_host(link);
       } else {
         Timer t(counters_.busy_ns[kLoad]);
-        const auto read_started = RateLimiter::Clock::now();
+        const Deadline storage = reserve_storage(job->src.bytes);
         const io::Op op = state_io(false, job->src, slot);
         reader_->submit({&op, 1});
         if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
@@ -128,18 +128,18 @@ void Ring::load_loop() {
           const device::Kernel& k = job->kernel;
           const size_t size = kernels::dtype_size(k.grad);
           const uint64_t bytes = k.compressed ? k.nnz * (4 + size) : job->src.numel * size;
-          const auto started = RateLimiter::Clock::now();
+          const Deadline link = reserve_host(true, bytes);
           if (k.compressed)
             device_.copy_in_compressed(slot, static_cast<const int32_t*>(job->input),
                                        job->values, k.nnz, size);
           else
             device_.copy_in(slot, job->input, bytes);
           counters_.host_to_device += bytes;
-          pace_host(true, bytes, started);
+          finish_host(link);
         }
         reader_->wait();
         counters_.storage_read += job->src.bytes;
-        pace_storage(job->src.bytes, read_started);
+        finish_storage(storage);
       }
     } catch (...) {
       job->completion->chunk_done(std::current_exception());
@@ -161,12 +161,12 @@ void Ring::compute_loop() {
     try {
       if (job.kind == JobKind::read) {
         Timer t(counters_.busy_ns[kDeviceToHost]);
-        const auto started = RateLimiter::Clock::now();
-        device_.export_states(item->slot, job.exported, numel);
         uint64_t bytes = 0;
         for (float* a : job.exported) bytes += a ? numel * 4 : 0;
+        const Deadline link = reserve_host(false, bytes);
+        device_.export_states(item->slot, job.exported, numel);
         counters_.device_to_host += bytes;
-        pace_host(false, bytes, started);
+        finish_host(link);
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
@@ -174,10 +174,10 @@ void Ring::compute_loop() {
         }
         Timer t(counters_.busy_ns[kDeviceToHost]);
         const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
-        const auto started = RateLimiter::Clock::now();
+        const Deadline link = reserve_host(false, bytes);
         device_.copy_out(item->slot, job.output, bytes);
         counters_.device_to_host += bytes;
-        pace_host(false, bytes, started);
+        finish_host(link);
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
       job.completion->chunk_done(std::current_exception());
@@ -202,12 +202,12 @@ void Ring::write_loop() {
     std::exception_ptr error;
     try {
       Timer t(counters_.busy_ns[kWriteback]);
-      const auto started = RateLimiter::Clock::now();
+      const Deadline storage = reserve_storage(job.dst.bytes);
       const io::Op op = state_io(true, job.dst, item->slot);
       writer_->submit({&op, 1});
       writer_->wait();
       counters_.storage_write += job.dst.bytes;
-      pace_storage(job.dst.bytes, started);
+      finish_storage(storage);
     } catch (...) {
       error = std::current_exception();
     }

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "device/device.h"
@@ -86,8 +87,15 @@ class Ring {
   void write_loop();
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot) const;
-  void pace_host(bool to_device, uint64_t bytes, RateLimiter::Clock::time_point started);
-  void pace_storage(uint64_t bytes, RateLimiter::Clock::time_point started);
+  // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
+  using Deadline = std::optional<RateLimiter::Clock::time_point>;
+  Deadline reserve_host(bool to_device, uint64_t bytes);
+  Deadline reserve_storage(uint64_t bytes);
+  void finish_host(const Deadline& d) { finish(d, counters_.host_link_wait_ns); }
+  void finish_storage(const Deadline& d) { finish(d, counters_.storage_wait_ns); }
+  static void finish(const Deadline& d, std::atomic<uint64_t>& waited) {
+    if (d) waited += RateLimiter::finish(*d);
+  }
 
   device::Device& device_;
   store::StateStore& store_;
