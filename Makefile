@@ -14,14 +14,15 @@ NATIVE := $(shell find src CMakeLists.txt pyproject.toml -type f \( -name '*.h' 
 
 setup: $(VENV)/.built
 
-# Debian packages: liburing for the native core, libxrt-dev for the SmartSSD device (and
-# XRT's noop emulation the tests use), libaio for DeepSpeed's async_io op (the ZeRO-Infinity
-# baseline); installed when missing and root.
+# Debian packages: liburing for the native core, libxxhash-dev for its checksums (required),
+# libxrt-dev for the SmartSSD device (and XRT's noop emulation the tests use), libaio for
+# DeepSpeed's async_io op (the ZeRO-Infinity baseline); installed when missing and root.
+SYSTEM_PACKAGES = liburing-dev libxxhash-dev libaio-dev libxrt-dev
 system-deps:
-	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/libaio.h ] || [ ! -f /usr/include/xrt/xrt/xrt_device.h ]; then \
+	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/xxhash.h ] || [ ! -f /usr/include/libaio.h ] || [ ! -f /usr/include/xrt/xrt/xrt_device.h ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing liburing-dev libaio-dev libxrt-dev"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libaio-dev libxrt-dev >/dev/null; \
-	  else echo "warning: liburing-dev, libaio-dev or libxrt-dev is missing and we are not root: no io_uring engine (threads), no DeepSpeed NVMe baseline, no SmartSSD device"; fi; \
+	    echo "installing $(SYSTEM_PACKAGES)"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	  else echo "warning: some of $(SYSTEM_PACKAGES) are missing and we are not root: install them (libxxhash-dev is required; without the others: no io_uring engine, no SmartSSD device, no DeepSpeed NVMe baseline)"; fi; \
 	fi
 
 $(VENV)/.deps: pyproject.toml | system-deps

@@ -30,6 +30,23 @@ cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_adam_kernel(uint64_t, DType, DType) except +raise_py_error nogil
 
 
+cdef extern from "store/manifest.h" namespace "smartinf::store":
+    cdef cppclass Manifest:
+        string serialize()
+        @staticmethod
+        Manifest parse(const string&, const string&) except +raise_py_error
+
+
+cdef extern from "fault.h" namespace "smartinf::fault":
+    cdef enum class Action(int):
+        none
+        error
+        short_io
+        kill
+    void arm(const string&, Action, uint64_t, int) except +raise_py_error
+    void disarm()
+
+
 cdef extern from "pipeline/completion.h" namespace "smartinf::pipeline":
     cdef cppclass Completion:
         cbool done()
@@ -68,6 +85,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         uint64_t chunk
         size_t slots
         double host_link_bps
+        cbool verify
         RingOptions ring
 
     cdef cppclass UpdateHyper:
@@ -101,6 +119,26 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[cmap[string, double]] device_stats()
         string engine()
         vector[string] notes()
+
+
+def manifest_roundtrip(bytes text) -> bytes:
+    """Parses a manifest (ValueError when it is not a valid one) and serializes it again."""
+    return Manifest.parse(text, b"<manifest>").serialize()
+
+
+_FAULT_ACTIONS = {"error": Action.error, "short": Action.short_io, "kill": Action.kill}
+
+
+def arm_fault(str point, str action, uint64_t after=0, int errno=5) -> None:
+    """Tests only: the (after+1)-th hit of `point` fails with `errno` ("error"), transfers
+    half ("short", storage points), or SIGKILLs the process ("kill"). One fault per arm."""
+    if action not in _FAULT_ACTIONS:
+        raise ValueError(f"action must be one of {sorted(_FAULT_ACTIONS)}, got {action!r}")
+    arm(point.encode(), _FAULT_ACTIONS[action], after, errno)
+
+
+def disarm_fault() -> None:
+    disarm()
 
 
 def io_uring_built() -> bool:
@@ -152,7 +190,7 @@ cdef class NativePipeline:
 
     def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
                   size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes,
-                  double host_link_bps):
+                  double host_link_bps, cbool verify):
         """devices: (kind, dir, fpga index, fpga BDF, xclbin, storage bytes/s) per device."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
@@ -169,6 +207,7 @@ cdef class NativePipeline:
         options.chunk = chunk
         options.slots = slots
         options.host_link_bps = host_link_bps
+        options.verify = verify
         options.ring.io = io.encode()
         options.ring.queue_depth = queue_depth
         options.ring.piece_bytes = piece_bytes

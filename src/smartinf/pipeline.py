@@ -74,6 +74,11 @@ class Pipeline:
         (``SMARTINF_HOST_LINK_GBPS``; none by default): gradients in and params out of
         all devices together wait for it, as behind one PCIe switch.
 
+    verify
+        Check every extent loaded in a step against the checksum (XXH3-64) written with
+        it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,
+        chunk and step. Reopened sub-groups are always checked once, when added.
+
     With several devices, sub-groups are placed by bytes (each new one on the device
     holding the fewest params) and every device runs its own ring, in parallel. Each
     directory records its place in the device list; reopening needs the same list.
@@ -93,6 +98,7 @@ class Pipeline:
         io: Optional[str] = None,
         queue_depth: Optional[int] = None,
         host_link_gbps: Optional[float] = None,
+        verify: bool = False,
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
@@ -114,6 +120,8 @@ class Pipeline:
                 raise ValueError(f"{name}={value} is outside [{low}, {high}]")
         if io not in defaults.IO_ENGINES:
             raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
         if host_link_gbps is None:
             host_link_gbps = defaults.host_link_gbps()
         else:
@@ -127,7 +135,7 @@ class Pipeline:
         self._native = _native.NativePipeline(
             specs, self.optimizer.name,
             float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
-            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9)
+            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9, verify)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)

@@ -68,6 +68,9 @@ class Device {
   virtual bool registrable() const = 0;
   // Whether slot memory is aligned for O_DIRECT (XRT's emulation maps unaligned memory).
   virtual bool direct_io() const { return true; }
+  // Whether the host can read slot states at memory speed (for checksums); P2P buffers
+  // mapped over PCIe cannot be.
+  virtual bool host_visible_states() const { return true; }
   // Chunks and sub-groups must hold a multiple of this many params (FPGA beat width).
   virtual size_t param_multiple() const { return 1; }
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device

@@ -88,6 +88,7 @@ class XrtDevice final : public Device {
   size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   // P2P pages cannot be pinned as io_uring fixed buffers: plain reads into the mapping.
   bool registrable() const override { return false; }
+  bool host_visible_states() const override { return false; }
   // 512-bit beats of fp32: each state array of a chunk starts on a beat.
   size_t param_multiple() const override { return 16; }
   bool direct_io() const override {

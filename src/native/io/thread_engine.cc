@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "error.h"
+#include "fault.h"
 #include "io/engine.h"
 
 namespace smartinf::io {
@@ -20,6 +21,11 @@ int transfer(Op op) {
   while (op.len > 0) {
     ssize_t res = op.write ? ::pwrite(op.fd, op.buf, op.len, static_cast<off_t>(op.offset))
                            : ::pread(op.fd, op.buf, op.len, static_cast<off_t>(op.offset));
+    switch (fault::at(op.write ? "io.write" : "io.read")) {
+      case fault::Action::error: return fault::error_code();
+      case fault::Action::short_io: res = fault::short_length(res); break;  // rest redone
+      default: break;
+    }
     if (res < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return errno;

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "error.h"
+#include "fault.h"
 #include "io/engine.h"
 
 #ifdef SMARTINF_HAVE_URING
@@ -64,6 +65,11 @@ class UringEngine final : public Engine {
     --inflight_;
     Op& op = slots_[index];
     free_.push_back(index);
+    switch (fault::at(op.write ? "io.write" : "io.read")) {
+      case fault::Action::error: res = -fault::error_code(); break;
+      case fault::Action::short_io: res = fault::short_length(res); break;  // rest resubmitted
+      default: break;
+    }
     if (res == -EAGAIN || res == -EINTR) {
       pending_.push_front(op);
     } else if (res < 0) {

@@ -1,5 +1,8 @@
 #include "pipeline/pipeline.h"
 
+#include "error.h"
+#include "fault.h"
+
 #include <cstdio>
 #include <random>
 #include <stdexcept>
@@ -121,6 +124,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   }
   step_ = lo;
   RingOptions ring = options.ring;
+  ring.verify = options.verify;
   if (options.host_link_bps > 0) ring.host_link = std::make_shared<HostLink>(options.host_link_bps);
   for (size_t i = 0; i < devices_.size(); ++i) {
     ring.storage_bps = options.devices[i].storage_bps;
@@ -243,11 +247,42 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) 
       throw;
     }
   }
+  if (!created) {  // states from disk: checked against their checksums before any use
+    std::vector<Job> jobs = chunk_jobs(unit, local, JobKind::verify);
+    const bool known = std::any_of(jobs.begin(), jobs.end(), [](const Job& j) { return *j.src.sum; });
+    if (known) {
+      try {
+        submit_and_wait(unit, jobs);
+      } catch (...) {
+        devices_[unit].ring->drain();
+        throw;
+      }
+    }
+  }
   resumed = !created;
   devices_[unit].numel += numel;
   placement_.push_back(Placement{unit, local});
   updated_.push_back(false);
   return static_cast<size_t>(id);
+}
+
+std::vector<Job> Pipeline::chunk_jobs(size_t unit, size_t local, JobKind kind) const {
+  const store::StateStore& store = *devices_[unit].store;
+  const store::SubgroupRecord& r = store.record(local);
+  auto done = std::make_shared<Completion>(store.chunks(local));
+  std::vector<Job> jobs;
+  for (uint64_t c = 0; c < store.chunks(local); ++c) {
+    Job job;
+    job.kind = kind;
+    job.completion = done;
+    job.src = store.extent(local, c, r.copy);
+    job.dst = store.extent(local, c, r.copy ^ 1u);
+    job.subgroup = r.id;
+    job.chunk = c;
+    job.written_at = r.last;
+    jobs.push_back(job);
+  }
+  return jobs;
 }
 
 std::vector<Job> Pipeline::init_jobs(size_t unit, size_t local, uint32_t copy,
@@ -295,18 +330,15 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   kernel.grad = g.dtype;
   kernel.param = out_dtype;
   kernel.compressed = compressed;
-  auto done = std::make_shared<Completion>(store.chunks(p.local));
+  std::vector<Job> jobs = chunk_jobs(p.unit, p.local, JobKind::update);
+  auto done = jobs.front().completion;
   completions_.push_back(done);
   last_hyper_ = {{"lr", h.lr}, {"weight_decay", h.weight_decay}};
   if (optimizer_ == device::Optimizer::adam || optimizer_ == device::Optimizer::adamw)
     last_hyper_.insert({{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}});
   const size_t gsize = kernels::dtype_size(g.dtype), osize = kernels::dtype_size(out_dtype);
-  for (uint64_t c = 0; c < store.chunks(p.local); ++c) {
-    Job job;
-    job.kind = JobKind::update;
-    job.completion = done;
-    job.src = store.extent(p.local, c, r.copy);
-    job.dst = store.extent(p.local, c, r.copy ^ 1u);
+  for (Job& job : jobs) {
+    const uint64_t c = job.chunk;
     job.output = static_cast<char*>(out) + c * options_.chunk * osize;
     job.kernel = kernel;
     if (compressed) {
@@ -335,19 +367,10 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
 void Pipeline::read_states(size_t sg, float* const* arrays) {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
-  const store::StateStore& store = *devices_[p.unit].store;
-  const store::SubgroupRecord& r = store.record(p.local);
-  auto done = std::make_shared<Completion>(store.chunks(p.local));
-  std::vector<Job> jobs;
-  for (uint64_t c = 0; c < store.chunks(p.local); ++c) {
-    Job job;
-    job.kind = JobKind::read;
-    job.completion = done;
-    job.src = store.extent(p.local, c, r.copy);
+  std::vector<Job> jobs = chunk_jobs(p.unit, p.local, JobKind::read);
+  for (Job& job : jobs)
     for (unsigned a = 0; a < state_arrays(); ++a)
-      job.exported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
-    jobs.push_back(job);
-  }
+      job.exported[a] = arrays[a] ? arrays[a] + job.chunk * options_.chunk : nullptr;
   submit_and_wait(p.unit, jobs);
 }
 
@@ -381,11 +404,34 @@ void Pipeline::commit() {
   std::lock_guard lock(mu_);
   require_open();
   wait_step(true);
-  for (Unit& u : devices_) {
-    u.store->commit(u.updated, step_ + 1, last_hyper_);
-    u.updated.clear();
+  try {
+    for (Unit& u : devices_) {
+      u.store->commit(u.updated, step_ + 1, last_hyper_);
+      u.updated.clear();
+      fault::check("pipeline.device_committed", u.store->dir());
+    }
+  } catch (...) {
+    // Some devices may be at step + 1 already: put them back, so the pipeline stays at
+    // the last step every device has (its updates are lost; the caller may redo them).
+    for (Unit& u : devices_) u.updated.clear();
+    try {
+      for (Unit& u : devices_)
+        if (u.store->step() == step_ + 1) u.store->rollback_last_step();
+    } catch (const std::exception& e) {
+      abandon();
+      throw std::runtime_error(
+          std::string("a commit failed and undoing it failed too (") + e.what() +
+          "): the pipeline is closed; reopen the directories, which rolls them back to step " +
+          std::to_string(step_));
+    }
+    throw;
   }
   ++step_;
+}
+
+void Pipeline::abandon() {
+  for (Unit& u : devices_) u.ring.reset();
+  devices_.clear();
 }
 
 void Pipeline::discard() {

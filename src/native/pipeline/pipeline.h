@@ -28,6 +28,7 @@ struct PipelineOptions {
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
   size_t slots = 4;                 // K slots per device
   double host_link_bps = 0;         // shared host link, each direction; 0: no cap
+  bool verify = false;              // checksum every extent loaded (always on resume)
   RingOptions ring;
 };
 
@@ -107,6 +108,10 @@ class Pipeline {
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);
   std::vector<Job> init_jobs(size_t unit, size_t local, uint32_t copy,
                              const float* const* arrays) const;
+  // One job per chunk of the committed copy of a sub-group, each with `done` and the
+  // chunk's extents and identity filled in.
+  std::vector<Job> chunk_jobs(size_t unit, size_t local, JobKind kind) const;
+  void abandon();  // drops every device without saving: after a failure it cannot undo
   void mark_written(size_t sg, uint64_t steps);
 
   PipelineOptions options_;

@@ -4,7 +4,9 @@
 
 #include <chrono>
 
+#include "error.h"
 #include "kernels/numeric.h"
+#include "store/checksum.h"
 
 namespace smartinf::pipeline {
 namespace {
@@ -43,6 +45,8 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   writer_ = io::make_engine(reader_->name(), io_options, notes);
   engine_name_ = reader_->name();
   host_link_ = options.host_link;
+  verify_ = options.verify;
+  checksums_ = device.host_visible_states();
   if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
   // Named for top -H / perf: one thread per stage.
@@ -93,6 +97,20 @@ Ring::Deadline Ring::reserve_storage(uint64_t bytes) {
   return storage_limit_->reserve(bytes);
 }
 
+void Ring::check_sum(const Job& job, size_t slot) const {
+  const uint64_t expected = *job.src.sum;
+  if (!checksums_ || expected == 0) return;
+  const uint64_t actual = store::extent_checksum(device_.slot(slot).states, job.src.bytes);
+  if (actual != expected)
+    throw SystemError(EBADMSG,
+                      "checksum mismatch in sub-group " + std::to_string(job.subgroup) +
+                          ", chunk " + std::to_string(job.chunk) + " (bytes " +
+                          std::to_string(job.src.offset) + "+" + std::to_string(job.src.bytes) +
+                          ", written at step " + std::to_string(job.written_at) +
+                          "): bit rot or a foreign write; restore the directory from a checkpoint",
+                      store_.file_path());
+}
+
 io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
   io::Op op;
   op.write = write;
@@ -140,6 +158,7 @@ void Ring::load_loop() {
         reader_->wait();
         counters_.storage_read += job->src.bytes;
         finish_storage(storage);
+        if (verify_ || job->kind == JobKind::verify) check_sum(*job, slot);
       }
     } catch (...) {
       job->completion->chunk_done(std::current_exception());
@@ -147,7 +166,11 @@ void Ring::load_loop() {
       finished();
       continue;
     }
-    if (job->kind == JobKind::init)
+    if (job->kind == JobKind::verify) {
+      job->completion->chunk_done();
+      free_slots_.push(slot);
+      finished();
+    } else if (job->kind == JobKind::init)
       writing_.push(Loaded{std::move(*job), slot});
     else
       computing_.push(Loaded{std::move(*job), slot});
@@ -202,6 +225,7 @@ void Ring::write_loop() {
     std::exception_ptr error;
     try {
       Timer t(counters_.busy_ns[kWriteback]);
+      *job.dst.sum = checksums_ ? store::extent_checksum(device_.slot(item->slot).states, job.dst.bytes) : 0;
       const Deadline storage = reserve_storage(job.dst.bytes);
       const io::Op op = state_io(true, job.dst, item->slot);
       writer_->submit({&op, 1});

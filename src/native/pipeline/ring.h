@@ -21,7 +21,9 @@
 
 namespace smartinf::pipeline {
 
-enum class JobKind { update, init, read };
+// update: load, compute, params out, write back. init: states in from the host, written.
+// read: states loaded and out to the host. verify: loaded and checked against checksums.
+enum class JobKind { update, init, read, verify };
 
 struct Job {
   JobKind kind = JobKind::update;
@@ -37,6 +39,9 @@ struct Job {
   float fill[device::kMaxStateArrays] = {};
   float* exported[device::kMaxStateArrays] = {};  // read: the state arrays to the host
   device::Kernel kernel{};
+  int64_t subgroup = -1;  // for error messages
+  uint64_t chunk = 0;
+  uint64_t written_at = 0;  // pipeline step that wrote `src`
 };
 
 enum Stage { kLoad, kHostToDevice, kCompute, kDeviceToHost, kWriteback, kStages };
@@ -57,6 +62,7 @@ struct RingOptions {
   uint64_t piece_bytes = 1 << 20;
   std::shared_ptr<HostLink> host_link;  // shared by the pipeline's rings; null: no cap
   double storage_bps = 0;               // cap on this device's storage traffic; 0: none
+  bool verify = false;                  // check every loaded extent against its checksum
 };
 
 class Ring {
@@ -87,6 +93,7 @@ class Ring {
   void write_loop();
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot) const;
+  void check_sum(const Job& job, size_t slot) const;
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
   using Deadline = std::optional<RateLimiter::Clock::time_point>;
   Deadline reserve_host(bool to_device, uint64_t bytes);
@@ -103,6 +110,7 @@ class Ring {
   const char* engine_name_ = "";
   std::shared_ptr<HostLink> host_link_;
   std::unique_ptr<RateLimiter> storage_limit_;
+  bool verify_ = false, checksums_ = true;
   Queue<Job> jobs_;
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;

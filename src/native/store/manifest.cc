@@ -51,6 +51,14 @@ class Words {
     word.assign(start, p_);
     return !word.empty();
   }
+  bool hex(uint64_t& value) {
+    std::string word;
+    if (!next(word) || word.size() != 16) return false;
+    char* stop = nullptr;
+    errno = 0;
+    value = std::strtoull(word.c_str(), &stop, 16);
+    return stop == word.c_str() + word.size() && errno == 0;
+  }
   template <class T>
   bool number(T& value) {
     std::string word;
@@ -89,6 +97,15 @@ std::string Manifest::serialize() const {
     append(body, "sg %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRIu32 " %" PRIu64 " %" PRIu64
                  " %" PRIu64 "\n",
            r.id, r.numel, r.offset, r.copy, r.steps, r.last, r.prev_steps);
+  for (const SubgroupRecord& r : subgroups) {
+    for (uint32_t c = 0; c < 2; ++c) {
+      const std::vector<uint64_t>& sums = r.sums->copy[c];
+      if (std::all_of(sums.begin(), sums.end(), [](uint64_t x) { return x == 0; })) continue;
+      append(body, "sums %" PRId64 " %" PRIu32, r.id, c);
+      for (uint64_t x : sums) append(body, " %016" PRIx64, x);
+      body += '\n';
+    }
+  }
   char crc[32];
   std::snprintf(crc, sizeof crc, "crc32 %08" PRIx32 "\n", crc_of(body));
   return body + crc;
@@ -114,6 +131,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     bad(path, "format version " + std::to_string(version) + ", this smartinf reads " +
                   std::to_string(kOldestVersion) + " to " + std::to_string(kVersion));
   Manifest m;
+  uint64_t total_chunks = 0;
   size_t count = 0;
   bool have_count = false;
   std::string key;
@@ -136,9 +154,26 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
       have_count = ok;
     } else if (key == "sg") {
       SubgroupRecord r;
-      ok = in.number(r.id) && in.number(r.numel) && in.number(r.offset) && in.number(r.copy) &&
-           in.number(r.steps) && in.number(r.last) && in.number(r.prev_steps) && r.copy < 2;
-      if (ok) m.subgroups.push_back(r);
+      ok = m.chunk > 0 && in.number(r.id) && in.number(r.numel) && in.number(r.offset) &&
+           in.number(r.copy) && in.number(r.steps) && in.number(r.last) &&
+           in.number(r.prev_steps) && r.copy < 2 && r.numel > 0 && r.numel < (uint64_t(1) << 48) &&
+           r.offset < (uint64_t(1) << 60);
+      total_chunks += ok ? (r.numel + m.chunk - 1) / m.chunk : 0;
+      if (ok && total_chunks > kMaxChunks)
+        bad(path, "more than " + std::to_string(kMaxChunks) + " chunks");
+      if (ok) {
+        m.add_sums(r);
+        m.subgroups.push_back(r);
+      }
+    } else if (key == "sums") {
+      int64_t id = 0;
+      uint32_t c = 0;
+      ok = in.number(id) && in.number(c) && c < 2;
+      auto r = std::find_if(m.subgroups.begin(), m.subgroups.end(),
+                            [&](const SubgroupRecord& x) { return x.id == id; });
+      ok = ok && r != m.subgroups.end();
+      if (ok)
+        for (uint64_t& x : r->sums->copy[c]) ok = ok && in.hex(x);
     } else {
       bad(path, "unknown record '" + key + "'");
     }
@@ -148,6 +183,12 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (m.optimizer.empty()) bad(path, "optimizer missing");
   if (!have_count || count != m.subgroups.size()) bad(path, "sub-group count mismatch");
   return m;
+}
+
+void Manifest::add_sums(SubgroupRecord& r) const {
+  const uint64_t chunks = (r.numel + chunk - 1) / chunk;
+  r.sums = std::make_shared<ChunkSums>();
+  for (auto& copy : r.sums->copy) copy.assign(chunks, 0);
 }
 
 }  // namespace smartinf::store

@@ -3,10 +3,17 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace smartinf::store {
+
+// XXH3-64 checksums of a sub-group's extents, per copy (A/B) and chunk; 0: not known
+// (written by an older version, or by a device whose states the host cannot read).
+struct ChunkSums {
+  std::vector<uint64_t> copy[2];
+};
 
 struct SubgroupRecord {
   int64_t id = 0;        // the pipeline's sub-group id
@@ -16,6 +23,8 @@ struct SubgroupRecord {
   uint64_t steps = 0;    // optimizer steps applied (Adam's t)
   uint64_t last = 0;     // pipeline step that last updated it (one-step rollback)
   uint64_t prev_steps = 0;  // `steps` before that update (a state import may set any)
+  // Shared by copies of the manifest, so the ring's writer can fill it in place.
+  std::shared_ptr<ChunkSums> sums;
 };
 
 // Which device of which pipeline a directory is: reopening with another device list (a
@@ -27,8 +36,9 @@ struct Membership {
 };
 
 struct Manifest {
-  static constexpr int kVersion = 3;  // 2: sub-groups record prev_steps; 3: membership
+  static constexpr int kVersion = 4;  // 2: prev_steps; 3: membership; 4: checksums
   static constexpr int kOldestVersion = 2;
+  static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   uint64_t chunk = 0;            // params per chunk
   std::string state_dtype = "fp32";
   std::string optimizer;         // adam, adamw, ...
@@ -40,6 +50,8 @@ struct Manifest {
   std::string serialize() const;
   // Throws std::invalid_argument naming `path` and the first thing that is wrong.
   static Manifest parse(const std::string& text, const std::string& path);
+  // Gives `r` zeroed checksums for its chunks.
+  void add_sums(SubgroupRecord& r) const;
 };
 
 }  // namespace smartinf::store

@@ -1,6 +1,7 @@
 #include "store/state_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <stdexcept>
 
 #include "error.h"
+#include "fault.h"
 
 namespace smartinf::store {
 namespace {
@@ -54,6 +56,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       states_path_(dir + "/states.bin"),
       manifest_path_(dir + "/manifest"),
       arrays_(config.arrays) {
+  lock_directory();
   std::string text;
   const bool resume = read_file(manifest_path_, text);
   if (resume) {
@@ -81,7 +84,12 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     notes.push_back("no O_DIRECT on " + dir + " (tmpfs?): using buffered I/O there");
     fd_ = ::open(states_path_.c_str(), flags, 0644);
   }
-  check_errno(fd_, "cannot open the states file", states_path_);
+  if (fd_ < 0) {
+    const int code = errno;
+    ::close(lock_fd_);
+    throw SystemError(code, "cannot open the states file", states_path_);
+  }
+  if (!resume) fsync_dir(dir_);  // the new file's name survives a power loss
 
   struct stat st {};
   check_errno(::fstat(fd_, &st), "fstat", states_path_);
@@ -93,6 +101,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   }
   if (static_cast<uint64_t>(st.st_size) < file_end_) {
     ::close(fd_);
+    ::close(lock_fd_);
     throw std::invalid_argument(states_path_ + " has " + std::to_string(st.st_size) +
                                 " bytes but its manifest needs " + std::to_string(file_end_) +
                                 " (truncated copy?)");
@@ -101,6 +110,29 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
 
 StateStore::~StateStore() {
   if (fd_ >= 0) ::close(fd_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
+}
+
+// flock, not fcntl locks: those belong to the process, so a second pipeline in the same
+// process would not be kept out, and closing any descriptor of the file would drop them.
+void StateStore::lock_directory() {
+  const std::string path = dir_ + "/lock";
+  lock_fd_ = check_errno(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644),
+                         "cannot create the lock file", path);
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int code = errno;
+    char holder[32] = {};
+    (void)!::pread(lock_fd_, holder, sizeof holder - 1, 0);
+    ::close(lock_fd_);
+    if (code == EWOULDBLOCK)
+      throw SystemError(EBUSY, std::string("the directory is open in another pipeline (process ") +
+                                   (holder[0] ? holder : "?") +
+                                   "); close that one first: two writers would mix their steps",
+                        dir_);
+    throw SystemError(code, "cannot lock the directory", path);
+  }
+  const std::string pid = std::to_string(::getpid());
+  if (::ftruncate(lock_fd_, 0) == 0) (void)!::pwrite(lock_fd_, pid.data(), pid.size(), 0);
 }
 
 size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
@@ -115,10 +147,17 @@ size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
     created = false;
     return it->second;
   }
+  uint64_t total = 0;
+  for (size_t i = 0; i < manifest_.subgroups.size(); ++i) total += chunks(i);
+  if (total + (numel + manifest_.chunk - 1) / manifest_.chunk > Manifest::kMaxChunks)
+    throw std::invalid_argument(dir_ + " would hold more than " +
+                                std::to_string(Manifest::kMaxChunks) +
+                                " chunks; use a larger chunk size");
   SubgroupRecord r;
   r.id = id;
   r.numel = numel;
   r.offset = file_end_;
+  manifest_.add_sums(r);
   const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
   const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, arrays_) + (tail ? extent_bytes(tail, arrays_) : 0));
   int res = ::posix_fallocate(fd_, static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
@@ -154,69 +193,88 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const uint64_t bytes = extent_bytes(numel, arrays_);
   // Full chunks come first, so chunk c starts after c pairs of full-size extents.
   const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk, arrays_);
-  return Extent{base + copy * bytes, bytes, numel};
+  return Extent{base + copy * bytes, bytes, numel, &r.sums->copy[copy][chunk]};
 }
 
 void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,
                         const std::map<std::string, double>& hyper) {
   check_errno(::fdatasync(fd_), "fdatasync", states_path_);
+  fault::check("store.synced", states_path_);
+  Manifest next = manifest_;  // current only once durable: a failed commit changes nothing
   for (const Written& w : written) {
-    SubgroupRecord& r = manifest_.subgroups[w.local];
+    SubgroupRecord& r = next.subgroups[w.local];
     r.copy ^= 1u;
     r.prev_steps = r.steps;
     r.steps = w.steps;
     r.last = pipeline_step;
   }
-  manifest_.step = pipeline_step;
-  if (!hyper.empty()) manifest_.hyper = hyper;
-  write_manifest();
+  next.step = pipeline_step;
+  if (!hyper.empty()) next.hyper = hyper;
+  write_manifest(next);
 }
 
 void StateStore::save_layout() {
   if (!layout_dirty_) return;
   check_errno(::fdatasync(fd_), "fdatasync", states_path_);
-  write_manifest();
+  write_manifest(manifest_);
 }
 
 void StateStore::set_membership(const Membership& m) {
-  manifest_.member = m;
-  write_manifest();  // claims the directory for this pipeline at once
+  Manifest next = manifest_;
+  next.member = m;
+  write_manifest(next);  // claims the directory for this pipeline at once
 }
 
 void StateStore::rollback_last_step() {
-  for (SubgroupRecord& r : manifest_.subgroups) {
-    if (r.last != manifest_.step) continue;
+  Manifest next = manifest_;
+  for (SubgroupRecord& r : next.subgroups) {
+    if (r.last != next.step) continue;
     r.copy ^= 1u;
     r.steps = r.prev_steps;
     r.last = 0;
   }
-  manifest_.step -= 1;
-  write_manifest();
+  next.step -= 1;
+  write_manifest(next);
 }
 
-void StateStore::write_manifest() {
-  const std::string text = manifest_.serialize();
+// Write-new + fdatasync + rename + fsync of the directory: a crash at any point leaves
+// either the old manifest or the new one, whole. On an error (ENOSPC, EIO) the temporary
+// file is removed and the old manifest stays current, on disk and in memory.
+void StateStore::write_manifest(const Manifest& m) {
+  const std::string text = m.serialize();
   const std::string tmp = manifest_path_ + ".tmp";
-  int fd = check_errno(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                       "cannot write the manifest", tmp);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw SystemError(errno, "cannot write the manifest", tmp);
+  const auto fail = [&](int code, const char* what) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw SystemError(code, what, tmp);
+  };
   size_t done = 0;
   while (done < text.size()) {
-    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int code = errno;
-      ::close(fd);
-      throw SystemError(code, "cannot write the manifest", tmp);
-    }
+    if (n < 0) fail(errno, "cannot write the manifest");
     done += static_cast<size_t>(n);
   }
-  int res = ::fdatasync(fd);
-  int code = errno;
+  if (::fdatasync(fd) < 0) fail(errno, "fdatasync");
   ::close(fd);
-  if (res < 0) throw SystemError(code, "fdatasync", tmp);
-  check_errno(::rename(tmp.c_str(), manifest_path_.c_str()), "rename", manifest_path_);
-  fsync_dir(dir_);
+  try {
+    fault::check("manifest.written", tmp);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::rename(tmp.c_str(), manifest_path_.c_str()) < 0) {
+    const int code = errno;
+    ::unlink(tmp.c_str());
+    throw SystemError(code, "cannot replace the manifest", manifest_path_);
+  }
+  // Renamed: the new manifest is the one on disk (durable once the directory is synced).
+  manifest_ = m;
   layout_dirty_ = false;
+  fault::check("manifest.renamed", dir_);
+  fsync_dir(dir_);
 }
 
 }  // namespace smartinf::store

@@ -36,11 +36,13 @@ struct Extent {
   uint64_t offset;  // bytes into states.bin
   uint64_t bytes;   // aligned I/O size
   uint64_t numel;   // params in this chunk
+  uint64_t* sum;    // its checksum in the manifest (stable while the sub-group exists)
 };
 
 class StateStore {
  public:
-  // Opens `dir` (which must exist), resuming from its manifest when there is one.
+  // Opens `dir` (which must exist), resuming from its manifest when there is one, and
+  // locks it (`dir/lock`, flock) against other pipelines until destroyed.
   // Throws std::invalid_argument when the directory was made with another layout.
   StateStore(const std::string& dir, const StoreConfig& config, std::vector<std::string>& notes);
   ~StateStore();
@@ -76,7 +78,8 @@ class StateStore {
   bool direct() const { return direct_; }
 
  private:
-  void write_manifest();
+  void write_manifest(const Manifest& m);  // durably replaces the manifest; then current
+  void lock_directory();
 
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
@@ -86,6 +89,7 @@ class StateStore {
   bool layout_dirty_ = false;
   bool direct_ = true;
   int fd_ = -1;
+  int lock_fd_ = -1;
 };
 
 }  // namespace smartinf::store
