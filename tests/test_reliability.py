@@ -1,0 +1,361 @@
+"""What the stored states survive: failed commits, I/O errors and short I/O, a full disk,
+bit rot, a second writer, and hostile directories. Faults come from the core's test-only
+fault points (``smartinf._native.arm_fault``); the disk is full for real (a loop-mounted
+ext4 image)."""
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import smartinf
+import smartinf._native as native
+from conftest import ENGINES
+
+SIZES = [3000, 2500, 1000]
+CHUNK = 1000
+RULE = smartinf.AdamW(lr=1e-2, weight_decay=0.1)
+
+
+@pytest.fixture(autouse=True)
+def no_fault_left_armed():
+    yield
+    native.disarm_fault()
+
+
+def open_pipe(dirs, **kwargs):
+    pipe = smartinf.Pipeline(dirs, RULE, chunk=CHUNK, slots=2, **kwargs)
+    rng = np.random.default_rng(0)
+    try:
+        for n in SIZES:
+            pipe.add_subgroup(n, init=rng.standard_normal(n).astype(np.float32))
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe
+
+
+def grads(step):
+    rng = np.random.default_rng(1000 + step)
+    return [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+
+
+def run_step(pipe, step):
+    outs = [np.empty(n, np.float32) for n in SIZES]
+    with pipe.step():
+        futures = [pipe.update(i, g, o) for i, (g, o) in enumerate(zip(grads(step), outs))]
+        for f in futures:
+            f.wait()
+    return outs
+
+
+def states(pipe):
+    return [pipe.read_states(i) for i in range(len(SIZES))]
+
+
+def assert_states_equal(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        for k in x:
+            assert np.array_equal(x[k], y[k]), f"{k} of sub-group {i} differs"
+
+
+@pytest.fixture
+def reference(tmp_path_factory):
+    """States after 0, 1, 2 and 3 fault-free steps."""
+    with open_pipe(str(tmp_path_factory.mktemp("ref"))) as pipe:
+        result = [states(pipe)]
+        for step in range(3):
+            run_step(pipe, step)
+            result.append(states(pipe))
+    return result
+
+
+# -- a second writer ---------------------------------------------------------------------
+def test_one_directory_one_writer(disk_dir):
+    with open_pipe(disk_dir):
+        with pytest.raises(OSError, match=f"open in another pipeline \\(process {os.getpid()}\\)") as e:
+            smartinf.Pipeline(disk_dir, RULE, chunk=CHUNK)
+        assert e.value.errno == errno.EBUSY
+        holder = textwrap.dedent(f"""
+            import smartinf
+            try:
+                smartinf.Pipeline({disk_dir!r}, chunk={CHUNK})
+            except OSError as e:
+                print(e.errno, e)
+        """)
+        out = subprocess.run([sys.executable, "-c", holder], capture_output=True, text=True,
+                             timeout=120).stdout
+        assert out.startswith(f"{errno.EBUSY} ") and "another pipeline" in out
+    with open_pipe(disk_dir) as pipe:  # closed: free again
+        assert pipe.resumed(0)
+
+
+# -- failed commits ----------------------------------------------------------------------
+@pytest.mark.parametrize("point", ["store.synced", "manifest.written", "manifest.renamed"])
+def test_failed_commit_changes_nothing(tmp_path, reference, point):
+    d = str(tmp_path / "dev")
+    with open_pipe(d) as pipe:
+        run_step(pipe, 0)
+        native.arm_fault(point, "error", errno=errno.EIO)
+        with pytest.raises(OSError, match=f"injected fault at {point}") as e:
+            run_step(pipe, 1)
+        assert e.value.errno == errno.EIO
+        assert pipe.step_count == 1
+        assert_states_equal(states(pipe), reference[1])
+        assert not os.path.exists(os.path.join(d, "manifest.tmp"))
+        run_step(pipe, 1)  # the pipeline goes on: the step can be redone
+        assert_states_equal(states(pipe), reference[2])
+    with open_pipe(d) as pipe:
+        assert pipe.step_count == 2
+        assert_states_equal(states(pipe), reference[2])
+
+
+def test_failed_commit_on_the_second_device_rolls_back_the_first(tmp_path, reference_two):
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with open_pipe(dirs) as pipe:
+        run_step(pipe, 0)
+        native.arm_fault("pipeline.device_committed", "error")  # after device a
+        with pytest.raises(OSError, match="injected fault"):
+            run_step(pipe, 1)
+        assert pipe.step_count == 1
+        assert_states_equal(states(pipe), reference_two[1])
+        run_step(pipe, 1)
+    with open_pipe(dirs) as pipe:
+        assert pipe.step_count == 2
+        assert_states_equal(states(pipe), reference_two[2])
+
+
+@pytest.fixture
+def reference_two(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref2")
+    with open_pipe([str(root / "a"), str(root / "b")]) as pipe:
+        result = [states(pipe)]
+        for step in range(2):
+            run_step(pipe, step)
+            result.append(states(pipe))
+    return result
+
+
+# -- I/O errors and short I/O ------------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("point", ["io.read", "io.write"])
+def test_io_error_fails_the_step_and_keeps_the_last_one(disk_dir, reference, engine, point):
+    with open_pipe(disk_dir, io=engine) as pipe:
+        run_step(pipe, 0)
+        native.arm_fault(point, "error", after=3, errno=errno.EIO)
+        with pytest.raises(OSError, match="(read|write) failed") as e:
+            run_step(pipe, 1)
+        assert e.value.errno == errno.EIO and e.value.filename.endswith("states.bin")
+        assert pipe.step_count == 1
+        assert_states_equal(states(pipe), reference[1])
+        run_step(pipe, 1)
+        run_step(pipe, 2)
+        assert_states_equal(states(pipe), reference[3])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("point", ["io.read", "io.write"])
+def test_short_io_is_completed(disk_dir, reference, engine, point):
+    with open_pipe(disk_dir, io=engine) as pipe:
+        for step in range(3):
+            native.arm_fault(point, "short", after=step)
+            run_step(pipe, step)
+        assert_states_equal(states(pipe), reference[3])
+
+
+# -- bit rot -----------------------------------------------------------------------------
+def extent_of(directory, sg, chunk):
+    """(offset, bytes) of the committed copy of `chunk` of sub-group `sg`, from the manifest."""
+    for line in open(os.path.join(directory, "manifest")):
+        word = line.split()
+        if word[0] == "sg" and int(word[1]) == sg:
+            numel, offset, copy = int(word[2]), int(word[3]), int(word[4])
+            full = -(-CHUNK * 12 // 4096) * 4096
+            n = min(CHUNK, numel - chunk * CHUNK)
+            size = -(-n * 12 // 4096) * 4096
+            return offset + 2 * chunk * full + copy * size, size
+    raise AssertionError(f"sub-group {sg} not in the manifest")
+
+
+def flip_bit(directory, sg, chunk, at=100):
+    offset, _ = extent_of(directory, sg, chunk)
+    with open(os.path.join(directory, "states.bin"), "r+b") as f:
+        f.seek(offset + at)
+        byte = f.read(1)[0]
+        f.seek(offset + at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_is_found_when_reopened(disk_dir):
+    with open_pipe(disk_dir) as pipe:
+        for step in range(2):
+            run_step(pipe, step)
+    flip_bit(disk_dir, sg=1, chunk=2)
+    with pytest.raises(OSError, match="checksum mismatch in sub-group 1, chunk 2 .*written at step 2") as e:
+        open_pipe(disk_dir)
+    assert e.value.errno == errno.EBADMSG
+    flip_bit(disk_dir, sg=1, chunk=2)  # flipped back: whole again
+    with open_pipe(disk_dir) as pipe:
+        assert pipe.step_count == 2
+
+
+def test_verify_checks_every_load(disk_dir, reference):
+    with open_pipe(disk_dir, verify=True) as pipe:
+        run_step(pipe, 0)
+        flip_bit(disk_dir, sg=0, chunk=1, at=5000)
+        with pytest.raises(OSError, match="checksum mismatch in sub-group 0, chunk 1"):
+            run_step(pipe, 1)
+        assert pipe.step_count == 1
+    # Without verify the same load goes unchecked (the flip is in the master weights).
+    flip_bit(disk_dir, sg=0, chunk=1, at=5000)
+    with open_pipe(disk_dir) as pipe:
+        assert_states_equal(states(pipe), reference[1])
+
+
+def test_checksums_survive_reopen_and_cover_every_extent(disk_dir):
+    with open_pipe(disk_dir) as pipe:
+        run_step(pipe, 0)
+    text = open(os.path.join(disk_dir, "manifest")).read()
+    sums = [line.split() for line in text.splitlines() if line.startswith("sums ")]
+    # Both copies of every sub-group: the initial states (copy 0) and step 1's (copy 1).
+    assert sorted((int(s[1]), int(s[2])) for s in sums) == [(sg, c) for sg in range(3) for c in (0, 1)]
+    for s in sums:
+        assert len(s) - 3 == -(-SIZES[int(s[1])] // CHUNK) and "0" * 16 not in s
+
+
+# -- a full disk -------------------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 24 MiB ext4 file system, loop-mounted (root only)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("a full-disk test needs root and mkfs.ext4 to loop-mount a small ext4 image")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(24 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def fill(directory):
+    """Writes a file until the file system is full; returns its path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for size in (1 << 16, 4096, 1):  # down to the last byte ext4 gives out
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_full_disk_when_adding_a_subgroup(small_fs):
+    with smartinf.Pipeline(small_fs, RULE, chunk=CHUNK) as pipe:
+        pipe.add_subgroup(1000)
+        with pytest.raises(OSError, match="cannot allocate") as e:
+            pipe.add_subgroup(2_000_000)  # 48 MB of states on a 24 MiB disk
+        assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("states.bin")
+        assert pipe.num_subgroups == 1
+        with pipe.step():
+            pipe.update(0, np.ones(1000, np.float32), np.empty(1000, np.float32))
+        assert pipe.step_count == 1
+
+
+def test_full_disk_at_commit_keeps_the_last_step(small_fs, reference):
+    with open_pipe(small_fs) as pipe:
+        run_step(pipe, 0)
+        filler = fill(small_fs)
+        with pytest.raises(OSError) as e:
+            run_step(pipe, 1)
+        assert e.value.errno == errno.ENOSPC and small_fs in e.value.filename
+        assert pipe.step_count == 1
+        assert_states_equal(states(pipe), reference[1])
+        os.remove(filler)
+        run_step(pipe, 1)
+        assert_states_equal(states(pipe), reference[2])
+    with open_pipe(small_fs) as pipe:
+        assert_states_equal(states(pipe), reference[2])
+
+
+# -- hostile directories -----------------------------------------------------------------
+def rewrite_manifest(directory, edit):
+    path = os.path.join(directory, "manifest")
+    with open(path, "rb") as f:
+        text = f.read()
+    with open(path, "wb") as f:
+        f.write(edit(text))
+
+
+def with_crc(body: bytes) -> bytes:
+    import zlib
+    return body + b"crc32 %08x\n" % zlib.crc32(body)
+
+
+def body_of(text: bytes) -> bytes:
+    return text[:text.rindex(b"crc32 ")]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t[: len(t) // 2], "no checksum line|malformed checksum"),
+    (lambda t: b"\x00\xff garbage" * 10, "no checksum line|malformed checksum"),
+    (lambda t: t.replace(b"step 1", b"step 2"), "checksum mismatch"),
+    (lambda t: with_crc(body_of(t).replace(b"smartinf-manifest 4", b"smartinf-manifest 1")),
+     "format version 1, this smartinf reads 2 to 4"),
+    (lambda t: with_crc(body_of(t).replace(b"smartinf-manifest 4", b"smartinf-manifest 9")),
+     "format version 9"),
+    (lambda t: with_crc(body_of(t) + b"bogus 1\n"), "unknown record 'bogus'"),
+    (lambda t: with_crc(body_of(t).replace(b"subgroups 3", b"subgroups 4")), "count mismatch"),
+])
+def test_bad_manifest_is_refused_and_left_alone(disk_dir, edit, match):
+    with open_pipe(disk_dir) as pipe:
+        run_step(pipe, 0)
+    rewrite_manifest(disk_dir, edit)
+    bad = open(os.path.join(disk_dir, "manifest"), "rb").read()
+    with pytest.raises(ValueError, match=f"corrupt or foreign manifest .*({match})"):
+        smartinf.Pipeline(disk_dir, RULE, chunk=CHUNK)
+    assert open(os.path.join(disk_dir, "manifest"), "rb").read() == bad  # nothing rewritten
+
+
+def test_truncated_states_file_is_refused(disk_dir):
+    with open_pipe(disk_dir) as pipe:
+        run_step(pipe, 0)
+    os.truncate(os.path.join(disk_dir, "states.bin"), 4096)
+    with pytest.raises(ValueError, match="has 4096 bytes but its manifest needs .*truncated"):
+        smartinf.Pipeline(disk_dir, RULE, chunk=CHUNK)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p: p.add_subgroup(0), ValueError, "numel must be positive"),
+    (lambda p: p.add_subgroup(1 << 50), ValueError, "more than 4194304 chunks; use a larger chunk"),
+    (lambda p: p.update(0, np.ones(3000, np.float32), np.empty(3000, np.float32),
+                        lr=float("nan")), ValueError, "lr=nan"),
+    (lambda p: p.update(0, np.ones(3000, np.float32), np.empty(3000, np.float32),
+                        grad_scale=float("inf")), ValueError, "grad_scale"),
+])
+def test_hostile_calls(disk_dir, call, error, match):
+    with open_pipe(disk_dir) as pipe:
+        with pytest.raises(error, match=match):
+            call(pipe)
+        run_step(pipe, 0)  # still usable
+        assert pipe.step_count == 1
+
+
+def test_arming_an_unknown_fault_point_is_refused():
+    with pytest.raises(ValueError, match="unknown fault point 'io.nothing'"):
+        native.arm_fault("io.nothing", "error")
+    with pytest.raises(ValueError, match="action must be one of"):
+        native.arm_fault("io.read", "explode")
