@@ -37,6 +37,10 @@ cdef extern from "store/manifest.h" namespace "smartinf::store":
         Manifest parse(const string&, const string&) except +raise_py_error
 
 
+cdef extern from "store/checksum.h" namespace "smartinf::store":
+    uint64_t extent_checksum(const void*, size_t) nogil
+
+
 cdef extern from "fault.h" namespace "smartinf::fault":
     cdef enum class Action(int):
         none
@@ -119,6 +123,14 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[cmap[string, double]] device_stats()
         string engine()
         vector[string] notes()
+
+
+def checksum(uintptr_t address, size_t nbytes) -> int:
+    """The extent checksum (XXH3-64, never 0) of nbytes at address."""
+    cdef uint64_t h
+    with nogil:
+        h = extent_checksum(<const void*>address, nbytes)
+    return h
 
 
 def manifest_roundtrip(bytes text) -> bytes:

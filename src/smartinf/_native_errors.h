@@ -2,10 +2,21 @@
 #pragma once
 #include <Python.h>
 
+#include <cstring>
 #include <new>
 #include <stdexcept>
 
 #include "error.h"
+
+// Messages may quote bytes from a damaged file: undecodable ones become \xNN escapes.
+inline void set_error(PyObject* type, const char* message) {
+  PyObject* text = PyUnicode_DecodeUTF8(message, static_cast<Py_ssize_t>(strlen(message)),
+                                        "backslashreplace");
+  if (text) {
+    PyErr_SetObject(type, text);
+    Py_DECREF(text);
+  }
+}
 
 inline void raise_py_error() {
   try {
@@ -15,12 +26,12 @@ inline void raise_py_error() {
     PyErr_SetObject(PyExc_OSError, args);
     Py_XDECREF(args);
   } catch (const std::invalid_argument& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
+    set_error(PyExc_ValueError, e.what());
   } catch (const std::out_of_range& e) {
-    PyErr_SetString(PyExc_IndexError, e.what());
+    set_error(PyExc_IndexError, e.what());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
   } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+    set_error(PyExc_RuntimeError, e.what());
   }
 }

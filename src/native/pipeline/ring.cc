@@ -158,7 +158,7 @@ void Ring::load_loop() {
         reader_->wait();
         counters_.storage_read += job->src.bytes;
         finish_storage(storage);
-        if (verify_ || job->kind == JobKind::verify) check_sum(*job, slot);
+        if (job->kind == JobKind::verify) check_sum(*job, slot);
       }
     } catch (...) {
       job->completion->chunk_done(std::current_exception());
@@ -182,6 +182,8 @@ void Ring::compute_loop() {
     Job& job = item->job;
     const size_t numel = job.src.numel;
     try {
+      // Checked here, not in the loader: the next read is already under way meanwhile.
+      if (verify_) check_sum(job, item->slot);
       if (job.kind == JobKind::read) {
         Timer t(counters_.busy_ns[kDeviceToHost]);
         uint64_t bytes = 0;

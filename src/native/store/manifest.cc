@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -65,8 +66,10 @@ class Words {
     if (!next(word) || (std::is_unsigned_v<T> && word[0] == '-')) return false;
     char* stop = nullptr;
     errno = 0;
-    if constexpr (std::is_floating_point_v<T>)
+    if constexpr (std::is_floating_point_v<T>) {
       value = std::strtod(word.c_str(), &stop);
+      if (errno == ERANGE && std::fabs(value) < 1.0) errno = 0;  // underflow: subnormals are fine
+    }
     else if constexpr (std::is_signed_v<T>)
       value = static_cast<T>(std::strtoll(word.c_str(), &stop, 10));
     else
@@ -175,7 +178,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
       if (ok)
         for (uint64_t& x : r->sums->copy[c]) ok = ok && in.hex(x);
     } else {
-      bad(path, "unknown record '" + key + "'");
+      bad(path, "unknown record '" + key.substr(0, 40) + "'");
     }
     if (!ok) bad(path, "bad '" + key + "' record");
   }
