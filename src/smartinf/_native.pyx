@@ -85,6 +85,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass PipelineOptions:
         vector[DeviceSpec] devices
         string optimizer
+        string state_dtype
         float initial_state
         uint64_t chunk
         size_t slots
@@ -202,7 +203,7 @@ cdef class NativePipeline:
 
     def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
                   size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes,
-                  double host_link_bps, cbool verify):
+                  double host_link_bps, cbool verify, str state_dtype):
         """devices: (kind, dir, fpga index, fpga BDF, xclbin, storage bytes/s) per device."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
@@ -220,6 +221,7 @@ cdef class NativePipeline:
         options.slots = slots
         options.host_link_bps = host_link_bps
         options.verify = verify
+        options.state_dtype = state_dtype.encode()
         options.ring.io = io.encode()
         options.ring.queue_depth = queue_depth
         options.ring.piece_bytes = piece_bytes

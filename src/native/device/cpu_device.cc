@@ -9,8 +9,6 @@
 
 namespace smartinf::device {
 
-size_t SlotGeometry::states_bytes() const { return store::extent_bytes(chunk, arrays); }
-
 namespace {
 
 struct FreeDeleter {
@@ -71,6 +69,8 @@ class CpuDevice final : public Device {
     kernels::dispatch(grad, k.param, [&](auto g, auto p) {
       const auto* gp = static_cast<const decltype(g)*>(s.grad);
       auto* op = static_cast<decltype(p)*>(s.out);
+      if (geometry_.layout.int8)  // Adam(W) only: the pipeline refuses int8 for the others
+        return kernels::adam8(numel, kernels::int8_adam_layout(s.states, numel), gp, op, k.adam);
       switch (k.optimizer) {
         case Optimizer::adam:
         case Optimizer::adamw:
@@ -92,11 +92,11 @@ class CpuDevice final : public Device {
 
   void init_states(size_t i, const float* const* arrays, const float* fill,
                    size_t numel) override {
-    import_host_states(slots_[i].states, geometry_.arrays, arrays, fill, numel);
+    import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
   }
 
   void export_states(size_t i, float* const* arrays, size_t numel) override {
-    export_host_states(slots_[i].states, geometry_.arrays, arrays, numel);
+    export_host_states(slots_[i].states, geometry_.layout, arrays, numel);
   }
 
  private:

@@ -13,6 +13,7 @@
 #include "kernels/adam.h"
 #include "kernels/numeric.h"
 #include "kernels/sgd.h"
+#include "store/layout.h"
 
 namespace smartinf::device {
 
@@ -52,8 +53,8 @@ struct Slot {
 struct SlotGeometry {
   size_t count = 0;
   size_t chunk = 0;   // params per slot
-  unsigned arrays = 3;  // state arrays per param
-  size_t states_bytes() const;
+  store::StateLayout layout;
+  size_t states_bytes() const { return store::extent_bytes(chunk, layout); }
 };
 
 class Device {
@@ -88,21 +89,25 @@ class Device {
 };
 
 // init_states / export_states for a device whose slot states are host-visible (host RAM, or
-// a mapped buffer object): `arrays` fp32 arrays of `numel`, one after another.
-inline void import_host_states(float* states, unsigned arrays, const float* const* from,
-                               const float* fill, size_t numel) {
-  for (unsigned a = 0; a < arrays; ++a, states += numel) {
+// a mapped buffer object), in `layout`: fp32 arrays of `numel` one after another, or int8.
+inline void import_host_states(void* states, const store::StateLayout& layout,
+                               const float* const* from, const float* fill, size_t numel) {
+  if (layout.int8) return kernels::import_int8_adam(kernels::int8_adam_layout(states, numel), numel, from, fill);
+  float* to = static_cast<float*>(states);
+  for (unsigned a = 0; a < layout.arrays; ++a, to += numel) {
     if (from[a])
-      std::memcpy(states, from[a], numel * 4);
+      std::memcpy(to, from[a], numel * 4);
     else
-      std::fill(states, states + numel, fill[a]);
+      std::fill(to, to + numel, fill[a]);
   }
 }
 
-inline void export_host_states(const float* states, unsigned arrays, float* const* to,
-                               size_t numel) {
-  for (unsigned a = 0; a < arrays; ++a)
-    if (to[a]) std::memcpy(to[a], states + a * numel, numel * 4);
+inline void export_host_states(void* states, const store::StateLayout& layout,
+                               float* const* to, size_t numel) {
+  if (layout.int8) return kernels::export_int8_adam(kernels::int8_adam_layout(states, numel), numel, to);
+  const float* from = static_cast<const float*>(states);
+  for (unsigned a = 0; a < layout.arrays; ++a)
+    if (to[a]) std::memcpy(to[a], from + a * numel, numel * 4);
 }
 
 // The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the

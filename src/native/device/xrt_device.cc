@@ -152,11 +152,11 @@ class XrtDevice final : public Device {
 
   void init_states(size_t i, const float* const* arrays, const float* fill,
                    size_t numel) override {
-    import_host_states(slots_[i].states, geometry_.arrays, arrays, fill, numel);
+    import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
   }
 
   void export_states(size_t i, float* const* arrays, size_t numel) override {
-    export_host_states(slots_[i].states, geometry_.arrays, arrays, numel);
+    export_host_states(slots_[i].states, geometry_.layout, arrays, numel);
   }
 
  private:

@@ -78,12 +78,21 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.slots == 0 || options.slots > kMaxSlots)
     throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
                                 ", got " + std::to_string(options.slots));
-  const unsigned arrays = device::state_arrays(optimizer_);
-  store::StoreConfig config{options.chunk, options.optimizer, arrays, "fp32"};
-  const device::SlotGeometry geometry{options.slots, options.chunk, arrays};
+  if (options.state_dtype != "fp32" && options.state_dtype != "int8")
+    throw std::invalid_argument("state_dtype must be 'fp32' or 'int8', got '" +
+                                options.state_dtype + "'");
+  const store::StateLayout layout{device::state_arrays(optimizer_), options.state_dtype == "int8"};
+  if (layout.int8 && optimizer_ != device::Optimizer::adam && optimizer_ != device::Optimizer::adamw)
+    throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
+                                options.optimizer + " keeps fp32 states");
+  store::StoreConfig config{options.chunk, options.optimizer, layout};
+  const device::SlotGeometry geometry{options.slots, options.chunk, layout};
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
+    if (spec.kind == "xrt" && layout.int8)
+      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD kernels "
+                                  "(hls_kernels/) have fp32 states only so far");
     if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
       throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
                                   "must be positive; got " + std::to_string(spec.storage_bps) +

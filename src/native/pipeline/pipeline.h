@@ -24,6 +24,7 @@ struct DeviceSpec {
 struct PipelineOptions {
   std::vector<DeviceSpec> devices;
   std::string optimizer = "adamw";  // adam | adamw | sgd | adagrad
+  std::string state_dtype = "fp32"; // fp32 | int8 (Adam moments, 8-bit block-wise)
   float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
   size_t slots = 4;                 // K slots per device

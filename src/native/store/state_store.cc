@@ -55,7 +55,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     : dir_(dir),
       states_path_(dir + "/states.bin"),
       manifest_path_(dir + "/manifest"),
-      arrays_(config.arrays) {
+      layout_(config.layout) {
   lock_directory();
   std::string text;
   const bool resume = read_file(manifest_path_, text);
@@ -65,12 +65,12 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       mismatch(dir, "chunk", std::to_string(manifest_.chunk), std::to_string(config.chunk));
     if (manifest_.optimizer != config.optimizer)
       mismatch(dir, "optimizer", manifest_.optimizer, config.optimizer);
-    if (manifest_.state_dtype != config.state_dtype)
-      mismatch(dir, "state dtype", manifest_.state_dtype, config.state_dtype);
+    if (manifest_.state_dtype != config.layout.dtype())
+      mismatch(dir, "state dtype", manifest_.state_dtype, config.layout.dtype());
   } else {
     manifest_.chunk = config.chunk;
     manifest_.optimizer = config.optimizer;
-    manifest_.state_dtype = config.state_dtype;
+    manifest_.state_dtype = config.layout.dtype();
   }
 
   // Without a manifest nothing was ever committed here: an old states.bin is an orphan.
@@ -96,8 +96,8 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   for (size_t i = 0; i < manifest_.subgroups.size(); ++i) {
     const SubgroupRecord& r = manifest_.subgroups[i];
     local_of_[r.id] = i;
-    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk, arrays_) +
-                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk, arrays_));
+    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk, layout_) +
+                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk, layout_));
   }
   if (static_cast<uint64_t>(st.st_size) < file_end_) {
     ::close(fd_);
@@ -159,7 +159,7 @@ size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
   r.offset = file_end_;
   manifest_.add_sums(r);
   const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
-  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, arrays_) + (tail ? extent_bytes(tail, arrays_) : 0));
+  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, layout_) + (tail ? extent_bytes(tail, layout_) : 0));
   int res = ::posix_fallocate(fd_, static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
   if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_, file_end_ + bytes) ? errno : 0;
   if (res != 0) {
@@ -190,9 +190,9 @@ uint64_t StateStore::chunks(size_t local) const {
 Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const SubgroupRecord& r = manifest_.subgroups[local];
   const uint64_t numel = std::min(manifest_.chunk, r.numel - chunk * manifest_.chunk);
-  const uint64_t bytes = extent_bytes(numel, arrays_);
+  const uint64_t bytes = extent_bytes(numel, layout_);
   // Full chunks come first, so chunk c starts after c pairs of full-size extents.
-  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk, arrays_);
+  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk, layout_);
   return Extent{base + copy * bytes, bytes, numel, &r.sums->copy[copy][chunk]};
 }
 

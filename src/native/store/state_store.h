@@ -8,21 +8,15 @@
 #include <string>
 #include <vector>
 
+#include "store/layout.h"
 #include "store/manifest.h"
 
 namespace smartinf::store {
 
-inline constexpr uint64_t kAlign = 4096;
-
-inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-// One chunk's states: `arrays` fp32 arrays of `numel` (param first, then the optimizer's).
-inline uint64_t extent_bytes(uint64_t numel, unsigned arrays) { return align_up(numel * arrays * 4); }
-
 struct StoreConfig {
   uint64_t chunk = 0;
   std::string optimizer;
-  unsigned arrays = 3;  // fp32 state arrays per param, fixed by the optimizer
-  std::string state_dtype = "fp32";
+  StateLayout layout;  // fp32 arrays per param (fixed by the optimizer) or int8
   bool direct = true;  // O_DIRECT where the file system has it (false: the slots cannot take it)
 };
 
@@ -84,7 +78,7 @@ class StateStore {
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
   std::map<int64_t, size_t> local_of_;
-  unsigned arrays_ = 3;
+  StateLayout layout_;
   uint64_t file_end_ = 0;
   bool layout_dirty_ = false;
   bool direct_ = true;

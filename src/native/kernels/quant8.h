@@ -1,0 +1,202 @@
+// 8-bit block-wise optimizer states (after Dettmers et al., "8-bit Optimizers via
+// Block-wise Quantization", ICLR 2022), written once for the CPU device and HLS.
+//
+// Each block of kBlock values is divided by its absolute maximum (kept as fp32) and
+// coded on a non-linear, logarithmic 8-bit map, so small states keep their relative
+// precision, as with the paper's dynamic map. Instead of its base-10 "dynamic tree" table
+// (decoded by lookup, encoded by a binary search), the code is a small float: exponent
+// bits and 3 mantissa bits, rounded to nearest-even. It is computed with integer and
+// float operations only, so it vectorises on the baseline ISA, maps onto FPGA logic
+// without a table, and is reproduced exactly by the numpy reference in the tests.
+//   exp_avg:             sign + 4 exponent bits + 3 mantissa bits: 2^-17 .. 1 of the block max
+//   sqrt(exp_avg_sq):    5 exponent bits + 3 mantissa bits:      2^-33 .. 1 of the block max
+// The second moment is kept as its square root (what the update divides by): half the
+// dynamic range to cover, and a relative error of at most 1/16 in the denominator. A
+// positive one never rounds to 0 (that would turn m / (sqrt(v) + eps) into m / eps).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/adam.h"
+#include "kernels/numeric.h"
+
+namespace smartinf::kernels {
+
+inline constexpr std::size_t kBlock = 256;
+
+inline std::size_t quant_blocks(std::size_t n) { return (n + kBlock - 1) / kBlock; }
+
+inline uint32_t float_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+inline float bits_float(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// Magnitude a in [0, 1] -> code: ((exponent + Bias) << 3) + mantissa, or below 2^(1-Bias)
+// the subnormal multiples of 2^(-Bias-2). Round to nearest-even; a mantissa rounding up
+// to 8 carries into the exponent, which is the right code.
+template <int Bias>
+inline uint32_t encode_magnitude(float a) {
+  constexpr float kSubScale = float(uint64_t(1) << (Bias + 2));  // one subnormal step -> 1
+  const bool subnormal = a < 1.0f / float(uint64_t(1) << (Bias - 1));
+  // Below the smallest normal a * 2^(Bias+2) < 8, so adding 2^23 rounds it to an integer,
+  // nearest-even (both paths are computed, for vectorisation; the other one sees 0).
+  const float as = subnormal ? a : 0.0f;
+  const uint32_t sub = static_cast<uint32_t>((as * kSubScale + 8388608.0f) - 8388608.0f);
+  const uint32_t b = float_bits(a);
+  const uint32_t mant = b & 0x7fffffu;
+  const uint32_t rounded = (mant + 0x7ffffu + ((mant >> 20) & 1u)) >> 20;
+  const uint32_t normal = ((((b >> 23) - 127u + Bias) << 3) + rounded);
+  return subnormal ? sub : normal;
+}
+
+template <int Bias>
+inline float decode_magnitude(uint32_t code) {
+  const uint32_t e = code >> 3, f = code & 7u;
+  const float sub = float(f) * (1.0f / float(uint64_t(1) << (Bias + 2)));
+  const float normal = bits_float(((e - Bias + 127u) << 23) | (f << 20));
+  return e == 0 ? sub : normal;
+}
+
+inline constexpr int kSignedBias = 15;    // exp_avg: 4 exponent bits
+inline constexpr int kUnsignedBias = 31;  // sqrt(exp_avg_sq): 5 exponent bits
+
+inline uint8_t encode_signed(float x, float scale) {
+  const float a = std::fabs(x) / scale;
+  return static_cast<uint8_t>((x < 0.0f ? 0x80u : 0u) | encode_magnitude<kSignedBias>(a));
+}
+
+inline float decode_signed(uint8_t c, float scale) {
+  const float a = decode_magnitude<kSignedBias>(c & 0x7fu) * scale;
+  return (c & 0x80u) ? -a : a;
+}
+
+inline uint8_t encode_unsigned(float x, float scale) {
+  const uint32_t c = encode_magnitude<kUnsignedBias>(x / scale);
+  return static_cast<uint8_t>(x > 0.0f && c == 0 ? 1u : c);
+}
+
+inline float decode_unsigned(uint8_t c, float scale) {
+  return decode_magnitude<kUnsignedBias>(c) * scale;
+}
+
+// One chunk's int8 Adam states in a slot or an extent: the fp32 master weights, the codes
+// of exp_avg and sqrt(exp_avg_sq), then each one's block scales (4-byte aligned).
+struct Int8Adam {
+  float* param;
+  uint8_t* m;
+  uint8_t* w;
+  float* m_scale;
+  float* w_scale;
+};
+
+inline std::size_t int8_adam_bytes(std::size_t n) {
+  return (n * 6 + 3) / 4 * 4 + 2 * quant_blocks(n) * 4;
+}
+
+inline Int8Adam int8_adam_layout(void* base, std::size_t n) {
+  char* p = static_cast<char*>(base);
+  float* scales = reinterpret_cast<float*>(p + (n * 6 + 3) / 4 * 4);
+  return Int8Adam{reinterpret_cast<float*>(p), reinterpret_cast<uint8_t*>(p + 4 * n),
+                  reinterpret_cast<uint8_t*>(p + 5 * n), scales, scales + quant_blocks(n)};
+}
+
+// Codes `n` <= kBlock values (exp_avg, sqrt(exp_avg_sq)) of one block with their maxima.
+inline void quantize_block(std::size_t n, const float* m, const float* w, uint8_t* mq,
+                           uint8_t* wq, float* m_scale, float* w_scale) {
+  float m_max = 0.0f, w_max = 0.0f;
+  for (std::size_t i = 0; i < n; ++i) {
+    m_max = std::fmax(m_max, std::fabs(m[i]));
+    w_max = std::fmax(w_max, w[i]);
+  }
+  *m_scale = m_max;
+  *w_scale = w_max;
+  for (std::size_t i = 0; i < n; ++i) {
+    mq[i] = m_max > 0.0f ? encode_signed(m[i], m_max) : 0;
+    wq[i] = w_max > 0.0f ? encode_unsigned(w[i], w_max) : 0;
+  }
+}
+
+// Adam/AdamW on int8 states: per block, decode, the fp32 update of adam.h's formula
+// (the new moments in fp32 update the param), then code the new moments.
+template <bool Decoupled, bool SmallWeight, class G, class P>
+inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict grad,
+                        P* __restrict out, const AdamStep& k) {
+  float m[kBlock], w[kBlock];
+  for (std::size_t b = 0; b * kBlock < n; ++b) {
+    const std::size_t lo = b * kBlock, len = n - lo < kBlock ? n - lo : kBlock;
+    const float ms = s.m_scale[b], ws = s.w_scale[b];
+    for (std::size_t j = 0; j < len; ++j) {
+      const std::size_t i = lo + j;
+      float g = to_float(grad[i]) * k.grad_scale;
+      float p = s.param[i];
+      if (Decoupled)
+        p = p * k.decay;
+      else
+        g = g + k.weight_decay * p;
+      const float w_old = decode_unsigned(s.w[i], ws);
+      const float m_new = lerp<SmallWeight>(decode_signed(s.m[i], ms), g, k.one_minus_beta1);
+      const float v_new = (w_old * w_old) * k.beta2 + k.one_minus_beta2 * g * g;
+      const float root = std::sqrt(v_new);
+      const float denom = root / k.bias2_sqrt + k.eps;
+      p = p + k.neg_step_size * (m_new / denom);
+      s.param[i] = p;
+      out[i] = from_float<P>(p);
+      m[j] = m_new;
+      w[j] = root;
+    }
+    quantize_block(len, m, w, s.m + lo, s.w + lo, s.m_scale + b, s.w_scale + b);
+  }
+}
+
+template <class G, class P>
+inline void adam8(std::size_t n, const Int8Adam& s, const G* grad, P* out, const AdamStep& k) {
+  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
+  if (k.decoupled && small)
+    adam8_range<true, true>(n, s, grad, out, k);
+  else if (k.decoupled)
+    adam8_range<true, false>(n, s, grad, out, k);
+  else if (small)
+    adam8_range<false, true>(n, s, grad, out, k);
+  else
+    adam8_range<false, false>(n, s, grad, out, k);
+}
+
+// fp32 arrays (param, exp_avg, exp_avg_sq; a null one is `fill`) -> int8 states.
+inline void import_int8_adam(const Int8Adam& s, std::size_t n, const float* const* from,
+                             const float* fill) {
+  float m[kBlock], w[kBlock];
+  for (std::size_t b = 0; b * kBlock < n; ++b) {
+    const std::size_t lo = b * kBlock, len = n - lo < kBlock ? n - lo : kBlock;
+    for (std::size_t j = 0; j < len; ++j) {
+      const std::size_t i = lo + j;
+      s.param[i] = from[0] ? from[0][i] : fill[0];
+      m[j] = from[1] ? from[1][i] : fill[1];
+      w[j] = std::sqrt(from[2] ? from[2][i] : fill[2]);
+    }
+    quantize_block(len, m, w, s.m + lo, s.w + lo, s.m_scale + b, s.w_scale + b);
+  }
+}
+
+// int8 states -> fp32 arrays (exp_avg_sq as the square of the decoded root); null skipped.
+inline void export_int8_adam(const Int8Adam& s, std::size_t n, float* const* to) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t b = i / kBlock;
+    if (to[0]) to[0][i] = s.param[i];
+    if (to[1]) to[1][i] = decode_signed(s.m[i], s.m_scale[b]);
+    if (to[2]) {
+      const float r = decode_unsigned(s.w[i], s.w_scale[b]);
+      to[2][i] = r * r;
+    }
+  }
+}
+
+}  // namespace smartinf::kernels

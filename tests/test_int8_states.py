@@ -1,0 +1,112 @@
+"""int8 (8-bit block-wise) Adam states: the code's error bounds per block, the update
+bit for bit against the numpy reference of the same scheme (tests/quant8_reference.py),
+the storage bytes, and directories that keep one state dtype."""
+import numpy as np
+import pytest
+
+import smartinf
+from quant8_reference import BLOCK, Int8Adam
+
+CHUNK = 1000  # blocks restart at every chunk: 256, 256, 256, 232, then the next chunk
+
+
+def wide(rng, n, signed):
+    """Values over 12 orders of magnitude, a few exact zeros."""
+    x = (10.0 ** rng.uniform(-12, 0, n)).astype(np.float32)
+    if signed:
+        x *= rng.choice([-1, 1], n).astype(np.float32)
+    x[rng.choice(n, 5, replace=False)] = 0
+    return x
+
+
+def blocks(n):
+    return [(lo, min(lo + BLOCK, c + CHUNK, n)) for c in range(0, n, CHUNK)
+            for lo in range(c, min(c + CHUNK, n), BLOCK)]
+
+
+def test_quantization_error_is_bounded_per_block(disk_dir):
+    n = 2600
+    rng = np.random.default_rng(0)
+    param, m, v = rng.standard_normal(n).astype(np.float32), wide(rng, n, True), wide(rng, n, False)
+    with smartinf.Pipeline(disk_dir, smartinf.Adam(), chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {"param": param, "exp_avg": m, "exp_avg_sq": v}, steps=3)
+        got = pipe.read_states(0)
+    assert np.array_equal(got["param"], param)  # master weights stay fp32
+    w, w_got = np.sqrt(v), np.sqrt(got["exp_avg_sq"])
+    for lo, hi in blocks(n):
+        m_max, w_max = np.abs(m[lo:hi]).max(), w[lo:hi].max()
+        # 3 mantissa bits: half a step is 1/16 of the value; below the smallest normal
+        # (2^-14 / 2^-30 of the block max) half a subnormal step.
+        m_bound = np.maximum(np.abs(m[lo:hi]) / 16, m_max * 2.0 ** -18) * (1 + 1e-6)
+        w_bound = np.maximum(w[lo:hi] / 16, w_max * 2.0 ** -34) * (1 + 1e-6)
+        assert np.all(np.abs(got["exp_avg"][lo:hi] - m[lo:hi]) <= m_bound)
+        assert np.all(np.abs(w_got[lo:hi] - w[lo:hi]) <= w_bound)
+        assert np.all((w_got[lo:hi] > 0) == (w[lo:hi] > 0))  # no positive root becomes 0
+        assert np.abs(got["exp_avg"][lo:hi]).max() == m_max  # the block maximum is exact
+    ref = Int8Adam(param, m, v, CHUNK).states()
+    for k in ref:
+        assert np.array_equal(got[k], ref[k]), k
+
+
+@pytest.mark.parametrize("rule, decoupled", [
+    (smartinf.AdamW(lr=1e-2, weight_decay=0.1), True),
+    (smartinf.Adam(lr=3e-3, betas=(0.4, 0.99), weight_decay=0.05), False),  # lerp's other formula
+])
+def test_update_matches_the_reference_bit_for_bit(disk_dir, rule, decoupled):
+    n = 2600
+    rng = np.random.default_rng(1)
+    init = rng.standard_normal(n).astype(np.float32)
+    ref = Int8Adam(init, np.zeros(n, np.float32), np.zeros(n, np.float32), CHUNK)
+    out = np.empty(n, np.float32)
+    with smartinf.Pipeline(disk_dir, rule, chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n, init=init)
+        for t in range(1, 6):
+            grad = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n)).astype(np.float32)
+            with pipe.step():
+                pipe.update(0, grad, out, grad_scale=0.5).wait()
+            beta1, beta2 = rule.betas
+            expected = ref.step(grad, t, rule.lr, beta1, beta2, rule.eps, rule.weight_decay,
+                                decoupled, grad_scale=0.5)
+            assert np.array_equal(out, expected), f"params differ at step {t}"
+        got = pipe.read_states(0)
+    for k, v in ref.states().items():
+        assert np.array_equal(got[k], v), k
+
+
+def test_storage_bytes_per_param_are_halved(tmp_path):
+    n = 1 << 20
+    moved = {}
+    for dtype in ("fp32", "int8"):
+        with smartinf.Pipeline(str(tmp_path / dtype), chunk=n, state_dtype=dtype) as pipe:
+            pipe.add_subgroup(n)
+            before = pipe.stats
+            with pipe.step():
+                pipe.update(0, np.ones(n, np.float32), np.empty(n, np.float16))
+            after = pipe.stats
+        moved[dtype] = {k: (after[k] - before[k]) / n for k in ("storage_read", "storage_write")}
+    assert moved["fp32"] == {"storage_read": 12, "storage_write": 12}
+    # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block); 1 Mi params a
+    # chunk fill 4 KiB pages exactly.
+    assert moved["int8"] == {"storage_read": 6.03125, "storage_write": 6.03125}
+
+
+def test_a_directory_keeps_its_state_dtype(tmp_path):
+    for made, asked in (("fp32", "int8"), ("int8", "fp32")):
+        d = str(tmp_path / made)
+        with smartinf.Pipeline(d, chunk=CHUNK, state_dtype=made) as pipe:
+            pipe.add_subgroup(10)
+        with pytest.raises(ValueError, match=f"made with state dtype {made}, not {asked}"):
+            smartinf.Pipeline(d, chunk=CHUNK, state_dtype=asked)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(state_dtype="int4"), "state_dtype='int4'"),
+    (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)), "int8 states are for Adam"),
+    (dict(state_dtype="int8", optimizer=smartinf.Adagrad()), "int8 states are for Adam"),
+])
+def test_bad_state_dtype(tmp_path, kwargs, match):
+    optimizer = kwargs.pop("optimizer", None)
+    with pytest.raises(ValueError, match=match):
+        smartinf.Pipeline(str(tmp_path), optimizer, **kwargs)
