@@ -148,6 +148,8 @@ def _print_summary(data: dict) -> None:
                      f"link time saved {t['link_s_saved'] * 1e3:7.1f} ms "
                      f"({t['link_bytes_per_s'] / 1e9:.1f} GB/s)  saved/compress "
                      f"{t['saved_over_compress']:.2f}")
+    if "int8_vs_fp32_states" in data:
+        lines.append(f"  fp32 / int8 states step time: {data['int8_vs_fp32_states']:.2f}")
     if "engine_threads_vs_uring" in data:
         lines.append(f"  threads / uring step time: {data['engine_threads_vs_uring']:.2f}")
     for name, m in sorted(data.get("rss", {}).items()):
@@ -165,6 +167,10 @@ def _print_summary(data: dict) -> None:
                          f"storage {m['storage_bytes_per_param']:5.1f} B/param")
         lines.append(f"    step speedup {ds['step_speedup']:.2f} (traffic bound "
                      f"{ds['traffic_bound']:.2f}), iteration speedup {ds['iteration_speedup']:.2f}")
+        if "int8_step_speedup" in ds:
+            lines.append(f"    int8 states: step {ds['int8_step_speedup_over_fp32']:.2f}x fp32 states, "
+                         f"{ds['int8_step_speedup']:.2f}x ZeRO-Infinity (iteration "
+                         f"{ds['int8_iteration_speedup']:.2f}x)")
     print("\n".join(lines))
 
 

@@ -33,11 +33,17 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
 
 def compare(modes: dict, read_bw: float, write_bw: float) -> dict:
     zi, si = modes["zero-infinity"], modes["smartinf"]
-    return {"params": si["params"], "modes": modes,
-            "step_speedup": zi["step_s"] / si["step_s"],
-            "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
-            "traffic_bound": TRAFFIC_BOUND, "read_bytes_per_s": read_bw,
-            "write_bytes_per_s": write_bw}
+    result = {"params": si["params"], "modes": modes,
+              "step_speedup": zi["step_s"] / si["step_s"],
+              "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
+              "traffic_bound": TRAFFIC_BOUND, "read_bytes_per_s": read_bw,
+              "write_bytes_per_s": write_bw}
+    if "smartinf-int8" in modes:  # int8 states: against fp32 states and against ZeRO-Infinity
+        q = modes["smartinf-int8"]
+        result.update(int8_step_speedup_over_fp32=si["step_s"] / q["step_s"],
+                      int8_step_speedup=zi["step_s"] / q["step_s"],
+                      int8_iteration_speedup=zi["iteration_s"] / q["iteration_s"])
+    return result
 
 
 def plot(plt, ds: dict, path: str) -> None:

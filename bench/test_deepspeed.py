@@ -27,13 +27,15 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("SMARTINF_BENCH_DS_MODEL", "270m")
 STEPS = env_int("SMARTINF_BENCH_DS_STEPS", 4)
-MODES = ("zero-infinity", "smartinf")
+# label -> train.py arguments; smartinf-int8 keeps Adam's moments 8-bit (6 B/param a way).
+MODES = {"zero-infinity": ["--mode", "zero-infinity"], "smartinf": ["--mode", "smartinf"],
+         "smartinf-int8": ["--mode", "smartinf", "--state-dtype", "int8"]}
 
 
 def run(mode: str, directory: str, out: Path) -> dict:
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-           str(ROOT / "examples" / "deepspeed" / "train.py"), "--mode", mode,
+           str(ROOT / "examples" / "deepspeed" / "train.py"), *MODES[mode],
            "--model", MODEL, "--dir", directory, "--steps", str(STEPS), "--batch", "1",
            "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -56,12 +56,13 @@ def test_storage_read(benchmark, storage_limits):
 class StepRunner:
     """A Pipeline over ``params`` zero-initialised params and a ring of 2 grad/out pairs."""
 
-    def __init__(self, directory: str, params: int, slots: int, io: str | None = None) -> None:
+    def __init__(self, directory: str, params: int, slots: int, io: str | None = None,
+                 state_dtype: str = "fp32") -> None:
         self.directory = directory
         self.params = params
         self.slots = slots
         self.pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20,
-                                      slots=slots, io=io)
+                                      slots=slots, io=io, state_dtype=state_dtype)
         self.sizes = [min(SUBGROUP, params - i) for i in range(0, params, SUBGROUP)]
         self.sgs = [self.pipe.add_subgroup(n) for n in self.sizes]  # writes the states: not timed
         rng = np.random.default_rng(0)
@@ -171,3 +172,34 @@ def test_step_engine(benchmark, storage_limits, summary, engine_runners, io):
     names = [f"engine_{ENGINE_PARAMS / 1e6:.0f}M_{e}" for e in ("threads", "uring")]
     if all(n in steps for n in names):
         summary["engine_threads_vs_uring"] = steps[names[0]]["step_s"] / steps[names[1]]["step_s"]
+
+
+STATE_DTYPES = ["fp32", "int8"]
+DTYPE_PARAMS = env_int("SMARTINF_BENCH_DTYPE_PARAMS", 256 << 20)
+
+
+@pytest.fixture(scope="module")
+def dtype_runners(bench_dir):
+    """fp32 and int8 states on the same disk, alive together so their steps alternate."""
+    require_disk(bench_dir, DTYPE_PARAMS * (STATE_BYTES + 12), "the state dtype comparison")
+    runners = {}
+    try:
+        for dtype in STATE_DTYPES:
+            runners[dtype] = StepRunner(os.path.join(bench_dir, f"states_{dtype}"), DTYPE_PARAMS,
+                                        SLOTS[0], state_dtype=dtype)
+        yield runners
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+@pytest.mark.parametrize("dtype", STATE_DTYPES)
+def test_step_state_dtype(benchmark, storage_limits, summary, dtype_runners, dtype):
+    """int8 states move ~6 B/param each way instead of 12: the goal is a >= 1.7x step."""
+    other = dtype_runners[STATE_DTYPES[1 - STATE_DTYPES.index(dtype)]]
+    result = measure_steps(benchmark, dtype_runners[dtype], storage_limits, setup=other.step)
+    steps = summary.setdefault("steps", {})
+    steps[f"states_{DTYPE_PARAMS / 1e6:.0f}M_{dtype}"] = result
+    names = [f"states_{DTYPE_PARAMS / 1e6:.0f}M_{d}" for d in STATE_DTYPES]
+    if all(n in steps for n in names):
+        summary["int8_vs_fp32_states"] = steps[names[0]]["step_s"] / steps[names[1]]["step_s"]

@@ -33,11 +33,12 @@ def quantize_block(m, w):
     """(m codes, w codes, m scale, w scale) of one block of exp_avg and sqrt(exp_avg_sq)."""
     m_max, w_max = F(np.max(np.abs(m))), F(np.max(w))
     if m_max > 0:
-        mq = encode_magnitude(np.abs(m) / m_max, SIGNED_BIAS) | np.where(m < 0, np.uint32(0x80), np.uint32(0))
+        mq = encode_magnitude(np.abs(m) * (F(1) / m_max), SIGNED_BIAS) | \
+            np.where(np.signbit(m), np.uint32(0x80), np.uint32(0))
     else:
         mq = np.zeros(m.shape, np.uint32)
     if w_max > 0:
-        wq = encode_magnitude(w / w_max, UNSIGNED_BIAS)
+        wq = encode_magnitude(w * (F(1) / w_max), UNSIGNED_BIAS)
         wq = np.where((w > 0) & (wq == 0), np.uint32(1), wq)
     else:
         wq = np.zeros(w.shape, np.uint32)

@@ -68,6 +68,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         config["smartinf"] = {"devices": [storage]}
         if args.topk:
             config["smartinf"]["compress"] = {"ratio": args.topk}
+        if args.state_dtype != "fp32":
+            config["smartinf"]["state_dtype"] = args.state_dtype
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     else:
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
+    p.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
+                   help="smartinf: Adam moments in fp32 or 8-bit block-wise (int8)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
     p.add_argument("--initial-scale-power", type=int, default=16, help="fp16 loss scaling")
     p.add_argument("--loss-scale-window", type=int, default=1000, help="fp16 loss scaling")

@@ -96,7 +96,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, slots: Optional[int] = None,
                  chunk: Optional[int] = None, io: Optional[str] = None,
-                 **torch_options: Any) -> None:
+                 state_dtype: str = "fp32", **torch_options: Any) -> None:
         if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
             raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
         if compress is not None and not isinstance(compress, TopK):
@@ -121,7 +121,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                     f"float32, float16 and bfloat16 parameters")
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
         self.pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
-                                 chunk=chunk, io=io)
+                                 chunk=chunk, io=io, state_dtype=state_dtype)
         self._staging = Staging(max((sg.numel for sg in self._plan), default=1),
                                 depth_for(len(self.pipeline.devices)))
         try:

@@ -40,48 +40,62 @@ inline float bits_float(uint32_t b) {
   return x;
 }
 
+// Branch-free (selects by masks) so GCC vectorises the loops that call these.
+inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(take_a);
+  return (a & mask) | (b & ~mask);
+}
+
 // Magnitude a in [0, 1] -> code: ((exponent + Bias) << 3) + mantissa, or below 2^(1-Bias)
 // the subnormal multiples of 2^(-Bias-2). Round to nearest-even; a mantissa rounding up
 // to 8 carries into the exponent, which is the right code.
 template <int Bias>
 inline uint32_t encode_magnitude(float a) {
   constexpr float kSubScale = float(uint64_t(1) << (Bias + 2));  // one subnormal step -> 1
+  const uint32_t b = float_bits(a);
   const bool subnormal = a < 1.0f / float(uint64_t(1) << (Bias - 1));
   // Below the smallest normal a * 2^(Bias+2) < 8, so adding 2^23 rounds it to an integer,
-  // nearest-even (both paths are computed, for vectorisation; the other one sees 0).
-  const float as = subnormal ? a : 0.0f;
-  const uint32_t sub = static_cast<uint32_t>((as * kSubScale + 8388608.0f) - 8388608.0f);
-  const uint32_t b = float_bits(a);
+  // nearest-even. Both paths are computed; the subnormal one sees 0 when unused.
+  const float as = bits_float(select(subnormal, b, 0u));
+  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>((as * kSubScale + 8388608.0f) - 8388608.0f));
   const uint32_t mant = b & 0x7fffffu;
   const uint32_t rounded = (mant + 0x7ffffu + ((mant >> 20) & 1u)) >> 20;
-  const uint32_t normal = ((((b >> 23) - 127u + Bias) << 3) + rounded);
-  return subnormal ? sub : normal;
+  const uint32_t normal = (((b >> 23) - 127u + Bias) << 3) + rounded;
+  return select(subnormal, sub, normal);
+}
+
+// Code -> the float bits of its magnitude.
+template <int Bias>
+inline uint32_t decode_magnitude_bits(uint32_t code) {
+  const uint32_t e = code >> 3, f = code & 7u;
+  const float sub = static_cast<float>(static_cast<int32_t>(f)) * (1.0f / float(uint64_t(1) << (Bias + 2)));
+  const uint32_t normal = ((e - Bias + 127u) << 23) | (f << 20);
+  return select(e == 0, float_bits(sub), normal);
 }
 
 template <int Bias>
 inline float decode_magnitude(uint32_t code) {
-  const uint32_t e = code >> 3, f = code & 7u;
-  const float sub = float(f) * (1.0f / float(uint64_t(1) << (Bias + 2)));
-  const float normal = bits_float(((e - Bias + 127u) << 23) | (f << 20));
-  return e == 0 ? sub : normal;
+  return bits_float(decode_magnitude_bits<Bias>(code));
 }
 
 inline constexpr int kSignedBias = 15;    // exp_avg: 4 exponent bits
 inline constexpr int kUnsignedBias = 31;  // sqrt(exp_avg_sq): 5 exponent bits
 
-inline uint8_t encode_signed(float x, float scale) {
-  const float a = std::fabs(x) / scale;
-  return static_cast<uint8_t>((x < 0.0f ? 0x80u : 0u) | encode_magnitude<kSignedBias>(a));
+// `inv_scale` is 1 / (block maximum), rounded to float: one division per block instead of
+// one per value. |x| * inv_scale may then exceed 1 by an ulp, which codes as 1.
+inline uint8_t encode_signed(float x, float inv_scale) {
+  const uint32_t sign = (float_bits(x) >> 24) & 0x80u;
+  return static_cast<uint8_t>(sign | encode_magnitude<kSignedBias>(std::fabs(x) * inv_scale));
 }
 
 inline float decode_signed(uint8_t c, float scale) {
   const float a = decode_magnitude<kSignedBias>(c & 0x7fu) * scale;
-  return (c & 0x80u) ? -a : a;
+  return bits_float(float_bits(a) | (uint32_t(c & 0x80u) << 24));
 }
 
-inline uint8_t encode_unsigned(float x, float scale) {
-  const uint32_t c = encode_magnitude<kUnsignedBias>(x / scale);
-  return static_cast<uint8_t>(x > 0.0f && c == 0 ? 1u : c);
+inline uint8_t encode_unsigned(float x, float inv_scale) {
+  const uint32_t c = encode_magnitude<kUnsignedBias>(x * inv_scale);
+  return static_cast<uint8_t>(c + static_cast<uint32_t>((c == 0) & (x > 0.0f)));
 }
 
 inline float decode_unsigned(uint8_t c, float scale) {
@@ -109,20 +123,39 @@ inline Int8Adam int8_adam_layout(void* base, std::size_t n) {
                   reinterpret_cast<uint8_t*>(p + 5 * n), scales, scales + quant_blocks(n)};
 }
 
-// Codes `n` <= kBlock values (exp_avg, sqrt(exp_avg_sq)) of one block with their maxima.
+// Largest magnitude, as the bits of a non-negative float: their bit patterns order like
+// their values, and an integer max reduction vectorises where a float one needs -ffast-math.
+inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(float_bits(x) & 0x7fffffffu); }
+
+// Codes `n` <= kBlock values of exp_avg and sqrt(exp_avg_sq) against their block maxima.
+inline void encode_block(std::size_t n, const float* m, const float* w, float m_max, float w_max,
+                         uint8_t* mq, uint8_t* wq) {
+  if (m_max > 0.0f) {
+    const float inv = 1.0f / m_max;
+    for (std::size_t i = 0; i < n; ++i) mq[i] = encode_signed(m[i], inv);
+  } else {
+    std::memset(mq, 0, n);
+  }
+  if (w_max > 0.0f) {
+    const float inv = 1.0f / w_max;
+    for (std::size_t i = 0; i < n; ++i) wq[i] = encode_unsigned(w[i], inv);
+  } else {
+    std::memset(wq, 0, n);
+  }
+}
+
+// One block: its maxima become the scales, then the codes.
 inline void quantize_block(std::size_t n, const float* m, const float* w, uint8_t* mq,
                            uint8_t* wq, float* m_scale, float* w_scale) {
-  float m_max = 0.0f, w_max = 0.0f;
+  int32_t m_bits = 0, w_bits = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    m_max = std::fmax(m_max, std::fabs(m[i]));
-    w_max = std::fmax(w_max, w[i]);
+    const int32_t a = magnitude_bits(m[i]), c = magnitude_bits(w[i]);
+    m_bits = a > m_bits ? a : m_bits;
+    w_bits = c > w_bits ? c : w_bits;
   }
-  *m_scale = m_max;
-  *w_scale = w_max;
-  for (std::size_t i = 0; i < n; ++i) {
-    mq[i] = m_max > 0.0f ? encode_signed(m[i], m_max) : 0;
-    wq[i] = w_max > 0.0f ? encode_unsigned(w[i], w_max) : 0;
-  }
+  *m_scale = bits_float(static_cast<uint32_t>(m_bits));
+  *w_scale = bits_float(static_cast<uint32_t>(w_bits));
+  encode_block(n, m, w, *m_scale, *w_scale, mq, wq);
 }
 
 // Adam/AdamW on int8 states: per block, decode, the fp32 update of adam.h's formula
@@ -134,26 +167,37 @@ inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict gr
   for (std::size_t b = 0; b * kBlock < n; ++b) {
     const std::size_t lo = b * kBlock, len = n - lo < kBlock ? n - lo : kBlock;
     const float ms = s.m_scale[b], ws = s.w_scale[b];
+    // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
+    float* __restrict param = s.param + lo;
+    const uint8_t* __restrict mq = s.m + lo;
+    const uint8_t* __restrict wq = s.w + lo;
+    const G* __restrict gr = grad + lo;
+    P* __restrict o = out + lo;
+    int32_t m_bits = 0, w_bits = 0;  // the new maxima, found on the way
     for (std::size_t j = 0; j < len; ++j) {
-      const std::size_t i = lo + j;
-      float g = to_float(grad[i]) * k.grad_scale;
-      float p = s.param[i];
+      float g = to_float(gr[j]) * k.grad_scale;
+      float p = param[j];
       if (Decoupled)
         p = p * k.decay;
       else
         g = g + k.weight_decay * p;
-      const float w_old = decode_unsigned(s.w[i], ws);
-      const float m_new = lerp<SmallWeight>(decode_signed(s.m[i], ms), g, k.one_minus_beta1);
+      const float w_old = decode_unsigned(wq[j], ws);
+      const float m_new = lerp<SmallWeight>(decode_signed(mq[j], ms), g, k.one_minus_beta1);
       const float v_new = (w_old * w_old) * k.beta2 + k.one_minus_beta2 * g * g;
       const float root = std::sqrt(v_new);
       const float denom = root / k.bias2_sqrt + k.eps;
       p = p + k.neg_step_size * (m_new / denom);
-      s.param[i] = p;
-      out[i] = from_float<P>(p);
+      param[j] = p;
+      o[j] = from_float<P>(p);
       m[j] = m_new;
       w[j] = root;
+      const int32_t a = magnitude_bits(m_new), c = magnitude_bits(root);
+      m_bits = a > m_bits ? a : m_bits;
+      w_bits = c > w_bits ? c : w_bits;
     }
-    quantize_block(len, m, w, s.m + lo, s.w + lo, s.m_scale + b, s.w_scale + b);
+    s.m_scale[b] = bits_float(static_cast<uint32_t>(m_bits));
+    s.w_scale[b] = bits_float(static_cast<uint32_t>(w_bits));
+    encode_block(len, m, w, s.m_scale[b], s.w_scale[b], s.m + lo, s.w + lo);
   }
 }
 

@@ -72,6 +72,7 @@ class Settings:
     io: Optional[str] = None
     queue_depth: Optional[int] = None
     compress: Optional[dict] = None
+    state_dtype: str = "fp32"
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -79,7 +80,7 @@ class Settings:
         if not isinstance(block, dict):
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
-        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress"}
+        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress", "state_dtype"}
         unknown = sorted(set(block) - known)
         if unknown:
             raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
@@ -98,7 +99,8 @@ class Settings:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         return cls(devices=devices, slots=block.get("slots"), chunk=block.get("chunk"),
-                   io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress)
+                   io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress,
+                   state_dtype=block.get("state_dtype", "fp32"))
 
     def rank_dirs(self, rank: int) -> list[str]:
         """Each rank keeps its partition's states in its own sub-directory."""
@@ -200,7 +202,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _open_pipeline(self) -> Pipeline:
         s = self.settings
         return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
-                        slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth)
+                        slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth,
+                        state_dtype=s.state_dtype)
 
     def _attach(self) -> None:
         """Registers every sub-group; resumed ones put their master weights into the model."""
