@@ -143,21 +143,27 @@ def test_step(benchmark, bench_dir, storage_limits, summary, slots):
 ENGINES = ["uring", "threads"]
 
 
+def alternating_runners(bench_dir: str, name: str, params: int, variants: dict):
+    """One StepRunner per variant (name -> StepRunner keyword arguments) on the bench
+    disk, alive together so their steps can alternate; closed at the end."""
+    runners = {}
+    try:
+        for variant, kwargs in variants.items():
+            runners[variant] = StepRunner(os.path.join(bench_dir, f"{name}_{variant}"), params,
+                                          SLOTS[0], **kwargs)
+        yield runners
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
 @pytest.fixture(scope="module")
 def engine_runners(bench_dir):
     """One pipeline per engine, alive together so their steps can alternate."""
     if not smartinf.build_info()["io_uring"]:
         pytest.skip("built without liburing: no io_uring engine to compare with")
     require_disk(bench_dir, 2 * ENGINE_PARAMS * STATE_BYTES, "the engine comparison")
-    runners = {}
-    try:
-        for io in ENGINES:
-            runners[io] = StepRunner(os.path.join(bench_dir, f"engine_{io}"), ENGINE_PARAMS,
-                                     SLOTS[0], io=io)
-        yield runners
-    finally:
-        for runner in runners.values():
-            runner.close()
+    yield from alternating_runners(bench_dir, "engine", ENGINE_PARAMS, {io: {"io": io} for io in ENGINES})
 
 
 @pytest.mark.parametrize("io", ENGINES)
@@ -182,15 +188,8 @@ DTYPE_PARAMS = env_int("SMARTINF_BENCH_DTYPE_PARAMS", 256 << 20)
 def dtype_runners(bench_dir):
     """fp32 and int8 states on the same disk, alive together so their steps alternate."""
     require_disk(bench_dir, DTYPE_PARAMS * (STATE_BYTES + 12), "the state dtype comparison")
-    runners = {}
-    try:
-        for dtype in STATE_DTYPES:
-            runners[dtype] = StepRunner(os.path.join(bench_dir, f"states_{dtype}"), DTYPE_PARAMS,
-                                        SLOTS[0], state_dtype=dtype)
-        yield runners
-    finally:
-        for runner in runners.values():
-            runner.close()
+    yield from alternating_runners(bench_dir, "states", DTYPE_PARAMS,
+                                   {d: {"state_dtype": d} for d in STATE_DTYPES})
 
 
 @pytest.mark.parametrize("dtype", STATE_DTYPES)

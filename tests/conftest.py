@@ -125,3 +125,17 @@ def assert_close_fp32(actual, expected, what=""):
     worst = np.argmax(err - bound)
     assert np.all(err <= bound), (f"{what}: element {worst}: {actual[worst]!r} vs "
                                   f"{expected[worst]!r} (rel {err[worst] / max(abs(expected[worst]), 1e-30):.2e})")
+
+
+def open_with_subgroups(dirs, rule, sizes, chunk, **kwargs):
+    """A Pipeline with sub-groups of `sizes` (seeded random inits; resumed when the
+    directories hold them), closed again if adding them fails (it holds their locks)."""
+    pipe = smartinf.Pipeline(dirs, rule, chunk=chunk, slots=2, **kwargs)
+    rng = np.random.default_rng(0)
+    try:
+        for n in sizes:
+            pipe.add_subgroup(n, init=rng.standard_normal(n).astype(np.float32))
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe

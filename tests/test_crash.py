@@ -19,6 +19,7 @@ import pytest
 
 import smartinf
 import smartinf._native as native
+from conftest import open_with_subgroups
 
 SIZES = [3000, 2500, 1000, 4000]
 CHUNK = 1000
@@ -32,15 +33,7 @@ KILLS_PER_POINT = 6
 
 
 def open_pipe(dirs):
-    pipe = smartinf.Pipeline(dirs, RULE, chunk=CHUNK, slots=2)
-    rng = np.random.default_rng(0)
-    try:
-        for n in SIZES:
-            pipe.add_subgroup(n, init=rng.standard_normal(n).astype(np.float32))
-    except BaseException:
-        pipe.close()
-        raise
-    return pipe
+    return open_with_subgroups(dirs, RULE, SIZES, CHUNK)
 
 
 def train_step(pipe, step):

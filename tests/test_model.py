@@ -84,6 +84,18 @@ def test_devices_on_shared_disks_and_slow_kernels_do_not_scale():
     assert (p.step_s, p.bound) == (pytest.approx(5.0), "update")  # 1e9 / (4 x 5e7)
 
 
+def test_int8_states_halve_the_storage_traffic():
+    assert model.state_bytes_per_param("int8") == 6.03125
+    ours = model.traffic_per_param("smartupdate", state_bytes=model.state_bytes_per_param("int8"))
+    assert ours["storage_total"] == pytest.approx(12.0625)
+    # Storage-bound: the step time follows the bytes (ZeRO-Infinity keeps fp32 states).
+    fp32, int8 = (model.scaling_table(1e9, [2], HW, state_dtype=d)[0] for d in ("fp32", "int8"))
+    assert int8["zero-infinity"] == fp32["zero-infinity"]
+    assert fp32["smartupdate"]["step_s"] / int8["smartupdate"]["step_s"] == pytest.approx(12 / 6.03125)
+    with pytest.raises(ValueError, match="state_dtype"):
+        model.state_bytes_per_param("int4")
+
+
 def test_hardware_from_probe_results():
     probe = {"storage": [{"read_bps": 2e9, "write_bps": 3e9}, {"read_bps": 1.5e9, "write_bps": 4e9}]}
     hw = model.Hardware.from_probe(probe, host_link_bps=8e9)

@@ -26,11 +26,12 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert s["read_bps"] == pytest.approx(s["nbytes"] / s["read_s"])
         assert s["read_bps"] > 0 and s["write_bps"] > 0
     assert os.listdir(disk_dir) == [] and os.listdir(other) == []
-    pairs = [(k["grad"], k["param"]) for k in result["kernel"]]
-    assert pairs == list(probe.KERNEL_DTYPES)
+    pairs = [(k["grad"], k["param"], k["state_dtype"]) for k in result["kernel"]]
+    assert pairs == [(g, p, "fp32") for g, p in probe.KERNEL_DTYPES] + [("float32", "float16", "int8")]
     for k in result["kernel"]:
         assert k["params_per_s"] == pytest.approx(k["numel"] / k["seconds"])
-        assert k["state_bps"] == pytest.approx(24 * k["params_per_s"])
+        per_param = 24 if k["state_dtype"] == "fp32" else 2 * 6.03125  # read + written
+        assert k["state_bps"] == pytest.approx(per_param * k["params_per_s"])
     assert result["host_copy"]["bps"] > 0
     assert set(result["build"]) >= {"io_uring", "xrt"}
 

@@ -14,7 +14,7 @@ import pytest
 
 import smartinf
 import smartinf._native as native
-from conftest import ENGINES
+from conftest import ENGINES, open_with_subgroups
 
 SIZES = [3000, 2500, 1000]
 CHUNK = 1000
@@ -28,15 +28,7 @@ def no_fault_left_armed():
 
 
 def open_pipe(dirs, **kwargs):
-    pipe = smartinf.Pipeline(dirs, RULE, chunk=CHUNK, slots=2, **kwargs)
-    rng = np.random.default_rng(0)
-    try:
-        for n in SIZES:
-            pipe.add_subgroup(n, init=rng.standard_normal(n).astype(np.float32))
-    except BaseException:
-        pipe.close()
-        raise
-    return pipe
+    return open_with_subgroups(dirs, RULE, SIZES, CHUNK, **kwargs)
 
 
 def grads(step):

@@ -157,14 +157,18 @@ def optimizers(lr: float, weight_decay: float, state_dir: str) -> dict[str, Opti
     runs: dict[str, OptimizerFactory] = {
         "torch": lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
     }
-    def smartinf_adamw(name: str, compress: TopK | None = None) -> OptimizerFactory:
+    def smartinf_adamw(name: str, compress: TopK | None = None,
+                       state_dtype: str = "fp32") -> OptimizerFactory:
         return lambda params: smartinf.optim.AdamW(
-            params, lr=lr, weight_decay=weight_decay, devices=[run_dir(name)], compress=compress)
+            params, lr=lr, weight_decay=weight_decay, devices=[run_dir(name)], compress=compress,
+            state_dtype=state_dtype)
 
     runs["smartinf"] = smartinf_adamw("smartinf")
     runs["smartinf-topk1%"] = smartinf_adamw("smartinf-topk1%", TopK(0.01))
     # Not in the default demo: the error-feedback variant of the accuracy measurement.
     runs["smartinf-topk1%-ef"] = smartinf_adamw("smartinf-topk1%-ef", TopK(0.01, error_feedback=True))
+    # Not in the default demo either: Adam's moments 8-bit block-wise on the device.
+    runs["smartinf-int8"] = smartinf_adamw("smartinf-int8", state_dtype="int8")
     return runs
 
 

@@ -27,7 +27,7 @@ cdef extern from "io/engine.h" namespace "smartinf::io":
 cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_io(const string&, uint64_t, cbool, const string&, uint64_t,
                    unsigned) except +raise_py_error nogil
-    double time_adam_kernel(uint64_t, DType, DType) except +raise_py_error nogil
+    double time_adam_kernel(uint64_t, DType, DType, cbool) except +raise_py_error nogil
 
 
 cdef extern from "store/manifest.h" namespace "smartinf::store":
@@ -180,10 +180,10 @@ def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) 
             "to_fpga_s": bw.to_fpga_s, "from_fpga_s": bw.from_fpga_s, "direct": bw.direct}
 
 
-def time_kernel(uint64_t numel, int grad_dtype, int param_dtype) -> float:
+def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, cbool int8_states=False) -> float:
     cdef double seconds
     with nogil:
-        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype)
+        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, int8_states)
     return seconds
 
 

@@ -25,13 +25,22 @@ from typing import Any, Optional, Sequence
 
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
 STATE_BYTES = 12
+#: int8 states: fp32 master weight + two 8-bit moments + two fp32 scales per 256 params.
+STATE_BYTES_INT8 = 4 + 2 + 8 / 256
+
+
+def state_bytes_per_param(state_dtype: str = "fp32") -> float:
+    """Bytes per parameter of Adam states on storage, for ``"fp32"`` or ``"int8"`` states."""
+    if state_dtype not in ("fp32", "int8"):
+        raise ValueError(f"state_dtype must be 'fp32' or 'int8', got {state_dtype!r}")
+    return STATE_BYTES if state_dtype == "fp32" else STATE_BYTES_INT8
 SCHEMES = ("zero-infinity", "smartupdate", "smartcomp")
 #: SmartComp sends each kept gradient element as an int32 position and its value.
 INDEX_BYTES = 4
 
 
 def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
-                      state_bytes: int = STATE_BYTES, ratio: float = 0.01) -> dict[str, float]:
+                      state_bytes: float = STATE_BYTES, ratio: float = 0.01) -> dict[str, float]:
     """Bytes per parameter per step on each link (Table I of the Smart-Infinity paper).
 
     ``"zero-infinity"``: the host updates the params, so all optimizer states cross the
@@ -54,10 +63,11 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
     ``host_to_device``, ``device_to_host`` (bytes over the host/storage interconnect),
     ``host_link_total`` and ``storage_total``.
     """
-    for name, value in (("grad_bytes", grad_bytes), ("param_bytes", param_bytes),
-                        ("state_bytes", state_bytes)):
+    for name, value in (("grad_bytes", grad_bytes), ("param_bytes", param_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(state_bytes, bool) or not isinstance(state_bytes, (int, float)) or not state_bytes > 0:
+        raise ValueError(f"state_bytes must be a positive number, got {state_bytes!r}")
     fp32_grad = 4
     if scheme == "zero-infinity":
         # Host writes grads + updated states to storage, reads states + grads back.
@@ -209,7 +219,7 @@ class Prediction:
 
 def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
             grad_bytes: int = 2, param_bytes: int = 2, ratio: float = 0.01,
-            state_bytes: int = STATE_BYTES) -> Prediction:
+            state_bytes: float = STATE_BYTES) -> Prediction:
     """The step time of ``scheme`` on ``n`` devices.
 
     SmartUpdate / SmartComp: ``scaled_step_time`` with T_opt the storage limit of all
@@ -252,14 +262,17 @@ def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
 
 
 def scaling_table(params: float, devices: Sequence[int], hw: Hardware, grad_bytes: int = 2,
-                  param_bytes: int = 2, ratio: float = 0.01) -> list[dict]:
+                  param_bytes: int = 2, ratio: float = 0.01, state_dtype: str = "fp32") -> list[dict]:
     """Per device count: each scheme's predicted step, what bounds it, the host-link bytes
-    per step, and the speedups over ZeRO-Infinity on a RAID0 of the same drives."""
+    per step, and the speedups over ZeRO-Infinity on a RAID0 of the same drives (whose
+    states are fp32; ``state_dtype`` applies to SmartUpdate and SmartComp)."""
+    ours = state_bytes_per_param(state_dtype)
     rows = []
     for n in devices:
         row: dict[str, Any] = {"n": n}
         for scheme in SCHEMES:
-            p = predict(params, n, hw, scheme, grad_bytes, param_bytes, ratio)
+            p = predict(params, n, hw, scheme, grad_bytes, param_bytes, ratio,
+                        STATE_BYTES if scheme == "zero-infinity" else ours)
             row[scheme] = {"step_s": p.step_s, "bound": p.bound,
                            "host_link_bytes": params * p.traffic["host_link_total"],
                            "storage_bytes": params * p.traffic["storage_total"]}
@@ -347,6 +360,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--grad-bytes", type=int, default=2, help="gradient element size (2)")
     parser.add_argument("--param-bytes", type=int, default=2, help="param element size (2)")
     parser.add_argument("--ratio", type=float, default=0.01, help="SmartComp kept fraction (0.01)")
+    parser.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
+                        help="smartinf's Adam states: fp32 (12 B/param) or int8 (~6 B/param)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", help="write a PNG of step time and speedup per device count")
     args = parser.parse_args(argv)
@@ -366,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("give --probe probe.json (from `python -m smartinf.probe DIR --json`) "
                          "or both --read-gbps and --write-gbps")
         rows = scaling_table(args.params, parse_devices(args.devices), hw, args.grad_bytes,
-                             args.param_bytes, args.ratio)
+                             args.param_bytes, args.ratio, args.state_dtype)
         if args.plot:
             plot(rows, args.plot, f"{args.params:.3g} params")
     except (OSError, ValueError, KeyError, ImportError) as e:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, build_info, defaults
+from . import _native, buffers, build_info, defaults, model
 
 logger = logging.getLogger("smartinf")
 
@@ -35,7 +35,7 @@ BLOCK = 1 * MiB  # the pipeline's storage piece size
 DEPTH = 16  # the pipeline's default queue depth
 KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
-#: (grad, param) dtype pairs the kernel is timed for.
+#: (grad, param) dtype pairs the kernel is timed for (fp32 states; int8 states once, f32/f16).
 KERNEL_DTYPES = (("float32", "float32"), ("float32", "float16"),
                  ("float16", "float16"), ("bfloat16", "bfloat16"))
 
@@ -75,12 +75,14 @@ class KernelThroughput:
     param: str
     seconds: float
     params_per_s: float
+    state_dtype: str = "fp32"
 
     @property
     def state_bps(self) -> float:
-        """Optimizer-state bytes the kernel gets through per second (12 read + 12 written
-        per param): compare with the storage bandwidth to see which one limits."""
-        return self.params_per_s * 24
+        """Optimizer-state bytes the kernel gets through per second (read + written per
+        param: 24 with fp32 states, ~12 with int8): compare with the storage bandwidth to
+        see which one limits."""
+        return self.params_per_s * 2 * model.state_bytes_per_param(self.state_dtype)
 
 
 def engine_in_use(directory: str, engine: str = "auto") -> str:
@@ -182,14 +184,15 @@ def measure_host_copy(nbytes: int = HOST_COPY_BYTES, repeats: int = 3) -> HostCo
 
 
 def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
-                   param: str = "float32") -> KernelThroughput:
-    """Adam kernel throughput for one grad/param dtype pair (dtype names or codes);
-    the first call warms up (allocation, page faults), the second is timed."""
+                   param: str = "float32", state_dtype: str = "fp32") -> KernelThroughput:
+    """Adam kernel throughput for one grad/param dtype pair (dtype names or codes) and
+    state dtype; the first call warms up (allocation, page faults), the second is timed."""
     g, p = buffers.dtype_code(grad), buffers.dtype_code(param)
-    _native.time_kernel(numel, g, p)
-    seconds = _native.time_kernel(numel, g, p)
+    int8 = state_dtype == "int8"
+    _native.time_kernel(numel, g, p, int8)
+    seconds = _native.time_kernel(numel, g, p, int8)
     return KernelThroughput(numel, buffers.DTYPE_NAMES[g], buffers.DTYPE_NAMES[p], seconds,
-                            numel / seconds)
+                            numel / seconds, state_dtype)
 
 
 def measure_smartssd(directory: str, fpga: "int | str" = 0, nbytes: int = 256 * MiB) -> dict:
@@ -225,7 +228,8 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
         "storage": [dataclasses.asdict(s) for s in storage],
         "host_copy": dataclasses.asdict(measure_host_copy(host_copy_bytes)),
         "kernel": [dict(dataclasses.asdict(k), state_bps=k.state_bps)
-                   for k in (measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES)],
+                   for k in [*(measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES),
+                             measure_kernel(kernel_numel, "float32", "float16", "int8")]],
         "smartssd": smartssds(),
     }
 
@@ -247,9 +251,9 @@ def format_report(result: dict) -> str:
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
               f"{'Adam kernel grad/param':<24} {'Mparams/s':>10} {'state GB/s':>11}"]
     for k in result["kernel"]:
-        lines.append(f"{k['grad'] + '/' + k['param']:<24} {k['params_per_s'] / 1e6:>10.0f} "
-                     f"{k['state_bps'] / 1e9:>11.2f}")
-    lines.append("(state GB/s: 24 B of fp32 states read+written per param, vs storage above)")
+        name = k["grad"] + "/" + k["param"] + (", int8 states" if k["state_dtype"] == "int8" else "")
+        lines.append(f"{name:<24} {k['params_per_s'] / 1e6:>10.0f} {k['state_bps'] / 1e9:>11.2f}")
+    lines.append("(state GB/s: states read+written per param, 24 B fp32 or ~12 B int8, vs storage above)")
     cards = result.get("smartssd", [])
     lines += ["", "SmartSSDs: " + ("none found (XRT build, XILINX_XRT set, FPGA and NVMe behind "
                                    "one switch, drive mounted)" if not cards else "")]

@@ -1,5 +1,7 @@
 #include "io/bandwidth.h"
 
+#include "kernels/quant8.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -78,16 +80,27 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
   return seconds;
 }
 
-double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param) {
+double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
+                        bool int8_states) {
   std::vector<float> p(numel, 0.5f), m(numel, 0.0f), v(numel, 0.0f);
   std::vector<uint32_t> g(numel, 0), out(numel, 0);  // room for any dtype
+  std::vector<uint32_t> packed(int8_states ? kernels::int8_adam_bytes(numel) / 4 + 1 : 0);
+  const kernels::Int8Adam q = kernels::int8_adam_layout(packed.data(), numel);
+  if (int8_states) {
+    const float* from[3] = {p.data(), nullptr, nullptr};
+    const float fill[3] = {0.0f, 0.0f, 0.0f};
+    kernels::import_int8_adam(q, numel, from, fill);
+  }
   const kernels::AdamStep s = kernels::adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 1, 1.0);
   const auto start = Clock::now();
   kernels::dispatch(grad, param, [&](auto gt, auto pt) {
     using G = decltype(gt);
     using P = decltype(pt);
-    kernels::adam(numel, p.data(), m.data(), v.data(), reinterpret_cast<const G*>(g.data()),
-                  reinterpret_cast<P*>(out.data()), s);
+    if (int8_states)
+      kernels::adam8(numel, q, reinterpret_cast<const G*>(g.data()), reinterpret_cast<P*>(out.data()), s);
+    else
+      kernels::adam(numel, p.data(), m.data(), v.data(), reinterpret_cast<const G*>(g.data()),
+                    reinterpret_cast<P*>(out.data()), s);
   });
   return since(start);
 }

@@ -16,6 +16,7 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
                uint64_t block, unsigned depth);
 
 // Seconds for one Adam(W) update over `numel` in-memory params.
-double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param);
+double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
+                        bool int8_states = false);
 
 }  // namespace smartinf::io

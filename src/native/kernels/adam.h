@@ -48,21 +48,32 @@ inline float lerp(float self, float end, float weight) {
   return SmallWeight ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
+// One element: the updated param from the (unscaled) gradient g, the param p and the old
+// moments; the new moments go to m and v, and sqrt(v) (the root the step divides by
+// before bias correction) to root. Shared by the fp32 and the int8 state kernels.
+template <bool Decoupled, bool SmallWeight>
+inline float adam_element(float g, float p, float m_old, float v_old, const AdamStep& s,
+                          float& m, float& v, float& root) {
+  if (Decoupled)
+    p = p * s.decay;
+  else
+    g = g + s.weight_decay * p;
+  m = lerp<SmallWeight>(m_old, g, s.one_minus_beta1);
+  v = v_old * s.beta2 + s.one_minus_beta2 * g * g;
+  root = std::sqrt(v);
+  const float denom = root / s.bias2_sqrt + s.eps;
+  return p + s.neg_step_size * (m / denom);
+}
+
 template <bool Decoupled, bool SmallWeight, class G, class P>
 inline void adam_range(std::size_t n, float* __restrict param, float* __restrict exp_avg,
                        float* __restrict exp_avg_sq, const G* __restrict grad,
                        P* __restrict out, const AdamStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
-    float g = to_float(grad[i]) * s.grad_scale;
-    float p = param[i];
-    if (Decoupled)
-      p = p * s.decay;
-    else
-      g = g + s.weight_decay * p;
-    const float m = lerp<SmallWeight>(exp_avg[i], g, s.one_minus_beta1);
-    const float v = exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / s.bias2_sqrt + s.eps;
-    p = p + s.neg_step_size * (m / denom);
+    float m, v, root;
+    const float p = adam_element<Decoupled, SmallWeight>(to_float(grad[i]) * s.grad_scale,
+                                                         param[i], exp_avg[i], exp_avg_sq[i],
+                                                         s, m, v, root);
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;

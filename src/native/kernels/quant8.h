@@ -175,18 +175,11 @@ inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict gr
     P* __restrict o = out + lo;
     int32_t m_bits = 0, w_bits = 0;  // the new maxima, found on the way
     for (std::size_t j = 0; j < len; ++j) {
-      float g = to_float(gr[j]) * k.grad_scale;
-      float p = param[j];
-      if (Decoupled)
-        p = p * k.decay;
-      else
-        g = g + k.weight_decay * p;
       const float w_old = decode_unsigned(wq[j], ws);
-      const float m_new = lerp<SmallWeight>(decode_signed(mq[j], ms), g, k.one_minus_beta1);
-      const float v_new = (w_old * w_old) * k.beta2 + k.one_minus_beta2 * g * g;
-      const float root = std::sqrt(v_new);
-      const float denom = root / k.bias2_sqrt + k.eps;
-      p = p + k.neg_step_size * (m_new / denom);
+      float m_new, v_new, root;
+      const float p = adam_element<Decoupled, SmallWeight>(
+          to_float(gr[j]) * k.grad_scale, param[j], decode_signed(mq[j], ms), w_old * w_old, k,
+          m_new, v_new, root);
       param[j] = p;
       o[j] = from_float<P>(p);
       m[j] = m_new;
