@@ -80,6 +80,26 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
   return seconds;
 }
 
+namespace {
+
+// As the cpu device runs the kernels: for the baseline ISA and AVX2, picked at load time.
+// flatten: every kernel it calls is inlined, so each clone has its own code.
+__attribute__((target_clones("avx2", "default"), flatten))
+void run_adam(uint64_t numel, kernels::DType grad, kernels::DType param, bool int8_states,
+              const kernels::Int8Adam& q, float* p, float* m, float* v, const uint32_t* g,
+              uint32_t* out, const kernels::AdamStep& s) {
+  kernels::dispatch(grad, param, [&](auto gt, auto pt) {
+    using G = decltype(gt);
+    using P = decltype(pt);
+    if (int8_states)
+      kernels::adam8(numel, q, reinterpret_cast<const G*>(g), reinterpret_cast<P*>(out), s);
+    else
+      kernels::adam(numel, p, m, v, reinterpret_cast<const G*>(g), reinterpret_cast<P*>(out), s);
+  });
+}
+
+}  // namespace
+
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
                         bool int8_states) {
   std::vector<float> p(numel, 0.5f), m(numel, 0.0f), v(numel, 0.0f);
@@ -93,15 +113,7 @@ double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType para
   }
   const kernels::AdamStep s = kernels::adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 1, 1.0);
   const auto start = Clock::now();
-  kernels::dispatch(grad, param, [&](auto gt, auto pt) {
-    using G = decltype(gt);
-    using P = decltype(pt);
-    if (int8_states)
-      kernels::adam8(numel, q, reinterpret_cast<const G*>(g.data()), reinterpret_cast<P*>(out.data()), s);
-    else
-      kernels::adam(numel, p.data(), m.data(), v.data(), reinterpret_cast<const G*>(g.data()),
-                    reinterpret_cast<P*>(out.data()), s);
-  });
+  run_adam(numel, grad, param, int8_states, q, p.data(), m.data(), v.data(), g.data(), out.data(), s);
   return since(start);
 }
 
