@@ -26,6 +26,8 @@ DECLARE_TOPK(smartinf_adam_topk_f16_f16)
 DECLARE_TOPK(smartinf_adam_topk_bf16_bf16)
 extern "C" void smartinf_sgd_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::SgdStep);
 extern "C" void smartinf_adagrad_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::AdagradStep);
+extern "C" void smartinf_adam8_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
+                                       k::AdamStep);
 
 static std::mt19937 rng(7);
 static int failures = 0, checks = 0;
@@ -141,8 +143,38 @@ static void two_state_cases(int n) {
   check(dp.equals(p) && ds.equals(sum) && dout.equals(out), "adagrad_f32_f16", n);
 }
 
+// int8 states: the kernel on the cpu device's layout (one buffer, whole chunk) against the
+// HLS top on separate arrays, from the same coded states.
+static void adam8_case(int n, const k::AdamStep& s) {
+  auto p = random<float>(n), m = random<float>(n, 0.1f), v = positive(n);
+  auto g = random<float>(n);
+  std::vector<uint32_t> buf(k::int8_adam_bytes(n) / 4 + 1);
+  const k::Int8Adam ref = k::int8_adam_layout(buf.data(), n);
+  const float* from[3] = {p.data(), m.data(), v.data()};
+  const float fill[3] = {0.0f, 0.0f, 0.0f};
+  k::import_int8_adam(ref, n, from, fill);
+  const std::size_t nb = k::quant_blocks(n);
+  Device<float> dp(std::vector<float>(ref.param, ref.param + n));
+  Device<uint8_t> dmq(std::vector<uint8_t>(ref.m, ref.m + n)), dwq(std::vector<uint8_t>(ref.w, ref.w + n));
+  Device<float> dms(std::vector<float>(ref.m_scale, ref.m_scale + nb));
+  Device<float> dws(std::vector<float>(ref.w_scale, ref.w_scale + nb));
+  Device<float> dg(g);
+  std::vector<k::f16> out(n);
+  Device<k::f16> dout(out);
+  k::adam8(n, ref, g.data(), out.data(), s);
+  smartinf_adam8_f32_f16(dp.data(), dmq.data(), dwq.data(), dms.data(), dws.data(), dg.data(),
+                         dout.data(), n, s);
+  check(dp.equals(std::vector<float>(ref.param, ref.param + n)) &&
+            dmq.equals(std::vector<uint8_t>(ref.m, ref.m + n)) &&
+            dwq.equals(std::vector<uint8_t>(ref.w, ref.w + n)) &&
+            dms.equals(std::vector<float>(ref.m_scale, ref.m_scale + nb)) &&
+            dws.equals(std::vector<float>(ref.w_scale, ref.w_scale + nb)) && dout.equals(out),
+        "adam8_f32_f16", n);
+}
+
 int main() {
-  const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500};
+  // 4095..4097 and 9000: int8 tiles of 4096 (whole and partial beats of scales).
+  const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500, 4095, 4096, 4097, 9000};
   for (int n : lengths) {
     for (int variant = 0; variant < 3; ++variant) {
       // AdamW, Adam (L2), and a beta1 that takes torch.lerp's other formula.
@@ -156,10 +188,11 @@ int main() {
       adam_case<float, float>(smartinf_adam_f32_f32, "adam_f32_f32", n, s);
       topk_case<k::f16, k::f16>(smartinf_adam_topk_f16_f16, "adam_topk_f16_f16", n, s);
       topk_case<k::bf16, k::bf16>(smartinf_adam_topk_bf16_bf16, "adam_topk_bf16_bf16", n, s);
+      adam8_case(n, s);
     }
     two_state_cases(n);
   }
-  std::printf("csim: %d checks, %d failures (%zu lengths, 9 top functions)\n", checks, failures,
+  std::printf("csim: %d checks, %d failures (%zu lengths, 10 top functions)\n", checks, failures,
               sizeof(lengths) / sizeof(lengths[0]));
   return failures ? 1 : 0;
 }

@@ -59,6 +59,21 @@ namespace h = smartinf::hls;
     h::update_chunk<MATH, h::DenseGrad<G>, P>(states, g, out, n, MATH{step});                  \
   }
 
+// Adam / AdamW on int8 states (kernels/quant8.h): fp32 params, the 8-bit codes of
+// exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params; fp32 gradient.
+#define SMARTINF_ADAM8(NAME, G, P)                                                             \
+  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,               \
+                       Beat* w_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(m_codes, states)                                                             \
+    SMARTINF_PORT(w_codes, states)                                                             \
+    SMARTINF_PORT(m_scales, states)                                                            \
+    SMARTINF_PORT(w_scales, states)                                                            \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    h::update_chunk_int8<G, P>(param, m_codes, w_codes, m_scales, w_scales, grad, out, n, step); \
+  }
+
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)
 SMARTINF_ADAM(smartinf_adam_f32_bf16, float, k::bf16)
 SMARTINF_ADAM(smartinf_adam_f16_f16, k::f16, k::f16)
@@ -68,3 +83,4 @@ SMARTINF_ADAM_TOPK(smartinf_adam_topk_f16_f16, k::f16, k::f16)
 SMARTINF_ADAM_TOPK(smartinf_adam_topk_bf16_bf16, k::bf16, k::bf16)
 SMARTINF_TWO_STATE(smartinf_sgd_f32_f16, h::SgdMath, k::SgdStep, float, k::f16)
 SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::AdagradMath, k::AdagradStep, float, k::f16)
+SMARTINF_ADAM8(smartinf_adam8_f32_f16, float, k::f16)

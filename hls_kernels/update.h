@@ -9,6 +9,7 @@
 #include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/decompress.h"
+#include "kernels/quant8.h"
 #include "kernels/sgd.h"
 
 namespace smartinf::hls {
@@ -89,6 +90,42 @@ tiles:
     grad.tile(start, count, g);
     math(count, st, g, o);
     for (int a = 0; a < Math::NS; ++a) store(states[a], start, count, st[a]);
+    store(out, start, count, o);
+  }
+}
+
+// int8 states (kernels/quant8.h) go in tiles of TILE8 params: whole blocks of 256, and
+// a whole number of beats of block scales (4096 / 256 = 16 floats = one beat).
+constexpr int TILE8 = 4096;
+
+// One chunk of n params with int8 Adam states: fp32 params, the codes of exp_avg and of
+// sqrt(exp_avg_sq), their per-block fp32 scales; the math is kernels::adam8 on the tile.
+template <class G, class P>
+inline void update_chunk_int8(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,
+                              Beat* w_scales, const Beat* grad, Beat* out, int n,
+                              const kernels::AdamStep& step) {
+  constexpr int kBlocks = TILE8 / static_cast<int>(kernels::kBlock);
+  float p[TILE8], ms[kBlocks], ws[kBlocks];
+  uint8_t mq[TILE8], wq[TILE8];
+  G g[TILE8];
+  P o[TILE8];
+int8_tiles:
+  for (int start = 0; start < n; start += TILE8) {
+    const int count = n - start < TILE8 ? n - start : TILE8;
+    const int blocks = static_cast<int>(kernels::quant_blocks(static_cast<std::size_t>(count)));
+    const std::size_t first_block = static_cast<std::size_t>(start) / kernels::kBlock;
+    load(param, start, count, p);
+    load(m_codes, start, count, mq);
+    load(w_codes, start, count, wq);
+    load(m_scales, first_block, blocks, ms);
+    load(w_scales, first_block, blocks, ws);
+    load(grad, start, count, g);
+    kernels::adam8(static_cast<std::size_t>(count), kernels::Int8Adam{p, mq, wq, ms, ws}, g, o, step);
+    store(param, start, count, p);
+    store(m_codes, start, count, mq);
+    store(w_codes, start, count, wq);
+    store(m_scales, first_block, blocks, ms);
+    store(w_scales, first_block, blocks, ws);
     store(out, start, count, o);
   }
 }
