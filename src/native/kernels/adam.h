@@ -48,21 +48,23 @@ inline float lerp(float self, float end, float weight) {
   return SmallWeight ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
-// One element: the updated param from the (unscaled) gradient g, the param p and the old
-// moments; the new moments go to m and v, and sqrt(v) (the root the step divides by
-// before bias correction) to root. Shared by the fp32 and the int8 state kernels.
+// One element: from the (unscaled) gradient g, the param p and the old moments, the
+// updated param, the new moments, and sqrt(v) (the root the step divides by before bias
+// correction). Shared by the fp32 and the int8 state kernels. Always inlined: a call left
+// in the loop (GCC's inliner gives up in a unit with many kernels) stops vectorisation.
+struct AdamResult {
+  float p, m, v, root;
+};
+
 template <bool Decoupled, bool SmallWeight>
-inline float adam_element(float g, float p, float m_old, float v_old, const AdamStep& s,
-                          float& m, float& v, float& root) {
-  if (Decoupled)
-    p = p * s.decay;
-  else
-    g = g + s.weight_decay * p;
-  m = lerp<SmallWeight>(m_old, g, s.one_minus_beta1);
-  v = v_old * s.beta2 + s.one_minus_beta2 * g * g;
-  root = std::sqrt(v);
+__attribute__((always_inline)) inline AdamResult adam_element(float g, float p, float m_old, float v_old, const AdamStep& s) {
+  const float gd = Decoupled ? g : g + s.weight_decay * p;
+  const float pd = Decoupled ? p * s.decay : p;
+  const float m = lerp<SmallWeight>(m_old, gd, s.one_minus_beta1);
+  const float v = v_old * s.beta2 + s.one_minus_beta2 * gd * gd;
+  const float root = std::sqrt(v);
   const float denom = root / s.bias2_sqrt + s.eps;
-  return p + s.neg_step_size * (m / denom);
+  return {pd + s.neg_step_size * (m / denom), m, v, root};
 }
 
 template <bool Decoupled, bool SmallWeight, class G, class P>
@@ -70,14 +72,12 @@ inline void adam_range(std::size_t n, float* __restrict param, float* __restrict
                        float* __restrict exp_avg_sq, const G* __restrict grad,
                        P* __restrict out, const AdamStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
-    float m, v, root;
-    const float p = adam_element<Decoupled, SmallWeight>(to_float(grad[i]) * s.grad_scale,
-                                                         param[i], exp_avg[i], exp_avg_sq[i],
-                                                         s, m, v, root);
-    param[i] = p;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    out[i] = from_float<P>(p);
+    const AdamResult r = adam_element<Decoupled, SmallWeight>(to_float(grad[i]) * s.grad_scale,
+                                                              param[i], exp_avg[i], exp_avg_sq[i], s);
+    param[i] = r.p;
+    exp_avg[i] = r.m;
+    exp_avg_sq[i] = r.v;
+    out[i] = from_float<P>(r.p);
   }
 }
 

@@ -176,10 +176,9 @@ inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict gr
     int32_t m_bits = 0, w_bits = 0;  // the new maxima, found on the way
     for (std::size_t j = 0; j < len; ++j) {
       const float w_old = decode_unsigned(wq[j], ws);
-      float m_new, v_new, root;
-      const float p = adam_element<Decoupled, SmallWeight>(
-          to_float(gr[j]) * k.grad_scale, param[j], decode_signed(mq[j], ms), w_old * w_old, k,
-          m_new, v_new, root);
+      const AdamResult r = adam_element<Decoupled, SmallWeight>(
+          to_float(gr[j]) * k.grad_scale, param[j], decode_signed(mq[j], ms), w_old * w_old, k);
+      const float p = r.p, m_new = r.m, root = r.root;
       param[j] = p;
       o[j] = from_float<P>(p);
       m[j] = m_new;
