@@ -15,7 +15,6 @@ import time
 import traceback
 
 import numpy as np
-import pytest
 
 import smartinf
 import smartinf._native as native
