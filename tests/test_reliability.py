@@ -315,11 +315,15 @@ def body_of(text: bytes) -> bytes:
 def test_bad_manifest_is_refused_and_left_alone(disk_dir, edit, match):
     with open_pipe(disk_dir) as pipe:
         run_step(pipe, 0)
+    good = open(os.path.join(disk_dir, "manifest"), "rb").read()
     rewrite_manifest(disk_dir, edit)
     bad = open(os.path.join(disk_dir, "manifest"), "rb").read()
     with pytest.raises(ValueError, match=f"corrupt or foreign manifest .*({match})"):
         smartinf.Pipeline(disk_dir, RULE, chunk=CHUNK)
     assert open(os.path.join(disk_dir, "manifest"), "rb").read() == bad  # nothing rewritten
+    rewrite_manifest(disk_dir, lambda _: good)  # repaired: it opens (the refusal left no lock)
+    with open_pipe(disk_dir) as pipe:
+        assert pipe.step_count == 1
 
 
 def test_truncated_states_file_is_refused(disk_dir):

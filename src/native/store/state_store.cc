@@ -75,55 +75,44 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
 
   // Without a manifest nothing was ever committed here: an old states.bin is an orphan.
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (resume ? 0 : O_TRUNC);
-  fd_ = config.direct ? ::open(states_path_.c_str(), flags | O_DIRECT, 0644) : -1;
+  int fd = config.direct ? ::open(states_path_.c_str(), flags | O_DIRECT, 0644) : -1;
   if (!config.direct) {
     direct_ = false;
-    fd_ = ::open(states_path_.c_str(), flags, 0644);
-  } else if (fd_ < 0 && errno == EINVAL) {
+    fd = ::open(states_path_.c_str(), flags, 0644);
+  } else if (fd < 0 && errno == EINVAL) {
     direct_ = false;
     notes.push_back("no O_DIRECT on " + dir + " (tmpfs?): using buffered I/O there");
-    fd_ = ::open(states_path_.c_str(), flags, 0644);
+    fd = ::open(states_path_.c_str(), flags, 0644);
   }
-  if (fd_ < 0) {
-    const int code = errno;
-    ::close(lock_fd_);
-    throw SystemError(code, "cannot open the states file", states_path_);
-  }
+  fd_.reset(check_errno(fd, "cannot open the states file", states_path_));
   if (!resume) fsync_dir(dir_);  // the new file's name survives a power loss
 
   struct stat st {};
-  check_errno(::fstat(fd_, &st), "fstat", states_path_);
+  check_errno(::fstat(fd_.get(), &st), "fstat", states_path_);
   for (size_t i = 0; i < manifest_.subgroups.size(); ++i) {
     const SubgroupRecord& r = manifest_.subgroups[i];
     local_of_[r.id] = i;
     file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk, layout_) +
                                         2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk, layout_));
   }
-  if (static_cast<uint64_t>(st.st_size) < file_end_) {
-    ::close(fd_);
-    ::close(lock_fd_);
+  if (static_cast<uint64_t>(st.st_size) < file_end_)
     throw std::invalid_argument(states_path_ + " has " + std::to_string(st.st_size) +
                                 " bytes but its manifest needs " + std::to_string(file_end_) +
                                 " (truncated copy?)");
-  }
 }
 
-StateStore::~StateStore() {
-  if (fd_ >= 0) ::close(fd_);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
-}
+StateStore::~StateStore() = default;  // closing lock_fd_ releases the lock
 
 // flock, not fcntl locks: those belong to the process, so a second pipeline in the same
 // process would not be kept out, and closing any descriptor of the file would drop them.
 void StateStore::lock_directory() {
   const std::string path = dir_ + "/lock";
-  lock_fd_ = check_errno(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644),
-                         "cannot create the lock file", path);
-  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+  UniqueFd fd(check_errno(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644),
+                          "cannot create the lock file", path));
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     const int code = errno;
     char holder[32] = {};
-    (void)!::pread(lock_fd_, holder, sizeof holder - 1, 0);
-    ::close(lock_fd_);
+    (void)!::pread(fd.get(), holder, sizeof holder - 1, 0);
     if (code == EWOULDBLOCK)
       throw SystemError(EBUSY, std::string("the directory is open in another pipeline (process ") +
                                    (holder[0] ? holder : "?") +
@@ -132,7 +121,8 @@ void StateStore::lock_directory() {
     throw SystemError(code, "cannot lock the directory", path);
   }
   const std::string pid = std::to_string(::getpid());
-  if (::ftruncate(lock_fd_, 0) == 0) (void)!::pwrite(lock_fd_, pid.data(), pid.size(), 0);
+  if (::ftruncate(fd.get(), 0) == 0) (void)!::pwrite(fd.get(), pid.data(), pid.size(), 0);
+  lock_fd_ = std::move(fd);
 }
 
 size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
@@ -160,10 +150,10 @@ size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
   manifest_.add_sums(r);
   const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
   const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, layout_) + (tail ? extent_bytes(tail, layout_) : 0));
-  int res = ::posix_fallocate(fd_, static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
-  if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_, file_end_ + bytes) ? errno : 0;
+  int res = ::posix_fallocate(fd_.get(), static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
+  if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_.get(), file_end_ + bytes) ? errno : 0;
   if (res != 0) {
-    (void)::ftruncate(fd_, static_cast<off_t>(file_end_));  // give back what was allocated
+    (void)::ftruncate(fd_.get(), static_cast<off_t>(file_end_));  // give back what was allocated
     throw SystemError(res, "cannot allocate " + std::to_string(bytes) + " bytes of states",
                       states_path_);
   }
@@ -180,7 +170,7 @@ void StateStore::detach_last() {
   manifest_.subgroups.pop_back();
   local_of_.erase(r.id);
   file_end_ = r.offset;
-  (void)::ftruncate(fd_, static_cast<off_t>(file_end_));
+  (void)::ftruncate(fd_.get(), static_cast<off_t>(file_end_));
 }
 
 uint64_t StateStore::chunks(size_t local) const {
@@ -198,7 +188,7 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
 
 void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,
                         const std::map<std::string, double>& hyper) {
-  check_errno(::fdatasync(fd_), "fdatasync", states_path_);
+  check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);
   fault::check("store.synced", states_path_);
   Manifest next = manifest_;  // current only once durable: a failed commit changes nothing
   for (const Written& w : written) {
@@ -215,7 +205,7 @@ void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_s
 
 void StateStore::save_layout() {
   if (!layout_dirty_) return;
-  check_errno(::fdatasync(fd_), "fdatasync", states_path_);
+  check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);
   write_manifest(manifest_);
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "store/layout.h"
+#include "unique_fd.h"
 #include "store/manifest.h"
 
 namespace smartinf::store {
@@ -66,7 +67,7 @@ class StateStore {
   uint64_t step() const { return manifest_.step; }
   const Membership& membership() const { return manifest_.member; }
   void set_membership(const Membership& m);  // written to the manifest at once
-  int fd() const { return fd_; }
+  int fd() const { return fd_.get(); }
   const std::string& file_path() const { return states_path_; }
   const std::string& dir() const { return dir_; }
   bool direct() const { return direct_; }
@@ -82,8 +83,7 @@ class StateStore {
   uint64_t file_end_ = 0;
   bool layout_dirty_ = false;
   bool direct_ = true;
-  int fd_ = -1;
-  int lock_fd_ = -1;
+  UniqueFd lock_fd_, fd_;  // the lock (held while open) and states.bin
 };
 
 }  // namespace smartinf::store
