@@ -297,18 +297,13 @@ std::vector<Job> Pipeline::chunk_jobs(size_t unit, size_t local, JobKind kind) c
 std::vector<Job> Pipeline::init_jobs(size_t unit, size_t local, uint32_t copy,
                                      const float* const* arrays) const {
   const store::StateStore& store = *devices_[unit].store;
-  auto done = std::make_shared<Completion>(store.chunks(local));
-  std::vector<Job> jobs;
-  for (uint64_t c = 0; c < store.chunks(local); ++c) {
-    Job job;
-    job.kind = JobKind::init;
-    job.completion = done;
-    job.dst = store.extent(local, c, copy);
+  std::vector<Job> jobs = chunk_jobs(unit, local, JobKind::init);
+  for (Job& job : jobs) {
+    job.dst = store.extent(local, job.chunk, copy);
     for (unsigned a = 0; a < state_arrays(); ++a) {
-      job.imported[a] = arrays[a] ? arrays[a] + c * options_.chunk : nullptr;
+      job.imported[a] = arrays[a] ? arrays[a] + job.chunk * options_.chunk : nullptr;
       job.fill[a] = a == 0 ? 0.0f : options_.initial_state;
     }
-    jobs.push_back(job);
   }
   return jobs;
 }

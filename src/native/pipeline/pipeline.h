@@ -107,11 +107,12 @@ class Pipeline {
   void require_open() const;
   void wait_step(bool keep);
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);
+  // One job per chunk of a sub-group, sharing one completion, with the chunk's identity
+  // and extents: src the committed copy, dst the other one.
+  std::vector<Job> chunk_jobs(size_t unit, size_t local, JobKind kind) const;
+  // chunk_jobs that write the host's `arrays` (or the optimizer's initial values) to `copy`.
   std::vector<Job> init_jobs(size_t unit, size_t local, uint32_t copy,
                              const float* const* arrays) const;
-  // One job per chunk of the committed copy of a sub-group, each with `done` and the
-  // chunk's extents and identity filled in.
-  std::vector<Job> chunk_jobs(size_t unit, size_t local, JobKind kind) const;
   void abandon();  // drops every device without saving: after a failure it cannot undo
   void mark_written(size_t sg, uint64_t steps);
 
