@@ -166,18 +166,28 @@ def engine_runners(bench_dir):
     yield from alternating_runners(bench_dir, "engine", ENGINE_PARAMS, {io: {"io": io} for io in ENGINES})
 
 
+def measure_alternating(benchmark, storage_limits, summary, runners, variant, prefix,
+                        ratio_key, top, bottom):
+    """Times `variant`'s steps, a step of the other variant (untimed) before each round,
+    records them as steps[prefix_variant], and once both are in, summary[ratio_key] = step
+    time of `top` / step time of `bottom`."""
+    others = [v for v in runners if v != variant]
+    result = measure_steps(benchmark, runners[variant], storage_limits,
+                           setup=runners[others[0]].step)
+    steps = summary.setdefault("steps", {})
+    steps[f"{prefix}_{variant}"] = result
+    if f"{prefix}_{top}" in steps and f"{prefix}_{bottom}" in steps:
+        summary[ratio_key] = steps[f"{prefix}_{top}"]["step_s"] / steps[f"{prefix}_{bottom}"]["step_s"]
+
+
 @pytest.mark.parametrize("io", ENGINES)
 def test_step_engine(benchmark, storage_limits, summary, engine_runners, io):
     # A step of the other engine (untimed) precedes each round: this VM disk runs slow for
     # a few seconds after heavy I/O (the previous test's), so back-to-back rounds of one
     # engine then the other measured the order, not the engine (0.66x to 1.75x).
-    other = engine_runners[ENGINES[1 - ENGINES.index(io)]]
-    result = measure_steps(benchmark, engine_runners[io], storage_limits, setup=other.step)
-    steps = summary.setdefault("steps", {})
-    steps[f"engine_{ENGINE_PARAMS / 1e6:.0f}M_{io}"] = result
-    names = [f"engine_{ENGINE_PARAMS / 1e6:.0f}M_{e}" for e in ("threads", "uring")]
-    if all(n in steps for n in names):
-        summary["engine_threads_vs_uring"] = steps[names[0]]["step_s"] / steps[names[1]]["step_s"]
+    measure_alternating(benchmark, storage_limits, summary, engine_runners, io,
+                        f"engine_{ENGINE_PARAMS / 1e6:.0f}M",
+                        "engine_threads_vs_uring", "threads", "uring")
 
 
 STATE_DTYPES = ["fp32", "int8"]
@@ -195,10 +205,6 @@ def dtype_runners(bench_dir):
 @pytest.mark.parametrize("dtype", STATE_DTYPES)
 def test_step_state_dtype(benchmark, storage_limits, summary, dtype_runners, dtype):
     """int8 states move ~6 B/param each way instead of 12: the goal is a >= 1.7x step."""
-    other = dtype_runners[STATE_DTYPES[1 - STATE_DTYPES.index(dtype)]]
-    result = measure_steps(benchmark, dtype_runners[dtype], storage_limits, setup=other.step)
-    steps = summary.setdefault("steps", {})
-    steps[f"states_{DTYPE_PARAMS / 1e6:.0f}M_{dtype}"] = result
-    names = [f"states_{DTYPE_PARAMS / 1e6:.0f}M_{d}" for d in STATE_DTYPES]
-    if all(n in steps for n in names):
-        summary["int8_vs_fp32_states"] = steps[names[0]]["step_s"] / steps[names[1]]["step_s"]
+    measure_alternating(benchmark, storage_limits, summary, dtype_runners, dtype,
+                        f"states_{DTYPE_PARAMS / 1e6:.0f}M",
+                        "int8_vs_fp32_states", "fp32", "int8")
