@@ -1,7 +1,5 @@
 #include "io/bandwidth.h"
 
-#include "kernels/quant8.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -11,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "device/device.h"
 #include "error.h"
 #include "kernels/adam.h"
 
@@ -80,40 +79,22 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
   return seconds;
 }
 
-namespace {
-
-// As the cpu device runs the kernels: for the baseline ISA and AVX2, picked at load time.
-// flatten: every kernel it calls is inlined, so each clone has its own code.
-__attribute__((target_clones("avx2", "default"), flatten))
-void run_adam(uint64_t numel, kernels::DType grad, kernels::DType param, bool int8_states,
-              const kernels::Int8Adam& q, float* p, float* m, float* v, const uint32_t* g,
-              uint32_t* out, const kernels::AdamStep& s) {
-  kernels::dispatch(grad, param, [&](auto gt, auto pt) {
-    using G = decltype(gt);
-    using P = decltype(pt);
-    if (int8_states)
-      kernels::adam8(numel, q, reinterpret_cast<const G*>(g), reinterpret_cast<P*>(out), s);
-    else
-      kernels::adam(numel, p, m, v, reinterpret_cast<const G*>(g), reinterpret_cast<P*>(out), s);
-  });
-}
-
-}  // namespace
-
+// On one slot of a cpu device (the code and the ISA the pipeline runs), states p = 0.5,
+// m = v = 0 and a zero gradient, as the probe has always timed it.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
                         bool int8_states) {
-  std::vector<float> p(numel, 0.5f), m(numel, 0.0f), v(numel, 0.0f);
-  std::vector<uint32_t> g(numel, 0), out(numel, 0);  // room for any dtype
-  std::vector<uint32_t> packed(int8_states ? kernels::int8_adam_bytes(numel) / 4 + 1 : 0);
-  const kernels::Int8Adam q = kernels::int8_adam_layout(packed.data(), numel);
-  if (int8_states) {
-    const float* from[3] = {p.data(), nullptr, nullptr};
-    const float fill[3] = {0.0f, 0.0f, 0.0f};
-    kernels::import_int8_adam(q, numel, from, fill);
-  }
-  const kernels::AdamStep s = kernels::adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 1, 1.0);
+  const device::SlotGeometry geometry{1, numel, store::StateLayout{3, int8_states}};
+  const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry);
+  const float* none[device::kMaxStateArrays] = {};
+  const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
+  cpu->init_states(0, none, fill, numel);  // the slot's gradient memory starts zeroed
+  device::Kernel kernel;
+  kernel.optimizer = device::Optimizer::adamw;
+  kernel.adam = kernels::adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 1, 1.0);
+  kernel.grad = grad;
+  kernel.param = param;
   const auto start = Clock::now();
-  run_adam(numel, grad, param, int8_states, q, p.data(), m.data(), v.data(), g.data(), out.data(), s);
+  cpu->compute(0, kernel, numel);
   return since(start);
 }
 
