@@ -40,14 +40,12 @@ def pipelined(items: Sequence[Any], send: Callable[[Any, int], Any],
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
     pending: list = [None] * depth
-    count = 0
     for i, item in enumerate(items):
         b = i % depth
         if pending[b] is not None:
             finish(*pending[b], b)
         pending[b] = (item, send(item, b))
-        count = i + 1
     for k in range(depth):  # the rest, oldest first
-        b = (count + k) % depth
+        b = (len(items) + k) % depth
         if pending[b] is not None:
             finish(*pending[b], b)

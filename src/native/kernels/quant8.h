@@ -178,12 +178,11 @@ inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict gr
       const float w_old = decode_unsigned(wq[j], ws);
       const AdamResult r = adam_element<Decoupled, SmallWeight>(
           to_float(gr[j]) * k.grad_scale, param[j], decode_signed(mq[j], ms), w_old * w_old, k);
-      const float p = r.p, m_new = r.m, root = r.root;
-      param[j] = p;
-      o[j] = from_float<P>(p);
-      m[j] = m_new;
-      w[j] = root;
-      const int32_t a = magnitude_bits(m_new), c = magnitude_bits(root);
+      param[j] = r.p;
+      o[j] = from_float<P>(r.p);
+      m[j] = r.m;
+      w[j] = r.root;
+      const int32_t a = magnitude_bits(r.m), c = magnitude_bits(r.root);
       m_bits = a > m_bits ? a : m_bits;
       w_bits = c > w_bits ? c : w_bits;
     }
