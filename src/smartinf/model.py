@@ -54,7 +54,6 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
     the host link carries only the gradient in (``grad_bytes``: 4 for fp32, 2 for
     fp16/bf16) and the updated low-precision params out (``param_bytes``).
 
-    Keys: ``storage_read``, ``storage_write`` (bytes at the storage media),
     ``"smartcomp"``: SmartUpdate with top-k gradients: the host link carries ``ratio`` of
     the elements as (int32 position, value of ``grad_bytes``) pairs, ``ratio * (4 +
     grad_bytes)`` B/param in, and the params out.
@@ -234,28 +233,21 @@ def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     traffic = traffic_per_param(scheme, grad_bytes, param_bytes, state_bytes, ratio)
+    read, written = params * traffic["storage_read"], params * traffic["storage_write"]
     link_bytes = params * max(traffic["host_to_device"], traffic["device_to_host"])
+    link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
     if scheme == "zero-infinity":
-        storage = storage_bound_from_bytes(params * traffic["storage_read"],
-                                           params * traffic["storage_write"],
-                                           n * hw.read_bps, n * hw.write_bps)
-        link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
+        storage = storage_bound_from_bytes(read, written, n * hw.read_bps, n * hw.write_bps)
         update = params / hw.host_update_pps
         step = max(storage, link, update)
     else:
-        t_opt = storage_bound_from_bytes(params * traffic["storage_read"],
-                                         params * traffic["storage_write"],
-                                         hw.read_bps, hw.write_bps)
-        t_swap = link_bytes / hw.link_bps
-        step = scaled_step_time(t_opt, t_swap, n, hw.host_link_bps, hw.link_bps)
+        t_opt = storage_bound_from_bytes(read, written, hw.read_bps, hw.write_bps)
+        step = scaled_step_time(t_opt, link_bytes / hw.link_bps, n, hw.host_link_bps, hw.link_bps)
         storage = t_opt / n
-        link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
         update = params / (n * hw.update_pps)
         step = max(step, update)
     if hw.shared_read_bps is not None:
-        shared = storage_bound_from_bytes(params * traffic["storage_read"],
-                                          params * traffic["storage_write"],
-                                          hw.shared_read_bps, hw.shared_write_bps)
+        shared = storage_bound_from_bytes(read, written, hw.shared_read_bps, hw.shared_write_bps)
         storage = max(storage, shared)
         step = max(step, shared)
     return Prediction(scheme, n, step, storage, link, update, traffic)
