@@ -12,6 +12,7 @@ def fuzz(examples):
     return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
+CURRENT = 5  # the version the core writes
 u64 = st.integers(0, 2**64 - 1)
 word = st.text("abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=12)
 
@@ -24,12 +25,15 @@ def with_crc(body: bytes) -> bytes:
 def manifests(draw):
     """A well-formed manifest, written the way the core writes one."""
     chunk = draw(st.integers(1, 5000))
-    lines = [f"smartinf-manifest {draw(st.sampled_from([2, 3, 4]))}", f"chunk {chunk}",
+    version = draw(st.sampled_from([2, 3, 4, 5]))
+    lines = [f"smartinf-manifest {version}", f"chunk {chunk}",
              f"state_dtype {draw(st.sampled_from(['fp32', 'int8']))}",
              f"optimizer {draw(st.sampled_from(['adam', 'adamw', 'sgd', 'adagrad']))}"]
     hyper = draw(st.dictionaries(word, st.floats(allow_nan=False, allow_infinity=False), max_size=4))
     lines += [f"hyper {k} {v:.17g}" for k, v in sorted(hyper.items(), key=lambda kv: kv[0].encode())]
     lines.append(f"step {draw(u64)}")
+    if version >= 5 and draw(st.booleans()):
+        lines.append(f"attached {draw(st.integers(0, 2**63 - 1))}")
     count = draw(st.integers(1, 8))
     if draw(st.booleans()):
         index = draw(st.integers(0, count - 1))
@@ -42,6 +46,10 @@ def manifests(draw):
         lines.append(f"sg {i} {numel} {draw(st.integers(0, 2**59))} {draw(st.integers(0, 1))} "
                      f"{draw(u64)} {draw(u64)} {draw(u64)}")
     lines.insert(-count, f"subgroups {count}")
+    if version >= 5:
+        for i, _ in records:
+            if draw(st.booleans()):
+                lines.append(f"fingerprint {i} {draw(st.integers(1, 2**64 - 1)):016x}")
     for i, numel in records:
         for copy in (0, 1):
             if draw(st.booleans()):
@@ -56,7 +64,9 @@ def manifests(draw):
 def test_well_formed_manifests_round_trip(text):
     version = int(text.split(b"\n", 1)[0].split()[1])
     got = native.manifest_roundtrip(text)
-    assert got == text.replace(f"smartinf-manifest {version}".encode(), b"smartinf-manifest 4", 1) \
+    body = text[:text.rindex(b"crc32 ")]
+    current = f"smartinf-manifest {CURRENT}".encode()
+    assert got == with_crc(body.replace(f"smartinf-manifest {version}".encode(), current, 1)) \
         or version < 4  # older versions are rewritten as the current one
     assert native.manifest_roundtrip(got) == got
 

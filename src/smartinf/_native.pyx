@@ -100,12 +100,13 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass Gradient:
         const void* data
         DType dtype
+        cbool compressed
         const int32_t* index
         uint64_t nnz
 
     cdef cppclass Pipeline:
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
-        size_t add_subgroup(uint64_t, const float*, cbool&) except +raise_py_error nogil
+        size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&) except +raise_py_error nogil
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
@@ -233,17 +234,18 @@ cdef class NativePipeline:
             with nogil:
                 del self.p
 
-    def add_subgroup(self, uint64_t numel, uintptr_t init):
+    def add_subgroup(self, uint64_t numel, uintptr_t init, uint64_t fingerprint):
         cdef cbool resumed = False
         cdef size_t sg
         with nogil:
-            sg = self.p.add_subgroup(numel, <const float*>init, resumed)
+            sg = self.p.add_subgroup(numel, <const float*>init, fingerprint, resumed)
         return sg, resumed
 
-    def update(self, size_t sg, uintptr_t grad, int grad_dtype, uintptr_t index, uint64_t nnz,
-               uintptr_t out, int out_dtype, dict hyper) -> NativeCompletion:
+    def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,
+               uint64_t nnz, uintptr_t out, int out_dtype, dict hyper) -> NativeCompletion:
         cdef Gradient g
-        g.data, g.dtype, g.index, g.nnz = <const void*>grad, <DType>grad_dtype, <const int32_t*>index, nnz
+        g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
+        g.index, g.nnz = <const int32_t*>index, nnz
         cdef UpdateHyper h
         h.lr, h.weight_decay, h.grad_scale = hyper["lr"], hyper["weight_decay"], hyper["grad_scale"]
         h.beta1, h.beta2, h.eps = hyper.get("beta1", 0.9), hyper.get("beta2", 0.999), hyper.get("eps", 1e-8)

@@ -15,6 +15,7 @@ constructing the optimizer on them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -61,19 +62,23 @@ class _Subgroup:
     slices: list
 
 
-def plan_subgroups(param_groups: Sequence[dict], size: int) -> list[_Subgroup]:
-    """Cuts the params of each group, in order, into flat sub-groups of at most ``size``
-    elements; a sub-group holds one dtype and one device, a param may span sub-groups.
-    The plan is deterministic, so reopening the devices finds every sub-group again."""
+def plan_subgroups(param_groups: Sequence[dict], size: int, first_group: int = 0,
+                   first_id: int = 0) -> list[_Subgroup]:
+    """Cuts the trainable params (``requires_grad``) of each group, in order, into flat
+    sub-groups of at most ``size`` elements; a sub-group holds one dtype and one device, a
+    param may span sub-groups. Frozen params get no states, as in torch. The plan is
+    deterministic, so reopening the devices finds every sub-group again."""
     plan: list[_Subgroup] = []
-    for g, group in enumerate(param_groups):
+    for g, group in enumerate(param_groups, first_group):
         current: Optional[_Subgroup] = None
         for p in group["params"]:
+            if not p.requires_grad:
+                continue
             start = 0
             while start < p.numel():
                 if (current is None or current.numel == size or current.dtype != p.dtype
                         or current.device != p.device):
-                    current = _Subgroup(len(plan), g, 0, p.dtype, p.device, [])
+                    current = _Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [])
                     plan.append(current)
                 stop = min(p.numel(), start + size - current.numel)
                 current.slices.append(_Slice(p, start, stop, current.numel))
@@ -82,8 +87,42 @@ def plan_subgroups(param_groups: Sequence[dict], size: int) -> list[_Subgroup]:
     return plan
 
 
-def _flat(p: torch.Tensor) -> torch.Tensor:
-    return p.detach().view(-1)
+def fingerprint(sg: _Subgroup) -> int:
+    """A 64-bit name of the sub-group's layout (dtype, shapes, slices): a directory made for
+    another model of the same size refuses to resume into this one."""
+    text = repr([str(sg.dtype)] + [(tuple(s.param.shape), s.start, s.stop) for s in sg.slices])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
+
+
+def _read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of ``p`` in torch's logical (row-major) order, any strides."""
+    return p.detach().reshape(-1)[start:stop]
+
+
+def _write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
+    """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
+    transposed): a non-contiguous param is written whole."""
+    if p.is_contiguous():
+        p.detach().view(-1)[start:stop].copy_(src, non_blocking=True)
+        return
+    whole = p.detach().reshape(-1).clone()
+    whole[start:stop].copy_(src)
+    p.detach().copy_(whole.view(p.shape))
+
+
+def _param_ids(param_groups: Sequence[dict]) -> dict[int, int]:
+    """torch's state_dict numbering: params in order of first appearance."""
+    ids: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            ids.setdefault(id(p), len(ids))
+    return ids
+
+
+def _total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync)."""
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0).cpu()
 
 
 class _StorageOptimizer(torch.optim.Optimizer):
@@ -107,28 +146,30 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # moves between this optimizer and the torch one.
         probe = torch.nn.Parameter(torch.zeros(1))
         full = dict(self.torch_class([probe], **defaults, **torch_options).defaults)
+        self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
         super().__init__(params, full)
         self.compress = compress
         self.max_grad_norm = max_grad_norm
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
+        self._warned_partial = False
         for group in self.param_groups:
             self._check_group(group)
-            for p in group["params"]:
-                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                    raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
-                                    f"float32, float16 and bfloat16 parameters")
+            self._check_params(group)
+        self._subgroup_size = subgroup_size
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
-        self.pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
-                                 chunk=chunk, io=io, state_dtype=state_dtype)
+        self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
+        pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
+                            chunk=chunk, io=io, state_dtype=state_dtype)
         self._staging = Staging(max((sg.numel for sg in self._plan), default=1),
-                                depth_for(len(self.pipeline.devices)))
+                                depth_for(len(pipeline.devices)))
         try:
-            self._attach()
+            self._attach(pipeline, self._plan)
         except BaseException:
-            self.pipeline.close()
+            pipeline.close()
             raise
+        self.pipeline = pipeline
 
     # -- hyper-parameters -------------------------------------------------------------
     def _check_group(self, group: dict) -> None:
@@ -142,6 +183,49 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim."
                                  f"{type(self).__name__}")
 
+    def _check_params(self, group: dict) -> None:
+        """Refuses params the devices cannot hold, before anything is stored."""
+        seen: set[int] = set()
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a param appears twice in one param group (torch warns and "
+                                 f"updates it twice per step; it will refuse it): pass each "
+                                 f"param once to smartinf.optim.{type(self).__name__}")
+            seen.add(id(p))
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
+                                f"float32, float16 and bfloat16 parameters")
+            if p.is_meta:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is on the meta device "
+                                 f"(no data): materialize the model (to_empty() and load the "
+                                 f"weights) before creating the optimizer, whose devices "
+                                 f"store the params' values")
+            if p.is_sparse:
+                raise ValueError("a parameter is a sparse tensor; smartinf updates dense params")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``: the new group's params get new
+        sub-groups on the devices (resumed, when reopened directories hold them), after
+        those of the groups before it."""
+        super().add_param_group(param_group)
+        if self.pipeline is None:
+            return  # torch's __init__ adding the constructor's groups
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._check_params(group)
+            new = plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
+                                 len(self._plan))
+            largest = max((sg.numel for sg in new), default=0)
+            if largest > self._staging.size:  # the user asked for more: staging grows once
+                self._staging = Staging(largest, self._staging.depth)
+            self._attach(self.pipeline, new)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._plan.extend(new)
+        self._stored.update(id(s.param) for sg in new for s in sg.slices)
+
     def _rule(self, group: dict) -> Any:
         """The update rule with this group's current hyper-parameters (read every step)."""
         fields = {f: group[f] for f in self.rule_class.__dataclass_fields__ if f in group}
@@ -151,54 +235,85 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return self.rule_class(**fields)
 
     # -- layout -----------------------------------------------------------------------
-    def _attach(self) -> None:
+    def _attach(self, pipeline: Pipeline, plan: Sequence[_Subgroup]) -> None:
         """Registers the sub-groups; new ones start from the model's params, resumed ones
-        (reopened devices) put their stored master weights back into the model."""
-        for sg in self._plan:
+        (reopened devices) put their stored master weights into the model."""
+        for sg in plan:
             master = self._staging.grad(0, torch.float32, sg.numel)
             for s in sg.slices:
-                master[s.offset:s.offset + s.stop - s.start].copy_(_flat(s.param)[s.start:s.stop])
-            got = self.pipeline.add_subgroup(sg.numel, init=master)
+                master[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
+            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg))
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
-            if self.pipeline.resumed(sg.id):
+            if pipeline.resumed(sg.id):
                 with torch.no_grad():
-                    self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
-        resumed = sum(self.pipeline.resumed(sg.id) for sg in self._plan)
+                    self._scatter(sg, torch.from_numpy(pipeline.read_states(sg.id)["param"]))
+        resumed = sum(pipeline.resumed(sg.id) for sg in plan)
         if resumed:
             logger.info("resumed %d of %d sub-groups at step %d from %s", resumed,
-                        len(self._plan), self.pipeline.step_count,
-                        [d.path for d in self.pipeline.devices])
+                        len(plan), pipeline.step_count, [d.path for d in pipeline.devices])
 
     def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:
-            _flat(s.param)[s.start:s.stop].copy_(flat[s.offset:s.offset + s.stop - s.start],
-                                                 non_blocking=True)
+            _write(s.param, s.start, s.stop, flat[s.offset:s.offset + s.stop - s.start])
+
+    def _grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
+        sparse gradients: the same update, absent entries being zeros)."""
+        g = p.grad
+        if g is None:
+            return None
+        if id(p) not in self._stored:
+            raise ValueError(f"a param of shape {tuple(p.shape)} has a gradient, but it was "
+                             f"frozen (requires_grad=False) when smartinf.optim."
+                             f"{type(self).__name__} was created, so the devices hold no "
+                             f"states for it: create the optimizer after unfreezing, or put "
+                             f"newly trained params in a group of their own (add_param_group)")
+        if g.is_sparse:
+            if self.rule_class in (update_rules.Adam, update_rules.AdamW):
+                raise RuntimeError("Adam does not support sparse gradients, please consider "
+                                   "SparseAdam instead (or nn.Embedding(sparse=False))")
+            if any(q is p for group in self.param_groups if group["weight_decay"] != 0
+                   for q in group["params"]):
+                raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+            g = g.to_dense()
+        return g.detach()
 
     def _gather_grad(self, sg: _Subgroup) -> torch.Tensor:
         """The sub-group's gradient as one flat tensor on its own device. A param without
         a gradient gets zeros when others in its sub-group have one (torch would skip it;
-        here its states still decay); a sub-group without any gradient is not updated."""
+        here its states still decay: warned once); a sub-group without any gradient is not
+        updated."""
         parts = []
         for s in sg.slices:
-            g = s.param.grad
+            g = self._grad(s.param)
             parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
-                         if g is None else g.detach().reshape(-1)[s.start:s.stop])
+                         if g is None else g.reshape(-1)[s.start:s.stop])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _warn_partial(self, active: Sequence[_Subgroup]) -> None:
+        partial = [sg.id for sg in active if any(s.param.grad is None for s in sg.slices)]
+        if partial and not self._warned_partial:
+            self._warned_partial = True
+            logger.warning(
+                "sub-groups %s hold params without a gradient beside params with one: those "
+                "get a zero gradient (their moments decay and weight decay applies), where "
+                "torch leaves them untouched. Freeze them (requires_grad=False) before creating "
+                "the optimizer, or give them a param group of their own (warned once)", partial)
 
     # -- step -------------------------------------------------------------------------
     def _grad_scale(self, grad_scale: float) -> Optional[float]:
         """The factor every gradient is multiplied by (1/loss scale, then clipping), or
         None when a gradient holds inf/NaN (the step must be skipped)."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g for group in self.param_groups for p in group["params"]
+                 if (g := self._grad(p)) is not None]
         if not grads:
             return grad_scale
-        norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
-        # One host sync for the whole check: the norms meet on the first grad's device.
-        total = torch.linalg.vector_norm(
-            torch.stack([n.float().to(norms[0].device) for n in norms]), 2.0).cpu()
+        total = _total_norm(grads, torch.float32)  # fp16's own norm overflows at 65504
         if not torch.isfinite(total):
-            return None
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                return None
+            total = _total_norm(grads, torch.float64)  # finite, only the fp32 sum overflowed
         self.last_grad_norm = float(total) * grad_scale
         if self.max_grad_norm is None:
             return grad_scale
@@ -244,18 +359,36 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             logger.info("gradients hold inf/NaN: step skipped, stored states untouched")
             return loss
-        with self.pipeline.step():
-            active = [sg for sg in self._plan
-                      if any(s.param.grad is not None for s in sg.slices)]
-            pipelined(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
-                      self._finish, self._staging.depth)
+        active = [sg for sg in self._plan if any(s.param.grad is not None for s in sg.slices)]
+        self._warn_partial(active)
+        scattered: list[_Subgroup] = []
+        try:
+            with self.pipeline.step():
+                pipelined(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
+                          lambda sg, future, b: self._finish(sg, future, b, scattered),
+                          self._staging.depth)
+        except BaseException:
+            self._restore(scattered)
+            raise
         return loss
 
-    def _finish(self, sg: _Subgroup, future: Any, buffer: int) -> None:
+    def _finish(self, sg: _Subgroup, future: Any, buffer: int, scattered: list) -> None:
         future.wait()
+        scattered.append(sg)
         self._scatter(sg, self._staging.out(buffer, sg.dtype, sg.numel))
         if sg.device.type == "cuda":
             torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
+
+    def _restore(self, scattered: Sequence[_Subgroup]) -> None:
+        """After a failed step (an I/O error, a failed commit) the devices are at the last
+        committed step: so are the model's params, rebuilt from the committed masters."""
+        try:
+            for sg in scattered:
+                self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
+        except Exception as e:  # the original error is the one to raise
+            logger.error("the step failed and the model's params could not be restored (%s): "
+                         "%d sub-groups hold the failed step's update; reopen the directories "
+                         "to put the committed weights back", e, len(scattered))
 
     # -- traffic ----------------------------------------------------------------------
     def traffic(self) -> dict[str, float]:
@@ -278,16 +411,31 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _stored_steps(self, state: dict, group: dict) -> int:
         return int(state["step"]) if "step" in state else 0
 
+    def _subgroup_steps(self, sg: _Subgroup, states: dict, ids: dict, group: dict) -> int:
+        """The one step count a sub-group keeps, from its params' torch states."""
+        steps = {self._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices}
+        if len(steps) > 1:
+            shapes = [tuple(s.param.shape) for s in sg.slices]
+            raise ValueError(
+                f"the state_dict's params of sub-group {sg.id} (shapes {shapes}) were stepped "
+                f"{sorted(steps)} times: smartinf keeps one step count per sub-group, and "
+                f"torch's bias correction (or momentum start) depends on it, so loading would "
+                f"change their next update. Params whose counts differ (e.g. unused for some "
+                f"steps) need param groups of their own, or a state_dict saved by smartinf")
+        return steps.pop()
+
     def _export_tensor(self, shape: torch.Size) -> torch.Tensor:
         """An fp32 tensor backed by an unlinked file in the first device directory: the
         exported states live in the page cache (evictable, written back to disk), not in
         anonymous host memory, so a state_dict of a model larger than RAM still works."""
         fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=self.pipeline.devices[0].path)
-        os.close(fd)
+        size = max(1, math.prod(shape))
         try:
-            flat = torch.from_file(path, shared=True, size=max(1, math.prod(shape)),
-                                   dtype=torch.float32)
+            # Reserved now: a page of a sparse mapping that finds the disk full is a SIGBUS.
+            os.posix_fallocate(fd, 0, size * 4)
+            flat = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
         finally:
+            os.close(fd)
             os.remove(path)  # the mapping keeps the data until the tensor is freed
         return flat[:math.prod(shape)].view(shape)
 
@@ -296,10 +444,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         stands in for). The states are read from the devices one sub-group at a time into
         per-param tensors backed by unlinked files (page cache, not anonymous memory);
         ``torch.save`` streams them. The master weights are the model's params there."""
-        ids = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                ids.setdefault(id(p), len(ids))
+        ids = _param_ids(self.param_groups)
         per_param: dict[int, dict] = {}
         for sg in self._plan:
             stored = self.pipeline.read_states(sg.id)
@@ -335,51 +480,47 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if len(saved) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(saved)} param groups, this optimizer "
                              f"{len(self.param_groups)}")
-        ids = {}
+        ids: dict[int, int] = {}
+        states = state_dict["state"]
         for mine, theirs in zip(self.param_groups, saved):
             if len(mine["params"]) != len(theirs["params"]):
                 raise ValueError(f"a param group has {len(theirs['params'])} params in the "
                                  f"state_dict and {len(mine['params'])} here")
             for p, i in zip(mine["params"], theirs["params"]):
                 ids[id(p)] = i
-        states = state_dict["state"]
-        for p_id in ids.values():
-            entry = states.get(p_id, {})
-            for n in self._state_names():
-                value = entry.get(n)
-                if value is not None and not isinstance(value, torch.Tensor):
-                    raise TypeError(f"state {n!r} of param {p_id} is {type(value).__name__}, "
-                                    f"expected a tensor")
+                for n in self._state_names():
+                    value = states.get(i, {}).get(n)
+                    if value is not None and not isinstance(value, torch.Tensor):
+                        raise TypeError(f"state {n!r} of param {i} is {type(value).__name__}, "
+                                        f"expected a tensor")
+                    if value is not None and value.numel() != p.numel():
+                        raise ValueError(f"state {n!r} of param {i} has {value.numel()} "
+                                         f"elements, the param {p.numel()}")
         new_groups = []
         for mine, theirs in zip(self.param_groups, saved):
             group = dict(theirs, params=mine["params"])
             self._check_group(group)
             self._rule(group)  # validates the hyper-parameters before anything is written
             new_groups.append(group)
+        steps = [self._subgroup_steps(sg, states, ids, new_groups[sg.group]) for sg in self._plan]
         with self.pipeline.step():
             for sg in self._plan:
                 arrays = {"param": self._staging.grad(0, torch.float32, sg.numel)}
                 arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
                                for n in self._state_names()})
-                steps = None
                 for s in sg.slices:
                     n_elems = s.stop - s.start
                     dst = slice(s.offset, s.offset + n_elems)
-                    arrays["param"][dst].copy_(_flat(s.param)[s.start:s.stop])
+                    arrays["param"][dst].copy_(_read(s.param, s.start, s.stop))
                     entry = states.get(ids[id(s.param)], {})
-                    steps = self._stored_steps(entry, new_groups[sg.group]) if steps is None else steps
                     for n in self._state_names():
                         value = entry.get(n)
                         if value is None:
                             arrays[n][dst].fill_(self.pipeline.optimizer.initial_state)
                         else:
-                            if value.numel() != s.param.numel():
-                                raise ValueError(f"state {n!r} of param {ids[id(s.param)]} has "
-                                                 f"{value.numel()} elements, the param "
-                                                 f"{s.param.numel()}")
                             arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
                 self.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
-                                           steps or 0)
+                                           steps[sg.id])
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)

@@ -136,6 +136,9 @@ class Pipeline:
         else:
             host_link_gbps = positive_gbps(host_link_gbps, "host_link_gbps")
         for d in self._devices:
+            if os.path.exists(d.path) and not os.path.isdir(d.path):
+                raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
+                                         f"(it will hold states.bin, manifest and lock)")
             os.makedirs(d.path, exist_ok=True)
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
@@ -151,23 +154,28 @@ class Pipeline:
                 logger.warning(note)
 
     # -- layout -----------------------------------------------------------------------
-    def add_subgroup(self, numel: int, init: Any = None) -> int:
+    def add_subgroup(self, numel: int, init: Any = None, *, fingerprint: int = 0) -> int:
         """Adds the next sub-group of ``numel`` params and returns its id.
 
         ``init`` (fp32, ``numel`` elements; zeros when None) becomes the master weights of
         a new sub-group; the optimizer moments start at zero. When the directories already
         hold this sub-group (reopened), its stored states are kept and ``init`` is ignored.
+        ``fingerprint`` (a 64-bit int, e.g. a hash of the params' shapes; 0: unchecked) is
+        recorded with a new sub-group, and a held one with another fingerprint is refused:
+        a model of the same size but another layout must not take its weights.
         """
         native = self._open()
         if not isinstance(numel, (int, np.integer)) or isinstance(numel, bool):
             raise TypeError(f"numel must be an int, got {type(numel).__name__}")
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
+        if not isinstance(fingerprint, (int, np.integer)) or not 0 <= fingerprint < 1 << 64:
+            raise ValueError(f"fingerprint must be an int in [0, 2**64), got {fingerprint!r}")
         address, owner = 0, None
         if init is not None:
             address, _, owner = buffers.host_buffer("init", init, int(numel), [buffers.F32],
                                                     writable=False)
-        sg, resumed = native.add_subgroup(int(numel), address)
+        sg, resumed = native.add_subgroup(int(numel), address, int(fingerprint))
         del owner
         if resumed:
             self._resumed.add(sg)
@@ -234,8 +242,8 @@ class Pipeline:
         if not np.isfinite(grad_scale) or grad_scale <= 0:
             raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
         hyper = dict(rule.hyper(), grad_scale=float(grad_scale))
-        done = native.update(sg, g.address, g.dtype, index.address if index else 0, nnz,
-                             o.address, o.dtype, hyper)
+        done = native.update(sg, g.address, g.dtype, index is not None,
+                             index.address if index else 0, nnz, o.address, o.dtype, hyper)
         future = UpdateFuture(done, keep)
         self._inflight.append(future)
         return future

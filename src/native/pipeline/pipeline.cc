@@ -3,6 +3,7 @@
 #include "error.h"
 #include "fault.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <stdexcept>
@@ -156,6 +157,12 @@ void Pipeline::check_membership() {
   };
   const std::string fix = "; pass the directories the pipeline was made with, all of them, in "
                           "the same order";
+  // A creation killed between two directories' first manifests leaves members that hold
+  // nothing and directories without membership: the set is finished, nothing is lost.
+  const bool members_empty = std::all_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+    return !u.store->membership().count ||
+           (u.store->subgroup_count() == 0 && u.store->step() == 0);
+  });
   std::string id;
   if (known) {
     id = known->store->membership().pipeline;
@@ -171,7 +178,7 @@ void Pipeline::check_membership() {
     const store::Membership& m = u.store->membership();
     if (!m.count) {
       const bool empty = u.store->subgroup_count() == 0 && u.store->step() == 0;
-      if (known && empty)
+      if (known && empty && !members_empty)
         throw std::invalid_argument(u.store->dir() + " holds no states, but " + where(*known) +
                                     " (a directory is missing or was replaced)" + fix);
       continue;  // new, or made by a version that did not record membership
@@ -222,7 +229,8 @@ void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
   if (!jobs.empty()) jobs.front().completion->wait();
 }
 
-size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) {
+size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint,
+                              bool& resumed) {
   std::lock_guard lock(mu_);
   require_open();
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
@@ -245,7 +253,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, bool& resumed) 
                                 std::to_string(multiple) + " (pad the sub-group)");
   store::StateStore& store = *devices_[unit].store;
   bool created = false;
-  const size_t local = store.attach(id, numel, created);
+  const size_t local = store.attach(id, numel, fingerprint, created);
   if (created) {
     const float* arrays[device::kMaxStateArrays] = {init};
     std::vector<Job> jobs = init_jobs(unit, local, store.record(local).copy, arrays);
@@ -324,7 +332,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   Unit& unit = devices_[p.unit];
   const store::StateStore& store = *unit.store;
   const store::SubgroupRecord& r = store.record(p.local);
-  const bool compressed = g.index != nullptr;
+  const bool compressed = g.compressed;
   if (compressed && g.dtype == kernels::DType::f32)
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
   const std::vector<uint64_t> first =
@@ -410,7 +418,7 @@ void Pipeline::commit() {
   wait_step(true);
   try {
     for (Unit& u : devices_) {
-      u.store->commit(u.updated, step_ + 1, last_hyper_);
+      u.store->commit(u.updated, step_ + 1, last_hyper_, placement_.size());
       u.updated.clear();
       fault::check("pipeline.device_committed", u.store->dir());
     }
@@ -456,7 +464,7 @@ void Pipeline::close() {
   for (Unit& u : devices_) {
     u.ring.reset();
     try {
-      u.store->save_layout();
+      u.store->save_layout(placement_.size());
     } catch (...) {
       if (!error) error = std::current_exception();
     }

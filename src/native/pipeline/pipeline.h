@@ -46,10 +46,12 @@ struct UpdateHyper {
 
 // One sub-group's gradient as it crosses the host link: dense (`data`, numel elements of
 // `dtype`), or SmartComp top-k pairs (`index`: nnz ascending int32 positions, `data`: nnz
-// values of `dtype`, fp16/bf16) that the device decompresses.
+// values of `dtype`, fp16/bf16) that the device decompresses. Compressed is said, not
+// inferred from `index`: an empty top-k (nnz 0) may come with null pointers.
 struct Gradient {
   const void* data = nullptr;
   kernels::DType dtype = kernels::DType::f32;
+  bool compressed = false;
   const int32_t* index = nullptr;
   uint64_t nnz = 0;
 };
@@ -61,8 +63,9 @@ class Pipeline {
 
   // Registers sub-group number subgroup_count() with `numel` params. A new one is
   // initialised (params from `init`, zeros when null; states `initial_state`) before this
-  // returns; one the directories already hold is resumed and `init` is ignored.
-  size_t add_subgroup(uint64_t numel, const float* init, bool& resumed);
+  // returns; one the directories already hold is resumed and `init` is ignored, if its
+  // size and `fingerprint` (the caller's name for its layout; 0: unchecked) match.
+  size_t add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint, bool& resumed);
 
   // Queues one sub-group's update; the completion is done when all params are in `out`.
   std::shared_ptr<Completion> update(size_t sg, const Gradient& grad, void* out,

@@ -92,6 +92,7 @@ std::string Manifest::serialize() const {
   append(body, "optimizer %s\n", optimizer.c_str());
   for (const auto& [key, value] : hyper) append(body, "hyper %s %.17g\n", key.c_str(), value);
   append(body, "step %" PRIu64 "\n", step);
+  if (attached >= 0) append(body, "attached %" PRId64 "\n", attached);
   if (member.count)
     append(body, "member %s %" PRIu32 " %" PRIu32 "\n", member.pipeline.c_str(), member.index,
            member.count);
@@ -100,6 +101,8 @@ std::string Manifest::serialize() const {
     append(body, "sg %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRIu32 " %" PRIu64 " %" PRIu64
                  " %" PRIu64 "\n",
            r.id, r.numel, r.offset, r.copy, r.steps, r.last, r.prev_steps);
+  for (const SubgroupRecord& r : subgroups)
+    if (r.fingerprint) append(body, "fingerprint %" PRId64 " %016" PRIx64 "\n", r.id, r.fingerprint);
   for (const SubgroupRecord& r : subgroups) {
     for (uint32_t c = 0; c < 2; ++c) {
       const std::vector<uint64_t>& sums = r.sums->copy[c];
@@ -144,6 +147,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     else if (key == "state_dtype") ok = in.next(m.state_dtype);
     else if (key == "optimizer") ok = in.next(m.optimizer);
     else if (key == "step") ok = in.number(m.step);
+    else if (key == "attached") ok = in.number(m.attached) && m.attached >= 0;
     else if (key == "member")
       ok = in.next(m.member.pipeline) && in.number(m.member.index) &&
            in.number(m.member.count) && m.member.index < m.member.count;
@@ -172,11 +176,14 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
       int64_t id = 0;
       uint32_t c = 0;
       ok = in.number(id) && in.number(c) && c < 2;
-      auto r = std::find_if(m.subgroups.begin(), m.subgroups.end(),
-                            [&](const SubgroupRecord& x) { return x.id == id; });
-      ok = ok && r != m.subgroups.end();
+      SubgroupRecord* r = ok ? m.find(id) : nullptr;
+      ok = r != nullptr;
       if (ok)
         for (uint64_t& x : r->sums->copy[c]) ok = ok && in.hex(x);
+    } else if (key == "fingerprint") {
+      int64_t id = 0;
+      SubgroupRecord* r = in.number(id) ? m.find(id) : nullptr;
+      ok = r != nullptr && in.hex(r->fingerprint) && r->fingerprint != 0;
     } else {
       bad(path, "unknown record '" + key.substr(0, 40) + "'");
     }
@@ -186,6 +193,12 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (m.optimizer.empty()) bad(path, "optimizer missing");
   if (!have_count || count != m.subgroups.size()) bad(path, "sub-group count mismatch");
   return m;
+}
+
+SubgroupRecord* Manifest::find(int64_t id) {
+  auto r = std::find_if(subgroups.begin(), subgroups.end(),
+                        [&](const SubgroupRecord& x) { return x.id == id; });
+  return r == subgroups.end() ? nullptr : &*r;
 }
 
 void Manifest::add_sums(SubgroupRecord& r) const {

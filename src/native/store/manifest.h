@@ -23,6 +23,9 @@ struct SubgroupRecord {
   uint64_t steps = 0;    // optimizer steps applied (Adam's t)
   uint64_t last = 0;     // pipeline step that last updated it (one-step rollback)
   uint64_t prev_steps = 0;  // `steps` before that update (a state import may set any)
+  // What the caller says the sub-group holds (e.g. a hash of its params' shapes), so a
+  // model of the same size but another layout is refused; 0: not known.
+  uint64_t fingerprint = 0;
   // Shared by copies of the manifest, so the ring's writer can fill it in place.
   std::shared_ptr<ChunkSums> sums;
 };
@@ -36,7 +39,8 @@ struct Membership {
 };
 
 struct Manifest {
-  static constexpr int kVersion = 4;  // 2: prev_steps; 3: membership; 4: checksums
+  // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached
+  static constexpr int kVersion = 5;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   uint64_t chunk = 0;            // params per chunk
@@ -44,12 +48,16 @@ struct Manifest {
   std::string optimizer;         // adam, adamw, ...
   std::map<std::string, double> hyper;  // informational: last hyper-parameters used
   uint64_t step = 0;             // pipeline steps committed
+  // Sub-groups the pipeline had when it last wrote the manifest; held ones at or above it
+  // were left behind by a smaller model since and are stale. -1: not known (version < 5).
+  int64_t attached = -1;
   Membership member;
   std::vector<SubgroupRecord> subgroups;
 
   std::string serialize() const;
   // Throws std::invalid_argument naming `path` and the first thing that is wrong.
   static Manifest parse(const std::string& text, const std::string& path);
+  SubgroupRecord* find(int64_t id);  // null when not held
   // Gives `r` zeroed checksums for its chunks.
   void add_sums(SubgroupRecord& r) const;
 };

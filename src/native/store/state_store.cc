@@ -71,9 +71,9 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     manifest_.chunk = config.chunk;
     manifest_.optimizer = config.optimizer;
     manifest_.state_dtype = config.layout.dtype();
+    refuse_orphan_states();
   }
 
-  // Without a manifest nothing was ever committed here: an old states.bin is an orphan.
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (resume ? 0 : O_TRUNC);
   int fd = config.direct ? ::open(states_path_.c_str(), flags | O_DIRECT, 0644) : -1;
   if (!config.direct) {
@@ -101,6 +101,19 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
                                 " (truncated copy?)");
 }
 
+// A new directory gets its manifest (the pipeline's membership) before any state is
+// written, so states without a manifest are a run whose manifest was deleted, or a copy
+// into the directory that was interrupted: never taken for a fresh directory.
+void StateStore::refuse_orphan_states() const {
+  struct stat st {};
+  if (::stat(states_path_.c_str(), &st) != 0 || st.st_size == 0) return;
+  throw std::invalid_argument(
+      dir_ + " holds states (" + std::to_string(st.st_size) + " bytes in states.bin) but no " +
+      "manifest: it was deleted, or a copy into the directory was interrupted, and the states "
+      "cannot be read without it. Restore the directory from a checkpoint (opt.save, "
+      "save_checkpoint), or delete states.bin to start afresh");
+}
+
 StateStore::~StateStore() = default;  // closing lock_fd_ releases the lock
 
 // flock, not fcntl locks: those belong to the process, so a second pipeline in the same
@@ -125,15 +138,29 @@ void StateStore::lock_directory() {
   lock_fd_ = std::move(fd);
 }
 
-size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
+size_t StateStore::attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool& created) {
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   if (auto it = local_of_.find(id); it != local_of_.end()) {
-    const SubgroupRecord& r = manifest_.subgroups[it->second];
+    SubgroupRecord& r = manifest_.subgroups[it->second];
+    const std::string held = dir_ + " holds sub-group " + std::to_string(id);
     if (r.numel != numel)
-      throw std::invalid_argument(dir_ + " holds sub-group " + std::to_string(id) + " with " +
-                                  std::to_string(r.numel) + " params, not " +
+      throw std::invalid_argument(held + " with " + std::to_string(r.numel) + " params, not " +
                                   std::to_string(numel) + "; add sub-groups in the same order " +
                                   "and sizes as when the directory was made");
+    if (r.fingerprint && fingerprint && r.fingerprint != fingerprint)
+      throw std::invalid_argument(held + " of another parameter layout (the same size, but "
+                                  "other shapes or order: another model?); open it with the "
+                                  "model it was made for, or use a fresh directory");
+    if (manifest_.attached >= 0 && id >= manifest_.attached)
+      throw std::invalid_argument(
+          held + ", last updated at step " + std::to_string(r.last) + ", but step " +
+          std::to_string(manifest_.step) + " was committed by a pipeline of " +
+          std::to_string(manifest_.attached) + " sub-groups: its states are stale (the model " +
+          "shrank and grew back?). Use a fresh directory, or restore a checkpoint");
+    if (!r.fingerprint && fingerprint) {  // made by an older version: record it from now on
+      r.fingerprint = fingerprint;
+      layout_dirty_ = true;
+    }
     created = false;
     return it->second;
   }
@@ -147,6 +174,7 @@ size_t StateStore::attach(int64_t id, uint64_t numel, bool& created) {
   r.id = id;
   r.numel = numel;
   r.offset = file_end_;
+  r.fingerprint = fingerprint;
   manifest_.add_sums(r);
   const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
   const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, layout_) + (tail ? extent_bytes(tail, layout_) : 0));
@@ -187,7 +215,7 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
 }
 
 void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,
-                        const std::map<std::string, double>& hyper) {
+                        const std::map<std::string, double>& hyper, uint64_t attached) {
   check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);
   fault::check("store.synced", states_path_);
   Manifest next = manifest_;  // current only once durable: a failed commit changes nothing
@@ -199,14 +227,17 @@ void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_s
     r.last = pipeline_step;
   }
   next.step = pipeline_step;
+  next.attached = static_cast<int64_t>(attached);
   if (!hyper.empty()) next.hyper = hyper;
   write_manifest(next);
 }
 
-void StateStore::save_layout() {
+void StateStore::save_layout(uint64_t attached) {
   if (!layout_dirty_) return;
   check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);
-  write_manifest(manifest_);
+  Manifest next = manifest_;
+  next.attached = std::max(next.attached, static_cast<int64_t>(attached));
+  write_manifest(next);
 }
 
 void StateStore::set_membership(const Membership& m) {

@@ -38,7 +38,8 @@ class StateStore {
  public:
   // Opens `dir` (which must exist), resuming from its manifest when there is one, and
   // locks it (`dir/lock`, flock) against other pipelines until destroyed.
-  // Throws std::invalid_argument when the directory was made with another layout.
+  // Throws std::invalid_argument when the directory was made with another layout, or
+  // holds states without a manifest (which is written before any state is).
   StateStore(const std::string& dir, const StoreConfig& config, std::vector<std::string>& notes);
   ~StateStore();
   StateStore(const StateStore&) = delete;
@@ -46,7 +47,9 @@ class StateStore {
 
   // Local index of sub-group `id`; a new one gets fresh extents at the end of the file.
   // `created` tells whether it was new (its states must be initialised before commit).
-  size_t attach(int64_t id, uint64_t numel, bool& created);
+  // A held one must have the same size and fingerprint (0: unchecked), and must not have
+  // been left behind by a pipeline of fewer sub-groups (stale).
+  size_t attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool& created);
   // Forgets the sub-group attach() just created (its initialisation failed).
   void detach_last();
 
@@ -57,10 +60,11 @@ class StateStore {
   Extent extent(size_t local, uint64_t chunk, uint32_t copy) const;
 
   // Durably applies one pipeline step: the listed sub-groups' written copies become current.
+  // `attached`: the sub-groups the pipeline has (any held beyond them are stale from now).
   void commit(const std::vector<Written>& written, uint64_t pipeline_step,
-              const std::map<std::string, double>& hyper);
+              const std::map<std::string, double>& hyper, uint64_t attached);
   // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
-  void save_layout();
+  void save_layout(uint64_t attached);
   // Undoes the last committed step (its shadow copies are still intact).
   void rollback_last_step();
 
@@ -75,6 +79,7 @@ class StateStore {
  private:
   void write_manifest(const Manifest& m);  // durably replaces the manifest; then current
   void lock_directory();
+  void refuse_orphan_states() const;
 
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
