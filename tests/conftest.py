@@ -1,4 +1,6 @@
+import errno
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -139,3 +141,38 @@ def open_with_subgroups(dirs, rule, sizes, chunk, **kwargs):
         pipe.close()
         raise
     return pipe
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 24 MiB ext4 file system, loop-mounted (root only)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("a full-disk test needs root and mkfs.ext4 to loop-mount a small ext4 image")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(24 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def fill(directory):
+    """Writes a file until the file system is full; returns its path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for size in (1 << 16, 4096, 1):  # down to the last byte ext4 gives out
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path

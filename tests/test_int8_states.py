@@ -110,3 +110,28 @@ def test_bad_state_dtype(tmp_path, kwargs, match):
     optimizer = kwargs.pop("optimizer", None)
     with pytest.raises(ValueError, match=match):
         smartinf.Pipeline(str(tmp_path), optimizer, **kwargs)
+
+
+def test_the_relative_error_bound_holds_above_the_smallest_normal(disk_dir):
+    """What the README states: at most 1/16 relative error from 2^-14 of the block maximum
+    (2^-30 for the root of exp_avg_sq) up; below, at most 2^-18 of the maximum, absolute
+    (2^-33 for the root: a positive root rounds up to a step, never to 0), which is a larger
+    relative error (up to 1/3 near 2^-16)."""
+    exponents = np.linspace(0, -40, 8 * BLOCK)  # a block each: the maximum 1, then smaller
+    values = (2.0 ** exponents).astype(np.float32).reshape(-1, BLOCK)
+    values[:, 0] = 1.0
+    m = values.ravel()
+    n = m.size
+    with smartinf.Pipeline(disk_dir, smartinf.Adam(), chunk=BLOCK * 4, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {"param": np.zeros(n, np.float32), "exp_avg": -m,
+                                  "exp_avg_sq": m * m}, steps=1)
+        got = pipe.read_states(0)
+    for decoded, normal, floor in ((-got["exp_avg"], 2.0 ** -14, 2.0 ** -18),
+                                   (np.sqrt(got["exp_avg_sq"]), 2.0 ** -30, 2.0 ** -33)):
+        rel = np.abs(decoded - m) / m
+        above = m >= normal
+        assert rel[above].max() <= 1 / 16 * (1 + 1e-6)
+        assert np.all(np.abs(decoded - m)[~above] <= floor * (1 + 1e-6))
+        assert rel[~above & (m > 2 * floor)].max() > 1 / 16  # the bound needs its range

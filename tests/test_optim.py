@@ -1,4 +1,5 @@
 """smartinf.optim against torch.optim on the same model and gradients."""
+import errno
 import hashlib
 import math
 import os
@@ -43,12 +44,12 @@ def reference_grads(model, step):
     x = torch.randn(16, 24, dtype=next(model.parameters()).dtype)
     model.zero_grad(set_to_none=True)
     model(x).float().pow(2).mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 def set_grads(model, grads):
     for p, g in zip(model.parameters(), grads):
-        p.grad = g.to(p.dtype).clone()
+        p.grad = None if g is None else g.to(p.dtype).clone()
 
 
 def train_both(model, ours, reference, ref_opt, steps):
@@ -397,3 +398,220 @@ def test_int8_states_export_decoded_and_load_coded(disk_dir, tmp_path):
         assert torch.equal(p, q)
     oa.close()
     oc.close()
+
+
+# -- everyday inputs: what users pass that torch takes ------------------------------------
+def test_frozen_params_are_left_alone_and_get_no_states(disk_dir):
+    """PEFT / partial fine-tuning: requires_grad=False params are not touched by weight
+    decay (torch skips them) and take no storage."""
+    a, b = make_model(), make_model()
+    for m in (a, b):
+        m[0].weight.requires_grad_(False)
+    frozen = a[0].weight.detach().clone()
+    oa = so.AdamW(a.parameters(), lr=1e-2, weight_decay=0.5, devices=[disk_dir], **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.5)
+    assert sum(sg.numel for sg in oa._plan) == sum(p.numel() for p in a.parameters()) - 960
+    train_both(a, oa, b, ob, range(4))
+    assert torch.equal(a[0].weight, frozen)
+    assert_models_close(a, b)
+    assert set(oa.state_dict()["state"]) == set(ob.state_dict()["state"]) == {1, 2, 3}
+    a[0].weight.requires_grad_(True)  # unfrozen after the optimizer was made: refused
+    a[0].weight.grad = torch.ones_like(a[0].weight)
+    with pytest.raises(ValueError, match="frozen .* when smartinf.optim.AdamW was created"):
+        oa.step()
+    assert torch.equal(a[0].weight, frozen)
+    oa.close()
+
+
+def test_add_param_group_trains_the_new_params_like_torch(disk_dir):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a[0].parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    ob = torch.optim.AdamW(b[0].parameters(), lr=1e-2)
+    train_both(a, oa, b, ob, range(2))
+    oa.add_param_group({"params": a[2].parameters(), "lr": 3e-2, "weight_decay": 0.2})
+    ob.add_param_group({"params": b[2].parameters(), "lr": 3e-2, "weight_decay": 0.2})
+    train_both(a, oa, b, ob, range(2, 5))
+    assert_models_close(a, b)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        oa.add_param_group({"params": [a[0].weight]})  # torch's own check
+    assert len(oa.param_groups) == 2
+    oa.close()
+    # Reopened with the same calls, every sub-group (the added ones too) resumes.
+    c = make_model()
+    oc = so.AdamW(c[0].parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    oc.add_param_group({"params": c[2].parameters(), "lr": 3e-2, "weight_decay": 0.2})
+    assert_models_close(c, b)
+    train_both(c, oc, b, ob, range(5, 7))
+    assert_models_close(c, b)
+    oc.close()
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 1 / 1024])
+def test_fp16_gradients_with_a_norm_above_65504_are_a_step(disk_dir, grad_scale):
+    """Finite fp16 gradients whose norm overflows fp16 are not an overflow."""
+    p = torch.nn.Parameter(torch.zeros(20_000, dtype=torch.float16))
+    ref = torch.nn.Parameter(torch.zeros(20_000))
+    ours = so.SGD([p], lr=1e-4, devices=[disk_dir], chunk=4096)
+    theirs = torch.optim.SGD([ref], lr=1e-4)
+    p.grad = torch.full_like(p, 1000.0)  # norm 1.4e5
+    ref.grad = p.grad.float() * grad_scale
+    ours.step(grad_scale=grad_scale)
+    theirs.step()
+    assert not ours.last_step_skipped and ours.skipped_steps == 0
+    assert math.isclose(ours.last_grad_norm, 1000.0 * math.sqrt(20_000) * grad_scale, rel_tol=1e-4)
+    assert torch.equal(p.detach(), ref.detach().half())
+    p.grad[7] = math.inf  # a real overflow still skips
+    ours.step(grad_scale=grad_scale)
+    assert ours.last_step_skipped
+    ours.close()
+
+
+def test_state_dict_with_different_step_counts_in_a_subgroup_is_refused(disk_dir, tmp_path):
+    """torch counts steps per param; a sub-group keeps one count: loading such a state
+    would change the next update, so it is refused, and nothing is written."""
+    b = make_model()
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(3):
+        set_grads(b, reference_grads(b, step))
+        if step == 2:
+            b[2].bias.grad = None  # unused in this step: its count stays at 2
+        ob.step()
+    a = make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    before = states_digest(disk_dir)
+    with pytest.raises(ValueError, match=r"stepped \[2, 3\] times"):
+        oa.load_state_dict(ob.state_dict())
+    assert states_digest(disk_dir) == before and oa.pipeline.step_count == 0
+    oa.close()
+
+
+def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
+    import smartinf._native as native
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    train_both(a, oa, b, ob, range(2))
+    before = [p.detach().clone() for p in a.parameters()]
+    set_grads(a, reference_grads(b, 2))
+    native.arm_fault("store.synced", "error", errno=28)
+    try:
+        with pytest.raises(OSError) as e:
+            oa.step()
+    finally:
+        native.disarm_fault()
+    assert e.value.errno == 28 and oa.pipeline.step_count == 2
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+    train_both(a, oa, b, ob, range(2, 4))  # the step is redone and training goes on
+    assert_models_close(a, b)
+    oa.close()
+
+
+def test_state_dict_on_a_full_disk_raises_enospc(small_fs):
+    from conftest import fill
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 300)
+    opt = so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 14)
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    filler = fill(small_fs)
+    os.truncate(filler, os.path.getsize(filler) - (256 << 10))  # 256 KiB free, 722 KB needed
+    with pytest.raises(OSError) as e:
+        opt.state_dict()
+    assert e.value.errno == errno.ENOSPC
+    assert [f for f in os.listdir(small_fs) if f.startswith(".state_dict")] == []
+    os.remove(filler)
+    assert opt.state_dict()["state"][0]["step"] == 1
+    opt.close()
+
+
+def test_non_contiguous_params_match_torch(disk_dir):
+    """Transposed and channels_last params are updated in torch's logical order."""
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 36, 5))
+        m.to(memory_format=torch.channels_last)
+        m[2].weight = torch.nn.Parameter(m[2].weight.detach().t().contiguous().t())
+        return m
+    a, b = model(), model()
+    assert not a[0].weight.is_contiguous() and not a[2].weight.is_contiguous()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], subgroup_size=500, chunk=256)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(3):
+        torch.manual_seed(step)
+        x = torch.randn(2, 3, 8, 8)
+        for m in (a, b):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+        oa.step()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)  # torch's strided kernels round differently (FMA)
+    assert not a[0].weight.is_contiguous()  # written in place, layout kept
+    oa.close()
+
+
+def test_sparse_gradients_as_torch(disk_dir, tmp_path):
+    def embedding():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(50, 4, sparse=True)
+    for ours, theirs, kw in [(so.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+                             (so.Adagrad, torch.optim.Adagrad, dict(lr=0.1))]:
+        a, b = embedding(), embedding()
+        oa = ours(a.parameters(), devices=[str(tmp_path / ours.__name__)], **kw)
+        ob = theirs(b.parameters(), **kw)
+        for step in range(3):
+            for e, o in ((a, oa), (b, ob)):
+                e.zero_grad()
+                e(torch.tensor([step, 7, 7])).sum().backward()
+                o.step()
+        assert_close_fp32(a.weight.detach().numpy(), b.weight.detach().numpy(), ours.__name__)
+        oa.close()
+    e = embedding()
+    opt = so.AdamW(e.parameters(), devices=[disk_dir])
+    e(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+    opt.close()
+
+
+def test_unusable_params_and_devices_are_refused_clearly(disk_dir, tmp_path):
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        so.AdamW(meta.parameters(), devices=[disk_dir])
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="appears twice"):
+        so.AdamW([{"params": [p, p]}], devices=[disk_dir])
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        so.AdamW([p], devices=[str(a_file)])
+
+
+def test_another_model_of_the_same_size_is_refused(disk_dir):
+    """Same numbers of params, other shapes: the stored weights are not reinterpreted."""
+    first = torch.nn.Parameter(torch.randn(40, 24))
+    opt = so.AdamW([first], devices=[disk_dir])
+    first.grad = torch.ones_like(first)
+    opt.step()
+    opt.close()
+    with pytest.raises(ValueError, match="another parameter layout"):
+        so.AdamW([torch.nn.Parameter(torch.randn(24, 40))], devices=[disk_dir])
+    so.AdamW([torch.nn.Parameter(torch.randn(40, 24))], devices=[disk_dir]).close()  # same: resumes
+
+
+def test_a_model_that_shrank_and_grew_back_is_refused(disk_dir):
+    """Sub-groups left behind by a smaller model are stale once it committed a step."""
+    def train(layers, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+        opt = so.AdamW(model.parameters(), devices=[disk_dir], subgroup_size=272, chunk=256)
+        for _ in range(steps):
+            model(torch.randn(2, 16)).sum().backward()
+            opt.step()
+        opt.close()
+    train(3, 2)
+    train(2, 0)  # opened smaller without a step: the third layer's states stay current
+    train(3, 1)
+    train(2, 1)  # a step without the third layer: its states fall behind
+    with pytest.raises(ValueError, match="stale"):
+        train(3, 1)

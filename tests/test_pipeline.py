@@ -512,3 +512,19 @@ def test_written_states_become_current_at_commit(committed):
     np.testing.assert_array_equal(got["exp_avg"], states["exp_avg"])
     np.testing.assert_array_equal(got["exp_avg_sq"], np.zeros(2500, np.float32))  # initial value
     assert pipe.subgroup_steps(0) == 7
+
+
+def test_an_empty_compressed_gradient_is_a_zero_gradient(tmp_path):
+    """Top-k of nothing kept (which Compressed accepts): the update of a zero gradient."""
+    n, rule = 2500, smartinf.AdamW(lr=1e-2, weight_decay=0.1)
+    init = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    outs = {}
+    for name, grad in [("dense", np.zeros(n, np.float32)),
+                       ("empty", Compressed(torch.empty(0, dtype=torch.int32),
+                                            torch.empty(0, dtype=torch.float16), n))]:
+        with smartinf.Pipeline(str(tmp_path / name), rule, chunk=1000) as pipe:
+            pipe.add_subgroup(n, init=init)
+            outs[name] = np.empty(n, np.float32)
+            with pipe.step():
+                pipe.update(0, grad, outs[name]).wait()
+    assert np.array_equal(outs["empty"], outs["dense"]) and not np.array_equal(outs["dense"], init)

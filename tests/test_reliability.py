@@ -5,6 +5,7 @@ ext4 image)."""
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 
 import smartinf
 import smartinf._native as native
-from conftest import ENGINES, open_with_subgroups
+from conftest import ENGINES, fill, open_with_subgroups
 
 SIZES = [3000, 2500, 1000]
 CHUNK = 1000
@@ -220,41 +221,6 @@ def test_checksums_survive_reopen_and_cover_every_extent(disk_dir):
 
 
 # -- a full disk -------------------------------------------------------------------------
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 24 MiB ext4 file system, loop-mounted (root only)."""
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("a full-disk test needs root and mkfs.ext4 to loop-mount a small ext4 image")
-    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(24 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
-    yield str(mnt)
-    subprocess.run(["umount", str(mnt)], check=False)
-
-
-def fill(directory):
-    """Writes a file until the file system is full; returns its path."""
-    path = os.path.join(directory, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        for size in (1 << 16, 4096, 1):  # down to the last byte ext4 gives out
-            try:
-                while True:
-                    os.write(fd, b"\0" * size)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
-
-
 def test_full_disk_when_adding_a_subgroup(small_fs):
     with smartinf.Pipeline(small_fs, RULE, chunk=CHUNK) as pipe:
         pipe.add_subgroup(1000)
@@ -355,3 +321,53 @@ def test_arming_an_unknown_fault_point_is_refused():
         native.arm_fault("io.nothing", "error")
     with pytest.raises(ValueError, match="action must be one of"):
         native.arm_fault("io.read", "explode")
+
+
+# -- directories that are not what they seem -------------------------------------------
+def test_states_without_a_manifest_are_refused_not_reinitialised(disk_dir):
+    """A lost manifest (or an interrupted copy into the directory) leaves states that
+    cannot be read: refused, never taken for a fresh directory."""
+    with open_pipe(disk_dir) as pipe:
+        run_step(pipe, 0)
+    os.remove(os.path.join(disk_dir, "manifest"))
+    with open(os.path.join(disk_dir, "states.bin"), "rb") as f:
+        before = f.read()
+    with pytest.raises(ValueError, match="holds states .* but no manifest"):
+        smartinf.Pipeline(disk_dir, RULE, chunk=CHUNK)
+    with open(os.path.join(disk_dir, "states.bin"), "rb") as f:
+        assert f.read() == before
+
+
+def create_and_die(dirs, point, after, delay):
+    """Forks a child that creates a pipeline on ``dirs`` and is killed by a fault point
+    (or after ``delay`` seconds); returns once it is dead."""
+    pid = os.fork()
+    if pid == 0:
+        if point:
+            native.arm_fault(point, "kill", after=after)
+        else:
+            signal.setitimer(signal.ITIMER_REAL, delay)
+            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        try:
+            open_pipe(dirs).close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("point, after", [("manifest.written", 0), ("manifest.renamed", 0),
+                                          ("manifest.written", 1), ("manifest.renamed", 1),
+                                          (None, 0)])
+def test_a_creation_killed_between_directories_is_finished_on_reopen(tmp_path, reference_two, point, after):
+    """Killed while the two directories get their first manifests, one after the other:
+    reopening finishes the set (random moments too, for the default case)."""
+    rng = np.random.default_rng(0)
+    for trial in range(1 if point else 20):
+        dirs = [str(tmp_path / f"{trial}" / d) for d in ("d0", "d1")]
+        for d in dirs:
+            os.makedirs(d)
+        create_and_die(dirs, point, after, float(rng.uniform(0.0005, 0.03)))
+        with open_pipe(dirs) as pipe:
+            for step in range(2):
+                run_step(pipe, step)
+            assert_states_equal(states(pipe), reference_two[2])

@@ -2,8 +2,9 @@
 
 A device directory is consistent when its manifest describes its states file, so every
 copy writes the states first and the manifest last, through a temporary name and an
-atomic rename: an interrupted copy leaves a directory without a manifest (refused as a
-checkpoint, or taken as fresh by a Pipeline) instead of a manifest over foreign states.
+atomic rename: an interrupted copy leaves states without a manifest (refused as a
+checkpoint and by a Pipeline, until the copy is redone) instead of a manifest over
+foreign states.
 ``shutil.copyfile`` uses ``copy_file_range``/``sendfile`` (a reflink where the file system
 has them), so no copy passes through Python buffers.
 """
