@@ -225,7 +225,9 @@ def test_reopening_resumes_training(disk_dir):
     train_both(a, oa, b, ob, range(4))
     oa.close()
     fresh = make_model()  # new weights: the stored master weights replace them
-    oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    with pytest.raises(ValueError, match="holds the states of an earlier run"):
+        so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)  # resuming is a choice
+    oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume", **SMALL)
     assert_models_close(fresh, b)
     train_both(fresh, oc, b, ob, range(4, 8))
     assert_models_close(fresh, b)
@@ -242,7 +244,7 @@ def test_native_save_is_a_resumable_checkpoint(disk_dir, tmp_path):
     oa.step()  # training goes on after the save; the checkpoint does not move
     oa.close()
     resumed_model = make_model()
-    oc = so.Adagrad(resumed_model.parameters(), lr=1e-1, devices=dirs, **SMALL)
+    oc = so.Adagrad(resumed_model.parameters(), lr=1e-1, devices=dirs, if_exists="resume", **SMALL)
     assert oc.pipeline.step_count == 3
     train_both(resumed_model, oc, b, ob, range(3, 6))
     assert_models_close(resumed_model, b)
@@ -290,7 +292,6 @@ def test_subgroups_without_grads_are_not_updated(disk_dir):
     ({"compress": 0.01}, TypeError, "TopK"),
     ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
     ({"lr": -1.0}, ValueError, "learning rate"),  # torch's own check
-    ({"fused": True}, ValueError, "fused=True is not supported"),
     ({"nesterov": True}, TypeError, "nesterov"),
 ])
 def test_bad_settings(disk_dir, kwargs, error, match):
@@ -438,7 +439,7 @@ def test_add_param_group_trains_the_new_params_like_torch(disk_dir):
     oa.close()
     # Reopened with the same calls, every sub-group (the added ones too) resumes.
     c = make_model()
-    oc = so.AdamW(c[0].parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    oc = so.AdamW(c[0].parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume", **SMALL)
     oc.add_param_group({"params": c[2].parameters(), "lr": 3e-2, "weight_decay": 0.2})
     assert_models_close(c, b)
     train_both(c, oc, b, ob, range(5, 7))
@@ -595,8 +596,8 @@ def test_another_model_of_the_same_size_is_refused(disk_dir):
     opt.step()
     opt.close()
     with pytest.raises(ValueError, match="another parameter layout"):
-        so.AdamW([torch.nn.Parameter(torch.randn(24, 40))], devices=[disk_dir])
-    so.AdamW([torch.nn.Parameter(torch.randn(40, 24))], devices=[disk_dir]).close()  # same: resumes
+        so.AdamW([torch.nn.Parameter(torch.randn(24, 40))], devices=[disk_dir], if_exists="resume")
+    so.AdamW([torch.nn.Parameter(torch.randn(40, 24))], devices=[disk_dir], if_exists="resume").close()
 
 
 def test_a_model_that_shrank_and_grew_back_is_refused(disk_dir):
@@ -604,7 +605,8 @@ def test_a_model_that_shrank_and_grew_back_is_refused(disk_dir):
     def train(layers, steps):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
-        opt = so.AdamW(model.parameters(), devices=[disk_dir], subgroup_size=272, chunk=256)
+        opt = so.AdamW(model.parameters(), devices=[disk_dir], subgroup_size=272, chunk=256,
+                       if_exists="resume")
         for _ in range(steps):
             model(torch.randn(2, 16)).sum().backward()
             opt.step()
@@ -615,3 +617,131 @@ def test_a_model_that_shrank_and_grew_back_is_refused(disk_dir):
     train(2, 1)  # a step without the third layer: its states fall behind
     with pytest.raises(ValueError, match="stale"):
         train(3, 1)
+
+
+# -- habits of framework users: re-running, resuming, Accelerate, DDP ---------------------
+def test_if_exists_overwrite_starts_from_the_model(disk_dir):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    train_both(a, oa, b, torch.optim.AdamW(b.parameters(), lr=1e-2), range(3))
+    oa.close()
+    c, d = make_model(), make_model()  # a re-run from scratch on the same directory
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[disk_dir], if_exists="overwrite", **SMALL)
+    assert oc.pipeline.step_count == 0 and not oc.state_dict()["state"]
+    assert_models_close(c, d)
+    train_both(c, oc, d, torch.optim.AdamW(d.parameters(), lr=1e-2), range(3))
+    assert_models_close(c, d)
+    oc.close()
+
+
+def test_weights_loaded_after_the_optimizer_was_made_are_not_overwritten(disk_dir):
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    train_both(a, oa, b, torch.optim.AdamW(b.parameters(), lr=1e-2), range(2))
+    oa.close()
+    c = make_model()
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume", **SMALL)
+    torch.manual_seed(5)
+    other = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
+    c.load_state_dict(other.state_dict())  # e.g. a framework loading its checkpoint now
+    ref = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    ref.load_state_dict(torch.optim.AdamW(b.parameters(), lr=1e-2).state_dict())
+    train_both(c, oc, other, ref, range(2, 3))
+    for p, q, was in zip(c.parameters(), other.parameters(), make_model().parameters()):
+        assert (p - q).abs().max() < 0.05 and (p - was).abs().max() > 0.05  # stepped from `other`
+    oc.close()
+
+
+def test_a_state_dict_of_another_step_after_resuming_is_refused(disk_dir):
+    """Trainer-style resume with if_exists="resume": the directory's later weights went into
+    the model, and the checkpoint's optimizer state is older: refused, not mixed."""
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    train_both(a, oa, b, torch.optim.AdamW(b.parameters(), lr=1e-2), range(2))
+    older = oa.state_dict()
+    train_both(a, oa, b, torch.optim.AdamW(b.parameters(), lr=1e-2), range(2, 4))
+    oa.close()
+    c = make_model()
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume", **SMALL)
+    with pytest.raises(ValueError, match=r"if_exists='overwrite'"):
+        oc.load_state_dict(older)
+    oc.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_state_dict_resumes_low_precision_params_exactly(tmp_path, dtype):
+    """The fp32 masters travel in the state_dict ("fp32_master", ignored by torch)."""
+    def run(steps, model, opt):
+        for step in steps:
+            set_grads(model, reference_grads(model, step))
+            opt.step()
+    a = make_model(dtype)
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[str(tmp_path / "a")], **SMALL)
+    run(range(3), a, oa)
+    saved = oa.state_dict()
+    assert saved["state"][0]["fp32_master"].dtype == torch.float32
+    run(range(3, 6), a, oa)  # the uninterrupted run
+    c = make_model(dtype)
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[str(tmp_path / "c")], **SMALL)
+    run(range(3), c, oc)  # the same first three steps, then a save/load through torch.save
+    weights = {k: v.clone() for k, v in c.state_dict().items()}
+    torch.save(oc.state_dict(), tmp_path / "opt.pt")
+    oc.close()
+    d = make_model(dtype)
+    d.load_state_dict(weights)
+    od = so.AdamW(d.parameters(), lr=1e-2, devices=[str(tmp_path / "d")], **SMALL)
+    od.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    run(range(3, 6), d, od)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), d.parameters()))
+    torch.optim.AdamW(make_model(dtype).parameters()).load_state_dict(saved)  # torch takes it
+    oa.close()
+    od.close()
+
+
+def test_accelerate_prepare_moves_no_state_bytes(disk_dir):
+    accelerate = pytest.importorskip("accelerate")
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[disk_dir], **SMALL)
+    accelerator = accelerate.Accelerator(cpu=True)
+    before = oa.traffic()
+    assert accelerator.prepare(oa).optimizer is oa  # state_dict + load_state_dict inside
+    assert oa.traffic() == before  # before the first step: no state byte read or written
+    train_both(a, oa, b, torch.optim.AdamW(b.parameters(), lr=1e-2), range(2))
+    before = oa.traffic()
+    accelerator.prepare(oa)
+    after = oa.traffic()  # its own export loaded back: read once, nothing written
+    assert after["storage_write"] == before["storage_write"] and after["step"] == before["step"]
+    oa.close()
+
+
+def test_signature_environment_default_and_ignored_torch_options(tmp_path, monkeypatch, caplog):
+    import inspect
+    for cls in (so.AdamW, so.Adam, so.SGD, so.Adagrad):
+        assert "devices" in inspect.signature(cls).parameters
+    monkeypatch.setenv("SMARTINF_DEVICES", f"{tmp_path / 'x'}{os.pathsep}{tmp_path / 'y'}")
+    model = make_model()
+    with caplog.at_level("INFO", logger="smartinf"):
+        opt = so.AdamW(model.parameters(), fused=True, foreach=True)  # what Trainer passes
+    assert [d.path for d in opt.pipeline.devices] == [str(tmp_path / "x"), str(tmp_path / "y")]
+    assert "fused=True ignored" in caplog.text
+    opt.close()
+    monkeypatch.delenv("SMARTINF_DEVICES")
+    with pytest.raises(ValueError, match="SMARTINF_DEVICES"):
+        so.AdamW(model.parameters())
+
+
+def _ddp_rank(rank, directory, port):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=2)
+    model = make_model()
+    opt = so.AdamW(model.parameters(), devices=[directory])  # one spec for every rank
+    assert opt.pipeline.devices[0].path == os.path.join(directory, f"rank{rank:05d}")
+    labelled = so.SGD(make_model().parameters(), devices=[os.path.join(directory, "r{rank}")])
+    assert labelled.pipeline.devices[0].path == os.path.join(directory, f"r{rank}")
+    opt.close()
+    labelled.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_one_directory_spec_serves_every_ddp_rank(tmp_path):
+    torch.multiprocessing.spawn(_ddp_rank, args=(str(tmp_path), 29400 + os.getpid() % 500), nprocs=2)

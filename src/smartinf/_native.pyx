@@ -91,6 +91,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         size_t slots
         double host_link_bps
         cbool verify
+        string if_exists
         RingOptions ring
 
     cdef cppclass UpdateHyper:
@@ -204,7 +205,7 @@ cdef class NativePipeline:
 
     def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
                   size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes,
-                  double host_link_bps, cbool verify, str state_dtype):
+                  double host_link_bps, cbool verify, str state_dtype, str if_exists):
         """devices: (kind, dir, fpga index, fpga BDF, xclbin, storage bytes/s) per device."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
@@ -223,6 +224,7 @@ cdef class NativePipeline:
         options.host_link_bps = host_link_bps
         options.verify = verify
         options.state_dtype = state_dtype.encode()
+        options.if_exists = if_exists.encode()
         options.ring.io = io.encode()
         options.ring.queue_depth = queue_depth
         options.ring.piece_bytes = piece_bytes

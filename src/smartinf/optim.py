@@ -21,15 +21,18 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
+from typing_extensions import TypedDict, Unpack
 
-from . import update_rules
+from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import Compressed, TopK
-from .devices import DeviceLike
+from .devices import CpuDevice, DeviceLike, XrtDevice
 from .pipeline import Pipeline
 from .staging import Staging, depth_for, pipelined
 
@@ -39,7 +42,58 @@ logger = logging.getLogger("smartinf")
 #: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
 DEFAULT_SUBGROUP_SIZE = 16 << 20
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False,
-                "differentiable": False, "fused": None}
+                "differentiable": False}
+_IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
+MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
+
+
+class StorageOptions(TypedDict, total=False):
+    """Keyword arguments every ``smartinf.optim`` optimizer takes besides torch's.
+
+    ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
+    ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
+    ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``
+    as for ``smartinf.Pipeline``; ``if_exists`` what to do with directories holding an
+    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``.
+    """
+
+    subgroup_size: int
+    compress: Optional[TopK]
+    max_grad_norm: Optional[float]
+    slots: Optional[int]
+    chunk: Optional[int]
+    io: Optional[str]
+    queue_depth: Optional[int]
+    host_link_gbps: Optional[float]
+    verify: bool
+    state_dtype: str
+    if_exists: str
+
+
+def resolve_devices(devices: Any) -> list:
+    """The ``devices`` argument, or ``SMARTINF_DEVICES`` (directories separated by
+    ``os.pathsep``) when it is None; under ``torch.distributed`` each rank gets its own:
+    ``{rank}`` in a path is replaced by the rank, a path without it gets ``rank<R>/``."""
+    if devices is None:
+        raw = os.environ.get("SMARTINF_DEVICES", "")
+        devices = [d for d in raw.split(os.pathsep) if d]
+        if not devices:
+            raise ValueError("pass devices=[directories] (where the states live), or set "
+                             "SMARTINF_DEVICES to directories separated by ':'")
+    if isinstance(devices, (str, os.PathLike, CpuDevice, XrtDevice)):
+        devices = [devices]
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    split = distributed and torch.distributed.get_world_size() > 1
+
+    def for_rank(path: str) -> str:
+        if "{rank}" in path:
+            return path.replace("{rank}", str(rank))
+        return os.path.join(path, f"rank{rank:05d}") if split else path
+
+    return [replace(d, path=for_rank(d.path)) if isinstance(d, (CpuDevice, XrtDevice))
+            else for_rank(os.fspath(d)) if isinstance(d, (str, os.PathLike)) else d
+            for d in devices]
 
 
 @dataclass
@@ -131,11 +185,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
     torch_class: type = torch.optim.Optimizer
     rule_class: type = update_rules.AdamW
 
-    def __init__(self, params: Iterable, defaults: dict, *, devices: DeviceLike | Sequence[DeviceLike],
+    def __init__(self, params: Iterable, defaults: dict, *,
+                 devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, slots: Optional[int] = None,
                  chunk: Optional[int] = None, io: Optional[str] = None,
-                 state_dtype: str = "fp32", **torch_options: Any) -> None:
+                 queue_depth: Optional[int] = None, host_link_gbps: Optional[float] = None,
+                 verify: bool = False, state_dtype: str = "fp32", if_exists: str = "error",
+                 **torch_options: Any) -> None:
         if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
             raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
         if compress is not None and not isinstance(compress, TopK):
@@ -144,6 +201,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         # torch's own defaults, so param_groups carry exactly torch's keys and a state_dict
         # moves between this optimizer and the torch one.
+        for key in _IGNORED:
+            if torch_options.pop(key, None):
+                logger.info("%s=True ignored: smartinf.optim runs the update on its devices", key)
         probe = torch.nn.Parameter(torch.zeros(1))
         full = dict(self.torch_class([probe], **defaults, **torch_options).defaults)
         self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
@@ -154,14 +214,18 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
         self._warned_partial = False
+        self._digests: dict[int, int] = {}  # the weights the model had when the optimizer took them
+        self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
         for group in self.param_groups:
             self._check_group(group)
             self._check_params(group)
         self._subgroup_size = subgroup_size
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
-        pipeline = Pipeline(devices, self._rule(self.param_groups[0]), slots=slots,
-                            chunk=chunk, io=io, state_dtype=state_dtype)
+        pipeline = Pipeline(resolve_devices(devices), self._rule(self.param_groups[0]),
+                            slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
+                            host_link_gbps=host_link_gbps, verify=verify,
+                            state_dtype=state_dtype, if_exists=if_exists)
         self._staging = Staging(max((sg.numel for sg in self._plan), default=1),
                                 depth_for(len(pipeline.devices)))
         try:
@@ -246,12 +310,44 @@ class _StorageOptimizer(torch.optim.Optimizer):
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
             if pipeline.resumed(sg.id):
+                master = torch.from_numpy(pipeline.read_states(sg.id)["param"])
                 with torch.no_grad():
-                    self._scatter(sg, torch.from_numpy(pipeline.read_states(sg.id)["param"]))
+                    self._scatter(sg, master)
+            self._digests[sg.id] = self._digest(sg, master)
         resumed = sum(pipeline.resumed(sg.id) for sg in plan)
         if resumed:
-            logger.info("resumed %d of %d sub-groups at step %d from %s", resumed,
-                        len(plan), pipeline.step_count, [d.path for d in pipeline.devices])
+            logger.warning("resumed %d of %d sub-groups at step %d from %s: their stored weights "
+                           "replaced the model's", resumed, len(plan), pipeline.step_count,
+                           [d.path for d in pipeline.devices])
+
+    def _digest(self, sg: _Subgroup, master: torch.Tensor) -> int:
+        """A checksum of the sub-group's params as the model holds them (``master`` rounded
+        to their dtype): a later step notices weights the caller loaded since."""
+        held = master[:sg.numel].to(sg.dtype).contiguous()
+        return _native.checksum(held.data_ptr(), held.numel() * held.element_size())
+
+    def _adopt_loaded_weights(self) -> None:
+        """Weights the caller put into the model after the optimizer took them (a checkpoint
+        loaded, params edited) become the masters: never overwritten by stored ones."""
+        changed = []
+        for sg in self._plan:
+            if sg.id not in self._digests:
+                continue
+            held = self._staging.grad(0, torch.float32, sg.numel)
+            for s in sg.slices:
+                held[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
+            if self._digest(sg, held) == self._digests.get(sg.id):
+                continue
+            stored = self.pipeline.read_states(sg.id)
+            stored["param"] = held.numpy().copy()
+            changed.append((sg, stored))
+        if changed:
+            logger.warning("the model's params of sub-groups %s changed after the optimizer took "
+                           "them (weights loaded or edited): they are the new master weights",
+                           [sg.id for sg, _ in changed])
+            with self.pipeline.step():
+                for sg, stored in changed:
+                    self.pipeline.write_states(sg.id, stored, self.pipeline.subgroup_steps(sg.id))
 
     def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:
@@ -359,6 +455,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             logger.info("gradients hold inf/NaN: step skipped, stored states untouched")
             return loss
+        if self._digests:  # once, at the first step after the optimizer took the weights
+            self._adopt_loaded_weights()
+            self._digests.clear()
+        self._export = None
         active = [sg for sg in self._plan if any(s.param.grad is not None for s in sg.slices)]
         self._warn_partial(active)
         scattered: list[_Subgroup] = []
@@ -443,30 +543,54 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """torch's optimizer ``state_dict`` (loadable by the torch optimizer this one
         stands in for). The states are read from the devices one sub-group at a time into
         per-param tensors backed by unlinked files (page cache, not anonymous memory);
-        ``torch.save`` streams them. The master weights are the model's params there."""
+        ``torch.save`` streams them. Params never stepped have no entry, as in torch (so
+        this costs nothing before the first step); an fp16/bf16 param's entry also holds
+        its fp32 master weights (``"fp32_master"``, ignored by torch), so loading it
+        resumes exactly."""
         ids = _param_ids(self.param_groups)
         per_param: dict[int, dict] = {}
         for sg in self._plan:
-            stored = self.pipeline.read_states(sg.id)
             steps = self.pipeline.subgroup_steps(sg.id)
+            if steps == 0:
+                continue  # initial states: torch has none either
+            stored = self.pipeline.read_states(sg.id)
             group = self.param_groups[sg.group]
+            names = self._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
             for s in sg.slices:
                 entry = per_param.get(ids[id(s.param)])
                 if entry is None:
                     arrays = {n: self._export_tensor(s.param.shape) for n in self._state_names()}
                     entry = per_param[ids[id(s.param)]] = self._torch_state(steps, arrays, group)
-                for n in self._state_names():
+                    if MASTER in names:
+                        entry[MASTER] = self._export_tensor(s.param.shape)
+                for n in names:
                     if isinstance(entry.get(n), torch.Tensor):
                         entry[n].view(-1)[s.start:s.stop] = torch.from_numpy(
-                            stored[n][s.offset:s.offset + s.stop - s.start])
+                            stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start])
         groups = []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = [ids[id(p)] for p in group["params"]]
             groups.append(packed)
         # torch has no entry for a param without states (SGD before momentum is used).
-        state = {k: v for k, v in per_param.items() if any(x is not None for x in v.values())}
+        state = {k: v for k, v in per_param.items()
+                 if any(x is not None for n, x in v.items() if n != MASTER)}
+        self._export = (self.pipeline.step_count,
+                        [(k, n, weakref.ref(t), t._version) for k, v in state.items()
+                         for n, t in v.items() if isinstance(t, torch.Tensor)])
         return {"state": state, "param_groups": groups}
+
+    def _is_own_export(self, states: dict) -> bool:
+        """Whether ``states`` is what state_dict() last returned, untouched, with no step
+        since: loading it changes nothing on the devices (Accelerate's prepare() does
+        that round trip)."""
+        if self._export is None or self._export[0] != self.pipeline.step_count:
+            return False
+        tensors = self._export[1]
+        count = sum(isinstance(t, torch.Tensor) for v in states.values() for t in v.values())
+        return count == len(tensors) and all(
+            states.get(k, {}).get(n) is ref() and ref()._version == version
+            for k, n, ref, version in tensors)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads torch's optimizer ``state_dict`` format (from this class or the torch
@@ -502,7 +626,12 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             self._rule(group)  # validates the hyper-parameters before anything is written
             new_groups.append(group)
+        if self._is_own_export(states):
+            self._set_groups(new_groups)
+            return
         steps = [self._subgroup_steps(sg, states, ids, new_groups[sg.group]) for sg in self._plan]
+        self._refuse_mixing_resumed_run(steps)
+        self._digests.clear()  # the masters come from the model's params now
         with self.pipeline.step():
             for sg in self._plan:
                 arrays = {"param": self._staging.grad(0, torch.float32, sg.numel)}
@@ -511,8 +640,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 for s in sg.slices:
                     n_elems = s.stop - s.start
                     dst = slice(s.offset, s.offset + n_elems)
-                    arrays["param"][dst].copy_(_read(s.param, s.start, s.stop))
                     entry = states.get(ids[id(s.param)], {})
+                    arrays["param"][dst].copy_(self._master(s, entry.get(MASTER)))
                     for n in self._state_names():
                         value = entry.get(n)
                         if value is None:
@@ -521,9 +650,42 @@ class _StorageOptimizer(torch.optim.Optimizer):
                             arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
                 self.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
                                            steps[sg.id])
+        self._set_groups(new_groups)
+
+    def _set_groups(self, new_groups: list) -> None:
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
+
+    @staticmethod
+    def _master(s: _Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
+        """A slice's fp32 master weights on load: the state_dict's, where they round to the
+        model's param (exact resume of fp16/bf16 params), else the param itself (weights
+        the caller loaded win)."""
+        held = _read(s.param, s.start, s.stop)
+        if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
+            master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
+            if torch.equal(master.to(held.device, held.dtype), held):
+                return master
+        return held
+
+    def _refuse_mixing_resumed_run(self, steps: list) -> None:
+        """A state_dict of another point of the run than the directories this optimizer
+        resumed (whose weights it put into the model) would pair those weights with other
+        states: ambiguous, so refused."""
+        resumed = [sg for sg in self._plan if self.pipeline.resumed(sg.id)]
+        if not resumed or not self._digests:
+            return
+        stored = {self.pipeline.subgroup_steps(sg.id) for sg in resumed}
+        loaded = {steps[sg.id] for sg in resumed}
+        if stored != loaded:
+            raise ValueError(
+                f"this optimizer resumed {[d.path for d in self.pipeline.devices]} (sub-group "
+                f"steps {sorted(stored)}, whose weights it put into the model), and the "
+                f"state_dict is of steps {sorted(loaded)}: to continue from the state_dict's "
+                f"checkpoint, create the optimizer with if_exists='overwrite' after loading "
+                f"the checkpoint's weights into the model; to continue from the directories, "
+                f"do not load it")
 
     # -- native checkpoint ----------------------------------------------------------------
     def save(self, directory: str) -> list[str]:
@@ -552,9 +714,11 @@ class Adam(_StorageOptimizer):
     rule_class = update_rules.Adam
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 devices: DeviceLike | Sequence[DeviceLike] | None = None,
+                 **options: Unpack[StorageOptions]) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
-                                  "weight_decay": weight_decay}, **kwargs)
+                                  "weight_decay": weight_decay}, devices=devices, **options)
 
 
 class AdamW(Adam):
@@ -564,8 +728,10 @@ class AdamW(Adam):
     rule_class = update_rules.AdamW
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 devices: DeviceLike | Sequence[DeviceLike] | None = None,
+                 **options: Unpack[StorageOptions]) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, devices=devices, **options)
 
 
 class SGD(_StorageOptimizer):
@@ -575,10 +741,12 @@ class SGD(_StorageOptimizer):
     rule_class = update_rules.SGD
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 **kwargs: Any) -> None:
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 devices: DeviceLike | Sequence[DeviceLike] | None = None,
+                 **options: Unpack[StorageOptions]) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
-                                  "weight_decay": weight_decay, "nesterov": nesterov}, **kwargs)
+                                  "weight_decay": weight_decay, "nesterov": nesterov},
+                         devices=devices, **options)
 
     def _torch_state(self, steps: int, arrays: dict, group: dict) -> dict:
         # torch keeps a momentum buffer only once a step with momentum ran.
@@ -597,10 +765,11 @@ class Adagrad(_StorageOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0,
                  weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
-                 eps: float = 1e-10, **kwargs: Any) -> None:
+                 eps: float = 1e-10, *, devices: DeviceLike | Sequence[DeviceLike] | None = None,
+                 **options: Unpack[StorageOptions]) -> None:
         super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
                                   "initial_accumulator_value": initial_accumulator_value,
-                                  "eps": eps}, **kwargs)
+                                  "eps": eps}, devices=devices, **options)
         values = {g["initial_accumulator_value"] for g in self.param_groups}
         if len(values) > 1:
             self.pipeline.close()

@@ -22,6 +22,7 @@ from .update_rules import AdamW, UpdateRule
 
 logger = logging.getLogger("smartinf")
 STATE_DTYPES = ("fp32", "int8")
+IF_EXISTS = ("resume", "overwrite", "error")
 _warned: set[str] = set()
 
 
@@ -84,6 +85,11 @@ class Pipeline:
         Check every extent loaded in a step against the checksum (XXH3-64) written with
         it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,
         chunk and step. Reopened sub-groups are always checked once, when added.
+    if_exists
+        What to do with directories that hold an earlier run (committed steps or
+        sub-groups): ``"resume"`` it (the default here: ``add_subgroup`` keeps the stored
+        states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
+        starts from its ``init``), or ``"error"`` (refused, nothing changed).
 
     With several devices, sub-groups are placed by bytes (each new one on the device
     holding the fewest params) and every device runs its own ring, in parallel. Each
@@ -106,6 +112,7 @@ class Pipeline:
         host_link_gbps: Optional[float] = None,
         verify: bool = False,
         state_dtype: str = "fp32",
+        if_exists: str = "resume",
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
@@ -129,6 +136,8 @@ class Pipeline:
             raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+        if if_exists not in IF_EXISTS:
+            raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
         if host_link_gbps is None:
@@ -147,7 +156,7 @@ class Pipeline:
         self._native = _native.NativePipeline(
             specs, self.optimizer.name,
             float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
-            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9, verify, state_dtype)
+            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9, verify, state_dtype, if_exists)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)

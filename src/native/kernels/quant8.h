@@ -11,7 +11,8 @@
 //   exp_avg:             sign + 4 exponent bits + 3 mantissa bits: 2^-17 .. 1 of the block max
 //   sqrt(exp_avg_sq):    5 exponent bits + 3 mantissa bits:      2^-33 .. 1 of the block max
 // The second moment is kept as its square root (what the update divides by): half the
-// dynamic range to cover, and a relative error of at most 1/16 in the denominator. A
+// dynamic range to cover, and a relative error of at most 1/16 in the denominator from
+// 2^-30 of the block max up (below, subnormal codes: at most 2^-33 of the max). A
 // positive one never rounds to 0 (that would turn m / (sqrt(v) + eps) into m / eps).
 #pragma once
 #include <cmath>

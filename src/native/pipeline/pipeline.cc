@@ -86,7 +86,11 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (layout.int8 && optimizer_ != device::Optimizer::adam && optimizer_ != device::Optimizer::adamw)
     throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
                                 options.optimizer + " keeps fp32 states");
+  if (options.if_exists != "resume" && options.if_exists != "overwrite" && options.if_exists != "error")
+    throw std::invalid_argument("if_exists must be 'resume', 'overwrite' or 'error', got '" +
+                                options.if_exists + "'");
   store::StoreConfig config{options.chunk, options.optimizer, layout};
+  config.if_exists = options.if_exists;
   const device::SlotGeometry geometry{options.slots, options.chunk, layout};
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")

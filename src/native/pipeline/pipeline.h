@@ -30,6 +30,7 @@ struct PipelineOptions {
   size_t slots = 4;                 // K slots per device
   double host_link_bps = 0;         // shared host link, each direction; 0: no cap
   bool verify = false;              // checksum every extent loaded (always on resume)
+  std::string if_exists = "resume";  // directories holding a run: resume | overwrite | error
   RingOptions ring;
 };
 

@@ -58,7 +58,22 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       layout_(config.layout) {
   lock_directory();
   std::string text;
-  const bool resume = read_file(manifest_path_, text);
+  bool resume = read_file(manifest_path_, text);
+  if (resume && config.if_exists != "resume") {
+    manifest_ = Manifest::parse(text, manifest_path_);
+    if (holds_run()) {
+      if (config.if_exists != "overwrite")
+        throw std::invalid_argument(
+            dir + " holds the states of an earlier run (step " + std::to_string(manifest_.step) +
+            ", " + std::to_string(manifest_.subgroups.size()) + " sub-groups): pass " +
+            "if_exists=\"resume\" to continue it (its stored weights replace the model's), " +
+            "if_exists=\"overwrite\" to discard it and start from the model's weights, or " +
+            "use another directory");
+      discard_run();
+      resume = false;
+    }
+    manifest_ = Manifest{};
+  }
   if (resume) {
     manifest_ = Manifest::parse(text, manifest_path_);
     if (manifest_.chunk != config.chunk)
@@ -71,7 +86,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     manifest_.chunk = config.chunk;
     manifest_.optimizer = config.optimizer;
     manifest_.state_dtype = config.layout.dtype();
-    refuse_orphan_states();
+    if (config.if_exists != "overwrite") refuse_orphan_states();
   }
 
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (resume ? 0 : O_TRUNC);
@@ -111,7 +126,17 @@ void StateStore::refuse_orphan_states() const {
       dir_ + " holds states (" + std::to_string(st.st_size) + " bytes in states.bin) but no " +
       "manifest: it was deleted, or a copy into the directory was interrupted, and the states "
       "cannot be read without it. Restore the directory from a checkpoint (opt.save, "
-      "save_checkpoint), or delete states.bin to start afresh");
+      "save_checkpoint), or open it with if_exists=\"overwrite\" to start afresh");
+}
+
+bool StateStore::holds_run() const { return manifest_.step > 0 || !manifest_.subgroups.empty(); }
+
+// The manifest goes first: from then on the old states are never taken for a run, even if
+// the process dies before the new directory's manifest is written.
+void StateStore::discard_run() {
+  if (::unlink(manifest_path_.c_str()) != 0 && errno != ENOENT)
+    throw SystemError(errno, "cannot remove the manifest", manifest_path_);
+  fsync_dir(dir_);
 }
 
 StateStore::~StateStore() = default;  // closing lock_fd_ releases the lock

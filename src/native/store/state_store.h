@@ -19,6 +19,8 @@ struct StoreConfig {
   std::string optimizer;
   StateLayout layout;  // fp32 arrays per param (fixed by the optimizer) or int8
   bool direct = true;  // O_DIRECT where the file system has it (false: the slots cannot take it)
+  // A directory that holds a run: "resume" it, "overwrite" it (start afresh), or "error".
+  std::string if_exists = "resume";
 };
 
 // A sub-group written in the step being committed, and its optimizer step count after it.
@@ -80,6 +82,8 @@ class StateStore {
   void write_manifest(const Manifest& m);  // durably replaces the manifest; then current
   void lock_directory();
   void refuse_orphan_states() const;
+  bool holds_run() const;
+  void discard_run();
 
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
