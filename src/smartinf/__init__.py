@@ -9,6 +9,9 @@ from ._native import io_uring_built
 from .devices import CpuDevice, XrtDevice
 from .pipeline import Pipeline, UpdateFuture
 from .update_rules import SGD, Adagrad, Adam, AdamW
+from .integrations import deepspeed_hook
+
+deepspeed_hook.install()  # a "smartinf" block in a DeepSpeed config takes effect
 
 __version__ = "0.1.0"
 __all__ = ["Pipeline", "UpdateFuture", "CpuDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "build_info", "__version__"]

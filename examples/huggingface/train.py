@@ -1,0 +1,160 @@
+"""A small GPT-2 (built from a config: no downloads) trained the Hugging Face way, with the
+optimizer states on smartinf devices and no smartinf code beyond the import.
+
+    torchrun --nproc_per_node=2 examples/huggingface/train.py --via trainer-deepspeed --dir /nvme/run
+    python examples/huggingface/train.py --via trainer-optimizers --dir /nvme/run
+    python examples/huggingface/train.py --via accelerate --dir /nvme/run
+
+``--via``:
+  * ``trainer-deepspeed``: ``TrainingArguments(deepspeed=config)`` with a ZeRO-3 config holding
+    a ``"smartinf"`` block (``--mode reference``: the same config with DeepSpeed's CPU
+    optimizer offload instead);
+  * ``trainer-optimizers``: ``Trainer(optimizers=(smartinf.optim.AdamW(...), None))``
+    (reference: ``torch.optim.AdamW``);
+  * ``accelerate``: ``accelerator.prepare`` and ``save_state`` / ``load_state``.
+Checkpoints are saved every ``--save-every`` steps; ``--resume-from CKPT`` resumes from one.
+The Trainer's (or Accelerate's) checkpoints are the source of truth, so the devices use
+``if_exists="overwrite"``: a run starts from the model's weights, or from the checkpoint it
+resumes. ``--out`` writes the per-step losses and the final fp32 weights (for DeepSpeed
+consolidated from the checkpoint with ``get_fp32_state_dict_from_zero_checkpoint``).
+Without a GPU set ``DS_ACCELERATOR=cpu`` for DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import transformers  # noqa: E402
+
+import smartinf.optim  # noqa: E402,F401  (the only smartinf line a DeepSpeed user needs)
+from examples.gpt.data import Language, batches  # noqa: E402
+
+SEQ, BATCH, LR, WEIGHT_DECAY = 32, 4, 3e-3, 0.1
+
+
+def model() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(Language().vocab), n_positions=SEQ, n_embd=64,
+                                     n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Text(torch.utils.data.Dataset):
+    """Rows of the generated language, the same in every run."""
+
+    def __init__(self, rows: int) -> None:
+        stream = batches(Language(), rows, SEQ, seed=1)
+        self.inputs = next(stream)[0]
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.inputs[i], "labels": self.inputs[i]}
+
+
+def deepspeed_config(args: argparse.Namespace) -> dict:
+    zero: dict = {"stage": 3}
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                        "betas": "auto", "eps": "auto"}},
+              "zero_optimization": zero}
+    if args.mode == "smartinf":
+        config["smartinf"] = {"devices": [args.dir], "if_exists": "overwrite"}
+    else:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return config
+
+
+def optimizer(args: argparse.Namespace, net: torch.nn.Module) -> torch.optim.Optimizer:
+    if args.mode == "smartinf":
+        return smartinf.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                    devices=[args.dir], if_exists="overwrite")
+    return torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def training_args(args: argparse.Namespace, **extra) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=args.checkpoints, max_steps=args.steps, per_device_train_batch_size=BATCH,
+        learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="steps", save_steps=args.save_every, report_to=[],
+        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **extra)
+
+
+def with_trainer(args: argparse.Namespace) -> tuple[list, dict]:
+    net, extra, optimizers = model(), {}, (None, None)
+    if args.via == "trainer-deepspeed":
+        extra["deepspeed"] = deepspeed_config(args)
+    else:
+        optimizers = (optimizer(args, net), None)
+    trainer = transformers.Trainer(model=net, args=training_args(args, **extra),
+                                   train_dataset=Text(BATCH * args.steps * 2), optimizers=optimizers)
+    trainer.train(resume_from_checkpoint=args.resume_from)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    if args.via == "trainer-deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        last = os.path.join(args.checkpoints, f"checkpoint-{args.steps}")
+        weights = get_fp32_state_dict_from_zero_checkpoint(last)  # consolidated fp32 masters
+    else:
+        weights = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+    return losses, weights
+
+
+def with_accelerate(args: argparse.Namespace) -> tuple[list, dict]:
+    import accelerate
+    accelerator = accelerate.Accelerator(cpu=not torch.cuda.is_available())
+    net = model()
+    net, optimizer = accelerator.prepare(net, optimizer(args, net))
+    data = Text(BATCH * args.steps)
+    first = 0
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        first = int(Path(args.resume_from).name.split("-")[-1])
+    losses = []
+    for step in range(first, args.steps):
+        rows = data.inputs[step * BATCH:(step + 1) * BATCH].to(accelerator.device)
+        loss = net(input_ids=rows, labels=rows).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+        if (step + 1) % args.save_every == 0:
+            accelerator.save_state(os.path.join(args.checkpoints, f"checkpoint-{step + 1}"))
+    return losses, {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--via", choices=("trainer-deepspeed", "trainer-optimizers", "accelerate"),
+                        default="trainer-deepspeed")
+    parser.add_argument("--mode", choices=("smartinf", "reference"), default="smartinf")
+    parser.add_argument("--dir", required=True, help="states directory (smartinf devices)")
+    parser.add_argument("--checkpoints", help="checkpoint directory (default: DIR/checkpoints)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--resume-from", help="a checkpoint directory to resume from")
+    parser.add_argument("--out", help="JSON of the per-step losses; weights beside it (.pt)")
+    args = parser.parse_args()
+    args.checkpoints = args.checkpoints or os.path.join(args.dir, "checkpoints")
+    run = with_accelerate if args.via == "accelerate" else with_trainer
+    losses, weights = run(args)
+    rank = int(os.environ.get("RANK", "0"))
+    print("losses", " ".join(f"{x:.6f}" for x in losses))
+    if args.out and rank == 0:
+        Path(args.out).write_text(json.dumps({"losses": losses}))
+        torch.save(weights, Path(args.out).with_suffix(".pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Run at interpreter start by ``_smartinf_autoload.pth``: a ``"smartinf"`` block in a
+DeepSpeed config takes effect even where the script never imports smartinf. It only
+registers a hook on the import of ``deepspeed`` (see smartinf.integrations.deepspeed_hook);
+``SMARTINF_AUTOLOAD=0`` turns it off."""
+import os
+import sys
+
+
+def _install() -> None:
+    if os.environ.get("SMARTINF_AUTOLOAD", "1") == "0":
+        return
+    import importlib.abc  # noqa: PLC0415
+
+    class _Deferred(importlib.abc.MetaPathFinder):
+        """Imports the real hook only when deepspeed is imported (torch is loaded then)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "deepspeed":
+                return None
+            sys.meta_path.remove(self)
+            from smartinf.integrations import deepspeed_hook  # noqa: PLC0415
+            return deepspeed_hook.find_and_patch(name)
+
+    sys.meta_path.insert(0, _Deferred())
+
+
+_install()

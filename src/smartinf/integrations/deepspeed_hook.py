@@ -1,0 +1,99 @@
+"""Makes a ``"smartinf"`` block in a DeepSpeed config take effect wherever
+``deepspeed.initialize`` is called: by the transformers ``Trainer``, by Accelerate, or by
+a script, with no smartinf code but the package being installed.
+
+``deepspeed.initialize`` is wrapped once, when DeepSpeed is imported (``install`` runs
+from ``import smartinf`` and, through the ``_smartinf_autoload.pth`` file the wheel puts
+in site-packages, at interpreter start, so the block is never silently ignored). The
+wrapper hands calls whose config holds the block, or whose optimizer is a
+``smartinf.optim`` one, to :func:`smartinf.integrations.deepspeed.initialize`, which calls
+the original function; every other call goes straight to DeepSpeed. Nothing here imports
+DeepSpeed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from typing import Any
+
+CONFIG_KEY = "smartinf"
+
+
+def install() -> None:
+    """Wraps ``deepspeed.initialize`` now if DeepSpeed is imported, else when it is."""
+    module = sys.modules.get("deepspeed")
+    if module is not None:
+        patch(module)
+    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
+
+
+def patch(deepspeed: Any) -> None:
+    original = getattr(deepspeed, "initialize", None)
+    if original is None or hasattr(original, "__wrapped__"):
+        return  # partially imported, or wrapped already
+
+    @functools.wraps(original)
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        if _wants_smartinf(args, kwargs):
+            from . import deepspeed as smartinf_deepspeed  # noqa: PLC0415 (DeepSpeed is loaded)
+            return smartinf_deepspeed.initialize(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    deepspeed.initialize = initialize
+
+
+def original_initialize(deepspeed: Any) -> Any:
+    """DeepSpeed's own ``initialize``, whether wrapped here or not."""
+    return getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+
+
+def config_of(args: Any, kwargs: dict) -> Any:
+    """The config of a ``deepspeed.initialize`` call, as DeepSpeed finds it: ``config``,
+    ``config_params`` or ``args.deepspeed_config`` (a dict, or a path to JSON)."""
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    given = kwargs.get("args", args[0] if args else None)
+    return getattr(given, "deepspeed_config", None)
+
+
+def _wants_smartinf(args: Any, kwargs: dict) -> bool:
+    optimizer = kwargs.get("optimizer")
+    if type(optimizer).__module__ == "smartinf.optim":
+        return True  # refused there with what to do instead
+    config = config_of(args, kwargs)
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config) as f:
+            try:
+                config = json.load(f)
+            except ValueError:
+                return False  # DeepSpeed reports it
+    return isinstance(config, dict) and CONFIG_KEY in config
+
+
+def find_and_patch(name: str) -> Any:
+    """The import spec of ``deepspeed`` from the other finders, made to patch the module
+    once it is executed (a post-import hook; the finders here step aside first)."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _OnImport)]:
+        sys.meta_path.remove(finder)
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return spec
+    execute = spec.loader.exec_module
+
+    def exec_module(module: Any) -> None:
+        execute(module)
+        patch(module)
+
+    spec.loader.exec_module = exec_module
+    return spec
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        return find_and_patch(name) if name == "deepspeed" else None
