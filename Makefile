@@ -33,7 +33,7 @@ $(VENV)/.deps: pyproject.toml | system-deps
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE)
-	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench,deepspeed]"
+	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench,deepspeed,hf]"
 	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@
 

@@ -76,7 +76,7 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def optimizer(args: argparse.Namespace, net: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(args: argparse.Namespace, net: torch.nn.Module) -> torch.optim.Optimizer:
     if args.mode == "smartinf":
         return smartinf.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                     devices=[args.dir], if_exists="overwrite")
@@ -96,7 +96,7 @@ def with_trainer(args: argparse.Namespace) -> tuple[list, dict]:
     if args.via == "trainer-deepspeed":
         extra["deepspeed"] = deepspeed_config(args)
     else:
-        optimizers = (optimizer(args, net), None)
+        optimizers = (make_optimizer(args, net), None)
     trainer = transformers.Trainer(model=net, args=training_args(args, **extra),
                                    train_dataset=Text(BATCH * args.steps * 2), optimizers=optimizers)
     trainer.train(resume_from_checkpoint=args.resume_from)
@@ -114,7 +114,7 @@ def with_accelerate(args: argparse.Namespace) -> tuple[list, dict]:
     import accelerate
     accelerator = accelerate.Accelerator(cpu=not torch.cuda.is_available())
     net = model()
-    net, optimizer = accelerator.prepare(net, optimizer(args, net))
+    net, optimizer = accelerator.prepare(net, make_optimizer(args, net))
     data = Text(BATCH * args.steps)
     first = 0
     if args.resume_from:
