@@ -2,7 +2,8 @@
 
 Each run is examples/deepspeed/train.py under torch.distributed.run (gloo on CPU), so the
 integration is tested as users run it: same model, same batches, same config but for
-where the optimizer runs. DeepSpeed's JIT ops (cpu_adam, shm comm) build once into
+where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
+(all of the tiny model's params but the embedding stay gathered). DeepSpeed's JIT ops (cpu_adam, shm comm) build once into
 TORCH_EXTENSIONS_DIR (the Makefile points it at build/torch_extensions).
 """
 import json
@@ -106,7 +107,8 @@ def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
 
 def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     """Save at step 4 of 8, then a new process (same storage directories, which by then
-    hold step 8) loads the checkpoint: steps 5-8 repeat exactly."""
+    hold step 8) loads the checkpoint: steps 5-8 repeat exactly (the persistent params,
+    gathered at load, included)."""
     ckpt = str(work / "ckpt")
     first = train(work, disk_dir, "ckpt-first", world=2, extra=("--save", ckpt, "--save-at", "4"))
     again = train(work, disk_dir, "ckpt-again", world=2, extra=("--load", ckpt))

@@ -218,8 +218,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                 self._unflatten_partitioned_parameters(i)
 
     def _agree_on_resume(self) -> None:
-        """All ranks resume, at one step, or none do; then the kept-whole (persistent)
-        params are gathered again from the resumed partitions."""
+        """All ranks resume, at one step, or none do."""
         step = float(self.pipeline.step_count) if self._resumed else 0.0
         mine = [float(self._resumed), step]
         flags = torch.tensor(mine + [-x for x in mine], device=self.device)
@@ -235,8 +234,14 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             logger.warning("resumed %d sub-groups at step %d from %s (states of an earlier "
                            "run); to start over, use fresh directories", self.pipeline.num_subgroups,
                            self.pipeline.step_count, self._dirs)
-            if self.persistent_parameters:
-                self.persistent_parameters[0].all_gather(self.persistent_parameters)
+            self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
+        """The kept-whole (persistent) params gathered again from their partitions: an
+        all-gather skips params still gathered, so they are released first."""
+        if self.persistent_parameters:
+            self.persistent_parameters[0].partition(self.persistent_parameters)
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
     def initialize_optimizer_states(self) -> None:
         """Nothing to allocate: the states were created on the devices with the sub-groups."""
@@ -321,8 +326,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if missing:
             raise ValueError(f"the checkpoint in {directory} lacks sub-groups {missing} of "
                              f"this model; was it saved with another model or world size?")
-        if self.persistent_parameters:
-            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+        self._regather_persistent()
 
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link and the steps committed (this rank)."""
