@@ -146,6 +146,7 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
     ({"zero_optimization": {"stage": 2}}, "ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "remove offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "cpu_offload": True}}, "remove cpu_offload"),  # legacy
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "offload_param"),
 ])

@@ -45,6 +45,7 @@ try:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
     from deepspeed.runtime.zero import stage3
+    from deepspeed.runtime.zero.config import get_zero_config
 except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
@@ -119,15 +120,16 @@ def check_config(config: dict) -> Settings:
     """Refuses configurations the integration does not run, before anything is built;
     returns the ``"smartinf"`` block's settings."""
     settings = Settings.from_config(config)
-    zero = config.get("zero_optimization", {})
-    if int(zero.get("stage", 0)) != 3:
+    zero = get_zero_config(config)  # DeepSpeed's reading, legacy spellings ("cpu_offload") included
+    if zero.stage != 3:
         raise ValueError(f'smartinf runs the ZeRO stage 3 optimizer step: set '
-                         f'"zero_optimization": {{"stage": 3}} (got stage {zero.get("stage", 0)})')
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload not in (None, "none"):
-        raise ValueError(f'"zero_optimization.offload_optimizer" is {offload!r}: the optimizer '
-                         f'states live on the smartinf devices; remove offload_optimizer')
-    if (zero.get("offload_param") or {}).get("device", "none") == "nvme":
+                         f'"zero_optimization": {{"stage": 3}} (got stage {int(zero.stage)})')
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        key = "cpu_offload" if "cpu_offload" in config["zero_optimization"] else "offload_optimizer"
+        raise ValueError(f'"zero_optimization.{key}" offloads the optimizer to '
+                         f'{zero.offload_optimizer.device!r}: the optimizer states live on the '
+                         f'smartinf devices; remove {key}')
+    if zero.offload_param is not None and zero.offload_param.device == "nvme":
         raise ValueError('"zero_optimization.offload_param" to nvme is not supported with '
                          'smartinf yet; use "cpu" or "none"')
     if config.get("hybrid_engine", {}).get("enabled"):
