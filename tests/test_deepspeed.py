@@ -2,8 +2,11 @@
 
 Each run is examples/deepspeed/train.py under torch.distributed.run (gloo on CPU), so the
 integration is tested as users run it: same model, same batches, same config but for
-where the optimizer runs. DeepSpeed's JIT ops (cpu_adam, shm comm) build once into
-TORCH_EXTENSIONS_DIR (the Makefile points it at build/torch_extensions).
+where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
+(all of the tiny model's params but the embedding stay gathered). DeepSpeed's fp32
+accessors and checkpoint tools run once in tests/deepspeed_api.py. DeepSpeed's JIT ops
+(cpu_adam, shm comm) build once into TORCH_EXTENSIONS_DIR (the Makefile points it at
+build/torch_extensions).
 """
 import json
 import math
@@ -24,23 +27,27 @@ SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
 STEPS = 8
 
 
+def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           "--master_port", str(29500 + os.getpid() % 1000), str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
 def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
           extra: tuple = (), fails_with: str = "") -> dict:
     """Runs the example; returns its per-step record and final params (or, when it must
     fail, checks that ``fails_with`` is in its output)."""
     out = tmp / name
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), "--mode", mode,
-           "--dir", storage, "--steps", str(STEPS), "--json", f"{out}.json",
-           "--params-out", f"{out}.pt", *extra]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = torchrun(world, SCRIPT, "--mode", mode, "--dir", storage, "--steps", str(STEPS),
+                    "--json", f"{out}.json", "--params-out", f"{out}.pt", *extra)
     if fails_with:
         assert done.returncode != 0 and fails_with in done.stdout + done.stderr, done.stderr[-3000:]
         return {}
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, \
+        f"{' '.join(done.args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     record = json.loads(Path(f"{out}.json").read_text())
     record["params"] = torch.load(f"{out}.pt")
     return record
@@ -106,7 +113,8 @@ def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
 
 def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     """Save at step 4 of 8, then a new process (same storage directories, which by then
-    hold step 8) loads the checkpoint: steps 5-8 repeat exactly."""
+    hold step 8) loads the checkpoint: steps 5-8 repeat exactly (the persistent params,
+    gathered at load, included)."""
     ckpt = str(work / "ckpt")
     first = train(work, disk_dir, "ckpt-first", world=2, extra=("--save", ckpt, "--save-at", "4"))
     again = train(work, disk_dir, "ckpt-again", world=2, extra=("--load", ckpt))
@@ -122,6 +130,83 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     for f in ("states.bin", "manifest"):
         shutil.copyfile(older / f, live / f)
     train(work, disk_dir, "ckpt-mixed", world=2, fails_with="hold different steps (4 to 8")
+
+
+# -- DeepSpeed's accessors and checkpoint tools (one run of tests/deepspeed_api.py) --------
+TOL = 1e-5  # ours vs DeepSpeed's torch AdamW, relative: float rounding of the two kernels
+
+
+@pytest.fixture(scope="module")
+def api(work):
+    out = work / "api.json"
+    done = torchrun(2, ROOT / "tests" / "deepspeed_api.py", "--dir", str(work / "api"),
+                    "--out", str(out))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    results = json.loads(out.read_text())
+    for ours, ref in zip(*results["losses"]):  # the first two steps
+        assert abs(ours - ref) <= TOL * abs(ref)
+    return results
+
+
+def ok(result: dict) -> dict:
+    assert "error" not in result, result["error"]
+    return result
+
+
+def assert_close_to_deepspeed(result: dict) -> None:
+    for key in ("None", "exp_avg", "exp_avg_sq", "local"):
+        assert result[key] <= TOL, (key, result)
+    ours, ref = result["loss"]
+    assert abs(ours - ref) <= TOL * abs(ref)
+
+
+def test_config_given_in_args_deepspeed_config(api):
+    """initialize(args=args) with args.deepspeed_config = "ds.json", as with DeepSpeed."""
+    assert ok(api["config_in_args"]) == {"ok": True}
+
+
+def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):
+    """deepspeed.utils.safe_get_full_fp32_param / _optimizer_state / safe_get_local_fp32_param
+    give the same masters and Adam states as DeepSpeed's after two steps."""
+    got = ok(api["accessors"])
+    assert got["master_vs_model"] == 0.0  # fp32: the model's params are the masters
+    for key in ("None", "exp_avg", "exp_avg_sq", "local"):
+        assert got[key] <= TOL, (key, got)
+
+
+def test_safe_set_fp32_params_and_optimizer_states_write_the_devices(api):
+    """safe_set_full_fp32_param, safe_set_full_optimizer_state and safe_set_local_fp32_param
+    on both, then a step: the same loss and states as DeepSpeed's."""
+    got = ok(api["setters"])
+    assert got["set_then_get"] == [0.0, 0.0]
+    assert_close_to_deepspeed(got)
+
+
+def test_zero_to_fp32_gives_the_device_masters(api):
+    """The checkpoint holds the devices' masters in DeepSpeed's fp32 groups:
+    get_fp32_state_dict_from_zero_checkpoint (zero_to_fp32.py) consolidates them."""
+    got = ok(api["zero_to_fp32"])
+    assert got["vs_masters"] == 0.0
+    assert got["vs_deepspeed"] <= TOL
+
+
+@pytest.mark.parametrize("how", ["load_optimizer_states", "load_module_only"])
+def test_partial_checkpoint_loads_match_deepspeed(api, how):
+    """load_checkpoint(load_optimizer_states=False) (module from the consolidated fp32
+    masters, masters from the module, fresh optimizer states) and load_module_only=True
+    (refresh_fp32_params) into fresh engines: the same masters and next step as DeepSpeed."""
+    got = ok(api[f"load_{how}"])
+    assert got["after_load"]["None"] <= TOL and got["after_load"]["local"] <= TOL
+    assert_close_to_deepspeed(got)
+
+
+def test_save_checkpoint_checks_its_arguments_before_copying(api):
+    """save_dir None or "": DeepSpeed's ValueError, and nothing copied (into ./global_step*)."""
+    got = ok(api["bad_save_dir"])
+    for d in ("None", "''"):
+        assert got[f"ours {d}"] == got[f"ref {d}"]
+        assert got[f"ours {d}"].startswith("ValueError")
+    assert not [f for f in got["written"] if f.startswith("global_step")]
 
 
 def test_topk_compression_trains(work, disk_dir):
@@ -144,6 +229,7 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
     ({"zero_optimization": {"stage": 2}}, "ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "remove offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "cpu_offload": True}}, "remove cpu_offload"),  # legacy
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "offload_param"),
 ])

@@ -54,10 +54,12 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
                                                   "betas": [0.9, 0.95], "eps": 1e-8}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": args.lr,
                                                      "warmup_num_steps": args.warmup}},
-        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size,
-                              "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
         "steps_per_print": 10 ** 9,
     }
+    if args.persistence_threshold is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = \
+            args.persistence_threshold
     if args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": args.initial_scale_power,
                           "loss_scale_window": args.loss_scale_window}
@@ -102,6 +104,9 @@ def main() -> None:
     p.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
                    help="smartinf: Adam moments in fp32 or 8-bit block-wise (int8)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
+    p.add_argument("--persistence-threshold", type=int,
+                   help="params of at most this many elements stay gathered (DeepSpeed's "
+                        "stage3_param_persistence_threshold; its default when not given)")
     p.add_argument("--initial-scale-power", type=int, default=16, help="fp16 loss scaling")
     p.add_argument("--loss-scale-window", type=int, default=1000, help="fp16 loss scaling")
     p.add_argument("--nan-at", type=int, default=0,

@@ -26,7 +26,9 @@ sub-group's gradient partition (DeepSpeed's reduced, partitioned gradients; top-
 compressed on the accelerator when configured) goes to the pipeline with
 ``grad_scale = 1 / (loss scale x clip coefficient)``, and the updated params come out into
 the sub-group's fp16/bf16/fp32 partition. ``engine.save_checkpoint`` / ``load_checkpoint``
-copy the device directories into ``<checkpoint>/<tag>/smartinf/rank<R>``.
+copy the device directories into ``<checkpoint>/<tag>/smartinf/rank<R>``; DeepSpeed's own
+files get the devices' fp32 masters (for ``zero_to_fp32``), and DeepSpeed's fp32 accessors
+(``deepspeed.utils.safe_get_full_fp32_param`` ...) read and write the devices.
 """
 from __future__ import annotations
 
@@ -42,9 +44,11 @@ import torch
 try:
     import deepspeed
     from deepspeed import comm as dist
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
     from deepspeed.runtime.zero import stage3
+    from deepspeed.runtime.zero.config import get_zero_config
 except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
@@ -119,15 +123,16 @@ def check_config(config: dict) -> Settings:
     """Refuses configurations the integration does not run, before anything is built;
     returns the ``"smartinf"`` block's settings."""
     settings = Settings.from_config(config)
-    zero = config.get("zero_optimization", {})
-    if int(zero.get("stage", 0)) != 3:
+    zero = get_zero_config(config)  # DeepSpeed's reading, legacy spellings ("cpu_offload") included
+    if zero.stage != 3:
         raise ValueError(f'smartinf runs the ZeRO stage 3 optimizer step: set '
-                         f'"zero_optimization": {{"stage": 3}} (got stage {zero.get("stage", 0)})')
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload not in (None, "none"):
-        raise ValueError(f'"zero_optimization.offload_optimizer" is {offload!r}: the optimizer '
-                         f'states live on the smartinf devices; remove offload_optimizer')
-    if (zero.get("offload_param") or {}).get("device", "none") == "nvme":
+                         f'"zero_optimization": {{"stage": 3}} (got stage {int(zero.stage)})')
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        key = "cpu_offload" if "cpu_offload" in config["zero_optimization"] else "offload_optimizer"
+        raise ValueError(f'"zero_optimization.{key}" offloads the optimizer to '
+                         f'{zero.offload_optimizer.device!r}: the optimizer states live on the '
+                         f'smartinf devices; remove {key}')
+    if zero.offload_param is not None and zero.offload_param.device == "nvme":
         raise ValueError('"zero_optimization.offload_param" to nvme is not supported with '
                          'smartinf yet; use "cpu" or "none"')
     if config.get("hybrid_engine", {}).get("enabled"):
@@ -174,6 +179,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._rule_class = _rule_class(init_optimizer)
         self._compress = self.settings.top_k()
         self.pipeline: Optional[Pipeline] = None
+        self._read: Optional[tuple] = None  # states read by an accessor, for a setter to write
         self.last_step_seconds = 0.0
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
@@ -218,8 +224,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                 self._unflatten_partitioned_parameters(i)
 
     def _agree_on_resume(self) -> None:
-        """All ranks resume, at one step, or none do; then the kept-whole (persistent)
-        params are gathered again from the resumed partitions."""
+        """All ranks resume, at one step, or none do."""
         step = float(self.pipeline.step_count) if self._resumed else 0.0
         mine = [float(self._resumed), step]
         flags = torch.tensor(mine + [-x for x in mine], device=self.device)
@@ -235,8 +240,14 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             logger.warning("resumed %d sub-groups at step %d from %s (states of an earlier "
                            "run); to start over, use fresh directories", self.pipeline.num_subgroups,
                            self.pipeline.step_count, self._dirs)
-            if self.persistent_parameters:
-                self.persistent_parameters[0].all_gather(self.persistent_parameters)
+            self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
+        """The kept-whole (persistent) params gathered again from their partitions: an
+        all-gather skips params still gathered, so they are released first."""
+        if self.persistent_parameters:
+            self.persistent_parameters[0].partition(self.persistent_parameters)
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
     def initialize_optimizer_states(self) -> None:
         """Nothing to allocate: the states were created on the devices with the sub-groups."""
@@ -305,7 +316,65 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
 
+    # -- DeepSpeed's accessors of the fp32 masters and optimizer states -------------------
+    def _get_fp32_opt_state_partition(self, param: Any, release_swap_buffers: bool,
+                                      optim_state_key: Optional[str] = None) -> tuple:
+        """This rank's part of ``param``'s master (or optimizer state), from the devices'
+        committed step: what DeepSpeed's safe_get_*/safe_set_* read and write in place."""
+        names = self.pipeline.optimizer.state_names
+        if optim_state_key not in (None, *names):
+            raise KeyError(f"{optim_state_key!r} is not an optimizer state of smartinf's "
+                           f"{self.pipeline.optimizer.name}: it keeps {list(names)}")
+        group_idx, offset, numel = self.grad_position[self.get_param_id(param)]
+        states = self.pipeline.read_states(group_idx)
+        # DeepSpeed's setters keep the buffers (release_swap_buffers=False) to write them
+        self._read = None if release_swap_buffers else (group_idx, states)
+        part = states["param" if optim_state_key is None else optim_state_key]
+        return torch.from_numpy(part[offset:offset + numel]), group_idx
+
+    def set_full_hp_param(self, value: Any, param: Any, optim_state_key: Any = None) -> None:
+        self._write_through(super().set_full_hp_param, value, param, optim_state_key)
+
+    def set_local_hp_param(self, value: Any, param: Any, optim_state_key: Any = None) -> None:
+        self._write_through(super().set_local_hp_param, value, param, optim_state_key)
+
+    def _write_through(self, setter: Any, *args: Any) -> None:
+        """DeepSpeed's setter on the states read from the devices, which then go back as a
+        step. As with DeepSpeed's own fp32 partitions, the model's param takes a new master
+        at the next step."""
+        self._read = None
+        setter(*args)
+        read, self._read = self._read, None
+        if read is not None:  # else the setter returned early (a frozen param)
+            group_idx, states = read
+            with self.pipeline.step():
+                self.pipeline.write_states(group_idx, states,
+                                           self.pipeline.subgroup_steps(group_idx))
+
+    def _restore_from_bit16_weights(self) -> None:
+        """DeepSpeed's masters := the model's partitions (``refresh_fp32_params``, loads
+        without optimizer states): written to the devices as a step; the optimizer states
+        stay, as DeepSpeed's do."""
+        with self.pipeline.step():
+            for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+                states = self.pipeline.read_states(i)
+                states["param"] = flat.detach().to("cpu", torch.float32).numpy()
+                self.pipeline.write_states(i, states, self.pipeline.subgroup_steps(i))
+
     # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """DeepSpeed's, with the devices' committed masters in place of the empty fp32
+        partitions, so that zero_to_fp32 consolidates the true fp32 weights."""
+        state = super().state_dict()
+        state[FP32_FLAT_GROUPS] = [torch.from_numpy(self.pipeline.read_states(i)["param"])
+                                   for i in range(len(self.fp16_groups))]
+        return state
+
+    def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """DeepSpeed's load without the file's masters: the devices' copies carry them."""
+        super()._rigid_load_state_dict({**state_dict, FP32_FLAT_GROUPS: []},
+                                       load_optimizer_states)
+
     def save_states(self, directory: str) -> None:
         """Copies this rank's device directories (the last committed step) to ``directory``."""
         save_devices(self._dirs, directory)
@@ -321,8 +390,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if missing:
             raise ValueError(f"the checkpoint in {directory} lacks sub-groups {missing} of "
                              f"this model; was it saved with another model or world size?")
-        if self.persistent_parameters:
-            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+        self._regather_persistent()
 
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link and the steps committed (this rank)."""
@@ -347,8 +415,12 @@ class SmartInfEngine(DeepSpeedEngine):
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         """DeepSpeed's checkpoint plus ``<save_dir>/<tag>/smartinf/rank<R>``: the device
-        directories, copied first so a ``latest`` tag never names a checkpoint without them."""
+        directories, copied first so a ``latest`` tag never names a checkpoint without them
+        (after DeepSpeed's checks of the arguments)."""
+        if not save_dir:  # DeepSpeed's checks, before anything is copied
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self._checkpoint_tag_validation(tag)
         self.optimizer.save_states(self._states_dir(save_dir, tag))
         dist.barrier()
         return super().save_checkpoint(save_dir, tag, client_state or {}, save_latest,
@@ -395,18 +467,27 @@ def _named(module: Any, name: str, value: Any) -> Iterator[None]:
 
 def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
     """``deepspeed.initialize`` with the ZeRO-3 optimizer step on smartinf devices, as
-    configured by the ``"smartinf"`` block of ``config`` (a dict or a JSON path).
+    configured by the ``"smartinf"`` block of the config (``config=``, ``config_params=``
+    or ``args.deepspeed_config``: a dict or a JSON path).
     Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like DeepSpeed."""
     if config is None and "config_params" in kwargs:
         config = kwargs.pop("config_params")
+    ds_args = kwargs.get("args", args[0] if args else None)
+    in_args = None  # the argparse way: the config only in args.deepspeed_config
     if config is None:
-        raise ValueError("pass the DeepSpeed config (a dict or a JSON path) as config=")
+        in_args = next((name for name in ("deepspeed_config", "deepscale_config")
+                        if getattr(ds_args, name, None) is not None), None)
+        config = getattr(ds_args, in_args) if in_args else None
+    if config is None:
+        raise ValueError("pass the DeepSpeed config (a dict or a JSON path) as config= or "
+                         "args.deepspeed_config")
     if not isinstance(config, dict):
-        from deepspeed.runtime.config_utils import load_ds_config  # noqa: PLC0415
-        config = load_ds_config(config)
+        config = deepspeed.load_ds_config(config)  # a path, or base64 JSON, as DeepSpeed reads it
     config = _with_torch_adam(config)
     check_config(config)
-    with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine):
+    # DeepSpeed gets the checked config as config= (and refuses a second one in args)
+    with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine), \
+            _named(ds_args, in_args, None) if in_args else contextlib.nullcontext():
         return deepspeed.initialize(*args, config=config, **kwargs)
 
 

@@ -1,0 +1,220 @@
+"""DeepSpeed's fp32 accessors and checkpoint tools on smartinf.integrations.deepspeed, next
+to DeepSpeed's own ZeRO-3 (fp32, no offload: its fp32 partitions are the model's, torch
+AdamW) on the same model and batches. For tests/test_deepspeed.py:
+
+    torchrun --nproc_per_node=2 tests/deepspeed_api.py --dir D --out results.json
+
+Each check records its figures, or its error (so one failing check does not hide the
+others); rank 0 writes them all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
+                             safe_get_local_fp32_param, safe_set_full_fp32_param,
+                             safe_set_full_optimizer_state, safe_set_local_fp32_param)
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
+
+import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
+from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+
+LANG = Language()
+KEYS = (None, "exp_avg", "exp_avg_sq")  # the master, then Adam's states
+
+
+def config(devices: str | None) -> dict:
+    """DeepSpeed's default stage3_param_persistence_threshold: all but the embedding stay
+    gathered."""
+    c = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1,
+                                                   "torch_adam": True}},
+         "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9}
+    if devices:
+        c["smartinf"] = {"devices": [devices]}
+    return c
+
+
+def engine(devices: str | None, seed: int = 0, args: object = None) -> object:
+    model = GPT(GPTConfig(LANG.vocab_size, 32, 64, 2, 4), seed=seed)
+    init = smartinf_ds.initialize if devices else deepspeed.initialize
+    if args is not None:  # the argparse way: the config only in args.deepspeed_config
+        return init(args=args, model=model, model_parameters=model.parameters())[0]
+    return init(model=model, model_parameters=model.parameters(), config=config(devices))[0]
+
+
+def train(eng: object, data: object, steps: int) -> list:
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        logits = eng(x)
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+        eng.backward(loss)
+        eng.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / torch.distributed.get_world_size())
+    return losses
+
+
+def named(eng: object) -> dict:
+    return dict(eng.module.named_parameters())
+
+
+def rel(a: list, b: list) -> float:
+    """||a - b|| / ||b|| over lists of tensors (0 where both are 0)."""
+    num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b))
+    den = sum(float(y.double().pow(2).sum()) for y in b)
+    return (num / den) ** 0.5 if den else num ** 0.5
+
+
+def states_diff(a: object, b: object, keys: tuple = KEYS) -> dict:
+    """Per state (master, exp_avg, exp_avg_sq) rel() of all params, as DeepSpeed's
+    safe_get_* give them; "local": this rank's parts of the masters."""
+    out = {}
+    pa, pb = named(a), named(b)
+    for key in keys:
+        get = safe_get_full_fp32_param if key is None else \
+            (lambda p, k=key: safe_get_full_optimizer_state(p, k))
+        out[str(key)] = rel([get(pa[n]) for n in pa], [get(pb[n]) for n in pa])
+    out["local"] = rel([safe_get_local_fp32_param(pa[n]) for n in pa],
+                       [safe_get_local_fp32_param(pb[n]) for n in pa])
+    return out
+
+
+def gathered(eng: object) -> dict:
+    params = named(eng)
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    deepspeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    root = Path(a.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "ds.json"
+    if rank == 0:
+        path.write_text(json.dumps(config(str(root / "ours"))))
+    torch.distributed.barrier()
+    results: dict = {}
+
+    def check(fn):  # runs now (on every rank alike); its figures or its error go under its name
+        try:
+            results[fn.__name__] = fn()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            traceback.print_exc()
+            results[fn.__name__] = {"error": f"{type(e).__name__}: {e}"}
+        return fn
+
+    ours = ref = None
+
+    @check
+    def config_in_args():
+        nonlocal ours
+        ours = engine(str(root / "ours"), args=argparse.Namespace(deepspeed_config=str(path)))
+        return {"ok": True}
+
+    ours = ours or engine(str(root / "ours"))
+    ref = engine(None)
+    data = [batches(LANG, 4, 32, seed=1000 + rank) for _ in range(2)]
+    results["losses"] = [train(ours, data[0], 2), train(ref, data[1], 2)]
+
+    @check
+    def accessors():
+        diff = states_diff(ours, ref)
+        # in fp32 the master is the model's param
+        g = gathered(ours)
+        diff["master_vs_model"] = rel([safe_get_full_fp32_param(q) for q in named(ours).values()],
+                                      list(g.values()))
+        return diff
+
+    @check
+    def setters():
+        """The same sets on both, then a step (the model's params take the new masters
+        at the step, in DeepSpeed)."""
+        out = {}
+        for eng in (ours, ref):
+            ps = named(eng)
+            emb, bias, fc = (ps[n] for n in ("tok_emb.weight", "blocks.0.attn.qkv.bias",
+                                             "blocks.0.mlp.fc.weight"))
+            new = safe_get_full_fp32_param(emb) * 0.5 + 0.01
+            safe_set_full_fp32_param(emb, new)
+            exp_avg = safe_get_full_optimizer_state(fc, "exp_avg")
+            safe_set_full_optimizer_state(fc, exp_avg * 3, "exp_avg")
+            safe_set_local_fp32_param(bias, safe_get_local_fp32_param(bias) - 0.1)
+            out.setdefault("set_then_get", []).append(rel([safe_get_full_fp32_param(emb)], [new]))
+        out["loss"] = [train(ours, data[0], 1)[0], train(ref, data[1], 1)[0]]
+        out.update(states_diff(ours, ref))
+        return out
+
+    cwd = os.getcwd()
+    os.chdir(root)  # where save_dir="" would write
+
+    @check
+    def bad_save_dir():
+        out = {}
+        for name, eng in (("ours", ours), ("ref", ref)):
+            for d in (None, ""):
+                try:
+                    eng.save_checkpoint(d)
+                    out[f"{name} {d!r}"] = "saved"
+                except Exception as e:  # noqa: BLE001
+                    out[f"{name} {d!r}"] = f"{type(e).__name__}: {e}"
+        out["written"] = sorted(os.listdir(root))
+        return out
+
+    os.chdir(cwd)
+    ours.save_checkpoint(str(root / "ckpt-ours"))
+    ref.save_checkpoint(str(root / "ckpt-ref"))
+
+    @check
+    def zero_to_fp32():
+        masters = {n: safe_get_full_fp32_param(q) for n, q in named(ours).items()}
+        if rank != 0:
+            return {}
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(root / "ckpt-ours"))
+        sd_ref = get_fp32_state_dict_from_zero_checkpoint(str(root / "ckpt-ref"))
+        return {"vs_masters": rel([sd[n] for n in masters], list(masters.values())),
+                "vs_deepspeed": rel([sd[n] for n in masters], [sd_ref[n] for n in masters])}
+
+    for i, how in enumerate(({"load_optimizer_states": False}, {"load_module_only": True})):
+        def load(how=how, i=i):
+            """DeepSpeed's partial loads into fresh engines (another seed), then a step."""
+            fresh = engine(str(root / f"ours-load{i}"), seed=1), engine(None, seed=1)
+            for eng, ckpt in zip(fresh, ("ckpt-ours", "ckpt-ref")):
+                eng.load_checkpoint(str(root / ckpt), **how)
+            out = {"after_load": states_diff(*fresh, keys=(None,))}  # no states yet in torch's Adam
+            out["loss"] = [train(eng, batches(LANG, 4, 32, seed=2000 + rank), 1)[0]
+                           for eng in fresh]
+            out.update(states_diff(*fresh))
+            for eng in fresh:
+                eng.destroy()
+            return out
+        load.__name__ = "load_" + next(iter(how))
+        check(load)
+
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    for eng in (ours, ref):
+        eng.destroy()
+
+
+if __name__ == "__main__":
+    main()
