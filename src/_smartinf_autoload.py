@@ -12,12 +12,13 @@ def _install() -> None:
     import importlib.abc  # noqa: PLC0415
 
     class _Deferred(importlib.abc.MetaPathFinder):
-        """Imports the real hook only when deepspeed is imported (torch is loaded then)."""
+        """Imports the real hook only when deepspeed is looked for (torch is loaded then)."""
+
+        smartinf_hook = True
 
         def find_spec(self, name, path, target=None):
             if name != "deepspeed":
                 return None
-            sys.meta_path.remove(self)
             from smartinf.integrations import deepspeed_hook  # noqa: PLC0415
             return deepspeed_hook.find_and_patch(name)
 

@@ -106,7 +106,8 @@ def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
     """Without a checkpoint, a new run on the same directories continues from their last
     committed step (master weights back into the model), as smartinf.optim does."""
     first = train(work, disk_dir, "first")
-    second = train(work, disk_dir, "second")
+    train(work, disk_dir, "again", fails_with="holds the states of an earlier run")  # a choice
+    second = train(work, disk_dir, "second", extra=("--if-exists", "resume"))
     assert losses(second)[0] < losses(first)[0] - 0.05
     assert losses(second)[0] != losses(first)[-1]  # a new batch after step 8's update
 
@@ -117,7 +118,8 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     gathered at load, included)."""
     ckpt = str(work / "ckpt")
     first = train(work, disk_dir, "ckpt-first", world=2, extra=("--save", ckpt, "--save-at", "4"))
-    again = train(work, disk_dir, "ckpt-again", world=2, extra=("--load", ckpt))
+    again = train(work, disk_dir, "ckpt-again", world=2,
+                  extra=("--load", ckpt, "--if-exists", "overwrite"))
     assert [s["step"] for s in again["steps"]] == [5, 6, 7, 8]
     assert losses(again) == losses(first)[4:]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
@@ -129,7 +131,8 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     live = Path(disk_dir) / "smartinf" / "rank00001"
     for f in ("states.bin", "manifest"):
         shutil.copyfile(older / f, live / f)
-    train(work, disk_dir, "ckpt-mixed", world=2, fails_with="hold different steps (4 to 8")
+    train(work, disk_dir, "ckpt-mixed", world=2, extra=("--if-exists", "resume"),
+          fails_with="hold different steps (4 to 8")
 
 
 # -- DeepSpeed's accessors and checkpoint tools (one run of tests/deepspeed_api.py) --------
@@ -268,3 +271,45 @@ def test_unsupported_base_optimizer_and_amsgrad_are_refused():
     opt = torch.optim.AdamW(p, amsgrad=True)
     with pytest.raises(ValueError, match="amsgrad"):
         sds._rule(sds._rule_class(opt), opt.param_groups[0])
+
+
+# -- the block takes effect wherever deepspeed.initialize is called -------------------------
+HOOK_SCRIPT = r"""
+import os, sys
+import deepspeed, torch
+assert hasattr(deepspeed.initialize, "__wrapped__")  # no smartinf import: the .pth hooked it
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "smartinf": {"devices": [sys.argv[1]]}}
+model = torch.nn.Linear(8, 8)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+print("engine", type(engine).__name__)
+import smartinf.integrations.deepspeed as sds, smartinf.optim
+deepspeed.initialize = sds.initialize  # by hand, as users did: no recursion
+engine, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 8), config=dict(
+    config, smartinf={"devices": [sys.argv[1] + "-2"]}), model_parameters=model.parameters())
+print("by hand", type(engine).__name__)
+opt = smartinf.optim.AdamW(model.parameters(), devices=[sys.argv[1] + "-3"])
+try:
+    deepspeed.initialize(model=model, optimizer=opt, config={k: v for k, v in config.items()
+                                                              if k not in ("smartinf", "optimizer")})
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_the_smartinf_block_needs_no_smartinf_code(tmp_path):
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29300 + os.getpid() % 500), OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    done = subprocess.run([sys.executable, "-c", HOOK_SCRIPT, str(tmp_path / "states")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "engine SmartInfEngine" in done.stdout and "by hand SmartInfEngine" in done.stdout
+    assert "refused: a smartinf.optim.AdamW was given to DeepSpeed" in done.stdout
+    assert (tmp_path / "states" / "rank00000" / "manifest").is_file()
+    off = subprocess.run([sys.executable, "-c", "import deepspeed, sys; "
+                          "print(hasattr(deepspeed.initialize, '__wrapped__'))"],
+                         env=dict(env, SMARTINF_AUTOLOAD="0"), capture_output=True, text=True)
+    assert off.stdout.strip().endswith("False")  # the documented switch turns it off

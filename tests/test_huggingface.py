@@ -25,7 +25,8 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-              "--master_port", str(29600 + os.getpid() % 1000)] if world > 1 else [sys.executable]
+              "--master_port", str(29600 + os.getpid() % 1000)] \
+        if world > 1 or via == "trainer-deepspeed" else [sys.executable]
     cmd = [*launch, str(SCRIPT), "--via", via, "--mode", mode, "--dir", states or str(tmp / name),
            "--checkpoints", str(tmp / name / "checkpoints"), "--out", str(tmp / f"{name}.json")]
     if resume_from:
@@ -52,6 +53,24 @@ def test_optimizer_through_trainer_and_accelerate(tmp_path, via):
     # Resumed from the step-4 checkpoint, in a fresh process, over the same states directory:
     # the same steps 5-8 as the uninterrupted run (fp32 masters travel in optimizer.pt).
     resumed = run(tmp_path, "resumed", via, states=str(tmp_path / "ours"),
+                  resume_from=str(tmp_path / "ours" / "checkpoints" / "checkpoint-4"))
+    assert resumed["losses"][-4:] == ours["losses"][-4:]
+    for key, value in ours["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_with_a_deepspeed_config_holding_a_smartinf_block(tmp_path, world):
+    """TrainingArguments(deepspeed=config): the block takes effect through the import alone
+    (the states directory fills), the run equals ZeRO-3 with DeepSpeed's CPU offload, the
+    Trainer's checkpoints (saved twice per tag by the Trainer) resume exactly, and
+    zero_to_fp32 consolidates the fp32 weights."""
+    via = "trainer-deepspeed"
+    ours = run(tmp_path, "ours", via, world=world)
+    for rank in range(world):
+        assert (tmp_path / "ours" / f"rank{rank:05d}" / "states.bin").stat().st_size > 0
+    assert_same_run(ours, run(tmp_path, "ref", via, mode="reference", world=world), 1e-5)
+    resumed = run(tmp_path, "resumed", via, world=world, states=str(tmp_path / "ours"),
                   resume_from=str(tmp_path / "ours" / "checkpoints" / "checkpoint-4"))
     assert resumed["losses"][-4:] == ours["losses"][-4:]
     for key, value in ours["weights"].items():

@@ -67,7 +67,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         config["bf16"] = {"enabled": True}
     storage = os.path.join(args.dir, args.mode)
     if args.mode == "smartinf":
-        config["smartinf"] = {"devices": [storage]}
+        config["smartinf"] = {"devices": [storage], "if_exists": args.if_exists}
         if args.topk:
             config["smartinf"]["compress"] = {"ratio": args.topk}
         if args.state_dtype != "fp32":
@@ -114,6 +114,9 @@ def main() -> None:
     p.add_argument("--save", help="checkpoint directory: save after --save-at steps")
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load", help="checkpoint directory to resume from")
+    p.add_argument("--if-exists", choices=("error", "resume", "overwrite"), default="error",
+                   help="smartinf: directories holding an earlier run are refused, resumed, or "
+                        "overwritten (with --load: the checkpoint replaces them anyway)")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
     args = p.parse_args()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -55,11 +56,16 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 
 from .. import update_rules
 from ..checkpoint import restore_devices, save_devices
+from ..optim import _StorageOptimizer as StorageOptimizer
+from . import deepspeed_hook
 from ..compress import Compressed, TopK
 from ..pipeline import Pipeline
 from ..staging import Staging, depth_for, pipelined
 
 logger = logging.getLogger("smartinf")
+# DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
+# hand must not make ours call itself.
+_deepspeed_initialize = deepspeed_hook.original_initialize(deepspeed)
 
 __all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings"]
 
@@ -77,6 +83,7 @@ class Settings:
     queue_depth: Optional[int] = None
     compress: Optional[dict] = None
     state_dtype: str = "fp32"
+    if_exists: str = "error"  # directories holding a run: "error", "resume" or "overwrite"
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -84,7 +91,8 @@ class Settings:
         if not isinstance(block, dict):
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
-        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress", "state_dtype"}
+        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress", "state_dtype",
+                 "if_exists"}
         unknown = sorted(set(block) - known)
         if unknown:
             raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
@@ -104,7 +112,8 @@ class Settings:
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         return cls(devices=devices, slots=block.get("slots"), chunk=block.get("chunk"),
                    io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress,
-                   state_dtype=block.get("state_dtype", "fp32"))
+                   state_dtype=block.get("state_dtype", "fp32"),
+                   if_exists=block.get("if_exists", "error"))
 
     def rank_dirs(self, rank: int) -> list[str]:
         """Each rank keeps its partition's states in its own sub-directory."""
@@ -194,7 +203,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._dirs = self.settings.rank_dirs(dist.get_rank())
-        self.pipeline = self._open_pipeline()
+        self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.if_exists))
         self._staging = Staging(max(numels), depth_for(len(self._dirs)))
         self._attach()
         for i, numel in enumerate(numels):
@@ -205,11 +214,28 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         for param_group in self.optimizer.param_groups:
             param_group["params"] = []
 
-    def _open_pipeline(self) -> Pipeline:
+    def _open_pipeline(self, if_exists: str) -> Pipeline:
         s = self.settings
         return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
                         slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth,
-                        state_dtype=s.state_dtype)
+                        state_dtype=s.state_dtype, if_exists=if_exists)
+
+    def _all_ranks(self, action: Any) -> Any:
+        """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
+        waiting in the next collective would hang)."""
+        error: Optional[BaseException] = None
+        try:
+            result = action()
+        except (ValueError, OSError) as e:
+            error, result = e, None
+        failed = torch.tensor([float(error is not None)], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("another rank could not open its smartinf directories (its error "
+                               "says why); nothing was changed here")
+        return result
 
     def _attach(self) -> None:
         """Registers every sub-group; resumed ones put their master weights into the model."""
@@ -237,8 +263,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                                f"steps ({-flags[3]:.0f} to {flags[1]:.0f}; a crash between two "
                                f"ranks' commits?): load a checkpoint or use fresh directories")
         if self._resumed:
-            logger.warning("resumed %d sub-groups at step %d from %s (states of an earlier "
-                           "run); to start over, use fresh directories", self.pipeline.num_subgroups,
+            logger.warning("resumed %d sub-groups at step %d from %s (if_exists=\"resume\"): "
+                           "their stored weights replaced the model's", self.pipeline.num_subgroups,
                            self.pipeline.step_count, self._dirs)
             self._regather_persistent()
 
@@ -376,7 +402,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                                        load_optimizer_states)
 
     def save_states(self, directory: str) -> None:
-        """Copies this rank's device directories (the last committed step) to ``directory``."""
+        """Copies this rank's device directories (the last committed step) to ``directory``,
+        replacing an earlier copy under the same tag (the transformers Trainer saves a tag
+        twice), as DeepSpeed replaces its own files."""
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
         save_devices(self._dirs, directory)
 
     def restore_states(self, directory: str) -> None:
@@ -384,7 +414,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         puts the restored master weights into the model's partitions."""
         self.pipeline.close()
         restore_devices(directory, self._dirs)
-        self.pipeline = self._open_pipeline()
+        self.pipeline = self._open_pipeline("resume")
         self._attach()
         missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
         if missing:
@@ -470,6 +500,15 @@ def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
     configured by the ``"smartinf"`` block of the config (``config=``, ``config_params=``
     or ``args.deepspeed_config``: a dict or a JSON path).
     Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like DeepSpeed."""
+    optimizer = kwargs.get("optimizer")
+    if isinstance(optimizer, StorageOptimizer):
+        optimizer.close()
+        raise ValueError(
+            f"a smartinf.optim.{type(optimizer).__name__} was given to DeepSpeed, whose ZeRO-3 "
+            f"partitions the params it would update: give DeepSpeed a torch optimizer (or an "
+            f'"optimizer" block in its config) and put the devices in the config\'s "{CONFIG_KEY}" '
+            f'block, e.g. "{CONFIG_KEY}": {{"devices": {[d.path for d in optimizer.pipeline.devices]}}}'
+            f' (with the transformers Trainer: its default optimizer, no optimizer_cls_and_kwargs)')
     if config is None and "config_params" in kwargs:
         config = kwargs.pop("config_params")
     ds_args = kwargs.get("args", args[0] if args else None)
@@ -488,7 +527,7 @@ def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
     # DeepSpeed gets the checked config as config= (and refuses a second one in args)
     with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine), \
             _named(ds_args, in_args, None) if in_args else contextlib.nullcontext():
-        return deepspeed.initialize(*args, config=config, **kwargs)
+        return _deepspeed_initialize(*args, config=config, **kwargs)
 
 
 def _with_torch_adam(config: dict) -> dict:

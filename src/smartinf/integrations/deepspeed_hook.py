@@ -28,7 +28,7 @@ def install() -> None:
     module = sys.modules.get("deepspeed")
     if module is not None:
         patch(module)
-    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+    elif not any(getattr(f, "smartinf_hook", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnImport())
 
 
@@ -59,7 +59,7 @@ def config_of(args: Any, kwargs: dict) -> Any:
         if kwargs.get(key) is not None:
             return kwargs[key]
     given = kwargs.get("args", args[0] if args else None)
-    return getattr(given, "deepspeed_config", None)
+    return getattr(given, "deepspeed_config", None) or getattr(given, "deepscale_config", None)
 
 
 def _wants_smartinf(args: Any, kwargs: dict) -> bool:
@@ -76,18 +76,28 @@ def _wants_smartinf(args: Any, kwargs: dict) -> bool:
     return isinstance(config, dict) and CONFIG_KEY in config
 
 
+_finding = False  # inside find_and_patch: the other finders answer
+
+
 def find_and_patch(name: str) -> Any:
     """The import spec of ``deepspeed`` from the other finders, made to patch the module
-    once it is executed (a post-import hook; the finders here step aside first)."""
-    for finder in [f for f in sys.meta_path if isinstance(f, _OnImport)]:
-        sys.meta_path.remove(finder)
-    spec = importlib.util.find_spec(name)
+    once it is executed (a post-import hook). A spec asked for without an import (an
+    availability probe) is dropped, and the next one asked for is made the same way."""
+    global _finding
+    if _finding:
+        return None
+    _finding = True
+    try:
+        spec = importlib.util.find_spec(name)
+    finally:
+        _finding = False
     if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
         return spec
     execute = spec.loader.exec_module
 
     def exec_module(module: Any) -> None:
         execute(module)
+        sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "smartinf_hook", False)]
         patch(module)
 
     spec.loader.exec_module = exec_module
@@ -95,5 +105,7 @@ def find_and_patch(name: str) -> Any:
 
 
 class _OnImport(importlib.abc.MetaPathFinder):
+    smartinf_hook = True
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         return find_and_patch(name) if name == "deepspeed" else None
