@@ -235,6 +235,8 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
     ({"zero_optimization": {"stage": 3, "cpu_offload": True}}, "remove cpu_offload"),  # legacy
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "offload_param"),
+    ({"checkpoint": {"load_universal": True}}, "load_universal"),
+    ({"smartinf": {"devices": ["/a"], "if_exists": "sometimes"}}, "if_exists"),
 ])
 def test_config_errors(change, message):
     config = {k: v for k, v in {**BASE, **change}.items() if v is not None}

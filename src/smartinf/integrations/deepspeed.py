@@ -59,7 +59,7 @@ from ..checkpoint import restore_devices, save_devices
 from ..optim import _StorageOptimizer as StorageOptimizer
 from . import deepspeed_hook
 from ..compress import Compressed, TopK
-from ..pipeline import Pipeline
+from ..pipeline import IF_EXISTS, Pipeline
 from ..staging import Staging, depth_for, pipelined
 
 logger = logging.getLogger("smartinf")
@@ -104,6 +104,9 @@ class Settings:
                 not all(isinstance(d, str) and d for d in devices):
             raise ValueError(f'"{CONFIG_KEY}.devices" must be a non-empty list of directories, '
                              f'got {devices!r}')
+        if block.get("if_exists", "error") not in IF_EXISTS:
+            raise ValueError(f'"{CONFIG_KEY}.if_exists" must be one of {list(IF_EXISTS)}, got '
+                             f'{block["if_exists"]!r}')
         compress = block.get("compress")
         if compress is not None:
             if not isinstance(compress, dict) or not set(compress) <= {"ratio", "value_dtype",
@@ -144,6 +147,10 @@ def check_config(config: dict) -> Settings:
     if zero.offload_param is not None and zero.offload_param.device == "nvme":
         raise ValueError('"zero_optimization.offload_param" to nvme is not supported with '
                          'smartinf yet; use "cpu" or "none"')
+    if (config.get("checkpoint") or {}).get("load_universal"):
+        raise ValueError('"checkpoint.load_universal" is not supported with smartinf: a '
+                         'universal checkpoint has no device directories; load a checkpoint '
+                         'saved by this integration')
     if config.get("hybrid_engine", {}).get("enabled"):
         raise ValueError("the DeepSpeed hybrid engine is not supported with smartinf")
     return settings
