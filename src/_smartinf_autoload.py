@@ -19,7 +19,14 @@ def _install() -> None:
         def find_spec(self, name, path, target=None):
             if name != "deepspeed":
                 return None
-            from smartinf.integrations import deepspeed_hook  # noqa: PLC0415
+            try:
+                from smartinf.integrations import deepspeed_hook  # noqa: PLC0415
+            except Exception as e:  # a broken smartinf must not break DeepSpeed: say so
+                sys.meta_path.remove(self)
+                import warnings  # noqa: PLC0415
+                warnings.warn(f"smartinf is installed but cannot be imported ({e!r}): a "
+                              f'"smartinf" block in a DeepSpeed config will be ignored')
+                return None
             return deepspeed_hook.find_and_patch(name)
 
     sys.meta_path.insert(0, _Deferred())
