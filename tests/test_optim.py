@@ -294,7 +294,6 @@ def test_subgroups_without_grads_are_not_updated(disk_dir):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"amsgrad": True}, ValueError, "amsgrad=True is not supported"),
-    ({"maximize": True}, ValueError, "maximize=True is not supported"),
     ({"subgroup_size": 0}, ValueError, "subgroup_size"),
     ({"compress": 0.01}, TypeError, "TopK"),
     ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
@@ -741,3 +740,13 @@ def _ddp_rank(rank, directory, port):
 
 def test_one_directory_spec_serves_every_ddp_rank(tmp_path):
     torch.multiprocessing.spawn(_ddp_rank, args=(str(tmp_path), 29400 + os.getpid() % 500), nprocs=2)
+
+
+@pytest.mark.parametrize("ours, theirs, kw", CASES, ids=IDS)
+def test_maximize_matches_torch(disk_dir, ours, theirs, kw):
+    a, b = make_model(), make_model()
+    oa = ours(a.parameters(), devices=[disk_dir], maximize=True, **SMALL, **kw)
+    ob = theirs(b.parameters(), maximize=True, **kw)
+    train_both(a, oa, b, ob, range(5))
+    assert_models_close(a, b)
+    oa.close()

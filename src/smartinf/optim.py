@@ -41,8 +41,7 @@ logger = logging.getLogger("smartinf")
 #: Parameters per sub-group unless ``subgroup_size`` says otherwise (DeepSpeed's
 #: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
 DEFAULT_SUBGROUP_SIZE = 16 << 20
-_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False,
-                "differentiable": False}
+_UNSUPPORTED = {"amsgrad": False, "capturable": False, "differentiable": False}
 _IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
 MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
 

@@ -250,7 +250,8 @@ class Pipeline:
         rule = self._rule(overrides)
         if not np.isfinite(grad_scale) or grad_scale <= 0:
             raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
-        hyper = dict(rule.hyper(), grad_scale=float(grad_scale))
+        # maximize: torch negates the gradient first; a negated scale is the same, exactly
+        hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
         done = native.update(sg, g.address, g.dtype, index is not None,
                              index.address if index else 0, nnz, o.address, o.dtype, hyper)
         future = UpdateFuture(done, keep)

@@ -4,6 +4,7 @@ Each rule names its native kernel (``name``), the fp32 state arrays it keeps on 
 after the master weight (``state_names``, named as in torch's optimizer state) and the
 value those start at (``initial_state``). ``hyper()`` is what one update sends to the
 kernel; a rule is immutable, ``dataclasses.replace`` makes a per-update variant.
+``maximize`` (as in torch) ascends: the gradient's sign is flipped with its scale, exactly.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def _check(name: str, value: float, low: float, high: float, *, open_low: bool =
         raise ValueError(f"{name}={value!r} is outside {bound}{low}, {high}]")
 
 
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class Adam:
     """Adam (L2 weight decay added to the gradient), as ``torch.optim.Adam``."""
@@ -28,6 +34,7 @@ class Adam:
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    maximize: bool = False
     name = "adam"
     state_names = ("exp_avg", "exp_avg_sq")
     initial_state = 0.0
@@ -43,6 +50,7 @@ class Adam:
             raise ValueError(f"betas must be < 1, got {self.betas}")
         _check("eps", self.eps, 0.0, math.inf, open_low=True)
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check_flag("maximize", self.maximize)
 
     def hyper(self) -> dict:
         return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0],
@@ -70,6 +78,7 @@ class SGD:
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    maximize: bool = False
     name = "sgd"
     state_names = ("momentum_buffer",)
     initial_state = 0.0
@@ -79,13 +88,13 @@ class SGD:
         _check("momentum", self.momentum, 0.0, math.inf)
         _check("dampening", self.dampening, -math.inf, math.inf)
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"nesterov must be a bool, got {type(self.nesterov).__name__}")
+        _check_flag("nesterov", self.nesterov)
+        _check_flag("maximize", self.maximize)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def hyper(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "maximize"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class Adagrad:
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
+    maximize: bool = False
     name = "adagrad"
     state_names = ("sum",)
 
@@ -106,6 +116,7 @@ class Adagrad:
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
         _check("initial_accumulator_value", self.initial_accumulator_value, 0.0, math.inf)
         _check("eps", self.eps, 0.0, math.inf)
+        _check_flag("maximize", self.maximize)
 
     @property
     def initial_state(self) -> float:

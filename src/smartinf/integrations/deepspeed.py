@@ -176,7 +176,7 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type:
 
 def _rule(rule_class: type, group: dict) -> Any:
     """The update rule with a param group's current hyper-parameters (read every step)."""
-    for key, allowed in (("amsgrad", False), ("bias_correction", True), ("maximize", False)):
+    for key, allowed in (("amsgrad", False), ("bias_correction", True)):
         if key in group and bool(group[key]) != allowed:
             raise ValueError(f"{key}={group[key]!r} is not supported by smartinf")
     fields = {f: group[f] for f in rule_class.__dataclass_fields__ if f in group}
