@@ -26,6 +26,10 @@ DECLARE_TOPK(smartinf_adam_topk_f16_f16)
 DECLARE_TOPK(smartinf_adam_topk_bf16_bf16)
 extern "C" void smartinf_sgd_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::SgdStep);
 extern "C" void smartinf_adagrad_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::AdagradStep);
+extern "C" void smartinf_lion_f32_f16(Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
+extern "C" void smartinf_lion_bf16_bf16(Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
+extern "C" void smartinf_amsgrad_f32_f16(Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
+                                         k::AdamStep);
 extern "C" void smartinf_adam8_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
                                        k::AdamStep);
 
@@ -119,6 +123,33 @@ static void topk_case(void (*kernel)(Beat*, Beat*, Beat*, const Beat*, const Bea
   check(dp.equals(p) && dm.equals(m) && dv.equals(v) && dout.equals(out), name, n);
 }
 
+template <class G, class P>
+static void lion_case(void (*kernel)(Beat*, Beat*, const Beat*, Beat*, int, k::LionStep),
+                      const char* name, int n) {
+  const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
+  auto p = random<float>(n), m = random<float>(n, 0.1f);
+  auto g = random<G>(n);
+  std::vector<P> out(n);
+  Device<float> dp(p), dm(m);
+  Device<G> dg(g);
+  Device<P> dout(out);
+  k::lion(n, p.data(), m.data(), g.data(), out.data(), s);
+  kernel(dp.data(), dm.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(p) && dm.equals(m) && dout.equals(out), name, n);
+}
+
+static void amsgrad_case(int n, const k::AdamStep& s) {
+  auto p = random<float>(n), m = random<float>(n, 0.1f), v = positive(n), vmax = positive(n);
+  auto g = random<float>(n);
+  std::vector<k::f16> out(n);
+  Device<float> dp(p), dm(m), dv(v), dvmax(vmax), dg(g);
+  Device<k::f16> dout(out);
+  k::adam_amsgrad(n, p.data(), m.data(), v.data(), vmax.data(), g.data(), out.data(), s);
+  smartinf_amsgrad_f32_f16(dp.data(), dm.data(), dv.data(), dvmax.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(p) && dm.equals(m) && dv.equals(v) && dvmax.equals(vmax) && dout.equals(out),
+        "amsgrad_f32_f16", n);
+}
+
 static void two_state_cases(int n) {
   for (int first = 0; first < 2; ++first)
     for (int nesterov = 0; nesterov < 2; ++nesterov) {
@@ -141,6 +172,8 @@ static void two_state_cases(int n) {
   k::adagrad(n, p.data(), sum.data(), g.data(), out.data(), s);
   smartinf_adagrad_f32_f16(dp.data(), ds.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(p) && ds.equals(sum) && dout.equals(out), "adagrad_f32_f16", n);
+  lion_case<float, k::f16>(smartinf_lion_f32_f16, "lion_f32_f16", n);
+  lion_case<k::bf16, k::bf16>(smartinf_lion_bf16_bf16, "lion_bf16_bf16", n);
 }
 
 // int8 states: the kernel on the cpu device's layout (one buffer, whole chunk) against the
@@ -189,10 +222,11 @@ int main() {
       topk_case<k::f16, k::f16>(smartinf_adam_topk_f16_f16, "adam_topk_f16_f16", n, s);
       topk_case<k::bf16, k::bf16>(smartinf_adam_topk_bf16_bf16, "adam_topk_bf16_bf16", n, s);
       adam8_case(n, s);
+      amsgrad_case(n, s);
     }
     two_state_cases(n);
   }
-  std::printf("csim: %d checks, %d failures (%zu lengths, 10 top functions)\n", checks, failures,
+  std::printf("csim: %d checks, %d failures (%zu lengths, 13 top functions)\n", checks, failures,
               sizeof(lengths) / sizeof(lengths[0]));
   return failures ? 1 : 0;
 }

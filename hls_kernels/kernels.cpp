@@ -46,7 +46,22 @@ namespace h = smartinf::hls;
     h::update_chunk<h::AdamMath, h::TopkGrad<V>, P>(states, g, out, n, h::AdamMath{step});     \
   }
 
-// SGD (momentum buffer) and AdaGrad (squared-gradient sum): two state arrays.
+// Adam / AdamW with AMSGrad: the largest exp_avg_sq so far as a fourth state array.
+#define SMARTINF_AMSGRAD(NAME, G, P)                                                           \
+  extern "C" void NAME(Beat* param, Beat* exp_avg, Beat* exp_avg_sq, Beat* max_exp_avg_sq,     \
+                       const Beat* grad, Beat* out, int n, k::AdamStep step) {                 \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(exp_avg, states)                                                             \
+    SMARTINF_PORT(exp_avg_sq, states)                                                          \
+    SMARTINF_PORT(max_exp_avg_sq, states)                                                      \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* states[4] = {param, exp_avg, exp_avg_sq, max_exp_avg_sq};                            \
+    h::DenseGrad<G> g{grad};                                                                   \
+    h::update_chunk<h::AmsgradMath, h::DenseGrad<G>, P>(states, g, out, n, h::AmsgradMath{step}); \
+  }
+
+// SGD (momentum buffer), AdaGrad (squared-gradient sum), Lion (momentum): two state arrays.
 #define SMARTINF_TWO_STATE(NAME, MATH, STEP, G, P)                                             \
   extern "C" void NAME(Beat* param, Beat* state, const Beat* grad, Beat* out, int n,           \
                        STEP step) {                                                            \
@@ -83,4 +98,7 @@ SMARTINF_ADAM_TOPK(smartinf_adam_topk_f16_f16, k::f16, k::f16)
 SMARTINF_ADAM_TOPK(smartinf_adam_topk_bf16_bf16, k::bf16, k::bf16)
 SMARTINF_TWO_STATE(smartinf_sgd_f32_f16, h::SgdMath, k::SgdStep, float, k::f16)
 SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::AdagradMath, k::AdagradStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_lion_f32_f16, h::LionMath, k::LionStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::LionMath, k::LionStep, k::bf16, k::bf16)
+SMARTINF_AMSGRAD(smartinf_amsgrad_f32_f16, float, k::f16)
 SMARTINF_ADAM8(smartinf_adam8_f32_f16, float, k::f16)

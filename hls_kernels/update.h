@@ -9,6 +9,7 @@
 #include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/decompress.h"
+#include "kernels/lion.h"
 #include "kernels/quant8.h"
 #include "kernels/sgd.h"
 
@@ -21,6 +22,24 @@ struct AdamMath {
   template <class G, class P>
   void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
     kernels::adam(n, st[0], st[1], st[2], g, out, s);
+  }
+};
+
+struct AmsgradMath {
+  static constexpr int NS = 4;
+  kernels::AdamStep s;
+  template <class G, class P>
+  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
+    kernels::adam_amsgrad(n, st[0], st[1], st[2], st[3], g, out, s);
+  }
+};
+
+struct LionMath {
+  static constexpr int NS = 2;
+  kernels::LionStep s;
+  template <class G, class P>
+  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
+    kernels::lion(n, st[0], st[1], g, out, s);
   }
 };
 

@@ -93,6 +93,22 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     assert all(s["storage_written"] >= 12 * params / world for s in applied)
 
 
+def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
+    """A config "Lion" block: loss-for-loss DeepSpeed's own Lion (ZeRO-3, CPU offload,
+    DeepSpeedCPULion), with 8 B/param of states on storage. The params are not compared:
+    where momentum and gradient are both exactly 0 (embedding rows of unseen tokens)
+    DeepSpeed's CPU Lion steps by -lr (copysign), the paper and torch.sign by 0; smartinf
+    follows the paper (tests/test_optim.py checks it against a torch reference)."""
+    extra = ("--optimizer", "lion")
+    ours = train(work, disk_dir, "ours-lion", extra=extra)
+    ref = train(work, disk_dir, "ref-lion", mode="deepspeed-cpu", extra=extra)
+    for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    assert losses(ours)[-1] < losses(ours)[0]
+    assert all(8 * ours["num_params"] <= s["storage_read"] < 12 * ours["num_params"]
+               for s in ours["steps"][1:])
+
+
 def test_bf16_within_noise_of_deepspeed(work, disk_dir):
     ours = train(work, disk_dir, "ours-bf16", extra=("--dtype", "bf16"))
     ref = train(work, disk_dir, "ref-bf16", mode="deepspeed-cpu", extra=("--dtype", "bf16"))

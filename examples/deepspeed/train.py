@@ -51,7 +51,9 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
-                                                  "betas": [0.9, 0.95], "eps": 1e-8}},
+                                                  "betas": [0.9, 0.95], "eps": 1e-8}}
+        if args.optimizer == "adamw" else
+        {"type": "Lion", "params": {"lr": args.lr / 10, "weight_decay": 0.1, "betas": [0.9, 0.99]}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": args.lr,
                                                      "warmup_num_steps": args.warmup}},
         "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
@@ -98,6 +100,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=("adamw", "lion"), default="adamw",
+                   help="the config's optimizer block (Lion at lr / 10, as the paper advises)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")

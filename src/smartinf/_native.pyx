@@ -259,15 +259,15 @@ cdef class NativePipeline:
         return done
 
     def write_states(self, size_t sg, list arrays, uint64_t steps):
-        cdef const float* ptrs[3]
-        for a in range(3):
+        cdef const float* ptrs[4]  # kernels::kMaxStateArrays
+        for a in range(4):
             ptrs[a] = <const float*><uintptr_t>(arrays[a] if a < len(arrays) else 0)
         with nogil:
             self.p.write_states(sg, ptrs, steps)
 
     def read_states(self, size_t sg, list arrays):
-        cdef float* ptrs[3]
-        for a in range(3):
+        cdef float* ptrs[4]  # kernels::kMaxStateArrays
+        for a in range(4):
             ptrs[a] = <float*><uintptr_t>(arrays[a] if a < len(arrays) else 0)
         with nogil:
             self.p.read_states(sg, ptrs)

@@ -41,7 +41,7 @@ logger = logging.getLogger("smartinf")
 #: Parameters per sub-group unless ``subgroup_size`` says otherwise (DeepSpeed's
 #: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
 DEFAULT_SUBGROUP_SIZE = 16 << 20
-_UNSUPPORTED = {"amsgrad": False, "capturable": False, "differentiable": False}
+_UNSUPPORTED = {"capturable": False, "differentiable": False}
 _IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
 MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
 
@@ -181,7 +181,7 @@ def _total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tens
 class _StorageOptimizer(torch.optim.Optimizer):
     """The common machinery; subclasses name the torch optimizer they stand in for."""
 
-    torch_class: type = torch.optim.Optimizer
+    torch_class: Optional[type] = torch.optim.Optimizer  # None: torch has no such optimizer
     rule_class: type = update_rules.AdamW
 
     def __init__(self, params: Iterable, defaults: dict, *,
@@ -204,7 +204,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             if torch_options.pop(key, None):
                 logger.info("%s=True ignored: smartinf.optim runs the update on its devices", key)
         probe = torch.nn.Parameter(torch.zeros(1))
-        full = dict(self.torch_class([probe], **defaults, **torch_options).defaults)
+        full = dict(self.torch_class([probe], **defaults, **torch_options).defaults) \
+            if self.torch_class is not None else {**defaults, **torch_options}
         self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
         super().__init__(params, full)
         self.compress = compress
@@ -245,6 +246,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
             if key in group and group[key] not in (allowed, None, False):
                 raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim."
                                  f"{type(self).__name__}")
+        if self.param_groups and bool(group.get("amsgrad")) != bool(self.param_groups[0].get("amsgrad")):
+            raise ValueError("amsgrad differs between param groups (or from the optimizer's): it "
+                             "fixes the states kept on the devices, so it is one for all groups")
 
     def _check_params(self, group: dict) -> None:
         """Refuses params the devices cannot hold, before anything is stored."""
@@ -365,9 +369,12 @@ class _StorageOptimizer(torch.optim.Optimizer):
                              f"states for it: create the optimizer after unfreezing, or put "
                              f"newly trained params in a group of their own (add_param_group)")
         if g.is_sparse:
-            if self.rule_class in (update_rules.Adam, update_rules.AdamW):
+            if issubclass(self.rule_class, update_rules.Adam):
                 raise RuntimeError("Adam does not support sparse gradients, please consider "
                                    "SparseAdam instead (or nn.Embedding(sparse=False))")
+            if self.rule_class not in (update_rules.SGD, update_rules.Adagrad):
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                                   f"(use nn.Embedding(sparse=False))")
             if any(q is p for group in self.param_groups if group["weight_decay"] != 0
                    for q in group["params"]):
                 raise RuntimeError("weight_decay option is not compatible with sparse gradients")
@@ -499,7 +506,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     # -- torch state_dict ---------------------------------------------------------------
     def _state_names(self) -> tuple:
-        return self.rule_class.state_names
+        return self.pipeline.optimizer.state_names
 
     def _torch_state(self, steps: int, arrays: dict, group: dict) -> dict:
         """One param's entry of torch's optimizer state from the stored arrays."""
@@ -713,11 +720,12 @@ class Adam(_StorageOptimizer):
     rule_class = update_rules.Adam
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  **options: Unpack[StorageOptions]) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
-                                  "weight_decay": weight_decay}, devices=devices, **options)
+                                  "weight_decay": weight_decay, "amsgrad": amsgrad},
+                         devices=devices, **options)
 
 
 class AdamW(Adam):
@@ -727,10 +735,25 @@ class AdamW(Adam):
     rule_class = update_rules.AdamW
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  **options: Unpack[StorageOptions]) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, devices=devices, **options)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, devices=devices, **options)
+
+
+class Lion(_StorageOptimizer):
+    """Lion (Chen et al. 2023) with its momentum on near-storage devices: 8 B/param of fp32
+    states. Its ``state_dict`` has torch's layout (``exp_avg`` and ``step`` per param)."""
+
+    torch_class = None
+    rule_class = update_rules.Lion
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
+                 weight_decay: float = 0.0, *,
+                 devices: DeviceLike | Sequence[DeviceLike] | None = None,
+                 **options: Unpack[StorageOptions]) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay,
+                                  "maximize": False}, devices=devices, **options)
 
 
 class SGD(_StorageOptimizer):

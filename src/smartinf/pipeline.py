@@ -119,8 +119,8 @@ class Pipeline:
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
-            raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...) or "
-                            f"Adagrad(...), got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...), "
+                            f"Adagrad(...) or Lion(...), got {type(optimizer).__name__}")
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -394,7 +394,11 @@ class Pipeline:
         if unknown:
             raise TypeError(f"unknown hyper-parameters {sorted(unknown)} for "
                             f"{type(self.optimizer).__name__}: expected some of {sorted(fields)}")
-        return dataclasses.replace(self.optimizer, **overrides)
+        rule = dataclasses.replace(self.optimizer, **overrides)
+        if rule.name != self.optimizer.name:  # amsgrad: another state layout
+            raise ValueError(f"an update cannot change the rule from {self.optimizer.name} to "
+                             f"{rule.name}: it is fixed for the directories")
+        return rule
 
     def _subgroup(self, sg: Any) -> int:
         if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):

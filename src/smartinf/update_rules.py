@@ -28,16 +28,25 @@ def _check_flag(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class Adam:
-    """Adam (L2 weight decay added to the gradient), as ``torch.optim.Adam``."""
+    """Adam (L2 weight decay added to the gradient), as ``torch.optim.Adam``; with
+    ``amsgrad`` the largest ``exp_avg_sq`` so far is a fourth array (fixed for a directory)."""
 
     lr: float = 1e-3
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    amsgrad: bool = False
     maximize: bool = False
-    name = "adam"
-    state_names = ("exp_avg", "exp_avg_sq")
+    kind = "adam"
     initial_state = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.kind + ("_amsgrad" if self.amsgrad else "")
+
+    @property
+    def state_names(self) -> tuple:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     def __post_init__(self) -> None:
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
@@ -50,6 +59,7 @@ class Adam:
             raise ValueError(f"betas must be < 1, got {self.betas}")
         _check("eps", self.eps, 0.0, math.inf, open_low=True)
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check_flag("amsgrad", self.amsgrad)
         _check_flag("maximize", self.maximize)
 
     def hyper(self) -> dict:
@@ -62,7 +72,7 @@ class AdamW(Adam):
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``."""
 
     weight_decay: float = 1e-2
-    name = "adamw"
+    kind = "adamw"
 
 
 @dataclass(frozen=True)
@@ -127,5 +137,36 @@ class Adagrad:
                 "eps": self.eps}
 
 
-UpdateRule = Union[Adam, SGD, Adagrad]
-RULES = {"adam": Adam, "adamw": AdamW, "sgd": SGD, "adagrad": Adagrad}
+@dataclass(frozen=True)
+class Lion:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign
+    of a momentum interpolated with the gradient, decoupled weight decay; one state array,
+    8 B/param of fp32 states against Adam's 12."""
+
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    maximize: bool = False
+    name = "lion"
+    state_names = ("exp_avg",)
+    initial_state = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        _check("lr", self.lr, 0.0, math.inf)
+        _check("betas[0]", self.betas[0], 0.0, 1.0)
+        _check("betas[1]", self.betas[1], 0.0, 1.0)
+        _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check_flag("maximize", self.maximize)
+
+    def hyper(self) -> dict:
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0],
+                "beta2": self.betas[1]}
+
+
+UpdateRule = Union[Adam, SGD, Adagrad, Lion]
+# The Python side of src/native/kernels/rules.h: the rules by their manifest names.
+RULES = {"adam": Adam, "adamw": AdamW, "adam_amsgrad": Adam, "adamw_amsgrad": AdamW,
+         "sgd": SGD, "adagrad": Adagrad, "lion": Lion}

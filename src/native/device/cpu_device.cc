@@ -18,26 +18,14 @@ namespace {
 __attribute__((target_clones("avx2", "default"), flatten))
 void run_update(const Slot& s, const Kernel& k, DType grad, size_t numel,
                 const store::StateLayout& layout) {
-  float* param = s.states;
-  float* state1 = param + numel;   // exp_avg | momentum_buffer | sum
-  float* state2 = state1 + numel;  // exp_avg_sq (Adam only)
+  float* arrays[kMaxStateArrays] = {};  // the param, then the rule's states, one after another
+  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = s.states + a * numel;
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
     auto* op = static_cast<decltype(p)*>(s.out);
     if (layout.int8)  // Adam(W) only: the pipeline refuses int8 for the others
-      return kernels::adam8(numel, kernels::int8_adam_layout(s.states, numel), gp, op, k.adam);
-    switch (k.optimizer) {
-      case Optimizer::adam:
-      case Optimizer::adamw:
-        kernels::adam(numel, param, state1, state2, gp, op, k.adam);
-        break;
-      case Optimizer::sgd:
-        kernels::sgd(numel, param, state1, gp, op, k.sgd);
-        break;
-      case Optimizer::adagrad:
-        kernels::adagrad(numel, param, state1, gp, op, k.adagrad);
-        break;
-    }
+      return kernels::adam8(numel, kernels::int8_adam_layout(s.states, numel), gp, op, k.step.adam);
+    kernels::run_rule(k.step, numel, arrays, gp, op);
   });
 }
 

@@ -9,32 +9,20 @@
 #include <string>
 #include <vector>
 
-#include "kernels/adagrad.h"
-#include "kernels/adam.h"
 #include "kernels/numeric.h"
-#include "kernels/sgd.h"
+#include "kernels/rules.h"
 #include "store/layout.h"
 
 namespace smartinf::device {
 
 using kernels::DType;
+using kernels::kMaxStateArrays;
 
-enum class Optimizer { adam, adamw, sgd, adagrad };
-
-// fp32 arrays per parameter on storage: the master weight, then the optimizer's states
-// (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; AdaGrad: sum).
-inline unsigned state_arrays(Optimizer o) {
-  return o == Optimizer::adam || o == Optimizer::adamw ? 3 : 2;
-}
-inline constexpr unsigned kMaxStateArrays = 3;
-
-// What COMPUTE does to one chunk: the update rule with this step's scalars, and how the
-// gradient arrived (dense in `grad`, or `nnz` top-k pairs to decompress first).
+// What COMPUTE does to one chunk: the update rule with this step's scalars
+// (kernels/rules.h), and how the gradient arrived (dense in `grad`, or `nnz` top-k pairs
+// to decompress first).
 struct Kernel {
-  Optimizer optimizer = Optimizer::adamw;
-  kernels::AdamStep adam{};
-  kernels::SgdStep sgd{};
-  kernels::AdagradStep adagrad{};
+  kernels::Step step;
   DType grad = DType::f32;   // dense gradient dtype, or the compressed values' dtype
   DType param = DType::f32;  // dtype of the updated params sent out
   bool compressed = false;

@@ -31,16 +31,7 @@ const char* dtype_name(DType t) { return t == DType::f32 ? "f32" : t == DType::f
 // The hls_kernels/ top function for this update (kernels.cpp names them so).
 std::string kernel_name(const Kernel& k) {
   const std::string types = std::string(dtype_name(k.grad)) + "_" + dtype_name(k.param);
-  switch (k.optimizer) {
-    case Optimizer::adam:
-    case Optimizer::adamw:
-      return std::string(k.compressed ? "smartinf_adam_topk_" : "smartinf_adam_") + types;
-    case Optimizer::sgd:
-      return "smartinf_sgd_" + types;
-    case Optimizer::adagrad:
-      return "smartinf_adagrad_" + types;
-  }
-  return "";
+  return std::string(kernels::rule_row(k.step.rule).hls) + (k.compressed ? "_topk_" : "_") + types;
 }
 
 class XrtDevice final : public Device {
@@ -120,28 +111,25 @@ class XrtDevice final : public Device {
     xrt::kernel& kernel = kernel_for(k);
     Buffers& b = buffers_[i];
     const size_t bytes = numel * 4;
-    xrt::bo param(b.states, bytes, 0), state1(b.states, bytes, bytes);
-    xrt::run run;
-    switch (k.optimizer) {
-      case Optimizer::adam:
-      case Optimizer::adamw: {
-        xrt::bo state2(b.states, bytes, 2 * bytes);
-        if (k.compressed) {  // pairs BO: int32 indices, then the values
-          xrt::bo index(b.pairs, io_, 0), values(b.pairs, b.pairs.size() - io_, io_);
-          run = kernel(param, state1, state2, index, values, static_cast<int>(k.nnz),
-                       static_cast<unsigned long long>(k.base), b.out, static_cast<int>(numel), k.adam);
-        } else {
-          run = kernel(param, state1, state2, b.grad, b.out, static_cast<int>(numel), k.adam);
-        }
-        break;
+    // The top's arguments: the rule's state arrays (sub-buffers of the slot), the gradient
+    // (or top-k pairs: int32 indices, then the values), the params out, n, the scalars.
+    std::vector<xrt::bo> a;
+    for (unsigned s = 0; s < kernels::rule_row(k.step.rule).arrays; ++s)
+      a.emplace_back(b.states, bytes, s * bytes);
+    const int n = static_cast<int>(numel);
+    xrt::run run = kernels::with_scalars(k.step, [&](const auto& scalars) {
+      if (k.compressed) {
+        if (a.size() != 3) throw std::runtime_error("top-k kernels exist for Adam(W) only");
+        xrt::bo index(b.pairs, io_, 0), values(b.pairs, b.pairs.size() - io_, io_);
+        return kernel(a[0], a[1], a[2], index, values, static_cast<int>(k.nnz),
+                      static_cast<unsigned long long>(k.base), b.out, n, scalars);
       }
-      case Optimizer::sgd:
-        run = kernel(param, state1, b.grad, b.out, static_cast<int>(numel), k.sgd);
-        break;
-      case Optimizer::adagrad:
-        run = kernel(param, state1, b.grad, b.out, static_cast<int>(numel), k.adagrad);
-        break;
-    }
+      switch (a.size()) {
+        case 2: return kernel(a[0], a[1], b.grad, b.out, n, scalars);
+        case 3: return kernel(a[0], a[1], a[2], b.grad, b.out, n, scalars);
+        default: return kernel(a[0], a[1], a[2], a[3], b.grad, b.out, n, scalars);
+      }
+    });
     run.wait();
   }
 

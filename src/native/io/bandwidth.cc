@@ -89,8 +89,7 @@ double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType para
   const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
   cpu->init_states(0, none, fill, numel);  // the slot's gradient memory starts zeroed
   device::Kernel kernel;
-  kernel.optimizer = device::Optimizer::adamw;
-  kernel.adam = kernels::adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 1, 1.0);
+  kernel.step = kernels::make_step(kernels::Rule::adamw, kernels::Hyper{1e-3, 0.01}, 1);
   kernel.grad = grad;
   kernel.param = param;
   const auto start = Clock::now();

@@ -53,46 +53,65 @@ inline float lerp(float self, float end, float weight) {
 // correction). Shared by the fp32 and the int8 state kernels. Always inlined: a call left
 // in the loop (GCC's inliner gives up in a unit with many kernels) stops vectorisation.
 struct AdamResult {
-  float p, m, v, root;
+  float p, m, v, root, v_max;
 };
 
-template <bool Decoupled, bool SmallWeight>
-__attribute__((always_inline)) inline AdamResult adam_element(float g, float p, float m_old, float v_old, const AdamStep& s) {
+// AMSGrad (torch's amsgrad=True) divides by the root of the largest exp_avg_sq so far,
+// v_max, kept as a fourth state.
+template <bool Decoupled, bool SmallWeight, bool Amsgrad = false>
+__attribute__((always_inline)) inline AdamResult adam_element(float g, float p, float m_old, float v_old,
+                                                              const AdamStep& s, float v_max_old = 0.0f) {
   const float gd = Decoupled ? g : g + s.weight_decay * p;
   const float pd = Decoupled ? p * s.decay : p;
   const float m = lerp<SmallWeight>(m_old, gd, s.one_minus_beta1);
   const float v = v_old * s.beta2 + s.one_minus_beta2 * gd * gd;
-  const float root = std::sqrt(v);
+  const float v_max = Amsgrad ? (v_max_old > v ? v_max_old : v) : v;
+  const float root = std::sqrt(v_max);
   const float denom = root / s.bias2_sqrt + s.eps;
-  return {pd + s.neg_step_size * (m / denom), m, v, root};
+  return {pd + s.neg_step_size * (m / denom), m, v, root, v_max};
 }
 
-template <bool Decoupled, bool SmallWeight, class G, class P>
+template <bool Decoupled, bool SmallWeight, bool Amsgrad, class G, class P>
 inline void adam_range(std::size_t n, float* __restrict param, float* __restrict exp_avg,
-                       float* __restrict exp_avg_sq, const G* __restrict grad,
-                       P* __restrict out, const AdamStep& s) {
+                       float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
+                       const G* __restrict grad, P* __restrict out, const AdamStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
-    const AdamResult r = adam_element<Decoupled, SmallWeight>(to_float(grad[i]) * s.grad_scale,
-                                                              param[i], exp_avg[i], exp_avg_sq[i], s);
+    const AdamResult r = adam_element<Decoupled, SmallWeight, Amsgrad>(
+        to_float(grad[i]) * s.grad_scale, param[i], exp_avg[i], exp_avg_sq[i], s,
+        Amsgrad ? max_exp_avg_sq[i] : 0.0f);
     param[i] = r.p;
     exp_avg[i] = r.m;
     exp_avg_sq[i] = r.v;
+    if (Amsgrad) max_exp_avg_sq[i] = r.v_max;
     out[i] = from_float<P>(r.p);
   }
+}
+
+// `max_exp_avg_sq`: AMSGrad's fourth array, or null (plain Adam).
+template <bool Amsgrad, class G, class P>
+inline void adam_variant(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
+                         float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
+  const bool small = std::fabs(s.one_minus_beta1) < 0.5f;
+  if (s.decoupled && small)
+    adam_range<true, true, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
+  else if (s.decoupled)
+    adam_range<true, false, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
+  else if (small)
+    adam_range<false, true, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
+  else
+    adam_range<false, false, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
 }
 
 template <class G, class P>
 inline void adam(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
                  const G* grad, P* out, const AdamStep& s) {
-  const bool small = std::fabs(s.one_minus_beta1) < 0.5f;
-  if (s.decoupled && small)
-    adam_range<true, true>(n, param, exp_avg, exp_avg_sq, grad, out, s);
-  else if (s.decoupled)
-    adam_range<true, false>(n, param, exp_avg, exp_avg_sq, grad, out, s);
-  else if (small)
-    adam_range<false, true>(n, param, exp_avg, exp_avg_sq, grad, out, s);
-  else
-    adam_range<false, false>(n, param, exp_avg, exp_avg_sq, grad, out, s);
+  adam_variant<false>(n, param, exp_avg, exp_avg_sq, nullptr, grad, out, s);
+}
+
+template <class G, class P>
+inline void adam_amsgrad(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
+                         float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
+  adam_variant<true>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
 }
 
 }  // namespace smartinf::kernels

@@ -14,36 +14,6 @@ namespace {
 constexpr uint64_t kMaxChunk = uint64_t(1) << 28;  // 3 GiB of states in one slot
 constexpr size_t kMaxSlots = 256;
 
-device::Optimizer parse_optimizer(const std::string& name) {
-  if (name == "adam") return device::Optimizer::adam;
-  if (name == "adamw") return device::Optimizer::adamw;
-  if (name == "sgd") return device::Optimizer::sgd;
-  if (name == "adagrad") return device::Optimizer::adagrad;
-  throw std::invalid_argument("unknown optimizer '" + name +
-                              "' (expected adam, adamw, sgd or adagrad)");
-}
-
-// The kernel scalars of one update at optimizer step `t`.
-device::Kernel make_kernel(device::Optimizer o, const UpdateHyper& h, uint64_t t) {
-  device::Kernel k;
-  k.optimizer = o;
-  switch (o) {
-    case device::Optimizer::adam:
-    case device::Optimizer::adamw:
-      k.adam = kernels::adam_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                                  o == device::Optimizer::adamw, t, h.grad_scale);
-      break;
-    case device::Optimizer::sgd:
-      k.sgd = kernels::sgd_step(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, t,
-                                h.grad_scale);
-      break;
-    case device::Optimizer::adagrad:
-      k.adagrad = kernels::adagrad_step(h.lr, h.lr_decay, h.eps, h.weight_decay, t, h.grad_scale);
-      break;
-  }
-  return k;
-}
-
 // The first pair of each chunk (and nnz at the end) in a compressed gradient; checks
 // that positions ascend strictly inside the sub-group before anything is queued.
 std::vector<uint64_t> split_pairs(const int32_t* index, uint64_t nnz, uint64_t numel,
@@ -69,7 +39,7 @@ std::vector<uint64_t> split_pairs(const int32_t* index, uint64_t nnz, uint64_t n
 }  // namespace
 
 Pipeline::Pipeline(const PipelineOptions& options)
-    : options_(options), optimizer_(parse_optimizer(options.optimizer)) {
+    : options_(options), rule_(kernels::rule_row(options.optimizer).rule) {
   if (options.devices.empty()) throw std::invalid_argument("a pipeline needs at least one device");
   if (options.chunk == 0 || options.chunk > kMaxChunk)
     throw std::invalid_argument("chunk must be between 1 and " + std::to_string(kMaxChunk) +
@@ -82,8 +52,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.state_dtype != "fp32" && options.state_dtype != "int8")
     throw std::invalid_argument("state_dtype must be 'fp32' or 'int8', got '" +
                                 options.state_dtype + "'");
-  const store::StateLayout layout{device::state_arrays(optimizer_), options.state_dtype == "int8"};
-  if (layout.int8 && optimizer_ != device::Optimizer::adam && optimizer_ != device::Optimizer::adamw)
+  const store::StateLayout layout{state_arrays(), options.state_dtype == "int8"};
+  if (layout.int8 && !kernels::rule_row(rule_).int8)
     throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
                                 options.optimizer + " keeps fp32 states");
   if (options.if_exists != "resume" && options.if_exists != "overwrite" && options.if_exists != "error")
@@ -342,7 +312,8 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   const std::vector<uint64_t> first =
       compressed ? split_pairs(g.index, g.nnz, r.numel, options_.chunk) : std::vector<uint64_t>{};
   mark_written(sg, r.steps + 1);
-  device::Kernel kernel = make_kernel(optimizer_, h, r.steps + 1);
+  device::Kernel kernel;
+  kernel.step = kernels::make_step(rule_, h, r.steps + 1);
   kernel.grad = g.dtype;
   kernel.param = out_dtype;
   kernel.compressed = compressed;
@@ -350,7 +321,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   auto done = jobs.front().completion;
   completions_.push_back(done);
   last_hyper_ = {{"lr", h.lr}, {"weight_decay", h.weight_decay}};
-  if (optimizer_ == device::Optimizer::adam || optimizer_ == device::Optimizer::adamw)
+  if (kernels::rule_row(rule_).betas)
     last_hyper_.insert({{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}});
   const size_t gsize = kernels::dtype_size(g.dtype), osize = kernels::dtype_size(out_dtype);
   for (Job& job : jobs) {

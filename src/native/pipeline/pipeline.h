@@ -23,7 +23,7 @@ struct DeviceSpec {
 
 struct PipelineOptions {
   std::vector<DeviceSpec> devices;
-  std::string optimizer = "adamw";  // adam | adamw | sgd | adagrad
+  std::string optimizer = "adamw";  // a row of kernels/rules.h
   std::string state_dtype = "fp32"; // fp32 | int8 (Adam moments, 8-bit block-wise)
   float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
@@ -34,16 +34,9 @@ struct PipelineOptions {
   RingOptions ring;
 };
 
-// Hyper-parameters of one update (each optimizer reads its own); the step count t comes
-// from the stored sub-group.
-struct UpdateHyper {
-  double lr = 1e-3, weight_decay = 0.0;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;        // Adam(W); eps also AdaGrad
-  double momentum = 0.0, dampening = 0.0;               // SGD
-  bool nesterov = false;
-  double lr_decay = 0.0;                                // AdaGrad
-  double grad_scale = 1.0;  // 1 / loss scale (and clipping), applied to the gradient
-};
+// Hyper-parameters of one update (each rule reads its own); the step count t comes from
+// the stored sub-group.
+using UpdateHyper = kernels::Hyper;
 
 // One sub-group's gradient as it crosses the host link: dense (`data`, numel elements of
 // `dtype`), or SmartComp top-k pairs (`index`: nnz ascending int32 positions, `data`: nnz
@@ -77,7 +70,7 @@ class Pipeline {
   void write_states(size_t sg, const float* const* arrays, uint64_t steps);
   // The committed states of a sub-group, state_arrays() arrays (a null one is skipped).
   void read_states(size_t sg, float* const* arrays);
-  unsigned state_arrays() const { return device::state_arrays(optimizer_); }
+  unsigned state_arrays() const { return kernels::rule_row(rule_).arrays; }
 
   void commit();   // waits for the step, makes it durable, advances step()
   void discard();  // waits for the step and forgets its updates
@@ -121,7 +114,7 @@ class Pipeline {
   void mark_written(size_t sg, uint64_t steps);
 
   PipelineOptions options_;
-  device::Optimizer optimizer_;
+  kernels::Rule rule_;
   std::vector<Unit> devices_;
   std::vector<Placement> placement_;
   std::vector<bool> updated_;

@@ -170,13 +170,15 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type:
         return update_rules.SGD
     if name in ("Adagrad", "DeepSpeedCPUAdagrad"):
         return update_rules.Adagrad
-    raise ValueError(f"smartinf runs Adam, AdamW, SGD and Adagrad; the DeepSpeed optimizer is "
+    if name in ("FusedLion", "DeepSpeedCPULion", "LionParams"):
+        return update_rules.Lion
+    raise ValueError(f"smartinf runs Adam, AdamW, SGD, Adagrad and Lion; the DeepSpeed optimizer is "
                      f"{name}")
 
 
 def _rule(rule_class: type, group: dict) -> Any:
     """The update rule with a param group's current hyper-parameters (read every step)."""
-    for key, allowed in (("amsgrad", False), ("bias_correction", True)):
+    for key, allowed in (("bias_correction", True),):
         if key in group and bool(group[key]) != allowed:
             raise ValueError(f"{key}={group[key]!r} is not supported by smartinf")
     fields = {f: group[f] for f in rule_class.__dataclass_fields__ if f in group}
@@ -530,11 +532,43 @@ def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
     if not isinstance(config, dict):
         config = deepspeed.load_ds_config(config)  # a path, or base64 JSON, as DeepSpeed reads it
     config = _with_torch_adam(config)
+    config, kwargs = _with_lion_params(config, args, kwargs)
     check_config(config)
     # DeepSpeed gets the checked config as config= (and refuses a second one in args)
     with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine), \
             _named(ds_args, in_args, None) if in_args else contextlib.nullcontext():
         return _deepspeed_initialize(*args, config=config, **kwargs)
+
+
+class LionParams(torch.optim.Optimizer):
+    """The base optimizer of a config's ``"Lion"`` block: it only holds the param groups'
+    hyper-parameters (the update runs on the devices), where DeepSpeed would build its
+    FusedLion, a CUDA op (none on CPU)."""
+
+    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      maximize=False))
+
+    def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
+        raise RuntimeError("LionParams holds hyper-parameters; the devices run the update")
+
+
+def _with_lion_params(config: dict, args: tuple, kwargs: dict) -> tuple:
+    """A config "Lion" block becomes a LionParams client optimizer (see there)."""
+    opt = config.get("optimizer")
+    if not (isinstance(opt, dict) and str(opt.get("type", "")).lower() == "lion"):
+        return config, kwargs
+    if kwargs.get("optimizer") is not None:
+        raise ValueError('the config has an "optimizer" block and an optimizer was passed too')
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    params = kwargs.get("model_parameters")
+    params = list(params) if params is not None else list(model.parameters())
+    kwargs = dict(kwargs, model_parameters=params,
+                  optimizer=LionParams(params, **opt.get("params", {})))
+    config = {k: v for k, v in config.items() if k != "optimizer"}
+    config["zero_allow_untested_optimizer"] = True  # it never steps: the devices do
+    return config, kwargs
 
 
 def _with_torch_adam(config: dict) -> dict:

@@ -1,0 +1,132 @@
+// The update rules, one row each. Everything that depends on which rule runs (its name in
+// the manifest, its state arrays, whether 8-bit states apply, its kernel scalars, its CPU
+// kernel, its HLS top function) is read from here: nothing else switches on a rule.
+// Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its cases below, its
+// HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/adagrad.h"
+#include "kernels/adam.h"
+#include "kernels/lion.h"
+#include "kernels/sgd.h"
+
+namespace smartinf::kernels {
+
+enum class Rule : uint8_t { adam, adamw, adam_amsgrad, adamw_amsgrad, sgd, adagrad, lion };
+
+struct RuleRow {
+  const char* name;  // in the manifest, and in smartinf/update_rules.py
+  Rule rule;
+  unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
+  bool int8;         // 8-bit block-wise states apply (Adam's two moments)
+  bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
+  const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes
+};
+
+inline constexpr RuleRow kRules[] = {
+    {"adam", Rule::adam, 3, true, true, "smartinf_adam"},
+    {"adamw", Rule::adamw, 3, true, true, "smartinf_adam"},
+    {"adam_amsgrad", Rule::adam_amsgrad, 4, false, true, "smartinf_amsgrad"},
+    {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, true, "smartinf_amsgrad"},
+    {"sgd", Rule::sgd, 2, false, false, "smartinf_sgd"},
+    {"adagrad", Rule::adagrad, 2, false, false, "smartinf_adagrad"},
+    {"lion", Rule::lion, 2, false, true, "smartinf_lion"},
+};
+inline constexpr unsigned kMaxStateArrays = 4;
+
+constexpr bool rows_in_enum_order() {
+  for (std::size_t i = 0; i < sizeof kRules / sizeof kRules[0]; ++i)
+    if (static_cast<std::size_t>(kRules[i].rule) != i) return false;
+  return true;
+}
+static_assert(rows_in_enum_order(), "kRules lists the rules in the order of enum Rule");
+
+inline const RuleRow& rule_row(Rule r) { return kRules[static_cast<std::size_t>(r)]; }
+
+inline const RuleRow& rule_row(const std::string& name) {
+  std::string known;
+  for (const RuleRow& row : kRules) {
+    if (name == row.name) return row;
+    known += (known.empty() ? "" : ", ") + std::string(row.name);
+  }
+  throw std::invalid_argument("unknown optimizer '" + name + "' (expected one of " + known + ")");
+}
+
+// Hyper-parameters of one update (each rule reads its own); t comes from the sub-group.
+struct Hyper {
+  double lr = 1e-3, weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // Adam, Lion (betas); eps also AdaGrad
+  double momentum = 0.0, dampening = 0.0;         // SGD
+  bool nesterov = false;
+  double lr_decay = 0.0;                          // AdaGrad
+  double grad_scale = 1.0;  // 1 / loss scale (and clipping; negative: maximize)
+};
+
+// The kernel scalars of one update: the rule's own struct.
+struct Step {
+  Rule rule = Rule::adamw;
+  AdamStep adam{};
+  SgdStep sgd{};
+  AdagradStep adagrad{};
+  LionStep lion{};
+};
+
+inline Step make_step(Rule r, const Hyper& h, uint64_t t) {
+  Step s;
+  s.rule = r;
+  switch (r) {
+    case Rule::adam:
+    case Rule::adamw:
+    case Rule::adam_amsgrad:
+    case Rule::adamw_amsgrad:
+      s.adam = adam_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                         r == Rule::adamw || r == Rule::adamw_amsgrad, t, h.grad_scale);
+      break;
+    case Rule::sgd:
+      s.sgd = sgd_step(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, t, h.grad_scale);
+      break;
+    case Rule::adagrad:
+      s.adagrad = adagrad_step(h.lr, h.lr_decay, h.eps, h.weight_decay, t, h.grad_scale);
+      break;
+    case Rule::lion:
+      s.lion = lion_step(h.lr, h.beta1, h.beta2, h.weight_decay, h.grad_scale);
+      break;
+  }
+  return s;
+}
+
+// Calls f with the step's own scalars (a device passes them to its kernel as they are).
+template <class F>
+inline decltype(auto) with_scalars(const Step& s, F&& f) {
+  switch (s.rule) {
+    case Rule::sgd: return f(s.sgd);
+    case Rule::adagrad: return f(s.adagrad);
+    case Rule::lion: return f(s.lion);
+    default: return f(s.adam);
+  }
+}
+
+// The CPU kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
+template <class G, class P>
+inline void run_rule(const Step& s, std::size_t n, float* const* a, const G* grad, P* out) {
+  switch (s.rule) {
+    case Rule::adam:
+    case Rule::adamw:
+      return adam(n, a[0], a[1], a[2], grad, out, s.adam);
+    case Rule::adam_amsgrad:
+    case Rule::adamw_amsgrad:
+      return adam_amsgrad(n, a[0], a[1], a[2], a[3], grad, out, s.adam);
+    case Rule::sgd:
+      return sgd(n, a[0], a[1], grad, out, s.sgd);
+    case Rule::adagrad:
+      return adagrad(n, a[0], a[1], grad, out, s.adagrad);
+    case Rule::lion:
+      return lion(n, a[0], a[1], grad, out, s.lion);
+  }
+}
+
+}  // namespace smartinf::kernels
