@@ -104,7 +104,7 @@ Device = Union[CpuDevice, XrtDevice]
 DeviceLike = Union[CpuDevice, XrtDevice, str, "os.PathLike[str]"]
 
 
-def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[CpuDevice]:
+def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[Device]:
     """Turns the ``devices`` argument (a device, a path, or a list of them) into devices."""
     if isinstance(devices, (str, os.PathLike, CpuDevice, XrtDevice)):
         devices = [devices]

@@ -68,7 +68,8 @@ template <> inline f16 from_float<f16>(float x) {
   return f16{static_cast<uint16_t>((sign >> 16) | select_below(0xFF000000u, shl1_w, 0x7E00u, nonsign))};
 }
 
-// Calls fn.template operator()<G, P>() for the runtime (grad, param) dtype pair.
+// Calls fn(G{}, P{}) for the runtime (grad, param) dtype pair: values of the element
+// types as tags, so fn is a generic lambda that takes them as `auto`.
 template <class Fn>
 inline void dispatch(DType grad, DType param, Fn&& fn) {
   auto with_param = [&](auto g) {

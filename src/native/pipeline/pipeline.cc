@@ -65,6 +65,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
+    // hls_kernels/ has an int8 Adam top function (smartinf_adam8_f32_f16), but
+    // xrt_device.cc neither names nor launches it (fp32 state sub-buffers only), so XRT
+    // devices refuse int8 states here. (The message below predates that kernel.)
     if (spec.kind == "xrt" && layout.int8)
       throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD kernels "
                                   "(hls_kernels/) have fp32 states only so far");

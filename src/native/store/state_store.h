@@ -1,5 +1,6 @@
 // A device's storage directory: `states.bin` (per chunk two extents, copy A and B, each
-// [param | exp_avg | exp_avg_sq] fp32, 4 KiB aligned) and `manifest`. A step reads each
+// 4 KiB aligned and laid out as store/layout.h says: the fp32 param and the optimizer's
+// fp32 arrays, or fp32 params and int8 moments), `manifest` and `lock`. A step reads each
 // sub-group's committed copy and writes the other one; commit() makes those writes
 // durable and then flips the copies in a manifest replaced atomically (shadow paging).
 #pragma once

@@ -156,7 +156,8 @@ def check_config(config: dict) -> Settings:
     return settings
 
 
-# Base optimizers whose update smartinf runs: name -> (Adam-like?, decoupled weight decay?)
+# The update rule for DeepSpeed's base optimizer: its Adam variants and torch's Adam(W)
+# by their decoupled-weight-decay flag, SGD, Adagrad; any other optimizer is refused.
 def _rule_class(optimizer: torch.optim.Optimizer) -> type:
     name = type(optimizer).__name__
     if name in ("DeepSpeedCPUAdam", "FusedAdam", "ZenFlowCPUAdam"):
