@@ -274,21 +274,21 @@ def test_per_rank_directories_and_compression_settings():
     (lambda p: torch.optim.Adam(p, lr=1e-3), "adam"),
     (lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), "sgd"),
     (lambda p: torch.optim.Adagrad(p, lr=1e-3), "adagrad"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True), "adamw_amsgrad"),
+    (lambda p: sds.LionParams(p, lr=1e-3), "lion"),
 ])
 def test_base_optimizer_maps_to_its_update_rule(make, rule):
     opt = make([torch.nn.Parameter(torch.zeros(2))])
-    cls = sds._rule_class(opt)
-    assert cls.name == rule
-    assert sds._rule(cls, opt.param_groups[0]).lr == 1e-3
+    got = sds._rule(sds._rule_class(opt), opt.param_groups[0])
+    assert got.name == rule and got.lr == 1e-3
 
 
-def test_unsupported_base_optimizer_and_amsgrad_are_refused():
+def test_unsupported_base_optimizers_and_options_are_refused():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="RMSprop"):
         sds._rule_class(torch.optim.RMSprop(p))
-    opt = torch.optim.AdamW(p, amsgrad=True)
-    with pytest.raises(ValueError, match="amsgrad"):
-        sds._rule(sds._rule_class(opt), opt.param_groups[0])
+    with pytest.raises(ValueError, match="bias_correction"):
+        sds._rule(sds._rule_class(torch.optim.AdamW(p)), {"lr": 1e-3, "bias_correction": False})
 
 
 # -- the block takes effect wherever deepspeed.initialize is called -------------------------

@@ -31,10 +31,10 @@ from typing_extensions import TypedDict, Unpack
 
 from . import _native, update_rules
 from .checkpoint import save_devices
-from .compress import Compressed, TopK
+from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
 from .pipeline import Pipeline
-from .staging import Staging, depth_for, pipelined
+from .driver import Driver, overrides, rule_for
 
 logger = logging.getLogger("smartinf")
 
@@ -226,8 +226,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                             slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                             host_link_gbps=host_link_gbps, verify=verify,
                             state_dtype=state_dtype, if_exists=if_exists)
-        self._staging = Staging(max((sg.numel for sg in self._plan), default=1),
-                                depth_for(len(pipeline.devices)))
+        self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
         except BaseException:
@@ -283,9 +282,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_params(group)
             new = plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
                                  len(self._plan))
-            largest = max((sg.numel for sg in new), default=0)
-            if largest > self._staging.size:  # the user asked for more: staging grows once
-                self._staging = Staging(largest, self._staging.depth)
+            self._driver.grow(max((sg.numel for sg in new), default=0))
             self._attach(self.pipeline, new)
         except BaseException:
             self.param_groups.pop()
@@ -294,19 +291,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._stored.update(id(s.param) for sg in new for s in sg.slices)
 
     def _rule(self, group: dict) -> Any:
-        """The update rule with this group's current hyper-parameters (read every step)."""
-        fields = {f: group[f] for f in self.rule_class.__dataclass_fields__ if f in group}
-        fields = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        if "betas" in fields:
-            fields["betas"] = tuple(float(b) for b in fields["betas"])
-        return self.rule_class(**fields)
+        return rule_for(self.rule_class, group)
 
     # -- layout -----------------------------------------------------------------------
     def _attach(self, pipeline: Pipeline, plan: Sequence[_Subgroup]) -> None:
         """Registers the sub-groups; new ones start from the model's params, resumed ones
         (reopened devices) put their stored master weights into the model."""
         for sg in plan:
-            master = self._staging.grad(0, torch.float32, sg.numel)
+            master = self._driver.staging.grad(0, torch.float32, sg.numel)
             for s in sg.slices:
                 master[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
             got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg))
@@ -336,7 +328,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         for sg in self._plan:
             if sg.id not in self._digests:
                 continue
-            held = self._staging.grad(0, torch.float32, sg.numel)
+            held = self._driver.staging.grad(0, torch.float32, sg.numel)
             for s in sg.slices:
                 held[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
             if self._digest(sg, held) == self._digests.get(sg.id):
@@ -424,20 +416,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(self.max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
         return grad_scale * float(coef)
 
-    def _send(self, sg: _Subgroup, buffer: int, scale: float, hyper: dict) -> Any:
-        """Stages the sub-group's gradient on the host and starts its update."""
-        out = self._staging.out(buffer, sg.dtype, sg.numel)
-        dense = self._gather_grad(sg)
-        if self.compress is not None:
-            c = self.compress.compress(dense, key=sg.id)
-            grad: Any = Compressed(c.indices.to("cpu", non_blocking=True),
-                                   c.values.to("cpu", non_blocking=True), c.numel)
-        else:
-            grad = self._staging.grad(buffer, sg.dtype, sg.numel)
-            grad.copy_(dense, non_blocking=True)
-        if sg.device.type == "cuda":
-            torch.cuda.current_stream(sg.device).synchronize()  # the host copies landed
-        return self.pipeline.update(sg.id, grad, out, grad_scale=scale, **hyper)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
@@ -453,8 +431,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # one found halfway would leave earlier sub-groups' params updated in the model.
         for group in self.param_groups:
             self._check_group(group)
-        rules = [self._rule(group) for group in self.param_groups]
-        hyper = [{f: getattr(r, f) for f in r.__dataclass_fields__} for r in rules]
+        hyper = [overrides(self._rule(group)) for group in self.param_groups]
         scale = self._grad_scale(grad_scale)
         self.last_step_skipped = scale is None
         if scale is None:
@@ -470,9 +447,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         scattered: list[_Subgroup] = []
         try:
             with self.pipeline.step():
-                pipelined(active, lambda sg, b: self._send(sg, b, scale, hyper[sg.group]),
-                          lambda sg, future, b: self._finish(sg, future, b, scattered),
-                          self._staging.depth)
+                self._driver.run(
+                    active, lambda sg, b: self._driver.send(sg.id, self._gather_grad(sg), b,
+                                                            scale, hyper[sg.group]),
+                    lambda sg, future, b: self._finish(sg, future, b, scattered))
         except BaseException:
             self._restore(scattered)
             raise
@@ -481,7 +459,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _finish(self, sg: _Subgroup, future: Any, buffer: int, scattered: list) -> None:
         future.wait()
         scattered.append(sg)
-        self._scatter(sg, self._staging.out(buffer, sg.dtype, sg.numel))
+        self._scatter(sg, self._driver.out(buffer, sg.dtype, sg.numel))
         if sg.device.type == "cuda":
             torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
 
@@ -500,9 +478,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link (host_to_device, device_to_host, storage_read,
         storage_write) and the steps committed."""
-        s = self.pipeline.stats
-        return {k: s.get(k, 0.0) for k in ("host_to_device", "device_to_host", "storage_read",
-                                          "storage_write", "step")}
+        return self._driver.traffic()
 
     # -- torch state_dict ---------------------------------------------------------------
     def _state_names(self) -> tuple:
@@ -559,7 +535,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             steps = self.pipeline.subgroup_steps(sg.id)
             if steps == 0:
                 continue  # initial states: torch has none either
-            stored = self.pipeline.read_states(sg.id)
+            stored = self.pipeline.read_states(
+                sg.id, self._driver.host_arrays(1 + len(self._state_names()), sg.numel))
             group = self.param_groups[sg.group]
             names = self._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
             for s in sg.slices:
@@ -571,8 +548,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                         entry[MASTER] = self._export_tensor(s.param.shape)
                 for n in names:
                     if isinstance(entry.get(n), torch.Tensor):
-                        entry[n].view(-1)[s.start:s.stop] = torch.from_numpy(
-                            stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start])
+                        entry[n].view(-1)[s.start:s.stop] = \
+                            stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start]
         groups = []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -640,7 +617,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._digests.clear()  # the masters come from the model's params now
         with self.pipeline.step():
             for sg in self._plan:
-                arrays = {"param": self._staging.grad(0, torch.float32, sg.numel)}
+                arrays = {"param": self._driver.staging.grad(0, torch.float32, sg.numel)}
                 arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
                                for n in self._state_names()})
                 for s in sg.slices:

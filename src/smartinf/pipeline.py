@@ -292,14 +292,22 @@ class Pipeline:
         self.commit()
 
     # -- states -----------------------------------------------------------------------
-    def read_states(self, sg: int) -> dict[str, np.ndarray]:
+    def read_states(self, sg: int, into: Optional[Sequence[Any]] = None) -> dict[str, Any]:
         """The committed fp32 states of ``sg``: ``param`` and the optimizer's
-        (``exp_avg``/``exp_avg_sq``, ``momentum_buffer`` or ``sum``)."""
+        (``exp_avg``/``exp_avg_sq``, ``momentum_buffer``, ``sum`` ...), in new numpy arrays,
+        or in ``into``: one writable fp32 buffer of the sub-group's size per name, in order."""
         native = self._open()
         sg = self._subgroup(sg)
         names = ("param", *self.optimizer.state_names)
-        arrays = {k: np.empty(native.numel(sg), np.float32) for k in names}
-        native.read_states(sg, [a.ctypes.data for a in arrays.values()])
+        numel = native.numel(sg)
+        if into is None:
+            into = [np.empty(numel, np.float32) for _ in names]
+        if len(into) != len(names):
+            raise ValueError(f"into has {len(into)} buffers, the states are {names}")
+        held = [buffers.host_buffer(k, a, numel, [buffers.F32], writable=True)
+                for k, a in zip(names, into)]
+        arrays = {k: b.owner for k, b in zip(names, held)}
+        native.read_states(sg, [b.address for b in held])
         return arrays
 
     def write_states(self, sg: int, states: dict, steps: int) -> None:

@@ -21,6 +21,16 @@ def _check(name: str, value: float, low: float, high: float, *, open_low: bool =
         raise ValueError(f"{name}={value!r} is outside {bound}{low}, {high}]")
 
 
+def _check_betas(rule: object) -> None:
+    """A rule's ``betas``: a pair in [0, 1], stored as a tuple of floats."""
+    betas = rule.betas  # type: ignore[attr-defined]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    object.__setattr__(rule, "betas", (float(betas[0]), float(betas[1])))
+    _check("betas[0]", rule.betas[0], 0.0, 1.0)  # type: ignore[attr-defined]
+    _check("betas[1]", rule.betas[1], 0.0, 1.0)  # type: ignore[attr-defined]
+
+
 def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -49,12 +59,8 @@ class Adam:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         _check("lr", self.lr, 0.0, math.inf)
-        _check("betas[0]", self.betas[0], 0.0, 1.0)
-        _check("betas[1]", self.betas[1], 0.0, 1.0)
+        _check_betas(self)
         if self.betas[0] == 1.0 or self.betas[1] == 1.0:
             raise ValueError(f"betas must be < 1, got {self.betas}")
         _check("eps", self.eps, 0.0, math.inf, open_low=True)
@@ -152,12 +158,8 @@ class Lion:
     initial_state = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         _check("lr", self.lr, 0.0, math.inf)
-        _check("betas[0]", self.betas[0], 0.0, 1.0)
-        _check("betas[1]", self.betas[1], 0.0, 1.0)
+        _check_betas(self)
         _check("weight_decay", self.weight_decay, 0.0, math.inf)
         _check_flag("maximize", self.maximize)
 

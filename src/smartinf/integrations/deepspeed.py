@@ -58,9 +58,9 @@ from .. import update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..optim import _StorageOptimizer as StorageOptimizer
 from . import deepspeed_hook
-from ..compress import Compressed, TopK
+from ..compress import TopK
 from ..pipeline import IF_EXISTS, Pipeline
-from ..staging import Staging, depth_for, pipelined
+from ..driver import Driver, overrides, rule_for
 
 logger = logging.getLogger("smartinf")
 # DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
@@ -84,6 +84,8 @@ class Settings:
     compress: Optional[dict] = None
     state_dtype: str = "fp32"
     if_exists: str = "error"  # directories holding a run: "error", "resume" or "overwrite"
+    verify: bool = False
+    host_link_gbps: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -92,7 +94,7 @@ class Settings:
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
         known = {"devices", "slots", "chunk", "io", "queue_depth", "compress", "state_dtype",
-                 "if_exists"}
+                 "if_exists", "verify", "host_link_gbps"}
         unknown = sorted(set(block) - known)
         if unknown:
             raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
@@ -116,7 +118,8 @@ class Settings:
         return cls(devices=devices, slots=block.get("slots"), chunk=block.get("chunk"),
                    io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress,
                    state_dtype=block.get("state_dtype", "fp32"),
-                   if_exists=block.get("if_exists", "error"))
+                   if_exists=block.get("if_exists", "error"), verify=block.get("verify", False),
+                   host_link_gbps=block.get("host_link_gbps"))
 
     def rank_dirs(self, rank: int) -> list[str]:
         """Each rank keeps its partition's states in its own sub-directory."""
@@ -179,14 +182,9 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type:
 
 def _rule(rule_class: type, group: dict) -> Any:
     """The update rule with a param group's current hyper-parameters (read every step)."""
-    for key, allowed in (("bias_correction", True),):
-        if key in group and bool(group[key]) != allowed:
-            raise ValueError(f"{key}={group[key]!r} is not supported by smartinf")
-    fields = {f: group[f] for f in rule_class.__dataclass_fields__ if f in group}
-    fields = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-    if "betas" in fields:
-        fields["betas"] = tuple(float(b) for b in fields["betas"])
-    return rule_class(**fields)
+    if not group.get("bias_correction", True):
+        raise ValueError("bias_correction=False is not supported by smartinf")
+    return rule_for(rule_class, group)
 
 
 class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
@@ -214,7 +212,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._dirs = self.settings.rank_dirs(dist.get_rank())
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.if_exists))
-        self._staging = Staging(max(numels), depth_for(len(self._dirs)))
+        self._driver = Driver(self.pipeline, max(numels), self._compress)
         self._attach()
         for i, numel in enumerate(numels):
             placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
@@ -228,6 +226,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         s = self.settings
         return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
                         slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth,
+                        host_link_gbps=s.host_link_gbps, verify=s.verify,
                         state_dtype=s.state_dtype, if_exists=if_exists)
 
     def _all_ranks(self, action: Any) -> Any:
@@ -250,7 +249,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _attach(self) -> None:
         """Registers every sub-group; resumed ones put their master weights into the model."""
         for i, flat in enumerate(self.fp16_partitioned_groups_flat):
-            master = self._staging.grad(0, torch.float32, flat.numel())
+            master = self._driver.staging.grad(0, torch.float32, flat.numel())
             master.copy_(flat)
             if self.pipeline.add_subgroup(flat.numel(), init=master) != i:
                 raise RuntimeError(f"sub-group {i} was registered out of order")
@@ -308,13 +307,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         start = time.perf_counter()
         self.zero_grad(set_to_none=True)
         scale = float(1.0 / self._combined_scale(scaled_norm))
-        rules = [_rule(self._rule_class, g) for g in self.optimizer.param_groups]
-        hyper = [{f: getattr(r, f) for f in r.__dataclass_fields__} for r in rules]
+        hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
         with self.pipeline.step():
-            pipelined(
+            self._driver.run(
                 range(len(self.fp16_groups)),
                 lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
-                self._finish, self._staging.depth)
+                self._finish)
         self.last_step_seconds = time.perf_counter() - start
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
@@ -330,25 +328,14 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _send(self, i: int, buffer: int, scale: float, hyper: dict) -> Any:
         flat = self.fp16_partitioned_groups_flat[i]
         grad = self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
-        if self._compress is not None:
-            c = self._compress.compress(grad, key=i)
-            g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
-                                c.values.to("cpu", non_blocking=True), c.numel)
-        elif grad.is_cpu:
-            g = grad
-        else:
-            g = self._staging.grad(buffer, grad.dtype, grad.numel())
-            g.copy_(grad, non_blocking=True)
-        out = flat if flat.is_cpu else self._staging.out(buffer, flat.dtype, flat.numel())
-        if grad.is_cuda:
-            torch.cuda.current_stream(grad.device).synchronize()  # the host copies landed
-        return self.pipeline.update(i, g, out, grad_scale=scale, **hyper)
+        return self._driver.send(i, grad, buffer, scale, hyper, out=flat if flat.is_cpu else None,
+                                 out_dtype=flat.dtype)
 
     def _finish(self, i: int, future: Any, buffer: int) -> None:
         future.wait()
         flat = self.fp16_partitioned_groups_flat[i]
         if not flat.is_cpu:
-            flat.copy_(self._staging.out(buffer, flat.dtype, flat.numel()), non_blocking=True)
+            flat.copy_(self._driver.out(buffer, flat.dtype, flat.numel()), non_blocking=True)
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
 
@@ -424,7 +411,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         puts the restored master weights into the model's partitions."""
         self.pipeline.close()
         restore_devices(directory, self._dirs)
-        self.pipeline = self._open_pipeline("resume")
+        self.pipeline = self._driver.pipeline = self._open_pipeline("resume")
         self._attach()
         missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
         if missing:
@@ -434,9 +421,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
 
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link and the steps committed (this rank)."""
-        s = self.pipeline.stats
-        return {k: s.get(k, 0.0) for k in ("host_to_device", "device_to_host", "storage_read",
-                                          "storage_write", "step")}
+        return self._driver.traffic()
 
     def destroy(self) -> None:
         if self.pipeline is not None:

@@ -1,0 +1,88 @@
+"""The step of a front-end (``smartinf.optim``, the DeepSpeed integration), shared: the
+update rule read from a param group, and each sub-group's gradient staged (or top-k
+compressed) on the host into the pipeline, N + 1 sub-groups in flight with N devices, the
+updated params back from the host buffers."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .compress import Compressed, TopK
+from .pipeline import Pipeline
+from .staging import Staging, depth_for, pipelined
+
+TRAFFIC = ("host_to_device", "device_to_host", "storage_read", "storage_write", "step")
+
+
+def rule_for(rule_class: type, group: dict) -> Any:
+    """The update rule with a param group's current hyper-parameters (read every step)."""
+    fields = {f: group[f] for f in rule_class.__dataclass_fields__ if f in group}
+    fields = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    if "betas" in fields:
+        fields["betas"] = tuple(float(b) for b in fields["betas"])
+    return rule_class(**fields)
+
+
+def overrides(rule: Any) -> dict:
+    """A rule's hyper-parameters as ``Pipeline.update`` keyword overrides."""
+    return {f: getattr(rule, f) for f in rule.__dataclass_fields__}
+
+
+class Driver:
+    """A pipeline, its host staging (sub-groups of up to ``size`` params) and the optional
+    top-k compression, driving one step's sub-groups."""
+
+    def __init__(self, pipeline: Pipeline, size: int, compress: Optional[TopK] = None) -> None:
+        self.pipeline = pipeline
+        self.compress = compress
+        self.staging = Staging(size, depth_for(len(pipeline.devices)))
+
+    def grow(self, size: int) -> None:
+        """Staging for sub-groups of ``size`` params (asked for by the user: add_param_group)."""
+        if size > self.staging.size:
+            self.staging = Staging(size, self.staging.depth)
+
+    def send(self, sg: int, grad: torch.Tensor, buffer: int, scale: float, hyper: dict,
+             out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Any:
+        """Starts the update of sub-group ``sg`` from its flat gradient (on its own device):
+        compressed, passed as it is (a contiguous CPU tensor), or copied into staging. The
+        params come out into ``out`` (a CPU buffer) or into staging (see ``out``)."""
+        if self.compress is not None:
+            c = self.compress.compress(grad, key=sg)
+            g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
+                                c.values.to("cpu", non_blocking=True), c.numel)
+        elif grad.is_cpu and grad.is_contiguous():
+            g = grad
+        else:
+            g = self.staging.grad(buffer, grad.dtype, grad.numel())
+            g.copy_(grad, non_blocking=True)
+        if out is None:
+            out = self.staging.out(buffer, out_dtype or grad.dtype, grad.numel())
+        if grad.is_cuda:
+            torch.cuda.current_stream(grad.device).synchronize()  # the host copies landed
+        return self.pipeline.update(sg, g, out, grad_scale=scale, **hyper)
+
+    def host_arrays(self, count: int, numel: int) -> list[torch.Tensor]:
+        """``count`` distinct fp32 staging buffers of ``numel`` (states read between steps:
+        no memory beyond the staging's)."""
+        views = [f(i, torch.float32, numel) for i in range(self.staging.depth)
+                 for f in (self.staging.grad, self.staging.out)]
+        if count > len(views):
+            raise ValueError(f"{count} arrays asked of {len(views)} staging buffers")
+        return views[:count]
+
+    def out(self, buffer: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The updated params of the sub-group sent with ``buffer`` (once its future is done)."""
+        return self.staging.out(buffer, dtype, numel)
+
+    def run(self, items: Sequence[Any], send: Callable[[Any, int], Any],
+            finish: Callable[[Any, Any, int], None]) -> None:
+        """``pipelined`` with this staging's depth: every device has a sub-group in flight."""
+        pipelined(items, send, finish, self.staging.depth)
+
+    def traffic(self) -> dict[str, float]:
+        """Bytes moved so far per link (host_to_device, device_to_host, storage_read,
+        storage_write) and the steps committed."""
+        s = self.pipeline.stats
+        return {k: s.get(k, 0.0) for k in TRAFFIC}
