@@ -19,7 +19,7 @@ __attribute__((target_clones("avx2", "default"), flatten))
 void run_update(const Slot& s, const Kernel& k, DType grad, size_t numel,
                 const store::StateLayout& layout) {
   float* arrays[kMaxStateArrays] = {};  // the param, then the rule's states, one after another
-  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = s.states + a * numel;
+  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = layout.array(s.states, numel, a);
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
     auto* op = static_cast<decltype(p)*>(s.out);

@@ -81,8 +81,8 @@ class Device {
 inline void import_host_states(void* states, const store::StateLayout& layout,
                                const float* const* from, const float* fill, size_t numel) {
   if (layout.int8) return kernels::import_int8_adam(kernels::int8_adam_layout(states, numel), numel, from, fill);
-  float* to = static_cast<float*>(states);
-  for (unsigned a = 0; a < layout.arrays; ++a, to += numel) {
+  for (unsigned a = 0; a < layout.arrays; ++a) {
+    float* to = layout.array(states, numel, a);
     if (from[a])
       std::memcpy(to, from[a], numel * 4);
     else
@@ -93,9 +93,8 @@ inline void import_host_states(void* states, const store::StateLayout& layout,
 inline void export_host_states(void* states, const store::StateLayout& layout,
                                float* const* to, size_t numel) {
   if (layout.int8) return kernels::export_int8_adam(kernels::int8_adam_layout(states, numel), numel, to);
-  const float* from = static_cast<const float*>(states);
   for (unsigned a = 0; a < layout.arrays; ++a)
-    if (to[a]) std::memcpy(to[a], from + a * numel, numel * 4);
+    if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
 }
 
 // The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the

@@ -110,12 +110,11 @@ class XrtDevice final : public Device {
                                "this chunk has " + std::to_string(numel));
     xrt::kernel& kernel = kernel_for(k);
     Buffers& b = buffers_[i];
-    const size_t bytes = numel * 4;
     // The top's arguments: the rule's state arrays (sub-buffers of the slot), the gradient
     // (or top-k pairs: int32 indices, then the values), the params out, n, the scalars.
     std::vector<xrt::bo> a;
     for (unsigned s = 0; s < kernels::rule_row(k.step.rule).arrays; ++s)
-      a.emplace_back(b.states, bytes, s * bytes);
+      a.emplace_back(b.states, numel * 4, geometry_.layout.array_offset(numel, s));
     const int n = static_cast<int>(numel);
     xrt::run run = kernels::with_scalars(k.step, [&](const auto& scalars) {
       if (k.compressed) {

@@ -55,7 +55,8 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     : dir_(dir),
       states_path_(dir + "/states.bin"),
       manifest_path_(dir + "/manifest"),
-      layout_(config.layout) {
+      layout_(config.layout),
+      chunks_{config.chunk, config.layout} {
   lock_directory();
   std::string text;
   bool resume = read_file(manifest_path_, text);
@@ -107,8 +108,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   for (size_t i = 0; i < manifest_.subgroups.size(); ++i) {
     const SubgroupRecord& r = manifest_.subgroups[i];
     local_of_[r.id] = i;
-    file_end_ = std::max(file_end_, r.offset + 2 * (chunks(i) - 1) * extent_bytes(config.chunk, layout_) +
-                                        2 * extent_bytes(r.numel - (chunks(i) - 1) * config.chunk, layout_));
+    file_end_ = std::max(file_end_, r.offset + chunks_.bytes(r.numel));
   }
   if (static_cast<uint64_t>(st.st_size) < file_end_)
     throw std::invalid_argument(states_path_ + " has " + std::to_string(st.st_size) +
@@ -201,8 +201,7 @@ size_t StateStore::attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool
   r.offset = file_end_;
   r.fingerprint = fingerprint;
   manifest_.add_sums(r);
-  const uint64_t full = numel / manifest_.chunk, tail = numel % manifest_.chunk;
-  const uint64_t bytes = 2 * (full * extent_bytes(manifest_.chunk, layout_) + (tail ? extent_bytes(tail, layout_) : 0));
+  const uint64_t bytes = chunks_.bytes(numel);
   int res = ::posix_fallocate(fd_.get(), static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
   if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_.get(), file_end_ + bytes) ? errno : 0;
   if (res != 0) {
@@ -227,16 +226,15 @@ void StateStore::detach_last() {
 }
 
 uint64_t StateStore::chunks(size_t local) const {
-  return (manifest_.subgroups[local].numel + manifest_.chunk - 1) / manifest_.chunk;
+  return chunks_.chunks(manifest_.subgroups[local].numel);
 }
 
 Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const SubgroupRecord& r = manifest_.subgroups[local];
-  const uint64_t numel = std::min(manifest_.chunk, r.numel - chunk * manifest_.chunk);
+  const uint64_t numel = chunks_.numel_of(r.numel, chunk);
   const uint64_t bytes = extent_bytes(numel, layout_);
-  // Full chunks come first, so chunk c starts after c pairs of full-size extents.
-  const uint64_t base = r.offset + 2 * chunk * extent_bytes(manifest_.chunk, layout_);
-  return Extent{base + copy * bytes, bytes, numel, &r.sums->copy[copy][chunk]};
+  return Extent{r.offset + chunks_.pair_offset(chunk) + copy * bytes, bytes, numel,
+                &r.sums->copy[copy][chunk]};
 }
 
 void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,

@@ -90,6 +90,7 @@ class StateStore {
   Manifest manifest_;
   std::map<int64_t, size_t> local_of_;
   StateLayout layout_;
+  ChunkLayout chunks_;  // where each chunk's extents sit
   uint64_t file_end_ = 0;
   bool layout_dirty_ = false;
   bool direct_ = true;
