@@ -269,6 +269,24 @@ def test_per_rank_directories_and_compression_settings():
     assert top.ratio == 0.01 and top.value_dtype == torch.bfloat16
 
 
+def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
+    """One PipelineSettings, checked in one place, from the DeepSpeed block,
+    smartinf.optim's keywords and Pipeline's."""
+    import smartinf
+    import smartinf.optim
+    given = {"slots": 2, "chunk": 4096, "io": "threads", "queue_depth": 8, "host_link_gbps": 1.5,
+             "verify": True, "state_dtype": "int8", "if_exists": "overwrite"}
+    block = sds.Settings.from_config({"smartinf": {"devices": ["/a"], **given}}).pipeline
+    opt = smartinf.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], devices=[str(tmp_path / "o")],
+                               **given)
+    pipe = smartinf.Pipeline(str(tmp_path / "p"), **given)
+    assert block == opt.pipeline.settings == pipe.settings == smartinf.PipelineSettings.resolve(**given)
+    opt.close()
+    pipe.close()
+    with pytest.raises(ValueError, match='"smartinf" config block: queue_depth=0'):
+        sds.Settings.from_config({"smartinf": {"devices": ["/a"], "queue_depth": 0}})
+
+
 @pytest.mark.parametrize("make, rule", [
     (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1), "adamw"),
     (lambda p: torch.optim.Adam(p, lr=1e-3), "adam"),

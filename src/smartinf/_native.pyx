@@ -203,31 +203,29 @@ cdef class NativeCompletion:
 cdef class NativePipeline:
     cdef Pipeline* p
 
-    def __cinit__(self, list devices, str optimizer, float initial_state, uint64_t chunk,
-                  size_t slots, str io, unsigned queue_depth, uint64_t piece_bytes,
-                  double host_link_bps, cbool verify, str state_dtype, str if_exists):
-        """devices: (kind, dir, fpga index, fpga BDF, xclbin, storage bytes/s) per device."""
+    def __cinit__(self, list devices, str optimizer, float initial_state, settings):
+        """devices: smartinf.devices.NativeDeviceSpec each; settings: a PipelineSettings."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
-        for kind, d, index, bdf, xclbin, storage_bps in devices:
-            spec.kind = kind.encode()
-            spec.dir = d.encode()
-            spec.xrt.index = index
-            spec.xrt.bdf = bdf.encode()
-            spec.xrt.xclbin = xclbin.encode()
-            spec.storage_bps = storage_bps
+        for d in devices:
+            spec.kind = d.kind.encode()
+            spec.dir = d.dir.encode()
+            spec.xrt.index = d.fpga_index
+            spec.xrt.bdf = d.fpga_bdf.encode()
+            spec.xrt.xclbin = d.xclbin.encode()
+            spec.storage_bps = d.storage_bps
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state
-        options.chunk = chunk
-        options.slots = slots
-        options.host_link_bps = host_link_bps
-        options.verify = verify
-        options.state_dtype = state_dtype.encode()
-        options.if_exists = if_exists.encode()
-        options.ring.io = io.encode()
-        options.ring.queue_depth = queue_depth
-        options.ring.piece_bytes = piece_bytes
+        options.chunk = settings.chunk
+        options.slots = settings.slots
+        options.host_link_bps = (settings.host_link_gbps or 0.0) * 1e9
+        options.verify = settings.verify
+        options.state_dtype = settings.state_dtype.encode()
+        options.if_exists = settings.if_exists.encode()
+        options.ring.io = settings.io.encode()
+        options.ring.queue_depth = settings.queue_depth
+        options.ring.piece_bytes = settings.piece_bytes
         with nogil:
             self.p = new Pipeline(options)
 

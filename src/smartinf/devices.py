@@ -5,9 +5,20 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from . import _build_info, defaults, smartssd
+
+class NativeDeviceSpec(NamedTuple):
+    """What the native core is told of one device (the binding reads it by name)."""
+
+    kind: str            # cpu | xrt
+    dir: str
+    fpga_index: int = 0  # xrt: the FPGA by index, or
+    fpga_bdf: str = ""   # by PCIe BDF
+    xclbin: str = ""     # xrt: the build of hls_kernels/
+    storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
+
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
@@ -49,8 +60,8 @@ class CpuDevice:
         if self.storage_gbps is not None:
             object.__setattr__(self, "storage_gbps", positive_gbps(self.storage_gbps, "storage_gbps"))
 
-    def native_spec(self) -> tuple:
-        return ("cpu", self.path, 0, "", "", (self.storage_gbps or 0.0) * 1e9)
+    def native_spec(self) -> NativeDeviceSpec:
+        return NativeDeviceSpec("cpu", self.path, storage_bps=(self.storage_gbps or 0.0) * 1e9)
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class XrtDevice:
                 raise FileNotFoundError(f"xclbin {self.xclbin} does not exist: build it with "
                                         f"`make -C hls_kernels` (Vitis) or pass its path")
 
-    def native_spec(self) -> tuple:
+    def native_spec(self) -> NativeDeviceSpec:
         if not _build_info.XRT:
             raise OSError("smartinf was built without XRT: install XRT (Debian: libxrt-dev, or "
                           "Xilinx's xrt package) and reinstall smartinf")
@@ -89,7 +100,7 @@ class XrtDevice:
         if isinstance(self.fpga, str):
             smartssd.check_pairing(self.path, self.fpga)
         index, bdf = (self.fpga, "") if isinstance(self.fpga, int) else (0, self.fpga)
-        return ("xrt", self.path, index, bdf, self.xclbin or "", 0.0)
+        return NativeDeviceSpec("xrt", self.path, index, bdf, self.xclbin or "")
 
     @classmethod
     def discover(cls, subdir: str = "smartinf", xclbin: Optional[str] = None,

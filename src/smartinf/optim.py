@@ -34,6 +34,7 @@ from .checkpoint import save_devices
 from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
 from .pipeline import Pipeline
+from .settings import PipelineSettings
 from .driver import Driver, overrides, rule_for
 
 logger = logging.getLogger("smartinf")
@@ -222,10 +223,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._subgroup_size = subgroup_size
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
+        settings = PipelineSettings.resolve(
+            slots=slots, chunk=chunk, io=io, queue_depth=queue_depth, host_link_gbps=host_link_gbps,
+            verify=verify, state_dtype=state_dtype, if_exists=if_exists)
         pipeline = Pipeline(resolve_devices(devices), self._rule(self.param_groups[0]),
-                            slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
-                            host_link_gbps=host_link_gbps, verify=verify,
-                            state_dtype=state_dtype, if_exists=if_exists)
+                            settings=settings)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)

@@ -15,14 +15,13 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, defaults
+from . import _native, buffers
 from .compress import Compressed
-from .devices import DeviceLike, positive_gbps, resolve
+from .devices import DeviceLike, resolve
+from .settings import IF_EXISTS, STATE_DTYPES, PipelineSettings  # noqa: F401 (re-exported)
 from .update_rules import AdamW, UpdateRule
 
 logger = logging.getLogger("smartinf")
-STATE_DTYPES = ("fp32", "int8")
-IF_EXISTS = ("resume", "overwrite", "error")
 _warned: set[str] = set()
 
 
@@ -90,14 +89,17 @@ class Pipeline:
         sub-groups): ``"resume"`` it (the default here: ``add_subgroup`` keeps the stored
         states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
         starts from its ``init``), or ``"error"`` (refused, nothing changed).
+    settings
+        All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
+        ``smartinf.optim`` and the DeepSpeed integration build it); the keywords are then unused.
 
     With several devices, sub-groups are placed by bytes (each new one on the device
     holding the fewest params) and every device runs its own ring, in parallel. Each
     directory records its place in the device list; reopening needs the same list.
     """
 
-    __slots__ = ("_native", "_devices", "optimizer", "_param_dtype", "_inflight", "_final_stats",
-                 "_final_device_stats", "_resumed")
+    __slots__ = ("_native", "_devices", "optimizer", "settings", "_param_dtype", "_inflight",
+                 "_final_stats", "_final_device_stats", "_resumed")
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class Pipeline:
         verify: bool = False,
         state_dtype: str = "fp32",
         if_exists: str = "resume",
+        settings: Optional[PipelineSettings] = None,
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
@@ -122,28 +125,11 @@ class Pipeline:
             raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...), "
                             f"Adagrad(...) or Lion(...), got {type(optimizer).__name__}")
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
-        slots = defaults.slots() if slots is None else slots
-        chunk = defaults.chunk() if chunk is None else chunk
-        queue_depth = defaults.queue_depth() if queue_depth is None else queue_depth
-        io = defaults.io() if io is None else io
-        for name, value, low, high in (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
-                                       ("queue_depth", queue_depth, 1, 4096)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if not low <= value <= high:
-                raise ValueError(f"{name}={value} is outside [{low}, {high}]")
-        if io not in defaults.IO_ENGINES:
-            raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype={state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
-        if if_exists not in IF_EXISTS:
-            raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
-        if host_link_gbps is None:
-            host_link_gbps = defaults.host_link_gbps()
-        else:
-            host_link_gbps = positive_gbps(host_link_gbps, "host_link_gbps")
+        if settings is None:
+            settings = PipelineSettings.resolve(
+                slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
+                host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
+                if_exists=if_exists)
         for d in self._devices:
             if os.path.exists(d.path) and not os.path.isdir(d.path):
                 raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
@@ -153,10 +139,9 @@ class Pipeline:
         self._final_stats: dict[str, float] = {}
         self._final_device_stats: list[dict[str, float]] = []
         self._resumed: set[int] = set()
-        self._native = _native.NativePipeline(
-            specs, self.optimizer.name,
-            float(self.optimizer.initial_state), chunk, slots, io, queue_depth,
-            defaults.PIECE_BYTES, (host_link_gbps or 0.0) * 1e9, verify, state_dtype, if_exists)
+        self.settings = settings
+        self._native = _native.NativePipeline(specs, self.optimizer.name,
+                                              float(self.optimizer.initial_state), settings)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)

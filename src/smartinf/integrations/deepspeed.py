@@ -33,6 +33,7 @@ files get the devices' fp32 masters (for ``zero_to_fp32``), and DeepSpeed's fp32
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -59,7 +60,8 @@ from ..checkpoint import restore_devices, save_devices
 from ..optim import _StorageOptimizer as StorageOptimizer
 from . import deepspeed_hook
 from ..compress import TopK
-from ..pipeline import IF_EXISTS, Pipeline
+from ..pipeline import Pipeline
+from ..settings import PipelineSettings
 from ..driver import Driver, overrides, rule_for
 
 logger = logging.getLogger("smartinf")
@@ -77,15 +79,8 @@ class Settings:
     """The ``"smartinf"`` block of a DeepSpeed config."""
 
     devices: list
-    slots: Optional[int] = None
-    chunk: Optional[int] = None
-    io: Optional[str] = None
-    queue_depth: Optional[int] = None
+    pipeline: PipelineSettings  # the rest of the block but compress, checked
     compress: Optional[dict] = None
-    state_dtype: str = "fp32"
-    if_exists: str = "error"  # directories holding a run: "error", "resume" or "overwrite"
-    verify: bool = False
-    host_link_gbps: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -93,8 +88,9 @@ class Settings:
         if not isinstance(block, dict):
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
-        known = {"devices", "slots", "chunk", "io", "queue_depth", "compress", "state_dtype",
-                 "if_exists", "verify", "host_link_gbps"}
+        pipeline_keys = {"slots", "chunk", "io", "queue_depth", "state_dtype", "if_exists",
+                         "verify", "host_link_gbps"}
+        known = {"devices", "compress"} | pipeline_keys
         unknown = sorted(set(block) - known)
         if unknown:
             raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
@@ -106,20 +102,18 @@ class Settings:
                 not all(isinstance(d, str) and d for d in devices):
             raise ValueError(f'"{CONFIG_KEY}.devices" must be a non-empty list of directories, '
                              f'got {devices!r}')
-        if block.get("if_exists", "error") not in IF_EXISTS:
-            raise ValueError(f'"{CONFIG_KEY}.if_exists" must be one of {list(IF_EXISTS)}, got '
-                             f'{block["if_exists"]!r}')
         compress = block.get("compress")
         if compress is not None:
             if not isinstance(compress, dict) or not set(compress) <= {"ratio", "value_dtype",
                                                                        "error_feedback"}:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
-        return cls(devices=devices, slots=block.get("slots"), chunk=block.get("chunk"),
-                   io=block.get("io"), queue_depth=block.get("queue_depth"), compress=compress,
-                   state_dtype=block.get("state_dtype", "fp32"),
-                   if_exists=block.get("if_exists", "error"), verify=block.get("verify", False),
-                   host_link_gbps=block.get("host_link_gbps"))
+        given = {k: block[k] for k in pipeline_keys if k in block}
+        try:
+            pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
+        return cls(devices=devices, pipeline=pipeline, compress=compress)
 
     def rank_dirs(self, rank: int) -> list[str]:
         """Each rank keeps its partition's states in its own sub-directory."""
@@ -211,7 +205,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._dirs = self.settings.rank_dirs(dist.get_rank())
-        self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.if_exists))
+        self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
         self._driver = Driver(self.pipeline, max(numels), self._compress)
         self._attach()
         for i, numel in enumerate(numels):
@@ -223,11 +217,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             param_group["params"] = []
 
     def _open_pipeline(self, if_exists: str) -> Pipeline:
-        s = self.settings
         return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
-                        slots=s.slots, chunk=s.chunk, io=s.io, queue_depth=s.queue_depth,
-                        host_link_gbps=s.host_link_gbps, verify=s.verify,
-                        state_dtype=s.state_dtype, if_exists=if_exists)
+                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists))
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left

@@ -1,0 +1,63 @@
+"""The settings of a Pipeline, resolved and validated in one place.
+
+``Pipeline``, ``smartinf.optim`` (its keyword options) and the DeepSpeed integration (its
+``"smartinf"`` block) all build one ``PipelineSettings`` and hand it, whole, to the native
+core. Unset values come from the environment (``defaults``), explicit ones win.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from . import defaults
+from .devices import positive_gbps
+
+STATE_DTYPES = ("fp32", "int8")
+IF_EXISTS = ("resume", "overwrite", "error")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """``slots`` ring slots per device; ``chunk`` params per chunk (fixed for a directory);
+    ``io`` storage engine; ``queue_depth`` requests in flight per engine;
+    ``host_link_gbps`` cap on the shared host link (None: none); ``verify`` checksum every
+    load; ``state_dtype`` fp32 or int8 moments; ``if_exists`` resume, overwrite or error
+    for directories holding a run; ``piece_bytes`` size of one storage request."""
+
+    slots: int
+    chunk: int
+    io: str
+    queue_depth: int
+    host_link_gbps: Optional[float]
+    verify: bool
+    state_dtype: str
+    if_exists: str
+    piece_bytes: int = defaults.PIECE_BYTES
+
+    @classmethod
+    def resolve(cls, *, slots: Optional[int] = None, chunk: Optional[int] = None,
+                io: Optional[str] = None, queue_depth: Optional[int] = None,
+                host_link_gbps: Optional[float] = None, verify: bool = False,
+                state_dtype: str = "fp32", if_exists: str = "resume") -> "PipelineSettings":
+        """Settings from explicit values, the environment for the unset ones; checked."""
+        slots = defaults.slots() if slots is None else slots
+        chunk = defaults.chunk() if chunk is None else chunk
+        queue_depth = defaults.queue_depth() if queue_depth is None else queue_depth
+        io = defaults.io() if io is None else io
+        for name, value, low, high in (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
+                                       ("queue_depth", queue_depth, 1, 4096)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not low <= value <= high:
+                raise ValueError(f"{name}={value} is outside [{low}, {high}]")
+        if io not in defaults.IO_ENGINES:
+            raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+        if if_exists not in IF_EXISTS:
+            raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
+        host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
+            else positive_gbps(host_link_gbps, "host_link_gbps")
+        return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists)
