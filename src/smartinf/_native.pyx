@@ -246,11 +246,16 @@ cdef class NativePipeline:
         cdef Gradient g
         g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
         g.index, g.nnz = <const int32_t*>index, nnz
-        cdef UpdateHyper h
+        cdef UpdateHyper h  # kernels::Hyper's defaults; a rule sends the fields it reads
         h.lr, h.weight_decay, h.grad_scale = hyper["lr"], hyper["weight_decay"], hyper["grad_scale"]
-        h.beta1, h.beta2, h.eps = hyper.get("beta1", 0.9), hyper.get("beta2", 0.999), hyper.get("eps", 1e-8)
-        h.momentum, h.dampening = hyper.get("momentum", 0.0), hyper.get("dampening", 0.0)
-        h.nesterov, h.lr_decay = hyper.get("nesterov", False), hyper.get("lr_decay", 0.0)
+        if "beta1" in hyper:
+            h.beta1, h.beta2 = hyper["beta1"], hyper["beta2"]
+        if "eps" in hyper:
+            h.eps = hyper["eps"]
+        if "momentum" in hyper:
+            h.momentum, h.dampening, h.nesterov = hyper["momentum"], hyper["dampening"], hyper["nesterov"]
+        if "lr_decay" in hyper:
+            h.lr_decay = hyper["lr_decay"]
         cdef NativeCompletion done = NativeCompletion()
         with nogil:
             done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h)
