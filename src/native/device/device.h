@@ -101,9 +101,9 @@ inline void export_host_states(void* states, const store::StateLayout& layout,
 // calling thread.
 std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry);
 
-// A SmartSSD through XRT (built when libxrt is found: SMARTINF_HAVE_XRT): the FPGA by
-// index or PCIe BDF, and the xclbin of hls_kernels/ (without one the kernel stage is
-// unavailable; data movement still works).
+// A SmartSSD through XRT (xrt_device.cc when CMake finds libxrt, else
+// xrt_unavailable.cc): the FPGA by index or PCIe BDF, and the xclbin of hls_kernels/
+// (without one the kernel stage is unavailable; data movement still works).
 struct XrtOptions {
   unsigned index = 0;
   std::string bdf;

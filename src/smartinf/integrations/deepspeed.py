@@ -282,7 +282,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's ZeRO-3 step (overflow check, loss scale, norm, clipping) with the
-        per-sub-group update in the pipeline, two sub-groups in flight."""
+        per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices."""
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
