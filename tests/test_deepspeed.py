@@ -283,6 +283,8 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     assert block == opt.pipeline.settings == pipe.settings == smartinf.PipelineSettings.resolve(**given)
     opt.close()
     pipe.close()
+    with pytest.raises(TypeError, match="not both"):  # keywords beside settings= are not dropped
+        smartinf.Pipeline(str(tmp_path / "q"), settings=block, slots=3)
     with pytest.raises(ValueError, match='"smartinf" config block: queue_depth=0'):
         sds.Settings.from_config({"smartinf": {"devices": ["/a"], "queue_depth": 0}})
 

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 from . import _build_info, defaults, smartssd
 
+
 class NativeDeviceSpec(NamedTuple):
     """What the native core is told of one device (the binding reads it by name)."""
 

@@ -25,7 +25,6 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 from typing_extensions import TypedDict, Unpack
 
@@ -33,9 +32,9 @@ from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
+from .driver import Driver, overrides, rule_for
 from .pipeline import Pipeline
 from .settings import PipelineSettings
-from .driver import Driver, overrides, rule_for
 
 logger = logging.getLogger("smartinf")
 
@@ -300,9 +299,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Registers the sub-groups; new ones start from the model's params, resumed ones
         (reopened devices) put their stored master weights into the model."""
         for sg in plan:
-            master = self._driver.staging.grad(0, torch.float32, sg.numel)
-            for s in sg.slices:
-                master[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
+            master = self._gather_params(sg)
             got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg))
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
@@ -323,28 +320,25 @@ class _StorageOptimizer(torch.optim.Optimizer):
         held = master[:sg.numel].to(sg.dtype).contiguous()
         return _native.checksum(held.data_ptr(), held.numel() * held.element_size())
 
+    def _gather_params(self, sg: _Subgroup) -> torch.Tensor:
+        """The sub-group's params as the model holds them, fp32, in staging buffer 0."""
+        flat = self._driver.staging.grad(0, torch.float32, sg.numel)
+        for s in sg.slices:
+            flat[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
+        return flat
+
     def _adopt_loaded_weights(self) -> None:
         """Weights the caller put into the model after the optimizer took them (a checkpoint
         loaded, params edited) become the masters: never overwritten by stored ones."""
-        changed = []
-        for sg in self._plan:
-            if sg.id not in self._digests:
-                continue
-            held = self._driver.staging.grad(0, torch.float32, sg.numel)
-            for s in sg.slices:
-                held[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
-            if self._digest(sg, held) == self._digests.get(sg.id):
-                continue
-            stored = self.pipeline.read_states(sg.id)
-            stored["param"] = held.numpy().copy()
-            changed.append((sg, stored))
+        changed = [sg for sg in self._plan if sg.id in self._digests
+                   and self._digest(sg, self._gather_params(sg)) != self._digests[sg.id]]
         if changed:
             logger.warning("the model's params of sub-groups %s changed after the optimizer took "
                            "them (weights loaded or edited): they are the new master weights",
-                           [sg.id for sg, _ in changed])
+                           [sg.id for sg in changed])
             with self.pipeline.step():
-                for sg, stored in changed:
-                    self.pipeline.write_states(sg.id, stored, self.pipeline.subgroup_steps(sg.id))
+                for sg in changed:
+                    self.pipeline.write_master(sg.id, self._gather_params(sg))
 
     def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:
@@ -375,14 +369,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
             g = g.to_dense()
         return g.detach()
 
-    def _gather_grad(self, sg: _Subgroup) -> torch.Tensor:
+    def _gather_grad(self, sg: _Subgroup, grads: dict) -> torch.Tensor:
         """The sub-group's gradient as one flat tensor on its own device. A param without
         a gradient gets zeros when others in its sub-group have one (torch would skip it;
         here its states still decay: warned once); a sub-group without any gradient is not
         updated."""
         parts = []
         for s in sg.slices:
-            g = self._grad(s.param)
+            g = grads.get(id(s.param))
             parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
                          if g is None else g.reshape(-1)[s.start:s.stop])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -398,11 +392,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 "the optimizer, or give them a param group of their own (warned once)", partial)
 
     # -- step -------------------------------------------------------------------------
-    def _grad_scale(self, grad_scale: float) -> Optional[float]:
+    def _grad_scale(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> Optional[float]:
         """The factor every gradient is multiplied by (1/loss scale, then clipping), or
         None when a gradient holds inf/NaN (the step must be skipped)."""
-        grads = [g for group in self.param_groups for p in group["params"]
-                 if (g := self._grad(p)) is not None]
         if not grads:
             return grad_scale
         total = _total_norm(grads, torch.float32)  # fp16's own norm overflows at 65504
@@ -434,7 +426,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             self._check_group(group)
         hyper = [overrides(self._rule(group)) for group in self.param_groups]
-        scale = self._grad_scale(grad_scale)
+        grads = {id(p): g for group in self.param_groups for p in group["params"]
+                 if (g := self._grad(p)) is not None}  # dense, checked: once per step
+        scale = self._grad_scale(grad_scale, list(grads.values()))
         self.last_step_skipped = scale is None
         if scale is None:
             self.skipped_steps += 1
@@ -444,13 +438,13 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._adopt_loaded_weights()
             self._digests.clear()
         self._export = None
-        active = [sg for sg in self._plan if any(s.param.grad is not None for s in sg.slices)]
+        active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
         self._warn_partial(active)
         scattered: list[_Subgroup] = []
         try:
             with self.pipeline.step():
                 self._driver.run(
-                    active, lambda sg, b: self._driver.send(sg.id, self._gather_grad(sg), b,
+                    active, lambda sg, b: self._driver.send(sg.id, self._gather_grad(sg, grads), b,
                                                             scale, hyper[sg.group]),
                     lambda sg, future, b: self._finish(sg, future, b, scattered))
         except BaseException:

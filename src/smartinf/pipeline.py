@@ -18,11 +18,13 @@ import numpy as np
 from . import _native, buffers
 from .compress import Compressed
 from .devices import DeviceLike, resolve
-from .settings import IF_EXISTS, STATE_DTYPES, PipelineSettings  # noqa: F401 (re-exported)
+from .settings import PipelineSettings
 from .update_rules import AdamW, UpdateRule
 
 logger = logging.getLogger("smartinf")
 _warned: set[str] = set()
+_KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
+                         verify=False, state_dtype="fp32", if_exists="resume")
 
 
 class UpdateFuture:
@@ -91,7 +93,7 @@ class Pipeline:
         starts from its ``init``), or ``"error"`` (refused, nothing changed).
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
-        ``smartinf.optim`` and the DeepSpeed integration build it); the keywords are then unused.
+        ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
 
     With several devices, sub-groups are placed by bytes (each new one on the device
     holding the fewest params) and every device runs its own ring, in parallel. Each
@@ -125,11 +127,13 @@ class Pipeline:
             raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...), "
                             f"Adagrad(...) or Lion(...), got {type(optimizer).__name__}")
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
+        given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
+                     host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
+                     if_exists=if_exists)
         if settings is None:
-            settings = PipelineSettings.resolve(
-                slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
-                host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
-                if_exists=if_exists)
+            settings = PipelineSettings.resolve(**given)
+        elif given != _KEYWORD_DEFAULTS:
+            raise TypeError("pass the settings either as settings= or as keywords, not both")
         for d in self._devices:
             if os.path.exists(d.path) and not os.path.isdir(d.path):
                 raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
@@ -294,6 +298,13 @@ class Pipeline:
         arrays = {k: b.owner for k, b in zip(names, held)}
         native.read_states(sg, [b.address for b in held])
         return arrays
+
+    def write_master(self, sg: int, param: Any) -> None:
+        """Replaces the fp32 master weights of ``sg`` (``param``, fp32 of the sub-group's
+        size) as part of the current step; its optimizer states and step count stay."""
+        states = self.read_states(sg)
+        states["param"] = param
+        self.write_states(sg, states, self.subgroup_steps(sg))
 
     def write_states(self, sg: int, states: dict, steps: int) -> None:
         """Replaces the states of ``sg`` as part of the current step (current once it is

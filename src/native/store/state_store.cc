@@ -60,23 +60,20 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   lock_directory();
   std::string text;
   bool resume = read_file(manifest_path_, text);
-  if (resume && config.if_exists != "resume") {
-    manifest_ = Manifest::parse(text, manifest_path_);
-    if (holds_run()) {
-      if (config.if_exists != "overwrite")
-        throw std::invalid_argument(
-            dir + " holds the states of an earlier run (step " + std::to_string(manifest_.step) +
-            ", " + std::to_string(manifest_.subgroups.size()) + " sub-groups): pass " +
-            "if_exists=\"resume\" to continue it (its stored weights replace the model's), " +
-            "if_exists=\"overwrite\" to discard it and start from the model's weights, or " +
-            "use another directory");
-      discard_run();
-      resume = false;
-    }
+  if (resume) manifest_ = Manifest::parse(text, manifest_path_);
+  if (resume && config.if_exists != "resume" && holds_run()) {
+    if (config.if_exists != "overwrite")
+      throw std::invalid_argument(
+          dir + " holds the states of an earlier run (step " + std::to_string(manifest_.step) +
+          ", " + std::to_string(manifest_.subgroups.size()) + " sub-groups): pass " +
+          "if_exists=\"resume\" to continue it (its stored weights replace the model's), " +
+          "if_exists=\"overwrite\" to discard it and start from the model's weights, or " +
+          "use another directory");
+    discard_run();
     manifest_ = Manifest{};
+    resume = false;
   }
   if (resume) {
-    manifest_ = Manifest::parse(text, manifest_path_);
     if (manifest_.chunk != config.chunk)
       mismatch(dir, "chunk", std::to_string(manifest_.chunk), std::to_string(config.chunk));
     if (manifest_.optimizer != config.optimizer)

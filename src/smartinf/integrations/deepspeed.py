@@ -57,12 +57,12 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 
 from .. import update_rules
 from ..checkpoint import restore_devices, save_devices
-from ..optim import _StorageOptimizer as StorageOptimizer
-from . import deepspeed_hook
 from ..compress import TopK
+from ..driver import Driver, overrides, rule_for
+from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
 from ..settings import PipelineSettings
-from ..driver import Driver, overrides, rule_for
+from . import deepspeed_hook
 
 logger = logging.getLogger("smartinf")
 # DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
@@ -371,9 +371,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         stay, as DeepSpeed's do."""
         with self.pipeline.step():
             for i, flat in enumerate(self.fp16_partitioned_groups_flat):
-                states = self.pipeline.read_states(i)
-                states["param"] = flat.detach().to("cpu", torch.float32).numpy()
-                self.pipeline.write_states(i, states, self.pipeline.subgroup_steps(i))
+                self.pipeline.write_master(i, flat.detach().to("cpu", torch.float32))
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict:
