@@ -27,7 +27,10 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert s["read_bps"] > 0 and s["write_bps"] > 0
     assert os.listdir(disk_dir) == [] and os.listdir(other) == []
     pairs = [(k["grad"], k["param"], k["state_dtype"]) for k in result["kernel"]]
-    assert pairs == [(g, p, "fp32") for g, p in probe.KERNEL_DTYPES] + [("float32", "float16", "int8")]
+    assert pairs == [(g, p, "fp32") for g, p in probe.KERNEL_DTYPES] + [
+        ("float32", "float16", "int8"), ("bfloat16", "bfloat16", "fp32"), ("bfloat16", "bfloat16", "int8")]
+    assert [k["threads"] for k in result["kernel"][-2:]] == [probe.usable_cores()] * 2
+    assert result["triad"]["threads"] == probe.usable_cores() and result["triad"]["bps"] > 0
     for k in result["kernel"]:
         assert k["params_per_s"] == pytest.approx(k["numel"] / k["seconds"])
         per_param = 24 if k["state_dtype"] == "fp32" else 2 * 6.03125  # read + written

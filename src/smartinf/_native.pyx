@@ -27,7 +27,8 @@ cdef extern from "io/engine.h" namespace "smartinf::io":
 cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_io(const string&, uint64_t, cbool, const string&, uint64_t,
                    unsigned) except +raise_py_error nogil
-    double time_adam_kernel(uint64_t, DType, DType, cbool) except +raise_py_error nogil
+    double time_adam_kernel(uint64_t, DType, DType, cbool, unsigned) except +raise_py_error nogil
+    double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
 
 cdef extern from "store/manifest.h" namespace "smartinf::store":
@@ -92,6 +93,9 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         double host_link_bps
         cbool verify
         string if_exists
+        uint64_t memory_budget
+        uint64_t commit_every
+        unsigned compute_threads
         RingOptions ring
 
     cdef cppclass UpdateHyper:
@@ -114,10 +118,13 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         void read_states(size_t, float* const*) except +raise_py_error nogil
         unsigned state_arrays()
         void commit() except +raise_py_error nogil
+        void flush() except +raise_py_error nogil
         void discard() except +raise_py_error nogil
         void close() except +raise_py_error nogil
         cbool closed()
         uint64_t step()
+        uint64_t durable_step()
+        cbool resident(size_t) except +raise_py_error
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
         uint64_t subgroup_steps(size_t) except +raise_py_error
@@ -182,10 +189,18 @@ def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) 
             "to_fpga_s": bw.to_fpga_s, "from_fpga_s": bw.from_fpga_s, "direct": bw.direct}
 
 
-def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, cbool int8_states=False) -> float:
+def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, cbool int8_states,
+                unsigned threads) -> float:
     cdef double seconds
     with nogil:
-        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, int8_states)
+        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, int8_states, threads)
+    return seconds
+
+
+def triad_seconds(uint64_t nbytes, unsigned threads) -> float:
+    cdef double seconds
+    with nogil:
+        seconds = time_triad(nbytes, threads)
     return seconds
 
 
@@ -223,6 +238,9 @@ cdef class NativePipeline:
         options.verify = settings.verify
         options.state_dtype = settings.state_dtype.encode()
         options.if_exists = settings.if_exists.encode()
+        options.memory_budget = settings.memory_budget
+        options.commit_every = settings.commit_every
+        options.compute_threads = settings.compute_threads
         options.ring.io = settings.io.encode()
         options.ring.queue_depth = settings.queue_depth
         options.ring.piece_bytes = settings.piece_bytes
@@ -279,6 +297,10 @@ cdef class NativePipeline:
         with nogil:
             self.p.commit()
 
+    def flush(self):
+        with nogil:
+            self.p.flush()
+
     def discard(self):
         with nogil:
             self.p.discard()
@@ -294,6 +316,13 @@ cdef class NativePipeline:
     @property
     def step(self) -> int:
         return self.p.step()
+
+    @property
+    def durable_step(self) -> int:
+        return self.p.durable_step()
+
+    def resident(self, size_t sg) -> bool:
+        return self.p.resident(sg)
 
     @property
     def subgroup_count(self) -> int:

@@ -9,6 +9,10 @@ Explicit arguments always win over these.
 - ``SMARTINF_QUEUE_DEPTH``: storage requests in flight per engine (16).
 - ``SMARTINF_HOST_LINK_GBPS``: cap on the host link all devices share, GB/s in each
   direction (none): models a PCIe switch or root port with emulated devices.
+- ``SMARTINF_MEMORY_BUDGET``: bytes of states per device kept resident in memory (0), as
+  a number or with a unit (``24GiB``, ``512MB``).
+- ``SMARTINF_COMMIT_EVERY``: steps per durable commit (1: every step).
+- ``SMARTINF_COMPUTE_THREADS``: threads of the update kernel (0: the usable cores).
 """
 from __future__ import annotations
 
@@ -23,6 +27,34 @@ IO = "auto"
 QUEUE_DEPTH = 16
 PIECE_BYTES = 1 << 20  # storage requests are split into pieces of this size
 IO_ENGINES = ("auto", "uring", "threads")
+MEMORY_BUDGET = 0
+COMMIT_EVERY = 1
+COMPUTE_THREADS = 0
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value, what: str) -> int:
+    """A byte count: an int, or a string with an optional unit ("24GiB", "1.5 GB")."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a number of bytes, got a bool")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip().replace(" ", "")
+        digits = text.rstrip("BbKkMmGgTtIi")
+        unit = text[len(digits):].upper()
+        try:
+            number = float(digits) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(f"{what}={value!r}: expected bytes, e.g. 25769803776, '24GiB' or "
+                             f"'512MB'") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{what}={value!r} is not a whole number of bytes")
+        number = int(number)
+    if number < 0:
+        raise ValueError(f"{what}={value!r} must not be negative")
+    return number
 
 
 def _int_env(name: str, default: int) -> int:
@@ -56,6 +88,19 @@ def io() -> str:
     if value not in IO_ENGINES:
         raise ValueError(f"SMARTINF_IO={value!r}: expected one of {', '.join(IO_ENGINES)}")
     return value
+
+
+def memory_budget() -> int:
+    raw = os.environ.get("SMARTINF_MEMORY_BUDGET")
+    return MEMORY_BUDGET if not raw else parse_bytes(raw, "SMARTINF_MEMORY_BUDGET")
+
+
+def commit_every() -> int:
+    return _int_env("SMARTINF_COMMIT_EVERY", COMMIT_EVERY)
+
+
+def compute_threads() -> int:
+    return _int_env("SMARTINF_COMPUTE_THREADS", COMPUTE_THREADS)
 
 
 def host_link_gbps() -> Optional[float]:

@@ -5,7 +5,9 @@
 For each directory: sequential ``O_DIRECT`` write then read bandwidth through the
 project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 in
 flight; the page cache is not involved). Then host memory copy bandwidth and the Adam
-kernel's throughput per grad/param dtype pair. The functions return dataclasses (the
+kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
+a STREAM triad over the same threads (what memory gives the parallel update, whose limit
+it is when states are resident). The functions return dataclasses (the
 demo and the benchmarks divide by them); only ``main`` prints.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ BLOCK = 1 * MiB  # the pipeline's storage piece size
 DEPTH = 16  # the pipeline's default queue depth
 KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
+TRIAD_BYTES = 768 * MiB
 #: (grad, param) dtype pairs the kernel is timed for (fp32 states; int8 states once, f32/f16).
 KERNEL_DTYPES = (("float32", "float32"), ("float32", "float16"),
                  ("float16", "float16"), ("bfloat16", "bfloat16"))
@@ -76,6 +79,7 @@ class KernelThroughput:
     seconds: float
     params_per_s: float
     state_dtype: str = "fp32"
+    threads: int = 1
 
     @property
     def state_bps(self) -> float:
@@ -83,6 +87,17 @@ class KernelThroughput:
         param: 24 with fp32 states, ~12 with int8): compare with the storage bandwidth to
         see which one limits."""
         return self.params_per_s * 2 * model.state_bytes_per_param(self.state_dtype)
+
+
+@dataclass(frozen=True)
+class MemoryBandwidth:
+    """STREAM's triad (a = b + q * c over fp32 arrays of ``nbytes`` together) on
+    ``threads`` threads: bytes moved per second, the second of two passes."""
+
+    nbytes: int
+    threads: int
+    bps: float
+    seconds: float
 
 
 def engine_in_use(directory: str, engine: str = "auto") -> str:
@@ -184,15 +199,31 @@ def measure_host_copy(nbytes: int = HOST_COPY_BYTES, repeats: int = 3) -> HostCo
 
 
 def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
-                   param: str = "float32", state_dtype: str = "fp32") -> KernelThroughput:
+                   param: str = "float32", state_dtype: str = "fp32",
+                   threads: int = 1) -> KernelThroughput:
     """Adam kernel throughput for one grad/param dtype pair (dtype names or codes) and
-    state dtype; the first call warms up (allocation, page faults), the second is timed."""
+    state dtype on ``threads`` threads (0: the usable cores, as the pipeline's default);
+    the first call warms up (allocation, page faults), the second is timed."""
     g, p = buffers.dtype_code(grad), buffers.dtype_code(param)
     int8 = state_dtype == "int8"
-    _native.time_kernel(numel, g, p, int8)
-    seconds = _native.time_kernel(numel, g, p, int8)
+    threads = threads or usable_cores()
+    _native.time_kernel(numel, g, p, int8, threads)
+    seconds = _native.time_kernel(numel, g, p, int8, threads)
     return KernelThroughput(numel, buffers.DTYPE_NAMES[g], buffers.DTYPE_NAMES[p], seconds,
-                            numel / seconds, state_dtype)
+                            numel / seconds, state_dtype, threads)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (the parallel update's default thread count)."""
+    return len(os.sched_getaffinity(0))
+
+
+def measure_triad(nbytes: int = TRIAD_BYTES, threads: int = 0) -> MemoryBandwidth:
+    """Host memory bandwidth as STREAM's triad measures it, on ``threads`` threads (0: the
+    usable cores): the limit of a memory-bound update over resident states."""
+    threads = threads or usable_cores()
+    seconds = _native.triad_seconds(nbytes, threads)
+    return MemoryBandwidth(nbytes // 12 * 12, threads, nbytes // 12 * 12 / seconds, seconds)
 
 
 def measure_smartssd(directory: str, fpga: "int | str" = 0, nbytes: int = 256 * MiB) -> dict:
@@ -229,7 +260,10 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
         "host_copy": dataclasses.asdict(measure_host_copy(host_copy_bytes)),
         "kernel": [dict(dataclasses.asdict(k), state_bps=k.state_bps)
                    for k in [*(measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES),
-                             measure_kernel(kernel_numel, "float32", "float16", "int8")]],
+                             measure_kernel(kernel_numel, "float32", "float16", "int8"),
+                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", threads=0),
+                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int8", 0)]],
+        "triad": dataclasses.asdict(measure_triad()),
         "smartssd": smartssds(),
     }
 
@@ -249,10 +283,14 @@ def format_report(result: dict) -> str:
     hc = result["host_copy"]
     lines += ["", f"host memory copy: {hc['bps'] / 1e9:.2f} GB/s "
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
-              f"{'Adam kernel grad/param':<24} {'Mparams/s':>10} {'state GB/s':>11}"]
+              f"{'Adam kernel grad/param':<34} {'Mparams/s':>10} {'state GB/s':>11}"]
     for k in result["kernel"]:
-        name = k["grad"] + "/" + k["param"] + (", int8 states" if k["state_dtype"] == "int8" else "")
-        lines.append(f"{name:<24} {k['params_per_s'] / 1e6:>10.0f} {k['state_bps'] / 1e9:>11.2f}")
+        name = (k["grad"] + "/" + k["param"] + (", int8 states" if k["state_dtype"] == "int8" else "")
+                + (f", {k['threads']} threads" if k.get("threads", 1) > 1 else ""))
+        lines.append(f"{name:<34} {k['params_per_s'] / 1e6:>10.0f} {k['state_bps'] / 1e9:>11.2f}")
+    if "triad" in result:
+        t = result["triad"]
+        lines.append(f"STREAM triad, {t['threads']} threads: {t['bps'] / 1e9:.2f} GB/s")
     lines.append("(state GB/s: states read+written per param, 24 B fp32 or ~12 B int8, vs storage above)")
     cards = result.get("smartssd", [])
     lines += ["", "SmartSSDs: " + ("none found (XRT build, XILINX_XRT set, FPGA and NVMe behind "

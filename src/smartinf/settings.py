@@ -22,7 +22,10 @@ class PipelineSettings:
     ``io`` storage engine; ``queue_depth`` requests in flight per engine;
     ``host_link_gbps`` cap on the shared host link (None: none); ``verify`` checksum every
     load; ``state_dtype`` fp32 or int8 moments; ``if_exists`` resume, overwrite or error
-    for directories holding a run; ``piece_bytes`` size of one storage request."""
+    for directories holding a run; ``memory_budget`` bytes of states per device kept
+    resident in memory (the rest streams from storage); ``commit_every`` steps per durable
+    commit; ``compute_threads`` threads of the update kernel (0: the usable cores);
+    ``piece_bytes`` size of one storage request."""
 
     slots: int
     chunk: int
@@ -32,20 +35,31 @@ class PipelineSettings:
     verify: bool
     state_dtype: str
     if_exists: str
+    memory_budget: int = defaults.MEMORY_BUDGET
+    commit_every: int = defaults.COMMIT_EVERY
+    compute_threads: int = defaults.COMPUTE_THREADS
     piece_bytes: int = defaults.PIECE_BYTES
 
     @classmethod
     def resolve(cls, *, slots: Optional[int] = None, chunk: Optional[int] = None,
                 io: Optional[str] = None, queue_depth: Optional[int] = None,
                 host_link_gbps: Optional[float] = None, verify: bool = False,
-                state_dtype: str = "fp32", if_exists: str = "resume") -> "PipelineSettings":
+                state_dtype: str = "fp32", if_exists: str = "resume",
+                memory_budget=None, commit_every: Optional[int] = None,
+                compute_threads: Optional[int] = None) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
         queue_depth = defaults.queue_depth() if queue_depth is None else queue_depth
         io = defaults.io() if io is None else io
+        memory_budget = defaults.memory_budget() if memory_budget is None \
+            else defaults.parse_bytes(memory_budget, "memory_budget")
+        commit_every = defaults.commit_every() if commit_every is None else commit_every
+        compute_threads = defaults.compute_threads() if compute_threads is None else compute_threads
         for name, value, low, high in (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
-                                       ("queue_depth", queue_depth, 1, 4096)):
+                                       ("queue_depth", queue_depth, 1, 4096),
+                                       ("commit_every", commit_every, 1, 1 << 20),
+                                       ("compute_threads", compute_threads, 0, 4096)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if not low <= value <= high:
@@ -60,4 +74,5 @@ class PipelineSettings:
             raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
-        return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists)
+        return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
+                   memory_budget, commit_every, compute_threads)

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <new>
 
+#include "device/compute_pool.h"
 #include "device/device.h"
 #include "kernels/decompress.h"
 #include "store/state_store.h"
@@ -16,16 +17,20 @@ namespace {
 // kernel into each clone). The same IEEE operations (no FMA contraction), so both give
 // the same bits; AVX2 halves the time of the int8 kernel. `grad`: the dense gradient's dtype.
 __attribute__((target_clones("avx2", "default"), flatten))
-void run_update(const Slot& s, const Kernel& k, DType grad, size_t numel,
-                const store::StateLayout& layout) {
+// Params [lo, lo + n) of a chunk of `numel`: `s.grad` and `s.out` already point at lo.
+void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
+                const store::StateLayout& layout, size_t numel, size_t lo) {
   float* arrays[kMaxStateArrays] = {};  // the param, then the rule's states, one after another
-  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = layout.array(s.states, numel, a);
+  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = layout.array(s.states, numel, a) + lo;
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
     auto* op = static_cast<decltype(p)*>(s.out);
-    if (layout.int8)  // Adam(W) only: the pipeline refuses int8 for the others
-      return kernels::adam8(numel, kernels::int8_adam_layout(s.states, numel), gp, op, k.step.adam);
-    kernels::run_rule(k.step, numel, arrays, gp, op);
+    if (layout.int8) {  // Adam(W) only: the pipeline refuses int8 for the others
+      kernels::Int8Adam q = kernels::int8_adam_layout(s.states, numel);
+      q = {q.param + lo, q.m + lo, q.w + lo, q.m_scale + lo / kernels::kBlock, q.w_scale + lo / kernels::kBlock};
+      return kernels::adam8(n, q, gp, op, k.step.adam);
+    }
+    kernels::run_rule(k.step, n, arrays, gp, op);
   });
 }
 
@@ -35,7 +40,9 @@ struct FreeDeleter {
 
 class CpuDevice final : public Device {
  public:
-  CpuDevice(std::string dir, const SlotGeometry& g) : dir_(std::move(dir)), geometry_(g) {
+  CpuDevice(std::string dir, const SlotGeometry& g, const CpuOptions& options)
+      : dir_(std::move(dir)), geometry_(g), pool_(options.pool) {
+    if (!pool_) pool_ = std::make_shared<ComputePool>(1);
     // One allocation per slot: states, grad, out, compressed pairs, each page aligned.
     const size_t io = store::align_up(g.chunk * 4);
     slot_bytes_ = g.states_bytes() + 3 * io + store::align_up(g.chunk * 2);
@@ -49,6 +56,17 @@ class CpuDevice final : public Device {
       slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io,
                             reinterpret_cast<int32_t*>(io_base + 2 * io), io_base + 3 * io});
     }
+    own_states_.reserve(slots_.size());
+    for (const Slot& s : slots_) own_states_.push_back(s.states);
+    resident_bytes_ = store::align_up(options.resident_bytes);
+    if (resident_bytes_) {
+      void* mem = std::aligned_alloc(store::kAlign, resident_bytes_);
+      if (!mem)
+        throw std::invalid_argument("cannot allocate a memory budget of " +
+                                    std::to_string(resident_bytes_) + " bytes for " + dir_);
+      std::memset(mem, 0, resident_bytes_);  // touched now: the budget is held from creation
+      resident_.reset(mem);
+    }
   }
 
   std::string describe() const override { return "cpu:" + dir_; }
@@ -57,6 +75,17 @@ class CpuDevice final : public Device {
   Slot slot(size_t i) override { return slots_[i]; }
   size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   bool registrable() const override { return true; }
+  uint64_t resident_bytes() const override { return resident_bytes_; }
+  void bind_states(size_t i, uint64_t at) override {
+    if (at == kOwnStates) {
+      slots_[i].states = own_states_[i];
+      return;
+    }
+    if (at >= resident_bytes_ || at % store::kAlign != 0)
+      throw std::out_of_range("resident states at byte " + std::to_string(at) + " of " +
+                              std::to_string(resident_bytes_));
+    slots_[i].states = reinterpret_cast<float*>(static_cast<char*>(resident_.get()) + at);
+  }
 
   void copy_in(size_t i, const void* grad, size_t bytes) override {
     std::memcpy(slots_[i].grad, grad, bytes);
@@ -68,20 +97,29 @@ class CpuDevice final : public Device {
     std::memcpy(slots_[i].values, values, nnz * value_bytes);
   }
 
+  // The chunk in parts on the pool's threads; a compressed gradient is rebuilt part by part
+  // (each part's pairs found by binary search) before that part's update.
   void compute(size_t i, const Kernel& k, size_t numel) override {
     const Slot& s = slots_[i];
-    DType grad = k.grad;
-    if (k.compressed) {  // the dense fp32 gradient is rebuilt in the slot first
-      float* dense = static_cast<float*>(s.grad);
-      if (grad == DType::bf16)
-        kernels::decompress(numel, dense, s.index, static_cast<const kernels::bf16*>(s.values),
-                            k.nnz, k.base);
-      else
-        kernels::decompress(numel, dense, s.index, static_cast<const kernels::f16*>(s.values),
-                            k.nnz, k.base);
-      grad = DType::f32;
-    }
-    run_update(s, k, grad, numel, geometry_.layout);
+    pool_->run(numel, kGrain, [&](uint64_t lo, uint64_t hi) {
+      const Slot part = part_of(s, k, lo);
+      DType grad = k.grad;
+      if (k.compressed) {
+        const int32_t* index = s.index;
+        const int32_t* first = std::lower_bound(index, index + k.nnz, int64_t(k.base + lo));
+        const int32_t* last = std::lower_bound(first, index + k.nnz, int64_t(k.base + hi));
+        const size_t j = first - s.index, nnz = last - first;
+        float* dense = static_cast<float*>(part.grad);
+        if (grad == DType::bf16)
+          kernels::decompress(hi - lo, dense, first, static_cast<const kernels::bf16*>(s.values) + j,
+                              nnz, k.base + lo);
+        else
+          kernels::decompress(hi - lo, dense, first, static_cast<const kernels::f16*>(s.values) + j,
+                              nnz, k.base + lo);
+        grad = DType::f32;
+      }
+      run_update(part, k, grad, hi - lo, geometry_.layout, numel, lo);
+    });
   }
 
   void copy_out(size_t i, void* dst, size_t bytes) override {
@@ -98,17 +136,36 @@ class CpuDevice final : public Device {
   }
 
  private:
+  // Parts of whole int8 blocks, large enough that a thread's share outweighs waking it.
+  static constexpr uint64_t kGrain = uint64_t(1) << 14;
+  static_assert(kGrain % kernels::kBlock == 0);
+
+  // The slot's grad and out buffers from param `lo` on (the states are cut by run_update:
+  // their arrays are laid out for the whole chunk).
+  Slot part_of(const Slot& s, const Kernel& k, uint64_t lo) const {
+    Slot p = s;
+    const size_t gsize = k.compressed ? 4 : kernels::dtype_size(k.grad);
+    p.grad = static_cast<char*>(s.grad) + lo * gsize;
+    p.out = static_cast<char*>(s.out) + lo * kernels::dtype_size(k.param);
+    return p;
+  }
+
   std::string dir_;
   SlotGeometry geometry_;
+  std::shared_ptr<ComputePool> pool_;
   size_t slot_bytes_ = 0;
   std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
   std::vector<Slot> slots_;
+  std::vector<float*> own_states_;  // each slot's own states, while another is bound
+  uint64_t resident_bytes_ = 0;
+  std::unique_ptr<void, FreeDeleter> resident_;
 };
 
 }  // namespace
 
-std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry) {
-  return std::make_unique<CpuDevice>(dir, geometry);
+std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry,
+                                        const CpuOptions& options) {
+  return std::make_unique<CpuDevice>(dir, geometry, options);
 }
 
 }  // namespace smartinf::device

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@ namespace smartinf::device {
 
 using kernels::DType;
 using kernels::kMaxStateArrays;
+
+inline constexpr uint64_t kOwnStates = UINT64_MAX;  // bind_states: the slot's own memory
 
 // What COMPUTE does to one chunk: the update rule with this step's scalars
 // (kernels/rules.h), and how the gradient arrived (dense in `grad`, or `nnz` top-k pairs
@@ -62,6 +65,12 @@ class Device {
   virtual bool host_visible_states() const { return true; }
   // Chunks and sub-groups must hold a multiple of this many params (FPGA beat width).
   virtual size_t param_multiple() const { return 1; }
+  // The memory tier: bytes of device memory beyond the slots where sub-groups' states stay
+  // resident (0: none; fixed at creation). bind_states points slot `slot`'s states at byte
+  // `at` of it for one job (kOwnStates: back to the slot's own), so the stages work on
+  // resident states in place; the ring owns a slot's binding while it holds the slot.
+  virtual uint64_t resident_bytes() const { return 0; }
+  virtual void bind_states(size_t slot, uint64_t at);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: `nnz` top-k pairs (int32 index, value of `value_bytes`).
   virtual void copy_in_compressed(size_t slot, const int32_t* index, const void* values,
@@ -97,9 +106,21 @@ inline void export_host_states(void* states, const store::StateLayout& layout,
     if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
 }
 
-// The emulated CSD: slot memory in host RAM (page aligned for O_DIRECT), kernels on the
-// calling thread.
-std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry);
+inline void Device::bind_states(size_t, uint64_t at) {
+  if (at != kOwnStates)
+    throw std::invalid_argument(describe() + " has no memory for resident states");
+}
+
+class ComputePool;
+
+// The emulated CSD: slot memory and `resident_bytes` of resident states in host RAM (page
+// aligned for O_DIRECT, touched at creation), kernels split over `pool`'s threads.
+struct CpuOptions {
+  uint64_t resident_bytes = 0;
+  std::shared_ptr<ComputePool> pool;
+};
+std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry,
+                                        const CpuOptions& options);
 
 // A SmartSSD through XRT (xrt_device.cc when CMake finds libxrt, else
 // xrt_unavailable.cc): the FPGA by index or PCIe BDF, and the xclbin of hls_kernels/

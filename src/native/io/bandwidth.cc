@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "device/compute_pool.h"
 #include "device/device.h"
 #include "error.h"
 #include "kernels/adam.h"
@@ -82,9 +83,10 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
 // On one slot of a cpu device (the code and the ISA the pipeline runs), states p = 0.5,
 // m = v = 0 and a zero gradient, as the probe has always timed it.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
-                        bool int8_states) {
+                        bool int8_states, unsigned threads) {
   const device::SlotGeometry geometry{1, numel, store::StateLayout{3, int8_states}};
-  const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry);
+  const device::CpuOptions options{0, std::make_shared<device::ComputePool>(threads)};
+  const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry, options);
   const float* none[device::kMaxStateArrays] = {};
   const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
   cpu->init_states(0, none, fill, numel);  // the slot's gradient memory starts zeroed
@@ -94,6 +96,21 @@ double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType para
   kernel.param = param;
   const auto start = Clock::now();
   cpu->compute(0, kernel, numel);
+  return since(start);
+}
+
+// STREAM's triad a[i] = b[i] + q * c[i] over three arrays of `bytes` / 3, split over the
+// same pool of threads the update runs on; the first touch is outside the timing.
+double time_triad(uint64_t bytes, unsigned threads) {
+  const uint64_t n = bytes / 12;
+  device::ComputePool pool(threads);
+  std::vector<float> a(n), b(n, 1.0f), c(n, 2.0f);
+  const auto triad = [&](uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; ++i) a[i] = b[i] + 3.0f * c[i];
+  };
+  pool.run(n, 1 << 14, triad);  // warm: pages mapped, threads awake
+  const auto start = Clock::now();
+  pool.run(n, 1 << 14, triad);
   return since(start);
 }
 

@@ -15,8 +15,12 @@ namespace smartinf::io {
 double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
                uint64_t block, unsigned depth);
 
-// Seconds for one Adam(W) update over `numel` in-memory params.
+// Seconds for one Adam(W) update over `numel` in-memory params on `threads` threads.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
-                        bool int8_states = false);
+                        bool int8_states, unsigned threads);
+
+// Seconds for one STREAM triad pass over `bytes` (three fp32 arrays) on `threads` threads:
+// what host memory gives a memory-bound kernel (it moves `bytes`).
+double time_triad(uint64_t bytes, unsigned threads);
 
 }  // namespace smartinf::io

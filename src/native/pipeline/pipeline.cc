@@ -1,5 +1,6 @@
 #include "pipeline/pipeline.h"
 
+#include "device/compute_pool.h"
 #include "error.h"
 #include "fault.h"
 
@@ -13,6 +14,7 @@ namespace {
 
 constexpr uint64_t kMaxChunk = uint64_t(1) << 28;  // 3 GiB of states in one slot
 constexpr size_t kMaxSlots = 256;
+constexpr uint64_t kMaxCommitEvery = uint64_t(1) << 20;
 
 // The first pair of each chunk (and nnz at the end) in a compressed gradient; checks
 // that positions ascend strictly inside the sub-group before anything is queued.
@@ -52,7 +54,12 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.state_dtype != "fp32" && options.state_dtype != "int8")
     throw std::invalid_argument("state_dtype must be 'fp32' or 'int8', got '" +
                                 options.state_dtype + "'");
+  if (options.commit_every == 0 || options.commit_every > kMaxCommitEvery)
+    throw std::invalid_argument("commit_every must be between 1 and " +
+                                std::to_string(kMaxCommitEvery) + ", got " +
+                                std::to_string(options.commit_every));
   const store::StateLayout layout{state_arrays(), options.state_dtype == "int8"};
+  layout_ = layout;
   if (layout.int8 && !kernels::rule_row(rule_).int8)
     throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
                                 options.optimizer + " keeps fp32 states");
@@ -62,6 +69,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
   store::StoreConfig config{options.chunk, options.optimizer, layout};
   config.if_exists = options.if_exists;
   const device::SlotGeometry geometry{options.slots, options.chunk, layout};
+  // One pool for every cpu device's kernel: they take turns, each with all threads.
+  const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
+      options.compute_threads ? options.compute_threads : device::usable_cores())};
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
@@ -71,13 +81,17 @@ Pipeline::Pipeline(const PipelineOptions& options)
     if (spec.kind == "xrt" && layout.int8)
       throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD kernels "
                                   "(hls_kernels/) have fp32 states only so far");
+    if (spec.kind == "xrt" && options.memory_budget)
+      throw std::invalid_argument("a memory budget is for cpu devices: XRT devices keep no "
+                                  "resident states yet (FPGA DRAM beyond the slots); pass "
+                                  "memory_budget=0 for " + spec.dir);
     if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
       throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
                                   " for " + spec.dir);
     Unit unit;
     unit.device = spec.kind == "xrt" ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
-                                     : device::make_cpu_device(spec.dir, geometry);
+                                     : device::make_cpu_device(spec.dir, geometry, cpu);
     if (options.chunk % unit.device->param_multiple() != 0)
       throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
                                   std::to_string(unit.device->param_multiple()) +
@@ -91,17 +105,20 @@ Pipeline::Pipeline(const PipelineOptions& options)
     devices_.push_back(std::move(unit));
   }
   check_membership();
-  // A crash between two devices' commits leaves some one step ahead; their previous
+  // A crash between two devices' commits leaves some one commit ahead; their previous
   // copies are intact, so roll them back to the step every device has.
   uint64_t lo = UINT64_MAX, hi = 0;
   for (const Unit& u : devices_) {
     lo = std::min(lo, u.store->step());
     hi = std::max(hi, u.store->step());
   }
-  if (hi > lo + 1)
-    throw std::invalid_argument("device directories are at steps " + std::to_string(lo) +
-                                " and " + std::to_string(hi) +
-                                ": they do not belong to one pipeline");
+  for (const Unit& u : devices_)
+    if (u.store->step() != lo && u.store->previous_step() != lo)
+      throw std::invalid_argument("device directories are at steps " + std::to_string(lo) +
+                                  " and " + std::to_string(u.store->step()) +
+                                  " (one commit after step " +
+                                  std::to_string(u.store->previous_step()) +
+                                  "): they do not belong to one pipeline");
   for (Unit& u : devices_) {
     if (u.store->step() == hi && hi != lo) {
       u.store->rollback_last_step();
@@ -109,7 +126,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
                        "(interrupted commit): rolled back to step " + std::to_string(lo));
     }
   }
-  step_ = lo;
+  step_ = durable_step_ = lo;
   RingOptions ring = options.ring;
   ring.verify = options.verify;
   if (options.host_link_bps > 0) ring.host_link = std::make_shared<HostLink>(options.host_link_bps);
@@ -198,7 +215,7 @@ uint64_t Pipeline::numel(size_t sg) const {
 
 uint64_t Pipeline::subgroup_steps(size_t sg) const {
   const Placement& p = placed(sg);
-  return devices_[p.unit].store->record(p.local).steps;
+  return p.dirty ? p.steps : devices_[p.unit].store->record(p.local).steps;
 }
 
 void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
@@ -229,48 +246,53 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
                                 devices_[unit].device->describe() + ": it needs a multiple of " +
                                 std::to_string(multiple) + " (pad the sub-group)");
   store::StateStore& store = *devices_[unit].store;
+  Unit& u = devices_[unit];
   bool created = false;
-  const size_t local = store.attach(id, numel, fingerprint, created);
-  if (created) {
-    const float* arrays[device::kMaxStateArrays] = {init};
-    std::vector<Job> jobs = init_jobs(unit, local, store.record(local).copy, arrays);
-    try {
+  Placement p{unit, store.attach(id, numel, fingerprint, created)};
+  // Resident if its states fit in what is left of the budget: decided here, once.
+  const uint64_t bytes = store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2;
+  if (u.resident_used + bytes <= u.device->resident_bytes()) p.resident = u.resident_used;
+  try {
+    if (created) {
+      const float* arrays[device::kMaxStateArrays] = {init};
+      std::vector<Job> jobs = init_jobs(p, store.record(p.local).copy, arrays);
       submit_and_wait(unit, jobs);
+    } else {  // states from disk: checked against their checksums before any use
+      std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);
+      const bool known = std::any_of(jobs.begin(), jobs.end(), [](const Job& j) { return *j.src.sum; });
+      if (known || p.resident != device::kOwnStates) submit_and_wait(unit, jobs);
+    }
+  } catch (...) {
+    try {
+      u.ring->drain();  // chunks still in flight after the first failed one
     } catch (...) {
-      store.detach_last();
-      throw;
     }
+    if (created) store.detach_last();
+    throw;
   }
-  if (!created) {  // states from disk: checked against their checksums before any use
-    std::vector<Job> jobs = chunk_jobs(unit, local, JobKind::verify);
-    const bool known = std::any_of(jobs.begin(), jobs.end(), [](const Job& j) { return *j.src.sum; });
-    if (known) {
-      try {
-        submit_and_wait(unit, jobs);
-      } catch (...) {
-        devices_[unit].ring->drain();
-        throw;
-      }
-    }
-  }
+  if (p.resident != device::kOwnStates) u.resident_used += bytes;
   resumed = !created;
-  devices_[unit].numel += numel;
-  placement_.push_back(Placement{unit, local});
+  u.numel += numel;
+  placement_.push_back(p);
   updated_.push_back(false);
   return static_cast<size_t>(id);
 }
 
-std::vector<Job> Pipeline::chunk_jobs(size_t unit, size_t local, JobKind kind) const {
-  const store::StateStore& store = *devices_[unit].store;
-  const store::SubgroupRecord& r = store.record(local);
-  auto done = std::make_shared<Completion>(store.chunks(local));
+std::vector<Job> Pipeline::chunk_jobs(const Placement& p, JobKind kind) const {
+  const store::StateStore& store = *devices_[p.unit].store;
+  const store::SubgroupRecord& r = store.record(p.local);
+  const uint64_t chunks = store.chunks(p.local);
+  auto done = std::make_shared<Completion>(chunks);
+  const uint64_t current = p.dirty ? r.copy ^ 1u : r.copy;
   std::vector<Job> jobs;
-  for (uint64_t c = 0; c < store.chunks(local); ++c) {
+  for (uint64_t c = 0; c < chunks; ++c) {
     Job job;
     job.kind = kind;
     job.completion = done;
-    job.src = store.extent(local, c, r.copy);
-    job.dst = store.extent(local, c, r.copy ^ 1u);
+    job.src = store.extent(p.local, c, current);
+    job.dst = store.extent(p.local, c, r.copy ^ 1u);
+    if (p.resident != device::kOwnStates)  // chunks one after another, each extent aligned
+      job.resident = p.resident + c * store::extent_bytes(options_.chunk, layout_);
     job.subgroup = r.id;
     job.chunk = c;
     job.written_at = r.last;
@@ -279,12 +301,12 @@ std::vector<Job> Pipeline::chunk_jobs(size_t unit, size_t local, JobKind kind) c
   return jobs;
 }
 
-std::vector<Job> Pipeline::init_jobs(size_t unit, size_t local, uint32_t copy,
+std::vector<Job> Pipeline::init_jobs(const Placement& p, uint32_t copy,
                                      const float* const* arrays) const {
-  const store::StateStore& store = *devices_[unit].store;
-  std::vector<Job> jobs = chunk_jobs(unit, local, JobKind::init);
+  const store::StateStore& store = *devices_[p.unit].store;
+  std::vector<Job> jobs = chunk_jobs(p, JobKind::init);
   for (Job& job : jobs) {
-    job.dst = store.extent(local, job.chunk, copy);
+    job.dst = store.extent(p.local, job.chunk, copy);
     for (unsigned a = 0; a < state_arrays(); ++a) {
       job.imported[a] = arrays[a] ? arrays[a] + job.chunk * options_.chunk : nullptr;
       job.fill[a] = a == 0 ? 0.0f : options_.initial_state;
@@ -294,12 +316,14 @@ std::vector<Job> Pipeline::init_jobs(size_t unit, size_t local, uint32_t copy,
 }
 
 void Pipeline::mark_written(size_t sg, uint64_t steps) {
-  const Placement& p = placement_[sg];
+  Placement& p = placement_[sg];
   if (updated_[sg])
     throw std::invalid_argument("sub-group " + std::to_string(sg) +
                                 " was already updated in this step; commit the step first");
   updated_[sg] = true;
-  devices_[p.unit].updated.push_back(store::Written{p.local, steps});
+  p.was_dirty = p.dirty;
+  p.dirty = true;
+  p.steps = steps;
 }
 
 std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void* out,
@@ -309,18 +333,24 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   Unit& unit = devices_[p.unit];
   const store::StateStore& store = *unit.store;
   const store::SubgroupRecord& r = store.record(p.local);
+  const uint64_t steps = p.dirty ? p.steps : r.steps;
   const bool compressed = g.compressed;
   if (compressed && g.dtype == kernels::DType::f32)
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
   const std::vector<uint64_t> first =
       compressed ? split_pairs(g.index, g.nnz, r.numel, options_.chunk) : std::vector<uint64_t>{};
-  mark_written(sg, r.steps + 1);
+  std::vector<Job> jobs = chunk_jobs(p, JobKind::update);  // reads the copy current now
+  mark_written(sg, steps + 1);
+  // Resident states reach storage only for a durable commit (written back as they are
+  // updated in the step that will be one, else by make_durable).
+  const bool write_back = p.resident == device::kOwnStates ||
+                          step_ + 1 - durable_step_ >= options_.commit_every;
+  placement_[sg].behind = !write_back;
   device::Kernel kernel;
-  kernel.step = kernels::make_step(rule_, h, r.steps + 1);
+  kernel.step = kernels::make_step(rule_, h, steps + 1);
   kernel.grad = g.dtype;
   kernel.param = out_dtype;
   kernel.compressed = compressed;
-  std::vector<Job> jobs = chunk_jobs(p.unit, p.local, JobKind::update);
   auto done = jobs.front().completion;
   completions_.push_back(done);
   last_hyper_ = {{"lr", h.lr}, {"weight_decay", h.weight_decay}};
@@ -331,6 +361,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
     const uint64_t c = job.chunk;
     job.output = static_cast<char*>(out) + c * options_.chunk * osize;
     job.kernel = kernel;
+    job.write_back = write_back;
     if (compressed) {
       job.input = g.index + first[c];
       job.values = static_cast<const char*>(g.data) + first[c] * gsize;
@@ -348,25 +379,34 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
   mark_written(sg, steps);
+  placement_[sg].behind = false;  // init jobs write the shadow extents too
   const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
-  std::vector<Job> jobs = init_jobs(p.unit, p.local, shadow, arrays);
+  std::vector<Job> jobs = init_jobs(p, shadow, arrays);
   completions_.push_back(jobs.front().completion);
   submit_and_wait(p.unit, jobs);
 }
 
 void Pipeline::read_states(size_t sg, float* const* arrays) {
   std::lock_guard lock(mu_);
-  const Placement& p = placed(sg);
-  std::vector<Job> jobs = chunk_jobs(p.unit, p.local, JobKind::read);
+  Placement p = placed(sg);
+  if (updated_[sg]) {  // written in the step in progress: step()'s states are the committed copy
+    if (p.was_dirty)
+      throw std::invalid_argument(
+          "sub-group " + std::to_string(sg) + " was updated in the step in progress after "
+          "steps not yet durable (commit_every > 1), which updated its states in place: its "
+          "states at step " + std::to_string(step_) + " are no longer held; read them before "
+          "the update, or after commit()");
+    p.dirty = false;
+    p.resident = device::kOwnStates;
+  }
+  std::vector<Job> jobs = chunk_jobs(p, JobKind::read);
   for (Job& job : jobs)
     for (unsigned a = 0; a < state_arrays(); ++a)
       job.exported[a] = arrays[a] ? arrays[a] + job.chunk * options_.chunk : nullptr;
   submit_and_wait(p.unit, jobs);
 }
 
-// Waits for all of the step's work; with keep=false (or on any error) the step's updates
-// are forgotten and the committed copies stay current.
-void Pipeline::wait_step(bool keep) {
+void Pipeline::wait_step() {
   std::exception_ptr error;
   for (Unit& u : devices_) {
     try {
@@ -384,39 +424,92 @@ void Pipeline::wait_step(bool keep) {
   }
   completions_.clear();
   std::fill(updated_.begin(), updated_.end(), false);
-  if (error || !keep) {
-    for (Unit& u : devices_) u.updated.clear();
-    if (error) std::rethrow_exception(error);
+  if (error) std::rethrow_exception(error);
+}
+
+bool Pipeline::step_in_progress() const {
+  return !completions_.empty() || std::find(updated_.begin(), updated_.end(), true) != updated_.end();
+}
+
+void Pipeline::back_to_durable() {
+  try {
+    for (size_t sg = 0; sg < placement_.size(); ++sg) {
+      Placement& p = placement_[sg];
+      if (!p.dirty) continue;
+      p.dirty = p.behind = false;
+      if (p.resident == device::kOwnStates) continue;
+      std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);  // the committed copy, again
+      submit_and_wait(p.unit, jobs);
+    }
+  } catch (const std::exception& e) {
+    abandon();
+    throw std::runtime_error(std::string("reloading resident states after a failed step failed (") +
+                             e.what() + "): the pipeline is closed; reopen the directories, "
+                             "which are at step " + std::to_string(durable_step_));
   }
+  step_ = durable_step_;
 }
 
 void Pipeline::commit() {
   std::lock_guard lock(mu_);
   require_open();
-  wait_step(true);
   try {
-    for (Unit& u : devices_) {
-      u.store->commit(u.updated, step_ + 1, last_hyper_, placement_.size());
-      u.updated.clear();
+    wait_step();
+  } catch (...) {
+    back_to_durable();
+    throw;
+  }
+  if (step_ + 1 - durable_step_ < options_.commit_every) {
+    ++step_;  // in resident memory and the working copies until the next durable commit
+    return;
+  }
+  make_durable(step_ + 1);
+}
+
+void Pipeline::flush() {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (step_in_progress())
+    throw std::invalid_argument("a step is in progress: commit() or discard() it before flush()");
+  if (step_ > durable_step_) make_durable(step_);
+}
+
+void Pipeline::make_durable(uint64_t step) {
+  try {
+    std::vector<std::vector<store::Written>> written(devices_.size());
+    for (size_t sg = 0; sg < placement_.size(); ++sg) {
+      Placement& p = placement_[sg];
+      if (!p.dirty) continue;
+      written[p.unit].push_back(store::Written{p.local, p.steps});
+      if (!p.behind) continue;
+      std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
+      for (Job& job : jobs) devices_[p.unit].ring->push(job);
+      completions_.push_back(jobs.front().completion);
+    }
+    wait_step();
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      Unit& u = devices_[i];
+      u.store->commit(written[i], step, last_hyper_, placement_.size());
       fault::check("pipeline.device_committed", u.store->dir());
     }
   } catch (...) {
-    // Some devices may be at step + 1 already: put them back, so the pipeline stays at
-    // the last step every device has (its updates are lost; the caller may redo them).
-    for (Unit& u : devices_) u.updated.clear();
+    // Some devices may be at `step` already: put them back, so the pipeline stays at the
+    // last step every device has (its updates are lost; the caller may redo them).
     try {
       for (Unit& u : devices_)
-        if (u.store->step() == step_ + 1) u.store->rollback_last_step();
+        if (u.store->step() == step && step != durable_step_) u.store->rollback_last_step();
     } catch (const std::exception& e) {
       abandon();
       throw std::runtime_error(
           std::string("a commit failed and undoing it failed too (") + e.what() +
           "): the pipeline is closed; reopen the directories, which rolls them back to step " +
-          std::to_string(step_));
+          std::to_string(durable_step_));
     }
+    back_to_durable();
     throw;
   }
-  ++step_;
+  for (Placement& p : placement_) p.dirty = p.behind = false;
+  step_ = durable_step_ = step;
 }
 
 void Pipeline::abandon() {
@@ -427,7 +520,14 @@ void Pipeline::abandon() {
 void Pipeline::discard() {
   std::lock_guard lock(mu_);
   require_open();
-  wait_step(false);
+  std::exception_ptr error;
+  try {
+    wait_step();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  back_to_durable();
+  if (error) std::rethrow_exception(error);
 }
 
 void Pipeline::close() {
@@ -435,10 +535,14 @@ void Pipeline::close() {
   if (devices_.empty()) return;
   std::exception_ptr error;
   try {
-    wait_step(false);
+    const bool forget = step_in_progress();
+    wait_step();
+    if (forget) back_to_durable();
+    else if (step_ > durable_step_) make_durable(step_);
   } catch (...) {
     error = std::current_exception();
   }
+  if (devices_.empty()) std::rethrow_exception(error);  // abandoned: nothing to save
   for (Unit& u : devices_) {
     u.ring.reset();
     try {
@@ -459,6 +563,8 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
   s["storage_read"] += c.storage_read;
   s["storage_write"] += c.storage_write;
   s["chunks"] += c.chunks;
+  s["memory_read"] += c.memory_read;
+  s["memory_write"] += c.memory_write;
   for (size_t i = 0; i < kStages; ++i)
     s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;
@@ -473,6 +579,7 @@ std::map<std::string, double> Pipeline::stats() const {
   add_counters(s, Counters{});  // every key present, even with no device
   for (const Unit& u : devices_) add_counters(s, u.ring->counters());
   s["step"] = static_cast<double>(step_);
+  s["durable_step"] = static_cast<double>(durable_step_);
   return s;
 }
 
@@ -483,6 +590,8 @@ std::vector<std::map<std::string, double>> Pipeline::device_stats() const {
     std::map<std::string, double> s;
     add_counters(s, u.ring->counters());
     s["numel"] = static_cast<double>(u.numel);
+    s["resident_bytes"] = static_cast<double>(u.resident_used);
+    s["memory_budget"] = static_cast<double>(u.device->resident_bytes());
     all.push_back(std::move(s));
   }
   return all;

@@ -31,6 +31,13 @@ struct PipelineOptions {
   double host_link_bps = 0;         // shared host link, each direction; 0: no cap
   bool verify = false;              // checksum every extent loaded (always on resume)
   std::string if_exists = "resume";  // directories holding a run: resume | overwrite | error
+  // The memory tier: bytes of states per device kept resident in device memory (cpu: host
+  // RAM, held from creation); sub-groups that fit stay there, the rest stream. 0: none.
+  uint64_t memory_budget = 0;
+  // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
+  // others keep the step in resident memory and the working copies. 1: every step.
+  uint64_t commit_every = 1;
+  unsigned compute_threads = 0;  // threads of the update kernel; 0: the usable cores
   RingOptions ring;
 };
 
@@ -68,16 +75,25 @@ class Pipeline {
   // optimizer's initial value) and its step count, as part of the current step: they
   // become current at commit(), like an update.
   void write_states(size_t sg, const float* const* arrays, uint64_t steps);
-  // The committed states of a sub-group, state_arrays() arrays (a null one is skipped).
+  // The states of a sub-group at step(), state_arrays() arrays (a null one is skipped).
   void read_states(size_t sg, float* const* arrays);
   unsigned state_arrays() const { return kernels::rule_row(rule_).arrays; }
 
-  void commit();   // waits for the step, makes it durable, advances step()
-  void discard();  // waits for the step and forgets its updates
-  void close();    // discards an uncommitted step, persists the layout
+  // Waits for the step and advances step(); every commit_every-th one also makes the steps
+  // since the last durable commit durable (all devices, or none).
+  void commit();
+  void flush();    // makes the committed steps durable now (no step in progress)
+  // Waits for the step and goes back to durable_step(): the step's updates and those of
+  // the non-durable commits before it are forgotten (resident states reloaded).
+  void discard();
+  // Forgets a step in progress as discard() does, else makes the committed steps durable;
+  // persists the layout.
+  void close();
 
   bool closed() const { return devices_.empty(); }
   uint64_t step() const { return step_; }
+  uint64_t durable_step() const { return durable_step_; }  // what a crash reopens at
+  bool resident(size_t sg) const { return placed(sg).resident != device::kOwnStates; }
   size_t subgroup_count() const { return placement_.size(); }
   uint64_t numel(size_t sg) const;
   uint64_t subgroup_steps(size_t sg) const;
@@ -92,36 +108,48 @@ class Pipeline {
     std::unique_ptr<device::Device> device;
     std::unique_ptr<store::StateStore> store;
     std::unique_ptr<Ring> ring;
-    std::vector<store::Written> updated;  // local sub-groups written this step
     uint64_t numel = 0;           // placed so far, for balancing
+    uint64_t resident_used = 0;   // bytes of the device's resident memory given out
   };
   struct Placement {
     size_t unit;
     size_t local;
+    // Its states' first byte in the device's resident memory; kOwnStates: streamed.
+    uint64_t resident = device::kOwnStates;
+    // Updated since the last durable commit: its working copy (resident memory, or the
+    // shadow extents) is current, at `steps` optimizer steps.
+    bool dirty = false;
+    bool behind = false;  // resident and dirty, but its shadow extents not written since
+    bool was_dirty = false;  // dirty before the step in progress wrote it
+    uint64_t steps = 0;
   };
   const Placement& placed(size_t sg) const;
   void check_membership();
   void require_open() const;
-  void wait_step(bool keep);
+  void wait_step();  // waits for the step's work; rethrows its first error
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);
-  // One job per chunk of a sub-group, sharing one completion, with the chunk's identity
-  // and extents: src the committed copy, dst the other one.
-  std::vector<Job> chunk_jobs(size_t unit, size_t local, JobKind kind) const;
+  // One job per chunk of a sub-group, sharing one completion, with the chunk's identity,
+  // where its states are held, and its extents: src the current copy, dst the working one.
+  std::vector<Job> chunk_jobs(const Placement& p, JobKind kind) const;
   // chunk_jobs that write the host's `arrays` (or the optimizer's initial values) to `copy`.
-  std::vector<Job> init_jobs(size_t unit, size_t local, uint32_t copy,
-                             const float* const* arrays) const;
+  std::vector<Job> init_jobs(const Placement& p, uint32_t copy, const float* const* arrays) const;
+  void make_durable(uint64_t step);  // persists resident states, commits every device
+  // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
+  void back_to_durable();
   void abandon();  // drops every device without saving: after a failure it cannot undo
   void mark_written(size_t sg, uint64_t steps);
+  bool step_in_progress() const;
 
   PipelineOptions options_;
   kernels::Rule rule_;
+  store::StateLayout layout_;
   std::vector<Unit> devices_;
   std::vector<Placement> placement_;
   std::vector<bool> updated_;
   std::vector<std::shared_ptr<Completion>> completions_;
   std::map<std::string, double> last_hyper_;
   std::vector<std::string> notes_;
-  uint64_t step_ = 0;
+  uint64_t step_ = 0, durable_step_ = 0;
   mutable std::mutex mu_;
 };
 

@@ -111,7 +111,7 @@ void Ring::check_sum(const Job& job, size_t slot) const {
                       store_.file_path());
 }
 
-io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
+io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot, bool resident) const {
   io::Op op;
   op.write = write;
   op.fd = store_.fd();
@@ -119,14 +119,16 @@ io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot) const {
   op.buf = device_.slot(slot).states;
   op.len = e.bytes;
   op.offset = e.offset;
-  op.buf_index = static_cast<int>(slot);
+  op.buf_index = resident ? -1 : static_cast<int>(slot);  // only slots are registered
   return op;
 }
 
 void Ring::load_loop() {
   while (std::optional<Job> job = jobs_.pop()) {
     const size_t slot = *free_slots_.pop();
+    const bool resident = job->resident != device::kOwnStates;
     try {
+      device_.bind_states(slot, job->resident);
       if (job->kind == JobKind::init) {
         // Arrays from the host cross the host link; filled ones are made on the device.
         uint64_t bytes = 0;
@@ -136,11 +138,13 @@ void Ring::load_loop() {
         device_.init_states(slot, job->imported, job->fill, job->dst.numel);
         counters_.host_to_device += bytes;
         finish_host(link);
-      } else {
+      } else if (job->kind != JobKind::persist) {
+        // Resident states are in device memory already; verify is their load.
+        const bool read = !resident || job->kind == JobKind::verify;
         Timer t(counters_.busy_ns[kLoad]);
-        const Deadline storage = reserve_storage(job->src.bytes);
-        const io::Op op = state_io(false, job->src, slot);
-        reader_->submit({&op, 1});
+        const Deadline storage = read ? reserve_storage(job->src.bytes) : std::nullopt;
+        const io::Op op = state_io(false, job->src, slot, resident);
+        if (read) reader_->submit({&op, 1});
         if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
           Timer h(counters_.busy_ns[kHostToDevice]);
           const device::Kernel& k = job->kernel;
@@ -155,8 +159,10 @@ void Ring::load_loop() {
           counters_.host_to_device += bytes;
           finish_host(link);
         }
-        reader_->wait();
-        counters_.storage_read += job->src.bytes;
+        if (read) {
+          reader_->wait();
+          counters_.storage_read += job->src.bytes;
+        }
         finish_storage(storage);
         if (job->kind == JobKind::verify) check_sum(*job, slot);
       }
@@ -170,7 +176,7 @@ void Ring::load_loop() {
       job->completion->chunk_done();
       free_slots_.push(slot);
       finished();
-    } else if (job->kind == JobKind::init)
+    } else if (job->kind == JobKind::init || job->kind == JobKind::persist)
       writing_.push(Loaded{std::move(*job), slot});
     else
       computing_.push(Loaded{std::move(*job), slot});
@@ -181,9 +187,11 @@ void Ring::compute_loop() {
   while (std::optional<Loaded> item = computing_.pop()) {
     Job& job = item->job;
     const size_t numel = job.src.numel;
+    const bool resident = job.resident != device::kOwnStates;
     try {
       // Checked here, not in the loader: the next read is already under way meanwhile.
-      if (verify_) check_sum(job, item->slot);
+      // (Resident states were checked when loaded and have been in memory since.)
+      if (verify_ && !resident) check_sum(job, item->slot);
       if (job.kind == JobKind::read) {
         Timer t(counters_.busy_ns[kDeviceToHost]);
         uint64_t bytes = 0;
@@ -191,11 +199,16 @@ void Ring::compute_loop() {
         const Deadline link = reserve_host(false, bytes);
         device_.export_states(item->slot, job.exported, numel);
         counters_.device_to_host += bytes;
+        if (resident) counters_.memory_read += job.src.bytes;
         finish_host(link);
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
           device_.compute(item->slot, job.kernel, numel);
+          if (resident) {
+            counters_.memory_read += job.src.bytes;
+            counters_.memory_write += job.src.bytes;
+          }
         }
         Timer t(counters_.busy_ns[kDeviceToHost]);
         const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
@@ -212,7 +225,7 @@ void Ring::compute_loop() {
     }
     ++counters_.chunks;
     job.completion->chunk_done();  // OUT: the caller may reuse its buffers now
-    if (job.kind == JobKind::read) {
+    if (job.kind == JobKind::read || !job.write_back) {
       free_slots_.push(item->slot);
       finished();
     } else {
@@ -229,7 +242,7 @@ void Ring::write_loop() {
       Timer t(counters_.busy_ns[kWriteback]);
       *job.dst.sum = checksums_ ? store::extent_checksum(device_.slot(item->slot).states, job.dst.bytes) : 0;
       const Deadline storage = reserve_storage(job.dst.bytes);
-      const io::Op op = state_io(true, job.dst, item->slot);
+      const io::Op op = state_io(true, job.dst, item->slot, job.resident != device::kOwnStates);
       writer_->submit({&op, 1});
       writer_->wait();
       counters_.storage_write += job.dst.bytes;
@@ -237,7 +250,7 @@ void Ring::write_loop() {
     } catch (...) {
       error = std::current_exception();
     }
-    if (job.kind == JobKind::init) job.completion->chunk_done(error);
+    if (job.kind == JobKind::init || job.kind == JobKind::persist) job.completion->chunk_done(error);
     free_slots_.push(item->slot);
     {
       std::lock_guard lock(mu_);

@@ -22,8 +22,10 @@
 namespace smartinf::pipeline {
 
 // update: load, compute, params out, write back. init: states in from the host, written.
-// read: states loaded and out to the host. verify: loaded and checked against checksums.
-enum class JobKind { update, init, read, verify };
+// read: states loaded and out to the host. verify: loaded and checked against checksums
+// (into resident memory for a resident chunk: its load). persist: resident states written.
+// A resident chunk is never read from storage except by verify.
+enum class JobKind { update, init, read, verify, persist };
 
 struct Job {
   JobKind kind = JobKind::update;
@@ -39,6 +41,10 @@ struct Job {
   float fill[device::kMaxStateArrays] = {};
   float* exported[device::kMaxStateArrays] = {};  // read: the state arrays to the host
   device::Kernel kernel{};
+  // Where the states are held: a byte of the device's resident memory, or streamed
+  // through the slot (kOwnStates).
+  uint64_t resident = device::kOwnStates;
+  bool write_back = true;  // update: write the new states to `dst` (else they stay resident)
   int64_t subgroup = -1;  // for error messages
   uint64_t chunk = 0;
   uint64_t written_at = 0;  // pipeline step that wrote `src`
@@ -51,6 +57,8 @@ inline constexpr std::array<const char*, kStages> kStageNames = {
 struct Counters {
   std::atomic<uint64_t> host_to_device{0}, device_to_host{0}, storage_read{0},
       storage_write{0}, chunks{0};
+  // Resident states read and written in device memory by the kernel (and by reads out).
+  std::atomic<uint64_t> memory_read{0}, memory_write{0};
   std::array<std::atomic<uint64_t>, kStages> busy_ns{};
   // Time spent waiting for a bandwidth budget (host link, emulated internal storage).
   std::atomic<uint64_t> host_link_wait_ns{0}, storage_wait_ns{0};
@@ -92,7 +100,7 @@ class Ring {
   void compute_loop();
   void write_loop();
   void finished();
-  io::Op state_io(bool write, const store::Extent& e, size_t slot) const;
+  io::Op state_io(bool write, const store::Extent& e, size_t slot, bool resident) const;
   void check_sum(const Job& job, size_t slot) const;
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
   using Deadline = std::optional<RateLimiter::Clock::time_point>;

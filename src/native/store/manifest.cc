@@ -92,6 +92,7 @@ std::string Manifest::serialize() const {
   append(body, "optimizer %s\n", optimizer.c_str());
   for (const auto& [key, value] : hyper) append(body, "hyper %s %.17g\n", key.c_str(), value);
   append(body, "step %" PRIu64 "\n", step);
+  append(body, "previous %" PRIu64 "\n", previous);
   if (attached >= 0) append(body, "attached %" PRId64 "\n", attached);
   if (member.count)
     append(body, "member %s %" PRIu32 " %" PRIu32 "\n", member.pipeline.c_str(), member.index,
@@ -139,7 +140,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   Manifest m;
   uint64_t total_chunks = 0;
   size_t count = 0;
-  bool have_count = false;
+  bool have_count = false, have_previous = false;
   std::string key;
   while (in.next(key)) {
     bool ok = true;
@@ -147,6 +148,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     else if (key == "state_dtype") ok = in.next(m.state_dtype);
     else if (key == "optimizer") ok = in.next(m.optimizer);
     else if (key == "step") ok = in.number(m.step);
+    else if (key == "previous") ok = in.number(m.previous) && (have_previous = true);
     else if (key == "attached") ok = in.number(m.attached) && m.attached >= 0;
     else if (key == "member")
       ok = in.next(m.member.pipeline) && in.number(m.member.index) &&
@@ -192,6 +194,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (m.chunk == 0) bad(path, "chunk size missing");
   if (m.optimizer.empty()) bad(path, "optimizer missing");
   if (!have_count || count != m.subgroups.size()) bad(path, "sub-group count mismatch");
+  if (!have_previous) m.previous = m.step ? m.step - 1 : 0;  // before version 6: every step
+  if (m.previous > m.step) bad(path, "previous step after the step");
   return m;
 }
 

@@ -39,8 +39,8 @@ struct Membership {
 };
 
 struct Manifest {
-  // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached
-  static constexpr int kVersion = 5;
+  // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous
+  static constexpr int kVersion = 6;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   uint64_t chunk = 0;            // params per chunk
@@ -48,6 +48,9 @@ struct Manifest {
   std::string optimizer;         // adam, adamw, ...
   std::map<std::string, double> hyper;  // informational: last hyper-parameters used
   uint64_t step = 0;             // pipeline steps committed
+  // The step committed before `step` (step - 1, or step - K with a commit interval K): the
+  // one the shadow copies hold, where rollback_last_step() returns to.
+  uint64_t previous = 0;
   // Sub-groups the pipeline had when it last wrote the manifest; held ones at or above it
   // were left behind by a smaller model since and are stale. -1: not known (version < 5).
   int64_t attached = -1;

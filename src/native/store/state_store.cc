@@ -246,6 +246,7 @@ void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_s
     r.steps = w.steps;
     r.last = pipeline_step;
   }
+  next.previous = next.step;
   next.step = pipeline_step;
   next.attached = static_cast<int64_t>(attached);
   if (!hyper.empty()) next.hyper = hyper;
@@ -274,7 +275,7 @@ void StateStore::rollback_last_step() {
     r.steps = r.prev_steps;
     r.last = 0;
   }
-  next.step -= 1;
+  next.step = next.previous;  // one step back is all the shadow copies hold
   write_manifest(next);
 }
 

@@ -68,10 +68,11 @@ class StateStore {
               const std::map<std::string, double>& hyper, uint64_t attached);
   // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
   void save_layout(uint64_t attached);
-  // Undoes the last committed step (its shadow copies are still intact).
+  // Undoes the last commit (its shadow copies are still intact): back to previous_step().
   void rollback_last_step();
 
   uint64_t step() const { return manifest_.step; }
+  uint64_t previous_step() const { return manifest_.previous; }  // what a rollback returns to
   const Membership& membership() const { return manifest_.member; }
   void set_membership(const Membership& m);  // written to the manifest at once
   int fd() const { return fd_.get(); }

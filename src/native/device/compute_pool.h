@@ -1,0 +1,50 @@
+// The parallel update: a fixed pool of threads that runs one chunk's kernel in parts.
+// The kernels are element-wise (int8 ones block-wise), so parts cut at block boundaries
+// give the same bits as one thread. One chunk at a time: devices sharing a pool take
+// turns, each with every thread (a memory-bound kernel gains nothing from more).
+#pragma once
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace smartinf::device {
+
+class ComputePool {
+ public:
+  // `threads` workers in all, the calling thread included (1: run() calls fn inline).
+  explicit ComputePool(unsigned threads);
+  ~ComputePool();
+  ComputePool(const ComputePool&) = delete;
+  ComputePool& operator=(const ComputePool&) = delete;
+
+  unsigned threads() const { return threads_; }
+  // Calls fn(lo, hi) over [0, n) cut into parts of a multiple of `grain` elements (the last
+  // one the rest), on the pool's threads and the caller's; returns when all are done and
+  // rethrows the first exception.
+  void run(uint64_t n, uint64_t grain, const std::function<void(uint64_t, uint64_t)>& fn);
+
+ private:
+  void work();
+  bool take_part(std::unique_lock<std::mutex>& lock);  // runs one part unlocked; false: none left
+
+  const unsigned threads_;
+  std::mutex turn_;  // one run() at a time
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(uint64_t, uint64_t)>* fn_ = nullptr;
+  uint64_t n_ = 0, part_ = 0, next_ = 0;
+  unsigned running_ = 0;
+  uint64_t generation_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+// The threads this process may run on (its CPU affinity), at least 1.
+unsigned usable_cores();
+
+}  // namespace smartinf::device
