@@ -34,7 +34,7 @@ from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
 from .driver import Driver, overrides, rule_for
 from .pipeline import Pipeline
-from .settings import PipelineSettings
+from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 
 logger = logging.getLogger("smartinf")
 
@@ -51,8 +51,9 @@ class StorageOptions(TypedDict, total=False):
 
     ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
     ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
-    ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``
-    as for ``smartinf.Pipeline``; ``if_exists`` what to do with directories holding an
+    ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
+    ``memory_budget``, ``commit_every``, ``compute_threads`` as for ``smartinf.Pipeline``
+    (``smartinf.settings.KEYWORDS``); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``.
     """
 
@@ -67,6 +68,9 @@ class StorageOptions(TypedDict, total=False):
     verify: bool
     state_dtype: str
     if_exists: str
+    memory_budget: "int | str"
+    commit_every: int
+    compute_threads: int
 
 
 def resolve_devices(devices: Any) -> list:
@@ -187,11 +191,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
-                 max_grad_norm: Optional[float] = None, slots: Optional[int] = None,
-                 chunk: Optional[int] = None, io: Optional[str] = None,
-                 queue_depth: Optional[int] = None, host_link_gbps: Optional[float] = None,
-                 verify: bool = False, state_dtype: str = "fp32", if_exists: str = "error",
-                 **torch_options: Any) -> None:
+                 max_grad_norm: Optional[float] = None, if_exists: str = "error",
+                 **options: Any) -> None:
+        # The pipeline's settings (PIPELINE_KEYWORDS) and torch's own options, apart.
+        storage = {k: options.pop(k) for k in PIPELINE_KEYWORDS if k in options}
+        torch_options = options
         if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
             raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
         if compress is not None and not isinstance(compress, TopK):
@@ -222,11 +226,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._subgroup_size = subgroup_size
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
-        settings = PipelineSettings.resolve(
-            slots=slots, chunk=chunk, io=io, queue_depth=queue_depth, host_link_gbps=host_link_gbps,
-            verify=verify, state_dtype=state_dtype, if_exists=if_exists)
         pipeline = Pipeline(resolve_devices(devices), self._rule(self.param_groups[0]),
-                            settings=settings)
+                            settings=PipelineSettings.resolve(if_exists=if_exists, **storage))
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
@@ -441,6 +442,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
         self._warn_partial(active)
         scattered: list[_Subgroup] = []
+        before = self.pipeline.step_count
         try:
             with self.pipeline.step():
                 self._driver.run(
@@ -448,6 +450,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                                             scale, hyper[sg.group]),
                     lambda sg, future, b: self._finish(sg, future, b, scattered))
         except BaseException:
+            if self.pipeline.step_count < before:  # back to a durable commit further back
+                logger.warning("the step failed: the devices are back at step %d, their last "
+                               "durable commit (commit_every=%d), and so are the model's params",
+                               self.pipeline.step_count, self.pipeline.settings.commit_every)
+                scattered = self._plan
             self._restore(scattered)
             raise
         return loss
@@ -461,7 +468,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     def _restore(self, scattered: Sequence[_Subgroup]) -> None:
         """After a failed step (an I/O error, a failed commit) the devices are at the last
-        committed step: so are the model's params, rebuilt from the committed masters."""
+        durable commit: so are the model's params, rebuilt from its masters."""
         try:
             for sg in scattered:
                 self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
@@ -671,6 +678,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Copies every device directory (states file + manifest) under ``directory``
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
         steps. Resume by constructing the optimizer with ``devices=`` the returned paths."""
+        self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:

@@ -24,7 +24,8 @@ from .update_rules import AdamW, UpdateRule
 logger = logging.getLogger("smartinf")
 _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
-                         verify=False, state_dtype="fp32", if_exists="resume")
+                         verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
+                         commit_every=None, compute_threads=None)
 
 
 class UpdateFuture:
@@ -91,6 +92,20 @@ class Pipeline:
         sub-groups): ``"resume"`` it (the default here: ``add_subgroup`` keeps the stored
         states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
         starts from its ``init``), or ``"error"`` (refused, nothing changed).
+    memory_budget
+        Bytes of states per device kept resident in memory (``SMARTINF_MEMORY_BUDGET``; 0):
+        the ``cpu`` device allocates them in host RAM when the pipeline is created (memory
+        stays fixed whatever the model). Each sub-group whose states fit in what is left
+        stays resident from ``add_subgroup`` on (``resident(sg)``): it is updated in memory
+        and only written to storage, never read; the others stream through the slots.
+    commit_every
+        Steps per durable commit (``SMARTINF_COMMIT_EVERY``; 1). Every ``commit_every``-th
+        ``commit()`` writes the resident states, syncs and switches the manifests; the
+        others only advance ``step_count``. A crash reopens at ``durable_step_count``,
+        bit for bit; ``discard()`` and a failed step go back to it as well.
+    compute_threads
+        Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
+        process may use); the same bits with any number.
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
@@ -117,6 +132,9 @@ class Pipeline:
         verify: bool = False,
         state_dtype: str = "fp32",
         if_exists: str = "resume",
+        memory_budget: Any = None,
+        commit_every: Optional[int] = None,
+        compute_threads: Optional[int] = None,
         settings: Optional[PipelineSettings] = None,
     ) -> None:
         self._native = None
@@ -129,7 +147,8 @@ class Pipeline:
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
         given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
-                     if_exists=if_exists)
+                     if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
+                     compute_threads=compute_threads)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
@@ -192,8 +211,18 @@ class Pipeline:
 
     @property
     def step_count(self) -> int:
-        """Steps committed (restored when a directory is reopened)."""
+        """Steps committed (with ``commit_every`` > 1, durable or not)."""
         return self._open().step
+
+    @property
+    def durable_step_count(self) -> int:
+        """Steps committed durably: what reopening the directories resumes at."""
+        return self._open().durable_step
+
+    def resident(self, sg: int) -> bool:
+        """Whether ``sg``'s states stay in the device's memory (the memory budget)."""
+        native = self._open()
+        return native.resident(self._subgroup(sg))
 
     def subgroup_steps(self, sg: int) -> int:
         """Optimizer steps applied to sub-group ``sg`` (Adam's ``t``, AdaGrad's ``step``)."""
@@ -253,16 +282,23 @@ class Pipeline:
             future.wait()
 
     def commit(self) -> None:
-        """Ends the step: waits for its write-backs, makes them durable, then flips the
-        sub-groups' shadow copies in one atomic manifest update per device."""
+        """Ends the step: waits for its write-backs; every ``commit_every``-th step also
+        writes the resident states, makes the writes durable, then flips the sub-groups'
+        shadow copies in one atomic manifest update per device. If that fails, the
+        pipeline is back at ``durable_step_count``."""
         native = self._open()
         try:
             native.commit()
         finally:
             self._inflight.clear()
 
+    def flush(self) -> None:
+        """Makes the committed steps durable now (between steps; a no-op when they are)."""
+        self._open().flush()
+
     def discard(self) -> None:
-        """Ends the step without committing it: the last committed states stay current."""
+        """Ends the step without committing it and goes back to the last durable commit
+        (with ``commit_every`` 1: the last committed step)."""
         native = self._open()
         try:
             native.discard()
@@ -282,7 +318,7 @@ class Pipeline:
 
     # -- states -----------------------------------------------------------------------
     def read_states(self, sg: int, into: Optional[Sequence[Any]] = None) -> dict[str, Any]:
-        """The committed fp32 states of ``sg``: ``param`` and the optimizer's
+        """The fp32 states of ``sg`` at ``step_count``: ``param`` and the optimizer's
         (``exp_avg``/``exp_avg_sq``, ``momentum_buffer``, ``sum`` ...), in new numpy arrays,
         or in ``into``: one writable fp32 buffer of the sub-group's size per name, in order."""
         native = self._open()
@@ -356,7 +392,9 @@ class Pipeline:
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
-        """Closes the devices. An uncommitted step is discarded; the layout is saved."""
+        """Closes the devices: committed steps are made durable, an uncommitted step is
+        discarded (with ``commit_every`` > 1: back to the last durable commit); the layout
+        is saved."""
         if self._native is None or self._native.closed:
             return
         if self._native.pending:

@@ -6,6 +6,7 @@ core. Unset values come from the environment (``defaults``), explicit ones win.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,3 +77,8 @@ class PipelineSettings:
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
                    memory_budget, commit_every, compute_threads)
+
+
+#: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s
+#: optimizers and the DeepSpeed block pass exactly these to ``PipelineSettings.resolve``.
+KEYWORDS = tuple(inspect.signature(PipelineSettings.resolve).parameters)

@@ -61,7 +61,7 @@ from ..compress import TopK
 from ..driver import Driver, overrides, rule_for
 from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
-from ..settings import PipelineSettings
+from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from . import deepspeed_hook
 
 logger = logging.getLogger("smartinf")
@@ -88,8 +88,7 @@ class Settings:
         if not isinstance(block, dict):
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
-        pipeline_keys = {"slots", "chunk", "io", "queue_depth", "state_dtype", "if_exists",
-                         "verify", "host_link_gbps"}
+        pipeline_keys = set(PIPELINE_KEYWORDS)
         known = {"devices", "compress"} | pipeline_keys
         unknown = sorted(set(block) - known)
         if unknown:
@@ -391,6 +390,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         """Copies this rank's device directories (the last committed step) to ``directory``,
         replacing an earlier copy under the same tag (the transformers Trainer saves a tag
         twice), as DeepSpeed replaces its own files."""
+        self.pipeline.flush()  # the directories hold every committed step
         if os.path.isdir(directory):
             shutil.rmtree(directory)
         save_devices(self._dirs, directory)
