@@ -74,8 +74,8 @@ namespace h = smartinf::hls;
     h::update_chunk<MATH, h::DenseGrad<G>, P>(states, g, out, n, MATH{step});                  \
   }
 
-// Adam / AdamW on int8 states (kernels/quant8.h): fp32 params, the 8-bit codes of
-// exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params; fp32 gradient.
+// Adam / AdamW on int8 states (store/layout.h, kernels/quant8.h): fp32 params, the 8-bit
+// codes of exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params.
 #define SMARTINF_ADAM8(NAME, G, P)                                                             \
   extern "C" void NAME(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,               \
                        Beat* w_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
@@ -86,7 +86,9 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(w_scales, states)                                                            \
     SMARTINF_PORT(grad, grads)                                                                 \
     SMARTINF_PORT(out, params)                                                                 \
-    h::update_chunk_int8<G, P>(param, m_codes, w_codes, m_scales, w_scales, grad, out, n, step); \
+    Beat* codes[2] = {m_codes, w_codes};                                                       \
+    Beat* scales[2] = {m_scales, w_scales};                                                    \
+    h::update_chunk_int8<h::Adam8Math, G, P>(param, codes, scales, grad, out, n, h::Adam8Math{step}); \
   }
 
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)

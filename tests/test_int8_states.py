@@ -1,6 +1,6 @@
 """int8 (8-bit block-wise) Adam states: the code's error bounds per block, the update
 bit for bit against the numpy reference of the same scheme (tests/quant8_reference.py),
-the storage bytes, and directories that keep one state dtype."""
+the extents' bytes, the storage bytes, and directories that keep one state dtype."""
 import numpy as np
 import pytest
 
@@ -75,36 +75,43 @@ def test_update_matches_the_reference_bit_for_bit(disk_dir, rule, decoupled):
         assert np.array_equal(got[k], v), k
 
 
-def test_storage_bytes_per_param_are_halved(tmp_path):
+@pytest.mark.parametrize("rule, fp32, int8", [
+    # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block)
+    (smartinf.AdamW(), 12, 6.03125),
+])
+def test_storage_bytes_per_param(tmp_path, rule, fp32, int8):
     n = 1 << 20
     moved = {}
     for dtype in ("fp32", "int8"):
-        with smartinf.Pipeline(str(tmp_path / dtype), chunk=n, state_dtype=dtype) as pipe:
+        with smartinf.Pipeline(str(tmp_path / dtype), rule, chunk=n, state_dtype=dtype) as pipe:
             pipe.add_subgroup(n)
             before = pipe.stats
             with pipe.step():
                 pipe.update(0, np.ones(n, np.float32), np.empty(n, np.float16))
             after = pipe.stats
         moved[dtype] = {k: (after[k] - before[k]) / n for k in ("storage_read", "storage_write")}
-    assert moved["fp32"] == {"storage_read": 12, "storage_write": 12}
-    # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block); 1 Mi params a
-    # chunk fill 4 KiB pages exactly.
-    assert moved["int8"] == {"storage_read": 6.03125, "storage_write": 6.03125}
+    assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
+    # 1 Mi params a chunk fill 4 KiB pages exactly.
+    assert moved["int8"] == {"storage_read": int8, "storage_write": int8}
 
 
-def test_a_directory_keeps_its_state_dtype(tmp_path):
+@pytest.mark.parametrize("rule", [smartinf.Adam()], ids=["adam"])
+def test_a_directory_keeps_its_state_dtype(tmp_path, rule):
     for made, asked in (("fp32", "int8"), ("int8", "fp32")):
         d = str(tmp_path / made)
-        with smartinf.Pipeline(d, chunk=CHUNK, state_dtype=made) as pipe:
+        with smartinf.Pipeline(d, rule, chunk=CHUNK, state_dtype=made) as pipe:
             pipe.add_subgroup(10)
         with pytest.raises(ValueError, match=f"made with state dtype {made}, not {asked}"):
-            smartinf.Pipeline(d, chunk=CHUNK, state_dtype=asked)
+            smartinf.Pipeline(d, rule, chunk=CHUNK, state_dtype=asked)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(state_dtype="int4"), "state_dtype='int4'"),
-    (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)), "int8 states are for Adam"),
-    (dict(state_dtype="int8", optimizer=smartinf.Adagrad()), "int8 states are for Adam"),
+    # the rules whose row in kernels/rules.h allows int8, named from the registry
+    (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)),
+     "int8 states are for adam, adamw; sgd keeps fp32 states"),
+    (dict(state_dtype="int8", optimizer=smartinf.Adagrad()), "int8 states are for .*; adagrad keeps"),
+    (dict(state_dtype="int8", optimizer=smartinf.Adam(amsgrad=True)), "adam_amsgrad keeps fp32"),
 ])
 def test_bad_state_dtype(tmp_path, kwargs, match):
     optimizer = kwargs.pop("optimizer", None)
@@ -135,3 +142,30 @@ def test_the_relative_error_bound_holds_above_the_smallest_normal(disk_dir):
         assert rel[above].max() <= 1 / 16 * (1 + 1e-6)
         assert np.all(np.abs(decoded - m)[~above] <= floor * (1 + 1e-6))
         assert rel[~above & (m > 2 * floor)].max() > 1 / 16  # the bound needs its range
+
+
+
+def test_extents_hold_the_layout_of_store_layout_h(disk_dir):
+    """The committed extents' bytes, as store/layout.h places them: fp32 params, each
+    moment's codes, padding to 4 B, each moment's block scales (the layout directories
+    have always had)."""
+    n = 2600
+    rng = np.random.default_rng(6)
+    param, m, v = rng.standard_normal(n).astype(np.float32), wide(rng, n, True), wide(rng, n, False)
+    ref = Int8Adam(param, m, v, CHUNK)
+    with smartinf.Pipeline(disk_dir, smartinf.AdamW(), chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {"param": param, "exp_avg": m, "exp_avg_sq": v}, steps=1)
+    with open(f"{disk_dir}/manifest") as f:
+        sg = next(line.split() for line in f if line.startswith("sg "))
+    offset, copy = int(sg[3]), int(sg[4])
+    full = len(ref.extent(0, CHUNK))
+    extent = -(-full // 4096) * 4096
+    with open(f"{disk_dir}/states.bin", "rb") as f:
+        data = f.read()
+    for c, lo in enumerate(range(0, n, CHUNK)):
+        hi = min(lo + CHUNK, n)
+        expected = ref.extent(lo, hi)
+        at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
+        assert data[at:at + len(expected)] == expected, f"chunk {c}"

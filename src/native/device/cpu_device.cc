@@ -23,8 +23,7 @@ void run_update(const Slot& s, const Kernel& k, DType grad, size_t numel,
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
     auto* op = static_cast<decltype(p)*>(s.out);
-    if (layout.int8)  // Adam(W) only: the pipeline refuses int8 for the others
-      return kernels::adam8(numel, kernels::int8_adam_layout(s.states, numel), gp, op, k.step.adam);
+    if (layout.int8) return kernels::run_rule_int8(k.step, numel, layout.int8_at(s.states, numel), gp, op);
     kernels::run_rule(k.step, numel, arrays, gp, op);
   });
 }

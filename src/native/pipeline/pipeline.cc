@@ -54,7 +54,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                 options.state_dtype + "'");
   const store::StateLayout layout{state_arrays(), options.state_dtype == "int8"};
   if (layout.int8 && !kernels::rule_row(rule_).int8)
-    throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
+    throw std::invalid_argument("int8 states are for " + kernels::int8_rule_names() + "; " +
                                 options.optimizer + " keeps fp32 states");
   if (options.if_exists != "resume" && options.if_exists != "overwrite" && options.if_exists != "error")
     throw std::invalid_argument("if_exists must be 'resume', 'overwrite' or 'error', got '" +
@@ -65,12 +65,11 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
-    // hls_kernels/ has an int8 Adam top function (smartinf_adam8_f32_f16), but
-    // xrt_device.cc neither names nor launches it (fp32 state sub-buffers only), so XRT
-    // devices refuse int8 states here. (The message below predates that kernel.)
+    // hls_kernels/ has an int8 top function (smartinf_adam8_f32_f16), but xrt_device.cc
+    // neither names nor launches it (fp32 state sub-buffers only).
     if (spec.kind == "xrt" && layout.int8)
-      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD kernels "
-                                  "(hls_kernels/) have fp32 states only so far");
+      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD device "
+                                  "(xrt_device.cc) drives the fp32-state kernels only so far");
     if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
       throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
