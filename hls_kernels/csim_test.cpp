@@ -32,6 +32,7 @@ extern "C" void smartinf_amsgrad_f32_f16(Beat*, Beat*, Beat*, Beat*, const Beat*
                                          k::AdamStep);
 extern "C" void smartinf_adam8_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
                                        k::AdamStep);
+extern "C" void smartinf_lion8_f32_f16(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
 namespace store = smartinf::store;
 
 static std::mt19937 rng(7);
@@ -215,6 +216,23 @@ static void adam8_case(int n, const k::AdamStep& s) {
         "adam8_f32_f16", n);
 }
 
+static void lion8_case(int n) {
+  const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
+  const std::vector<float> states[2] = {random<float>(n), random<float>(n, 0.1f)};
+  auto g = random<float>(n);
+  Int8Case c(n, 1, states);
+  Device<float> dp(c.param()), dms(c.scales(0));
+  Device<uint8_t> dmq(c.codes(0));
+  Device<float> dg(g);
+  std::vector<k::f16> out(n);
+  Device<k::f16> dout(out);
+  k::lion8(n, c.ref, g.data(), out.data(), s);
+  smartinf_lion8_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
+            dout.equals(out),
+        "lion8_f32_f16", n);
+}
+
 int main() {
   // 4095..4097 and 9000: int8 tiles of 4096 (whole and partial beats of scales).
   const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500, 4095, 4096, 4097, 9000};
@@ -235,8 +253,9 @@ int main() {
       amsgrad_case(n, s);
     }
     two_state_cases(n);
+    lion8_case(n);
   }
-  std::printf("csim: %d checks, %d failures (%zu lengths, 13 top functions)\n", checks, failures,
+  std::printf("csim: %d checks, %d failures (%zu lengths, 14 top functions)\n", checks, failures,
               sizeof(lengths) / sizeof(lengths[0]));
   return failures ? 1 : 0;
 }

@@ -129,6 +129,15 @@ struct Adam8Math {
   }
 };
 
+struct Lion8Math {
+  static constexpr int M = 1;  // exp_avg
+  kernels::LionStep s;
+  template <class G, class P>
+  void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
+    kernels::lion8(static_cast<std::size_t>(n), st, g, out, s);
+  }
+};
+
 // One chunk of n params with int8 states: fp32 params, Math::M code arrays and their
 // per-block fp32 scale arrays (moment order), a dense G gradient.
 template <class Math, class G, class P>

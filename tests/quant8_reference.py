@@ -1,6 +1,6 @@
 """The int8 state scheme of src/native/kernels/quant8.h (codes placed as
 src/native/store/layout.h says) in numpy float32, operation for operation, so the native
-update can be checked bit for bit against it."""
+updates (Adam's and Lion's) can be checked bit for bit against it."""
 import numpy as np
 
 BLOCK = 256
@@ -136,3 +136,43 @@ class Int8Adam:
         return codes + bytes(-len(codes) % 4) + self.ms[first:last].tobytes() + \
             self.ws[first:last].tobytes()
 
+
+class Int8Lion:
+    """Lion with an int8 momentum: fp32 params, exp_avg's codes and scales, updated as the
+    kernel (lion8) does."""
+
+    def __init__(self, param, exp_avg, chunk):
+        self.param = np.array(param, np.float32)
+        n = self.param.size
+        self.blocks = chunk_blocks(n, chunk)
+        self.mq = np.zeros(n, np.uint8)
+        self.ms = np.zeros(len(self.blocks), np.float32)
+        self._store(np.asarray(exp_avg, np.float32))
+
+    def _store(self, m):
+        for b, (lo, hi) in enumerate(self.blocks):
+            self.mq[lo:hi], self.ms[b] = quantize_signed(m[lo:hi])
+
+    def states(self):
+        m = np.empty(self.param.size, np.float32)
+        for b, (lo, hi) in enumerate(self.blocks):
+            m[lo:hi] = decode_m(self.mq[lo:hi], self.ms[b])
+        return {"param": self.param.copy(), "exp_avg": m}
+
+    def step(self, grad, lr, beta1, beta2, weight_decay, grad_scale=1.0):
+        """One step (lion.h's element on the decoded momentum); returns the fp32 params out."""
+        g = np.asarray(grad, np.float32) * F(grad_scale)
+        m = self.states()["exp_avg"]
+        c = m * F(beta1) + g * F(1.0 - beta1)
+        sign = (c > 0).astype(np.float32) - (c < 0).astype(np.float32)  # +0 for 0, as in C
+        self.param = (self.param * F(1.0 - lr * weight_decay) + F(-lr) * sign).astype(np.float32)
+        self._store(m * F(beta2) + g * F(1.0 - beta2))
+        return self.param.copy()
+
+    def extent(self, lo, hi):
+        """The bytes of the chunk [lo, hi) as store/layout.h lays them out: param, codes,
+        padding to 4 B, scales."""
+        first = next(b for b, (a, _) in enumerate(self.blocks) if a == lo)
+        last = next(b for b, (_, z) in enumerate(self.blocks) if z == hi) + 1
+        codes = self.param[lo:hi].tobytes() + self.mq[lo:hi].tobytes()
+        return codes + bytes(-len(codes) % 4) + self.ms[first:last].tobytes()

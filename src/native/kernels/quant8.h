@@ -12,7 +12,7 @@
 // without a table, and is reproduced exactly by the numpy reference in the tests.
 //
 // A rule's int8 moments, in the order of its state arrays: the first is a momentum (Adam's
-// exp_avg), signed; a second is a second moment (Adam's exp_avg_sq), kept as its
+// and Lion's exp_avg), signed; a second is a second moment (Adam's exp_avg_sq), kept as its
 // root, unsigned:
 //   exp_avg:             sign + 4 exponent bits + 3 mantissa bits: 2^-17 .. 1 of the block max
 //   sqrt(exp_avg_sq):    5 exponent bits + 3 mantissa bits:      2^-33 .. 1 of the block max
@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "kernels/adam.h"
+#include "kernels/lion.h"
 #include "kernels/numeric.h"
 #include "store/layout.h"
 
@@ -195,6 +196,34 @@ inline void adam8(std::size_t n, const Int8States& s, const G* grad, P* out, con
     adam8_range<false, true>(n, s, grad, out, k);
   else
     adam8_range<false, false>(n, s, grad, out, k);
+}
+
+// Lion on int8 states: per block, decode the momentum, the fp32 update of lion.h's
+// element, then code the new momentum as Adam's exp_avg is coded.
+template <class G, class P>
+inline void lion8(std::size_t n, const Int8States& s, const G* __restrict grad,
+                  P* __restrict out, const LionStep& k) {
+  float m[kQuantBlock];
+  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
+    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
+    const float ms = s.scale[0][b];
+    float* __restrict param = s.param + lo;
+    const uint8_t* __restrict mq = s.code[0] + lo;
+    const G* __restrict gr = grad + lo;
+    P* __restrict o = out + lo;
+    int32_t m_bits = 0;  // the new maximum, found on the way
+    for (std::size_t j = 0; j < len; ++j) {
+      const LionResult r = lion_element(to_float(gr[j]) * k.grad_scale, param[j],
+                                        decode_signed(mq[j], ms), k);
+      param[j] = r.p;
+      o[j] = from_float<P>(r.p);
+      m[j] = r.m;
+      const int32_t a = magnitude_bits(r.m);
+      m_bits = a > m_bits ? a : m_bits;
+    }
+    s.scale[0][b] = bits_float(static_cast<uint32_t>(m_bits));
+    encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
+  }
 }
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8

@@ -38,7 +38,7 @@ inline constexpr RuleRow kRules[] = {
     {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, true, "smartinf_amsgrad"},
     {"sgd", Rule::sgd, 2, false, false, "smartinf_sgd"},
     {"adagrad", Rule::adagrad, 2, false, false, "smartinf_adagrad"},
-    {"lion", Rule::lion, 2, false, true, "smartinf_lion"},
+    {"lion", Rule::lion, 2, true, true, "smartinf_lion"},
 };
 inline constexpr unsigned kMaxStateArrays = 4;
 
@@ -67,7 +67,7 @@ inline const RuleRow& rule_row(const std::string& name) {
   throw std::invalid_argument("unknown optimizer '" + name + "' (expected one of " + known + ")");
 }
 
-// The rules whose row allows int8 states, for messages: "adam, adamw".
+// The rules whose row allows int8 states, for messages: "adam, adamw, lion".
 inline std::string int8_rule_names() {
   std::string names;
   for (const RuleRow& row : kRules)
@@ -157,6 +157,8 @@ inline void run_rule_int8(const Step& s, std::size_t n, const store::Int8States&
     case Rule::adam:
     case Rule::adamw:
       return adam8(n, st, grad, out, s.adam);
+    case Rule::lion:
+      return lion8(n, st, grad, out, s.lion);
     default:
       throw std::logic_error(std::string("no int8 kernel for ") + rule_row(s.rule).name);
   }

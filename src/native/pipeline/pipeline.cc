@@ -65,8 +65,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
-    // hls_kernels/ has an int8 top function (smartinf_adam8_f32_f16), but xrt_device.cc
-    // neither names nor launches it (fp32 state sub-buffers only).
+    // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
+    // but xrt_device.cc neither names nor launches them (fp32 state sub-buffers only).
     if (spec.kind == "xrt" && layout.int8)
       throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD device "
                                   "(xrt_device.cc) drives the fp32-state kernels only so far");
