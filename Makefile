@@ -59,7 +59,7 @@ CXX ?= g++
 csim: build/csim
 	build/csim
 
-build/csim: hls_kernels/csim_test.cpp hls_kernels/kernels.cpp $(wildcard hls_kernels/*.h) $(wildcard src/native/kernels/*.h)
+build/csim: hls_kernels/csim_test.cpp hls_kernels/kernels.cpp $(wildcard hls_kernels/*.h) $(wildcard src/native/kernels/*.h) src/native/store/layout.h
 	@mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-label -I src/native -I hls_kernels \
 	  hls_kernels/csim_test.cpp hls_kernels/kernels.cpp -o $@

@@ -32,6 +32,8 @@ extern "C" void smartinf_amsgrad_f32_f16(Beat*, Beat*, Beat*, Beat*, const Beat*
                                          k::AdamStep);
 extern "C" void smartinf_adam8_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
                                        k::AdamStep);
+extern "C" void smartinf_lion8_f32_f16(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
+namespace store = smartinf::store;
 
 static std::mt19937 rng(7);
 static int failures = 0, checks = 0;
@@ -176,33 +178,59 @@ static void two_state_cases(int n) {
   lion_case<k::bf16, k::bf16>(smartinf_lion_bf16_bf16, "lion_bf16_bf16", n);
 }
 
-// int8 states: the kernel on the cpu device's layout (one buffer, whole chunk) against the
-// HLS top on separate arrays, from the same coded states.
+// int8 states: the kernel on the cpu device's layout (one buffer, whole chunk, as
+// store/layout.h places it) against the HLS top on separate arrays, from the same coded states.
+struct Int8Case {
+  int n;
+  unsigned moments;
+  std::vector<uint32_t> buf;
+  store::Int8States ref;
+  Int8Case(int n_, unsigned m, const std::vector<float>* states)
+      : n(n_), moments(m), buf(store::int8_bytes(n_, m) / 4 + 1) {
+    ref = store::int8_states(buf.data(), n, moments);
+    const float* from[3] = {states[0].data(), states[1].data(), m > 1 ? states[2].data() : nullptr};
+    const float fill[3] = {0.0f, 0.0f, 0.0f};
+    k::import_int8(ref, n, moments, from, fill);
+  }
+  std::vector<float> param() const { return {ref.param, ref.param + n}; }
+  std::vector<uint8_t> codes(unsigned k) const { return {ref.code[k], ref.code[k] + n}; }
+  std::vector<float> scales(unsigned k) const {
+    return {ref.scale[k], ref.scale[k] + store::quant_blocks(n)};
+  }
+};
+
 static void adam8_case(int n, const k::AdamStep& s) {
-  auto p = random<float>(n), m = random<float>(n, 0.1f), v = positive(n);
+  const std::vector<float> states[3] = {random<float>(n), random<float>(n, 0.1f), positive(n)};
   auto g = random<float>(n);
-  std::vector<uint32_t> buf(k::int8_adam_bytes(n) / 4 + 1);
-  const k::Int8Adam ref = k::int8_adam_layout(buf.data(), n);
-  const float* from[3] = {p.data(), m.data(), v.data()};
-  const float fill[3] = {0.0f, 0.0f, 0.0f};
-  k::import_int8_adam(ref, n, from, fill);
-  const std::size_t nb = k::quant_blocks(n);
-  Device<float> dp(std::vector<float>(ref.param, ref.param + n));
-  Device<uint8_t> dmq(std::vector<uint8_t>(ref.m, ref.m + n)), dwq(std::vector<uint8_t>(ref.w, ref.w + n));
-  Device<float> dms(std::vector<float>(ref.m_scale, ref.m_scale + nb));
-  Device<float> dws(std::vector<float>(ref.w_scale, ref.w_scale + nb));
+  Int8Case c(n, 2, states);
+  Device<float> dp(c.param()), dms(c.scales(0)), dws(c.scales(1));
+  Device<uint8_t> dmq(c.codes(0)), dwq(c.codes(1));
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::adam8(n, ref, g.data(), out.data(), s);
+  k::adam8(n, c.ref, g.data(), out.data(), s);
   smartinf_adam8_f32_f16(dp.data(), dmq.data(), dwq.data(), dms.data(), dws.data(), dg.data(),
                          dout.data(), n, s);
-  check(dp.equals(std::vector<float>(ref.param, ref.param + n)) &&
-            dmq.equals(std::vector<uint8_t>(ref.m, ref.m + n)) &&
-            dwq.equals(std::vector<uint8_t>(ref.w, ref.w + n)) &&
-            dms.equals(std::vector<float>(ref.m_scale, ref.m_scale + nb)) &&
-            dws.equals(std::vector<float>(ref.w_scale, ref.w_scale + nb)) && dout.equals(out),
+  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dwq.equals(c.codes(1)) &&
+            dms.equals(c.scales(0)) && dws.equals(c.scales(1)) && dout.equals(out),
         "adam8_f32_f16", n);
+}
+
+static void lion8_case(int n) {
+  const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
+  const std::vector<float> states[2] = {random<float>(n), random<float>(n, 0.1f)};
+  auto g = random<float>(n);
+  Int8Case c(n, 1, states);
+  Device<float> dp(c.param()), dms(c.scales(0));
+  Device<uint8_t> dmq(c.codes(0));
+  Device<float> dg(g);
+  std::vector<k::f16> out(n);
+  Device<k::f16> dout(out);
+  k::lion8(n, c.ref, g.data(), out.data(), s);
+  smartinf_lion8_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
+            dout.equals(out),
+        "lion8_f32_f16", n);
 }
 
 int main() {
@@ -225,8 +253,9 @@ int main() {
       amsgrad_case(n, s);
     }
     two_state_cases(n);
+    lion8_case(n);
   }
-  std::printf("csim: %d checks, %d failures (%zu lengths, 13 top functions)\n", checks, failures,
+  std::printf("csim: %d checks, %d failures (%zu lengths, 14 top functions)\n", checks, failures,
               sizeof(lengths) / sizeof(lengths[0]));
   return failures ? 1 : 0;
 }

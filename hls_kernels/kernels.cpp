@@ -74,8 +74,8 @@ namespace h = smartinf::hls;
     h::update_chunk<MATH, h::DenseGrad<G>, P>(states, g, out, n, MATH{step});                  \
   }
 
-// Adam / AdamW on int8 states (kernels/quant8.h): fp32 params, the 8-bit codes of
-// exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params; fp32 gradient.
+// Adam / AdamW on int8 states (store/layout.h, kernels/quant8.h): fp32 params, the 8-bit
+// codes of exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params.
 #define SMARTINF_ADAM8(NAME, G, P)                                                             \
   extern "C" void NAME(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,               \
                        Beat* w_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
@@ -86,7 +86,23 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(w_scales, states)                                                            \
     SMARTINF_PORT(grad, grads)                                                                 \
     SMARTINF_PORT(out, params)                                                                 \
-    h::update_chunk_int8<G, P>(param, m_codes, w_codes, m_scales, w_scales, grad, out, n, step); \
+    Beat* codes[2] = {m_codes, w_codes};                                                       \
+    Beat* scales[2] = {m_scales, w_scales};                                                    \
+    h::update_chunk_int8<h::Adam8Math, G, P>(param, codes, scales, grad, out, n, h::Adam8Math{step}); \
+  }
+
+// Lion on int8 states: fp32 params, the 8-bit codes of exp_avg and their scales.
+#define SMARTINF_LION8(NAME, G, P)                                                             \
+  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* m_scales, const Beat* grad, Beat* out, \
+                       int n, k::LionStep step) {                                              \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(m_codes, states)                                                             \
+    SMARTINF_PORT(m_scales, states)                                                            \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* codes[1] = {m_codes};                                                                \
+    Beat* scales[1] = {m_scales};                                                              \
+    h::update_chunk_int8<h::Lion8Math, G, P>(param, codes, scales, grad, out, n, h::Lion8Math{step}); \
   }
 
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)
@@ -102,3 +118,4 @@ SMARTINF_TWO_STATE(smartinf_lion_f32_f16, h::LionMath, k::LionStep, float, k::f1
 SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::LionMath, k::LionStep, k::bf16, k::bf16)
 SMARTINF_AMSGRAD(smartinf_amsgrad_f32_f16, float, k::f16)
 SMARTINF_ADAM8(smartinf_adam8_f32_f16, float, k::f16)
+SMARTINF_LION8(smartinf_lion8_f32_f16, float, k::f16)

@@ -12,6 +12,7 @@
 #include "kernels/lion.h"
 #include "kernels/quant8.h"
 #include "kernels/sgd.h"
+#include "store/layout.h"
 
 namespace smartinf::hls {
 
@@ -113,38 +114,62 @@ tiles:
   }
 }
 
-// int8 states (kernels/quant8.h) go in tiles of TILE8 params: whole blocks of 256, and
-// a whole number of beats of block scales (4096 / 256 = 16 floats = one beat).
+// int8 states (store/layout.h, coded as kernels/quant8.h says) go in tiles of TILE8 params:
+// whole blocks of 256, and a whole number of beats of block scales (4096 / 256 = 16 floats =
+// one beat).
 constexpr int TILE8 = 4096;
 
-// One chunk of n params with int8 Adam states: fp32 params, the codes of exp_avg and of
-// sqrt(exp_avg_sq), their per-block fp32 scales; the math is kernels::adam8 on the tile.
-template <class G, class P>
-inline void update_chunk_int8(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,
-                              Beat* w_scales, const Beat* grad, Beat* out, int n,
-                              const kernels::AdamStep& step) {
-  constexpr int kBlocks = TILE8 / static_cast<int>(kernels::kBlock);
-  float p[TILE8], ms[kBlocks], ws[kBlocks];
-  uint8_t mq[TILE8], wq[TILE8];
+// The math of one optimizer on an int8 tile: M coded moments.
+struct Adam8Math {
+  static constexpr int M = 2;  // exp_avg, sqrt(exp_avg_sq)
+  kernels::AdamStep s;
+  template <class G, class P>
+  void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
+    kernels::adam8(static_cast<std::size_t>(n), st, g, out, s);
+  }
+};
+
+struct Lion8Math {
+  static constexpr int M = 1;  // exp_avg
+  kernels::LionStep s;
+  template <class G, class P>
+  void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
+    kernels::lion8(static_cast<std::size_t>(n), st, g, out, s);
+  }
+};
+
+// One chunk of n params with int8 states: fp32 params, Math::M code arrays and their
+// per-block fp32 scale arrays (moment order), a dense G gradient.
+template <class Math, class G, class P>
+inline void update_chunk_int8(Beat* param, Beat* const* codes, Beat* const* scales,
+                              const Beat* grad, Beat* out, int n, const Math& math) {
+  constexpr int kBlocks = TILE8 / static_cast<int>(store::kQuantBlock);
+  float p[TILE8], sc[Math::M][kBlocks];
+  uint8_t q[Math::M][TILE8];
   G g[TILE8];
   P o[TILE8];
+  store::Int8States st{p, {}, {}};
+  for (int k = 0; k < Math::M; ++k) {
+    st.code[k] = q[k];
+    st.scale[k] = sc[k];
+  }
 int8_tiles:
   for (int start = 0; start < n; start += TILE8) {
     const int count = n - start < TILE8 ? n - start : TILE8;
-    const int blocks = static_cast<int>(kernels::quant_blocks(static_cast<std::size_t>(count)));
-    const std::size_t first_block = static_cast<std::size_t>(start) / kernels::kBlock;
+    const int blocks = static_cast<int>(store::quant_blocks(static_cast<std::size_t>(count)));
+    const std::size_t first_block = static_cast<std::size_t>(start) / store::kQuantBlock;
     load(param, start, count, p);
-    load(m_codes, start, count, mq);
-    load(w_codes, start, count, wq);
-    load(m_scales, first_block, blocks, ms);
-    load(w_scales, first_block, blocks, ws);
+    for (int k = 0; k < Math::M; ++k) {
+      load(codes[k], start, count, q[k]);
+      load(scales[k], first_block, blocks, sc[k]);
+    }
     load(grad, start, count, g);
-    kernels::adam8(static_cast<std::size_t>(count), kernels::Int8Adam{p, mq, wq, ms, ws}, g, o, step);
+    math(count, st, g, o);
     store(param, start, count, p);
-    store(m_codes, start, count, mq);
-    store(w_codes, start, count, wq);
-    store(m_scales, first_block, blocks, ms);
-    store(w_scales, first_block, blocks, ws);
+    for (int k = 0; k < Math::M; ++k) {
+      store(codes[k], start, count, q[k]);
+      store(scales[k], first_block, blocks, sc[k]);
+    }
     store(out, start, count, o);
   }
 }

@@ -1,5 +1,6 @@
-"""The int8 state scheme of src/native/kernels/quant8.h in numpy float32, operation for
-operation, so the native update can be checked bit for bit against it."""
+"""The int8 state scheme of src/native/kernels/quant8.h (codes placed as
+src/native/store/layout.h says) in numpy float32, operation for operation, so the native
+updates (Adam's and Lion's) can be checked bit for bit against it."""
 import numpy as np
 
 BLOCK = 256
@@ -29,20 +30,39 @@ def decode_magnitude(code, bias):
     return np.where(e == 0, sub, normal.astype(np.uint32).view(np.float32))
 
 
-def quantize_block(m, w):
-    """(m codes, w codes, m scale, w scale) of one block of exp_avg and sqrt(exp_avg_sq)."""
-    m_max, w_max = F(np.max(np.abs(m))), F(np.max(w))
+def quantize_signed(m):
+    """(codes, scale) of one block of a signed moment (exp_avg)."""
+    m_max = F(np.max(np.abs(m)))
     if m_max > 0:
         mq = encode_magnitude(np.abs(m) * (F(1) / m_max), SIGNED_BIAS) | \
             np.where(np.signbit(m), np.uint32(0x80), np.uint32(0))
     else:
         mq = np.zeros(m.shape, np.uint32)
+    return mq.astype(np.uint8), m_max
+
+
+def quantize_unsigned(w):
+    """(codes, scale) of one block of a root (sqrt(exp_avg_sq)): a positive one never codes 0."""
+    w_max = F(np.max(w))
     if w_max > 0:
         wq = encode_magnitude(w * (F(1) / w_max), UNSIGNED_BIAS)
         wq = np.where((w > 0) & (wq == 0), np.uint32(1), wq)
     else:
         wq = np.zeros(w.shape, np.uint32)
-    return mq.astype(np.uint8), wq.astype(np.uint8), m_max, w_max
+    return wq.astype(np.uint8), w_max
+
+
+def quantize_block(m, w):
+    """(m codes, w codes, m scale, w scale) of one block of exp_avg and sqrt(exp_avg_sq)."""
+    mq, m_max = quantize_signed(m)
+    wq, w_max = quantize_unsigned(w)
+    return mq, wq, m_max, w_max
+
+
+def chunk_blocks(n, chunk):
+    """(lo, hi) of every block: blocks restart at each chunk."""
+    return [(lo, min(lo + BLOCK, c + chunk, n)) for c in range(0, n, chunk)
+            for lo in range(c, min(c + chunk, n), BLOCK)]
 
 
 def decode_m(mq, scale):
@@ -61,8 +81,7 @@ class Int8Adam:
         self.chunk = chunk
         self.param = np.array(param, np.float32)
         n = self.param.size
-        self.blocks = [(lo, min(lo + BLOCK, c + chunk, n)) for c in range(0, n, chunk)
-                       for lo in range(c, min(c + chunk, n), BLOCK)]
+        self.blocks = chunk_blocks(n, chunk)
         self.mq = np.zeros(n, np.uint8)
         self.wq = np.zeros(n, np.uint8)
         self.ms = np.zeros(len(self.blocks), np.float32)
@@ -107,3 +126,53 @@ class Int8Adam:
         self.param = (p + neg_step * (m / denom)).astype(np.float32)
         self._store(m, root)
         return self.param.copy()
+
+    def extent(self, lo, hi):
+        """The bytes of the chunk [lo, hi) as store/layout.h lays them out: param, both code
+        arrays, padding to 4 B, both scale arrays."""
+        first = next(b for b, (a, _) in enumerate(self.blocks) if a == lo)
+        last = next(b for b, (_, z) in enumerate(self.blocks) if z == hi) + 1
+        codes = self.param[lo:hi].tobytes() + self.mq[lo:hi].tobytes() + self.wq[lo:hi].tobytes()
+        return codes + bytes(-len(codes) % 4) + self.ms[first:last].tobytes() + \
+            self.ws[first:last].tobytes()
+
+
+class Int8Lion:
+    """Lion with an int8 momentum: fp32 params, exp_avg's codes and scales, updated as the
+    kernel (lion8) does."""
+
+    def __init__(self, param, exp_avg, chunk):
+        self.param = np.array(param, np.float32)
+        n = self.param.size
+        self.blocks = chunk_blocks(n, chunk)
+        self.mq = np.zeros(n, np.uint8)
+        self.ms = np.zeros(len(self.blocks), np.float32)
+        self._store(np.asarray(exp_avg, np.float32))
+
+    def _store(self, m):
+        for b, (lo, hi) in enumerate(self.blocks):
+            self.mq[lo:hi], self.ms[b] = quantize_signed(m[lo:hi])
+
+    def states(self):
+        m = np.empty(self.param.size, np.float32)
+        for b, (lo, hi) in enumerate(self.blocks):
+            m[lo:hi] = decode_m(self.mq[lo:hi], self.ms[b])
+        return {"param": self.param.copy(), "exp_avg": m}
+
+    def step(self, grad, lr, beta1, beta2, weight_decay, grad_scale=1.0):
+        """One step (lion.h's element on the decoded momentum); returns the fp32 params out."""
+        g = np.asarray(grad, np.float32) * F(grad_scale)
+        m = self.states()["exp_avg"]
+        c = m * F(beta1) + g * F(1.0 - beta1)
+        sign = (c > 0).astype(np.float32) - (c < 0).astype(np.float32)  # +0 for 0, as in C
+        self.param = (self.param * F(1.0 - lr * weight_decay) + F(-lr) * sign).astype(np.float32)
+        self._store(m * F(beta2) + g * F(1.0 - beta2))
+        return self.param.copy()
+
+    def extent(self, lo, hi):
+        """The bytes of the chunk [lo, hi) as store/layout.h lays them out: param, codes,
+        padding to 4 B, scales."""
+        first = next(b for b, (a, _) in enumerate(self.blocks) if a == lo)
+        last = next(b for b, (_, z) in enumerate(self.blocks) if z == hi) + 1
+        codes = self.param[lo:hi].tobytes() + self.mq[lo:hi].tobytes()
+        return codes + bytes(-len(codes) % 4) + self.ms[first:last].tobytes()

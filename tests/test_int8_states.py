@@ -1,11 +1,14 @@
-"""int8 (8-bit block-wise) Adam states: the code's error bounds per block, the update
-bit for bit against the numpy reference of the same scheme (tests/quant8_reference.py),
-the storage bytes, and directories that keep one state dtype."""
+"""int8 (8-bit block-wise) states of Adam and Lion: the code's error bounds per block, the
+updates bit for bit against the numpy reference of the same scheme
+(tests/quant8_reference.py), the extents' bytes, the storage bytes, and directories that
+keep one state dtype."""
 import numpy as np
 import pytest
+import torch
 
 import smartinf
-from quant8_reference import BLOCK, Int8Adam
+import smartinf.optim as so
+from quant8_reference import BLOCK, Int8Adam, Int8Lion
 
 CHUNK = 1000  # blocks restart at every chunk: 256, 256, 256, 232, then the next chunk
 
@@ -75,36 +78,45 @@ def test_update_matches_the_reference_bit_for_bit(disk_dir, rule, decoupled):
         assert np.array_equal(got[k], v), k
 
 
-def test_storage_bytes_per_param_are_halved(tmp_path):
+@pytest.mark.parametrize("rule, fp32, int8", [
+    # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block)
+    (smartinf.AdamW(), 12, 6.03125),
+    # 4 (param) + 1 (codes) + 4 / 256 (one fp32 scale per block)
+    (smartinf.Lion(), 8, 5.015625),
+])
+def test_storage_bytes_per_param(tmp_path, rule, fp32, int8):
     n = 1 << 20
     moved = {}
     for dtype in ("fp32", "int8"):
-        with smartinf.Pipeline(str(tmp_path / dtype), chunk=n, state_dtype=dtype) as pipe:
+        with smartinf.Pipeline(str(tmp_path / dtype), rule, chunk=n, state_dtype=dtype) as pipe:
             pipe.add_subgroup(n)
             before = pipe.stats
             with pipe.step():
                 pipe.update(0, np.ones(n, np.float32), np.empty(n, np.float16))
             after = pipe.stats
         moved[dtype] = {k: (after[k] - before[k]) / n for k in ("storage_read", "storage_write")}
-    assert moved["fp32"] == {"storage_read": 12, "storage_write": 12}
-    # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block); 1 Mi params a
-    # chunk fill 4 KiB pages exactly.
-    assert moved["int8"] == {"storage_read": 6.03125, "storage_write": 6.03125}
+    assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
+    # 1 Mi params a chunk fill 4 KiB pages exactly.
+    assert moved["int8"] == {"storage_read": int8, "storage_write": int8}
 
 
-def test_a_directory_keeps_its_state_dtype(tmp_path):
+@pytest.mark.parametrize("rule", [smartinf.Adam(), smartinf.Lion()], ids=["adam", "lion"])
+def test_a_directory_keeps_its_state_dtype(tmp_path, rule):
     for made, asked in (("fp32", "int8"), ("int8", "fp32")):
         d = str(tmp_path / made)
-        with smartinf.Pipeline(d, chunk=CHUNK, state_dtype=made) as pipe:
+        with smartinf.Pipeline(d, rule, chunk=CHUNK, state_dtype=made) as pipe:
             pipe.add_subgroup(10)
         with pytest.raises(ValueError, match=f"made with state dtype {made}, not {asked}"):
-            smartinf.Pipeline(d, chunk=CHUNK, state_dtype=asked)
+            smartinf.Pipeline(d, rule, chunk=CHUNK, state_dtype=asked)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(state_dtype="int4"), "state_dtype='int4'"),
-    (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)), "int8 states are for Adam"),
-    (dict(state_dtype="int8", optimizer=smartinf.Adagrad()), "int8 states are for Adam"),
+    # the rules whose row in kernels/rules.h allows int8, named from the registry
+    (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)),
+     "int8 states are for adam, adamw, lion; sgd keeps fp32 states"),
+    (dict(state_dtype="int8", optimizer=smartinf.Adagrad()), "int8 states are for .*; adagrad keeps"),
+    (dict(state_dtype="int8", optimizer=smartinf.Adam(amsgrad=True)), "adam_amsgrad keeps fp32"),
 ])
 def test_bad_state_dtype(tmp_path, kwargs, match):
     optimizer = kwargs.pop("optimizer", None)
@@ -135,3 +147,138 @@ def test_the_relative_error_bound_holds_above_the_smallest_normal(disk_dir):
         assert rel[above].max() <= 1 / 16 * (1 + 1e-6)
         assert np.all(np.abs(decoded - m)[~above] <= floor * (1 + 1e-6))
         assert rel[~above & (m > 2 * floor)].max() > 1 / 16  # the bound needs its range
+
+
+# -- Lion: one int8 moment (exp_avg, coded as Adam's) ------------------------------------
+LION = smartinf.Lion(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+def lion_grads(seed, n, steps):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n)).astype(np.float32)
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("rule, grad_scale", [
+    (LION, 0.5),
+    (smartinf.Lion(lr=3e-4, betas=(0.5, 0.9), maximize=True), 0.25),  # a negated scale
+])
+def test_lion_update_matches_the_reference_bit_for_bit(disk_dir, rule, grad_scale):
+    n = 2600
+    init = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    ref = Int8Lion(init, np.zeros(n, np.float32), CHUNK)
+    out = np.empty(n, np.float32)
+    with smartinf.Pipeline(disk_dir, rule, chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n, init=init)
+        for t, grad in enumerate(lion_grads(3, n, 6), 1):
+            with pipe.step():
+                pipe.update(0, grad, out, grad_scale=grad_scale).wait()
+            sign = -1.0 if rule.maximize else 1.0
+            expected = ref.step(grad, rule.lr, *rule.betas, rule.weight_decay, sign * grad_scale)
+            assert np.array_equal(out, expected), f"params differ at step {t}"
+        got = pipe.read_states(0)
+    assert set(got) == {"param", "exp_avg"}
+    for k, v in ref.states().items():
+        assert np.array_equal(got[k], v), k
+
+
+def test_lion_states_round_trip_and_reopen(disk_dir):
+    """write_states codes fp32 states as the reference does; a reopened directory goes on
+    from the same bits."""
+    n = 2600
+    rng = np.random.default_rng(4)
+    param, m = rng.standard_normal(n).astype(np.float32), wide(rng, n, True)
+    ref = Int8Lion(param, m, CHUNK)
+    out = np.empty(n, np.float32)
+    grads = lion_grads(5, n, 4)
+    with smartinf.Pipeline(disk_dir, LION, chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {"param": param, "exp_avg": m}, steps=2)
+        got = pipe.read_states(0)
+        for k, v in ref.states().items():
+            assert np.array_equal(got[k], v), k
+        with pipe.step():
+            pipe.update(0, grads[0], out).wait()
+        assert np.array_equal(out, ref.step(grads[0], LION.lr, *LION.betas, LION.weight_decay))
+    with smartinf.Pipeline(disk_dir, LION, chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        assert pipe.resumed(0) and pipe.step_count == 2
+        for grad in grads[1:]:
+            with pipe.step():
+                pipe.update(0, grad, out).wait()
+            assert np.array_equal(out, ref.step(grad, LION.lr, *LION.betas, LION.weight_decay))
+        got = pipe.read_states(0)
+    for k, v in ref.states().items():
+        assert np.array_equal(got[k], v), k
+
+
+@pytest.mark.parametrize("rule", [smartinf.AdamW(), LION], ids=["adamw", "lion"])
+def test_extents_hold_the_layout_of_store_layout_h(disk_dir, rule):
+    """The committed extents' bytes, as store/layout.h places them: fp32 params, each
+    moment's codes, padding to 4 B, each moment's block scales (Adam's is the layout
+    directories have always had)."""
+    n = 2600
+    rng = np.random.default_rng(6)
+    param, m, v = rng.standard_normal(n).astype(np.float32), wide(rng, n, True), wide(rng, n, False)
+    states = {"param": param, "exp_avg": m, "exp_avg_sq": v}
+    ref = Int8Lion(param, m, CHUNK) if rule is LION else Int8Adam(param, m, v, CHUNK)
+    with smartinf.Pipeline(disk_dir, rule, chunk=CHUNK, state_dtype="int8") as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {k: states[k] for k in ("param",) + rule.state_names}, steps=1)
+    with open(f"{disk_dir}/manifest") as f:
+        sg = next(line.split() for line in f if line.startswith("sg "))
+    offset, copy = int(sg[3]), int(sg[4])
+    full = len(ref.extent(0, CHUNK))
+    extent = -(-full // 4096) * 4096
+    with open(f"{disk_dir}/states.bin", "rb") as f:
+        data = f.read()
+    for c, lo in enumerate(range(0, n, CHUNK)):
+        hi = min(lo + CHUNK, n)
+        expected = ref.extent(lo, hi)
+        at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
+        assert data[at:at + len(expected)] == expected, f"chunk {c}"
+
+
+def test_lion_through_smartinf_optim(disk_dir, tmp_path):
+    """smartinf.optim.Lion(state_dtype="int8"): the reference's params, a state_dict of the
+    decoded momentum that a fresh int8 optimizer codes back to the same bits, and a resume."""
+    n = 2600
+    init = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    kw = dict(lr=LION.lr, betas=LION.betas, weight_decay=LION.weight_decay, chunk=CHUNK,
+              state_dtype="int8")
+    ref = Int8Lion(init.numpy(), np.zeros(n, np.float32), CHUNK)
+    grads = lion_grads(8, n, 7)
+
+    def step(opt, p, grad):
+        p.grad = torch.from_numpy(grad.copy())
+        opt.step()
+
+    a = torch.nn.Parameter(init.clone())
+    oa = so.Lion([a], devices=[disk_dir], **kw)
+    for grad in grads[:3]:
+        step(oa, a, grad)
+        assert np.array_equal(a.detach().numpy(), ref.step(grad, LION.lr, *LION.betas, LION.weight_decay))
+    saved = oa.state_dict()
+    entry = saved["state"][0]
+    assert entry["exp_avg"].dtype == torch.float32
+    assert np.array_equal(entry["exp_avg"].numpy(), ref.states()["exp_avg"])
+
+    c = torch.nn.Parameter(a.detach().clone())
+    oc = so.Lion([c], devices=[str(tmp_path / "fresh")], **kw)
+    oc.load_state_dict(saved)
+    for grad in grads[3:5]:
+        step(oa, a, grad)
+        step(oc, c, grad)
+        assert np.array_equal(a.detach().numpy(), ref.step(grad, LION.lr, *LION.betas, LION.weight_decay))
+        assert torch.equal(a, c)
+    oc.close()
+    oa.close()
+
+    b = torch.nn.Parameter(a.detach().clone())
+    ob = so.Lion([b], devices=[disk_dir], if_exists="resume", **kw)
+    for grad in grads[5:]:
+        step(ob, b, grad)
+        assert np.array_equal(b.detach().numpy(), ref.step(grad, LION.lr, *LION.betas, LION.weight_decay))
+    ob.close()

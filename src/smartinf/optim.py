@@ -724,7 +724,8 @@ class AdamW(Adam):
 
 class Lion(_StorageOptimizer):
     """Lion (Chen et al. 2023) with its momentum on near-storage devices: 8 B/param of fp32
-    states. Its ``state_dict`` has torch's layout (``exp_avg`` and ``step`` per param)."""
+    states, ~5 with ``state_dtype="int8"``. Its ``state_dict`` has torch's layout
+    (``exp_avg``, decoded to fp32 with int8 states, and ``step`` per param)."""
 
     torch_class = None
     rule_class = update_rules.Lion

@@ -79,10 +79,11 @@ class Pipeline:
         all devices together wait for it, as behind one PCIe switch.
 
     state_dtype
-        ``"fp32"`` (default) or ``"int8"``: Adam's two moments stored 8-bit, block-wise
-        quantized (256 per block, a non-linear code scaled by each block's maximum), so a
-        param takes ~6 B of storage instead of 12 and a step moves half the bytes. The
-        master weights stay fp32. Fixed for a directory; Adam and AdamW only.
+        ``"fp32"`` (default) or ``"int8"``: the rule's moments stored 8-bit, block-wise
+        quantized (256 per block, a non-linear code scaled by each block's maximum), so an
+        Adam param takes ~6 B of storage instead of 12 and a step moves half the bytes
+        (Lion: ~5 B instead of 8). The master weights stay fp32. Fixed for a directory; for
+        the rules whose row in ``kernels/rules.h`` allows it (Adam, AdamW, Lion).
     verify
         Check every extent loaded in a step against the checksum (XXH3-64) written with
         it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,

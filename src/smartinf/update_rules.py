@@ -147,7 +147,7 @@ class Adagrad:
 class Lion:
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign
     of a momentum interpolated with the gradient, decoupled weight decay; one state array,
-    8 B/param of fp32 states against Adam's 12."""
+    8 B/param of fp32 states against Adam's 12 (~5 with int8 states)."""
 
     lr: float = 1e-4
     betas: Tuple[float, float] = (0.9, 0.99)
@@ -169,6 +169,7 @@ class Lion:
 
 
 UpdateRule = Union[Adam, SGD, Adagrad, Lion]
-# The Python side of src/native/kernels/rules.h: the rules by their manifest names.
+# The Python side of src/native/kernels/rules.h: the rules by their manifest names. Which
+# rules take int8 states is decided there only (a row's `int8`); the pipeline refuses others.
 RULES = {"adam": Adam, "adamw": AdamW, "adam_amsgrad": Adam, "adamw_amsgrad": AdamW,
          "sgd": SGD, "adagrad": Adagrad, "lion": Lion}

@@ -25,11 +25,8 @@ void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
     auto* op = static_cast<decltype(p)*>(s.out);
-    if (layout.int8) {  // Adam(W) only: the pipeline refuses int8 for the others
-      kernels::Int8Adam q = kernels::int8_adam_layout(s.states, numel);
-      q = {q.param + lo, q.m + lo, q.w + lo, q.m_scale + lo / kernels::kBlock, q.w_scale + lo / kernels::kBlock};
-      return kernels::adam8(n, q, gp, op, k.step.adam);
-    }
+    if (layout.int8)
+      return kernels::run_rule_int8(k.step, n, layout.int8_at(s.states, numel).from(lo), gp, op);
     kernels::run_rule(k.step, n, arrays, gp, op);
   });
 }
@@ -138,7 +135,7 @@ class CpuDevice final : public Device {
  private:
   // Parts of whole int8 blocks, large enough that a thread's share outweighs waking it.
   static constexpr uint64_t kGrain = uint64_t(1) << 14;
-  static_assert(kGrain % kernels::kBlock == 0);
+  static_assert(kGrain % store::kQuantBlock == 0);
 
   // The slot's grad and out buffers from param `lo` on (the states are cut by run_update:
   // their arrays are laid out for the whole chunk).

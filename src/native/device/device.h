@@ -89,7 +89,8 @@ class Device {
 // a mapped buffer object), in `layout`: fp32 arrays of `numel` one after another, or int8.
 inline void import_host_states(void* states, const store::StateLayout& layout,
                                const float* const* from, const float* fill, size_t numel) {
-  if (layout.int8) return kernels::import_int8_adam(kernels::int8_adam_layout(states, numel), numel, from, fill);
+  if (layout.int8)
+    return kernels::import_int8(layout.int8_at(states, numel), numel, layout.int8_moments(), from, fill);
   for (unsigned a = 0; a < layout.arrays; ++a) {
     float* to = layout.array(states, numel, a);
     if (from[a])
@@ -101,7 +102,8 @@ inline void import_host_states(void* states, const store::StateLayout& layout,
 
 inline void export_host_states(void* states, const store::StateLayout& layout,
                                float* const* to, size_t numel) {
-  if (layout.int8) return kernels::export_int8_adam(kernels::int8_adam_layout(states, numel), numel, to);
+  if (layout.int8)
+    return kernels::export_int8(layout.int8_at(states, numel), numel, layout.int8_moments(), to);
   for (unsigned a = 0; a < layout.arrays; ++a)
     if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
 }

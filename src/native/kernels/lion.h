@@ -30,18 +30,28 @@ inline LionStep lion_step(double lr, double beta1, double beta2, double weight_d
   return s;
 }
 
+// One element: from the scaled gradient g, the param p and the old momentum m, the new
+// param and momentum. Shared by the fp32 and the int8 state kernels; always inlined so the
+// loops that call it vectorise.
+struct LionResult {
+  float p, m;
+};
+
+__attribute__((always_inline)) inline LionResult lion_element(float g, float p, float m,
+                                                              const LionStep& s) {
+  const float c = m * s.beta1 + g * s.one_minus_beta1;
+  const float sign = static_cast<float>((c > 0.0f) - (c < 0.0f));  // sign(0) = 0
+  return {p * s.decay + s.neg_lr * sign, m * s.beta2 + g * s.one_minus_beta2};
+}
+
 template <class G, class P>
 inline void lion(std::size_t n, float* __restrict param, float* __restrict exp_avg,
                  const G* __restrict grad, P* __restrict out, const LionStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
-    const float g = to_float(grad[i]) * s.grad_scale;
-    const float m = exp_avg[i];
-    const float c = m * s.beta1 + g * s.one_minus_beta1;
-    const float sign = static_cast<float>((c > 0.0f) - (c < 0.0f));  // sign(0) = 0
-    const float p = param[i] * s.decay + s.neg_lr * sign;
-    exp_avg[i] = m * s.beta2 + g * s.one_minus_beta2;
-    param[i] = p;
-    out[i] = from_float<P>(p);
+    const LionResult r = lion_element(to_float(grad[i]) * s.grad_scale, param[i], exp_avg[i], s);
+    exp_avg[i] = r.m;
+    param[i] = r.p;
+    out[i] = from_float<P>(r.p);
   }
 }
 

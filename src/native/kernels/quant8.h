@@ -1,13 +1,19 @@
 // 8-bit block-wise optimizer states (after Dettmers et al., "8-bit Optimizers via
-// Block-wise Quantization", ICLR 2022), written once for the CPU device and HLS.
+// Block-wise Quantization", ICLR 2022), written once for the CPU device and HLS: the code,
+// and the int8 kernels of the rules whose row allows int8 (kernels/rules.h). Where the
+// codes and scales sit is store/layout.h's (Int8States).
 //
-// Each block of kBlock values is divided by its absolute maximum (kept as fp32) and
-// coded on a non-linear, logarithmic 8-bit map, so small states keep their relative
+// Each block of 256 values (store::kQuantBlock) is divided by its absolute maximum (kept as
+// fp32) and coded on a non-linear, logarithmic 8-bit map, so small states keep their relative
 // precision, as with the paper's dynamic map. Instead of its base-10 "dynamic tree" table
 // (decoded by lookup, encoded by a binary search), the code is a small float: exponent
 // bits and 3 mantissa bits, rounded to nearest-even. It is computed with integer and
 // float operations only, so it vectorises on the baseline ISA, maps onto FPGA logic
 // without a table, and is reproduced exactly by the numpy reference in the tests.
+//
+// A rule's int8 moments, in the order of its state arrays: the first is a momentum (Adam's
+// and Lion's exp_avg), signed; a second is a second moment (Adam's exp_avg_sq), kept as its
+// root, unsigned:
 //   exp_avg:             sign + 4 exponent bits + 3 mantissa bits: 2^-17 .. 1 of the block max
 //   sqrt(exp_avg_sq):    5 exponent bits + 3 mantissa bits:      2^-33 .. 1 of the block max
 // The second moment is kept as its square root (what the update divides by): half the
@@ -21,13 +27,16 @@
 #include <cstring>
 
 #include "kernels/adam.h"
+#include "kernels/lion.h"
 #include "kernels/numeric.h"
+#include "store/layout.h"
 
 namespace smartinf::kernels {
 
-inline constexpr std::size_t kBlock = 256;
-
-inline std::size_t quant_blocks(std::size_t n) { return (n + kBlock - 1) / kBlock; }
+// The int8 layout's names, owned by store/layout.h.
+using store::Int8States;
+using store::kQuantBlock;
+using store::quant_blocks;
 
 inline uint32_t float_bits(float x) {
   uint32_t b;
@@ -103,75 +112,57 @@ inline float decode_unsigned(uint8_t c, float scale) {
   return decode_magnitude<kUnsignedBias>(c) * scale;
 }
 
-// One chunk's int8 Adam states in a slot or an extent: the fp32 master weights, the codes
-// of exp_avg and sqrt(exp_avg_sq), then each one's block scales (4-byte aligned).
-struct Int8Adam {
-  float* param;
-  uint8_t* m;
-  uint8_t* w;
-  float* m_scale;
-  float* w_scale;
-};
-
-inline std::size_t int8_adam_bytes(std::size_t n) {
-  return (n * 6 + 3) / 4 * 4 + 2 * quant_blocks(n) * 4;
-}
-
-inline Int8Adam int8_adam_layout(void* base, std::size_t n) {
-  char* p = static_cast<char*>(base);
-  float* scales = reinterpret_cast<float*>(p + (n * 6 + 3) / 4 * 4);
-  return Int8Adam{reinterpret_cast<float*>(p), reinterpret_cast<uint8_t*>(p + 4 * n),
-                  reinterpret_cast<uint8_t*>(p + 5 * n), scales, scales + quant_blocks(n)};
-}
-
 // Largest magnitude, as the bits of a non-negative float: their bit patterns order like
 // their values, and an integer max reduction vectorises where a float one needs -ffast-math.
 inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(float_bits(x) & 0x7fffffffu); }
 
-// Codes `n` <= kBlock values of exp_avg and sqrt(exp_avg_sq) against their block maxima.
-inline void encode_block(std::size_t n, const float* m, const float* w, float m_max, float w_max,
-                         uint8_t* mq, uint8_t* wq) {
-  if (m_max > 0.0f) {
-    const float inv = 1.0f / m_max;
-    for (std::size_t i = 0; i < n; ++i) mq[i] = encode_signed(m[i], inv);
+// Codes `n` <= kQuantBlock values of a signed moment against their block maximum.
+inline void encode_signed_block(std::size_t n, const float* x, float max, uint8_t* q) {
+  if (max > 0.0f) {
+    const float inv = 1.0f / max;
+    for (std::size_t i = 0; i < n; ++i) q[i] = encode_signed(x[i], inv);
   } else {
-    std::memset(mq, 0, n);
-  }
-  if (w_max > 0.0f) {
-    const float inv = 1.0f / w_max;
-    for (std::size_t i = 0; i < n; ++i) wq[i] = encode_unsigned(w[i], inv);
-  } else {
-    std::memset(wq, 0, n);
+    std::memset(q, 0, n);
   }
 }
 
-// One block: its maxima become the scales, then the codes.
-inline void quantize_block(std::size_t n, const float* m, const float* w, uint8_t* mq,
-                           uint8_t* wq, float* m_scale, float* w_scale) {
-  int32_t m_bits = 0, w_bits = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const int32_t a = magnitude_bits(m[i]), c = magnitude_bits(w[i]);
-    m_bits = a > m_bits ? a : m_bits;
-    w_bits = c > w_bits ? c : w_bits;
+// The same for a non-negative root (sqrt(exp_avg_sq)).
+inline void encode_unsigned_block(std::size_t n, const float* x, float max, uint8_t* q) {
+  if (max > 0.0f) {
+    const float inv = 1.0f / max;
+    for (std::size_t i = 0; i < n; ++i) q[i] = encode_unsigned(x[i], inv);
+  } else {
+    std::memset(q, 0, n);
   }
-  *m_scale = bits_float(static_cast<uint32_t>(m_bits));
-  *w_scale = bits_float(static_cast<uint32_t>(w_bits));
-  encode_block(n, m, w, *m_scale, *w_scale, mq, wq);
+}
+
+// One block of moment k (0: signed, 1: root): its maximum becomes the scale, then the codes.
+inline void quantize_block(unsigned k, std::size_t n, const float* x, uint8_t* q, float* scale) {
+  int32_t bits = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const int32_t a = magnitude_bits(x[i]);
+    bits = a > bits ? a : bits;
+  }
+  *scale = bits_float(static_cast<uint32_t>(bits));
+  if (k == 0)
+    encode_signed_block(n, x, *scale, q);
+  else
+    encode_unsigned_block(n, x, *scale, q);
 }
 
 // Adam/AdamW on int8 states: per block, decode, the fp32 update of adam.h's formula
 // (the new moments in fp32 update the param), then code the new moments.
 template <bool Decoupled, bool SmallWeight, class G, class P>
-inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict grad,
+inline void adam8_range(std::size_t n, const Int8States& s, const G* __restrict grad,
                         P* __restrict out, const AdamStep& k) {
-  float m[kBlock], w[kBlock];
-  for (std::size_t b = 0; b * kBlock < n; ++b) {
-    const std::size_t lo = b * kBlock, len = n - lo < kBlock ? n - lo : kBlock;
-    const float ms = s.m_scale[b], ws = s.w_scale[b];
+  float m[kQuantBlock], w[kQuantBlock];
+  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
+    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
+    const float ms = s.scale[0][b], ws = s.scale[1][b];
     // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
     float* __restrict param = s.param + lo;
-    const uint8_t* __restrict mq = s.m + lo;
-    const uint8_t* __restrict wq = s.w + lo;
+    const uint8_t* __restrict mq = s.code[0] + lo;
+    const uint8_t* __restrict wq = s.code[1] + lo;
     const G* __restrict gr = grad + lo;
     P* __restrict o = out + lo;
     int32_t m_bits = 0, w_bits = 0;  // the new maxima, found on the way
@@ -187,14 +178,15 @@ inline void adam8_range(std::size_t n, const Int8Adam& s, const G* __restrict gr
       m_bits = a > m_bits ? a : m_bits;
       w_bits = c > w_bits ? c : w_bits;
     }
-    s.m_scale[b] = bits_float(static_cast<uint32_t>(m_bits));
-    s.w_scale[b] = bits_float(static_cast<uint32_t>(w_bits));
-    encode_block(len, m, w, s.m_scale[b], s.w_scale[b], s.m + lo, s.w + lo);
+    s.scale[0][b] = bits_float(static_cast<uint32_t>(m_bits));
+    s.scale[1][b] = bits_float(static_cast<uint32_t>(w_bits));
+    encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
+    encode_unsigned_block(len, w, s.scale[1][b], s.code[1] + lo);
   }
 }
 
 template <class G, class P>
-inline void adam8(std::size_t n, const Int8Adam& s, const G* grad, P* out, const AdamStep& k) {
+inline void adam8(std::size_t n, const Int8States& s, const G* grad, P* out, const AdamStep& k) {
   const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
   if (k.decoupled && small)
     adam8_range<true, true>(n, s, grad, out, k);
@@ -206,30 +198,61 @@ inline void adam8(std::size_t n, const Int8Adam& s, const G* grad, P* out, const
     adam8_range<false, false>(n, s, grad, out, k);
 }
 
-// fp32 arrays (param, exp_avg, exp_avg_sq; a null one is `fill`) -> int8 states.
-inline void import_int8_adam(const Int8Adam& s, std::size_t n, const float* const* from,
-                             const float* fill) {
-  float m[kBlock], w[kBlock];
-  for (std::size_t b = 0; b * kBlock < n; ++b) {
-    const std::size_t lo = b * kBlock, len = n - lo < kBlock ? n - lo : kBlock;
+// Lion on int8 states: per block, decode the momentum, the fp32 update of lion.h's
+// element, then code the new momentum as Adam's exp_avg is coded.
+template <class G, class P>
+inline void lion8(std::size_t n, const Int8States& s, const G* __restrict grad,
+                  P* __restrict out, const LionStep& k) {
+  float m[kQuantBlock];
+  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
+    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
+    const float ms = s.scale[0][b];
+    float* __restrict param = s.param + lo;
+    const uint8_t* __restrict mq = s.code[0] + lo;
+    const G* __restrict gr = grad + lo;
+    P* __restrict o = out + lo;
+    int32_t m_bits = 0;  // the new maximum, found on the way
     for (std::size_t j = 0; j < len; ++j) {
-      const std::size_t i = lo + j;
-      s.param[i] = from[0] ? from[0][i] : fill[0];
-      m[j] = from[1] ? from[1][i] : fill[1];
-      w[j] = std::sqrt(from[2] ? from[2][i] : fill[2]);
+      const LionResult r = lion_element(to_float(gr[j]) * k.grad_scale, param[j],
+                                        decode_signed(mq[j], ms), k);
+      param[j] = r.p;
+      o[j] = from_float<P>(r.p);
+      m[j] = r.m;
+      const int32_t a = magnitude_bits(r.m);
+      m_bits = a > m_bits ? a : m_bits;
     }
-    quantize_block(len, m, w, s.m + lo, s.w + lo, s.m_scale + b, s.w_scale + b);
+    s.scale[0][b] = bits_float(static_cast<uint32_t>(m_bits));
+    encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
   }
 }
 
-// int8 states -> fp32 arrays (exp_avg_sq as the square of the decoded root); null skipped.
-inline void export_int8_adam(const Int8Adam& s, std::size_t n, float* const* to) {
+// A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8
+// states. A second moment (exp_avg_sq) is coded as its root.
+inline void import_int8(const Int8States& s, std::size_t n, unsigned moments,
+                        const float* const* from, const float* fill) {
+  float x[kQuantBlock];
+  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
+    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
+    for (std::size_t j = 0; j < len; ++j) s.param[lo + j] = from[0] ? from[0][lo + j] : fill[0];
+    for (unsigned k = 0; k < moments; ++k) {
+      for (std::size_t j = 0; j < len; ++j) {
+        const float v = from[k + 1] ? from[k + 1][lo + j] : fill[k + 1];
+        x[j] = k == 0 ? v : std::sqrt(v);
+      }
+      quantize_block(k, len, x, s.code[k] + lo, s.scale[k] + b);
+    }
+  }
+}
+
+// int8 states -> fp32 arrays (a second moment as the square of the decoded root); a null
+// array is skipped.
+inline void export_int8(const Int8States& s, std::size_t n, unsigned moments, float* const* to) {
   for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t b = i / kBlock;
+    const std::size_t b = i / kQuantBlock;
     if (to[0]) to[0][i] = s.param[i];
-    if (to[1]) to[1][i] = decode_signed(s.m[i], s.m_scale[b]);
-    if (to[2]) {
-      const float r = decode_unsigned(s.w[i], s.w_scale[b]);
+    if (moments > 0 && to[1]) to[1][i] = decode_signed(s.code[0][i], s.scale[0][b]);
+    if (moments > 1 && to[2]) {
+      const float r = decode_unsigned(s.code[1][i], s.scale[1][b]);
       to[2][i] = r * r;
     }
   }

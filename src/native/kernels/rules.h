@@ -1,8 +1,10 @@
 // The update rules, one row each. Everything that depends on which rule runs (its name in
 // the manifest, its state arrays, whether 8-bit states apply, its kernel scalars, its CPU
-// kernel, its HLS top function) is read from here: nothing else switches on a rule.
-// Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its cases below, its
-// HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py).
+// kernels on fp32 and int8 states, its HLS top function) is read from here: nothing else
+// switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
+// cases below, its HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py);
+// int8 states for it: its kernel in kernels/quant8.h, `int8` in its row, its case in
+// run_rule_int8, its HLS top.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -12,7 +14,9 @@
 #include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/lion.h"
+#include "kernels/quant8.h"
 #include "kernels/sgd.h"
+#include "store/layout.h"
 
 namespace smartinf::kernels {
 
@@ -22,9 +26,9 @@ struct RuleRow {
   const char* name;  // in the manifest, and in smartinf/update_rules.py
   Rule rule;
   unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
-  bool int8;         // 8-bit block-wise states apply (Adam's two moments)
+  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in run_rule_int8
   bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
-  const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes
+  const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes (int8: "8" added)
 };
 
 inline constexpr RuleRow kRules[] = {
@@ -34,9 +38,16 @@ inline constexpr RuleRow kRules[] = {
     {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, true, "smartinf_amsgrad"},
     {"sgd", Rule::sgd, 2, false, false, "smartinf_sgd"},
     {"adagrad", Rule::adagrad, 2, false, false, "smartinf_adagrad"},
-    {"lion", Rule::lion, 2, false, true, "smartinf_lion"},
+    {"lion", Rule::lion, 2, true, true, "smartinf_lion"},
 };
 inline constexpr unsigned kMaxStateArrays = 4;
+
+constexpr bool int8_rows_fit_the_layout() {
+  for (const RuleRow& row : kRules)
+    if (row.int8 && row.arrays - 1 > store::kMaxInt8Moments) return false;
+  return true;
+}
+static_assert(int8_rows_fit_the_layout(), "an int8 row keeps at most kMaxInt8Moments moments");
 
 constexpr bool rows_in_enum_order() {
   for (std::size_t i = 0; i < sizeof kRules / sizeof kRules[0]; ++i)
@@ -54,6 +65,14 @@ inline const RuleRow& rule_row(const std::string& name) {
     known += (known.empty() ? "" : ", ") + std::string(row.name);
   }
   throw std::invalid_argument("unknown optimizer '" + name + "' (expected one of " + known + ")");
+}
+
+// The rules whose row allows int8 states, for messages: "adam, adamw, lion".
+inline std::string int8_rule_names() {
+  std::string names;
+  for (const RuleRow& row : kRules)
+    if (row.int8) names += (names.empty() ? "" : ", ") + std::string(row.name);
+  return names;
 }
 
 // Hyper-parameters of one update (each rule reads its own); t comes from the sub-group.
@@ -126,6 +145,22 @@ inline void run_rule(const Step& s, std::size_t n, float* const* a, const G* gra
       return adagrad(n, a[0], a[1], grad, out, s.adagrad);
     case Rule::lion:
       return lion(n, a[0], a[1], grad, out, s.lion);
+  }
+}
+
+// The CPU kernel of the step's rule on int8 states (store/layout.h's Int8States); only
+// rows with `int8` have one (the pipeline refuses int8 states for the others).
+template <class G, class P>
+inline void run_rule_int8(const Step& s, std::size_t n, const store::Int8States& st,
+                          const G* grad, P* out) {
+  switch (s.rule) {
+    case Rule::adam:
+    case Rule::adamw:
+      return adam8(n, st, grad, out, s.adam);
+    case Rule::lion:
+      return lion8(n, st, grad, out, s.lion);
+    default:
+      throw std::logic_error(std::string("no int8 kernel for ") + rule_row(s.rule).name);
   }
 }
 

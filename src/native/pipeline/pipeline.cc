@@ -61,7 +61,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   const store::StateLayout layout{state_arrays(), options.state_dtype == "int8"};
   layout_ = layout;
   if (layout.int8 && !kernels::rule_row(rule_).int8)
-    throw std::invalid_argument("int8 states are for Adam and AdamW (their two moments); " +
+    throw std::invalid_argument("int8 states are for " + kernels::int8_rule_names() + "; " +
                                 options.optimizer + " keeps fp32 states");
   if (options.if_exists != "resume" && options.if_exists != "overwrite" && options.if_exists != "error")
     throw std::invalid_argument("if_exists must be 'resume', 'overwrite' or 'error', got '" +
@@ -75,12 +75,11 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
-    // hls_kernels/ has an int8 Adam top function (smartinf_adam8_f32_f16), but
-    // xrt_device.cc neither names nor launches it (fp32 state sub-buffers only), so XRT
-    // devices refuse int8 states here. (The message below predates that kernel.)
+    // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
+    // but xrt_device.cc neither names nor launches them (fp32 state sub-buffers only).
     if (spec.kind == "xrt" && layout.int8)
-      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD kernels "
-                                  "(hls_kernels/) have fp32 states only so far");
+      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD device "
+                                  "(xrt_device.cc) drives the fp32-state kernels only so far");
     if (spec.kind == "xrt" && options.memory_budget)
       throw std::invalid_argument("a memory budget is for cpu devices: XRT devices keep no "
                                   "resident states yet (FPGA DRAM beyond the slots); pass "
