@@ -228,6 +228,64 @@ def test_save_checkpoint_checks_its_arguments_before_copying(api):
     assert not [f for f in got["written"] if f.startswith("global_step")]
 
 
+# -- AMSGrad and maximize (runs of tests/deepspeed_rules.py) ---------------------------------
+RULE_CASES = {1: ("adamw_amsgrad", "adam_amsgrad_maximize", "adamw_maximize", "lion_maximize",
+                  "sgd_maximize", "adagrad_maximize"),
+              2: ("adam_amsgrad_maximize", "lion_maximize")}
+
+
+@pytest.fixture(scope="module")
+def rule_runs(work):
+    """A world size's results, from one torchrun of all its cases (made on first use)."""
+    runs = {}
+
+    def get(world: int) -> dict:
+        if world not in runs:
+            out = work / f"rules-{world}.json"
+            extra = ("--refusals",) if world == 1 else ()
+            done = torchrun(world, ROOT / "tests" / "deepspeed_rules.py", "--dir",
+                            str(work / f"rules-{world}"), "--out", str(out),
+                            "--cases", ",".join(RULE_CASES[world]), *extra)
+            assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            runs[world] = json.loads(out.read_text())
+        return runs[world]
+    return get
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w, cases in RULE_CASES.items() for c in cases])
+def test_amsgrad_and_maximize_match_deepspeed_zero3_with_torch_optimizers(rule_runs, world, case):
+    """A config "optimizer" block with amsgrad / maximize: 8 steps (clipping acting) equal to
+    DeepSpeed's own ZeRO-3 stepping its fp32 partitions with the torch optimizer (Lion: the
+    paper's update in torch) given as a client optimizer: losses per step, the params and
+    every stored state (AMSGrad's max_exp_avg_sq included) within 1e-5 relative."""
+    got = ok(rule_runs(world)[case])
+    assert got["rule"] == case.replace("_maximize", "")
+    assert got["maximize"] == case.endswith("_maximize")
+    compared = [k for k, v in got.items() if isinstance(v, dict) and k != "params"]
+    assert compared == got["state_names"]  # every array the devices keep
+    ours, ref = got["losses"]
+    assert len(ours) == 8
+    for step, (a, b) in enumerate(zip(ours, ref), 1):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: {a} vs {b}"
+    assert (ours[-1] > ours[0]) == got["maximize"]  # maximize ascends the loss
+    for key in ["params", *compared]:
+        assert got[key]["rel"] <= TOL, (key, got[key])
+    if "amsgrad" in case:  # the fourth array is the running max, and it mattered
+        assert got["max_below_exp_avg_sq"] == 0 and got["max_above_exp_avg_sq"] > 0
+
+
+@pytest.mark.parametrize("refusal, message", [
+    ("amsgrad_per_group", "amsgrad differs between param groups (adamw and adamw_amsgrad)"),
+    ("adagrad_initial_per_group", "param groups differ in initial_accumulator_value"),
+    ("amsgrad_int8", "adamw_amsgrad keeps fp32 states"),
+], ids=["amsgrad_per_group", "adagrad_initial_per_group", "amsgrad_int8"])
+def test_param_groups_that_disagree_on_the_stored_states_are_refused(rule_runs, refusal, message):
+    """What fixes the devices' states (AMSGrad's fourth array, Adagrad's initial sum) is one
+    for all param groups of DeepSpeed's base optimizer, and AMSGrad keeps fp32 states."""
+    got = rule_runs(1)["refusals"][refusal]
+    assert got.startswith("ValueError") and message in got, got
+
+
 def test_topk_compression_trains(work, disk_dir):
     dense = train(work, os.path.join(disk_dir, "dense"), "ours-dense")
     topk = train(work, os.path.join(disk_dir, "topk"), "ours-topk", extra=("--topk", "0.1"))
@@ -253,6 +311,16 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
      "offload_param"),
     ({"checkpoint": {"load_universal": True}}, "load_universal"),
     ({"smartinf": {"devices": ["/a"], "if_exists": "sometimes"}}, "if_exists"),
+    ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True, "torch_adam": False}}},
+     '"optimizer.params.amsgrad" needs torch\'s Adam(W) as the base optimizer (smartinf\'s '
+     'default): remove "torch_adam": false'),
+    ({"optimizer": {"type": "Adam", "params": {"maximize": True, "torch_adam": False}}},
+     '"optimizer.params.maximize" needs torch\'s Adam(W)'),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "amsgrad": True}}},
+     '"optimizer.params.amsgrad" is an option of Adam and AdamW'),
+    ({"optimizer": {"type": "Lion", "params": {"lr": 0.1, "fp32_optimizer_states": False}}},
+     "\"optimizer.params\" ['fp32_optimizer_states'] of the Lion block: smartinf's Lion takes "
+     "['lr', 'betas', 'weight_decay', 'maximize']"),
 ])
 def test_config_errors(change, message):
     config = {k: v for k, v in {**BASE, **change}.items() if v is not None}
@@ -296,11 +364,24 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     (lambda p: torch.optim.Adagrad(p, lr=1e-3), "adagrad"),
     (lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True), "adamw_amsgrad"),
     (lambda p: sds.LionParams(p, lr=1e-3), "lion"),
+    (lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True, maximize=True), "adam_amsgrad"),
+    (lambda p: torch.optim.SGD(p, lr=1e-3, maximize=True), "sgd"),
+    (lambda p: torch.optim.Adagrad(p, lr=1e-3, maximize=True), "adagrad"),
+    (lambda p: sds.LionParams(p, lr=1e-3, maximize=True), "lion"),
 ])
 def test_base_optimizer_maps_to_its_update_rule(make, rule):
     opt = make([torch.nn.Parameter(torch.zeros(2))])
     got = sds._rule(sds._rule_class(opt), opt.param_groups[0])
     assert got.name == rule and got.lr == 1e-3
+    assert got.maximize == opt.param_groups[0]["maximize"]
+
+
+def test_a_config_lion_block_is_checked_before_anything_is_built():
+    """Its options become LionParams's arguments: an unknown one is named, not a TypeError."""
+    model = torch.nn.Linear(2, 2)
+    config = {**BASE, "optimizer": {"type": "Lion", "params": {"lr": 1e-3, "set_grad_none": True}}}
+    with pytest.raises(ValueError, match=r"\['set_grad_none'\] of the Lion block"):
+        sds.initialize(model=model, model_parameters=model.parameters(), config=config)
 
 
 def test_unsupported_base_optimizers_and_options_are_refused():

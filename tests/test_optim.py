@@ -241,6 +241,20 @@ def test_reopening_resumes_training(disk_dir):
     oc.close()
 
 
+def test_adagrad_initial_accumulator_value_is_one_for_all_groups(tmp_path):
+    """The devices' sums start from one value: a group with another is refused, at
+    construction and in add_param_group (DeepSpeed's param groups too: driver.stored_rule)."""
+    model = make_model()
+    with pytest.raises(ValueError, match="differ in initial_accumulator_value"):
+        so.Adagrad(groups(model, initial_accumulator_value=0.5), devices=[str(tmp_path / "a")])
+    opt = so.Adagrad(groups(model), initial_accumulator_value=0.1, devices=[str(tmp_path / "b")])
+    with pytest.raises(ValueError, match=r"\(0.1 and 0.5\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))],
+                             "initial_accumulator_value": 0.5})
+    assert len(opt.param_groups) == 2
+    opt.close()
+
+
 def test_native_save_is_a_resumable_checkpoint(disk_dir, tmp_path):
     a, b = make_model(), make_model()
     oa = so.Adagrad(a.parameters(), lr=1e-1, devices=[disk_dir], **SMALL)
@@ -753,9 +767,10 @@ def test_maximize_matches_torch(disk_dir, ours, theirs, kw):
 
 @pytest.mark.parametrize("ours, theirs", [(so.AdamW, torch.optim.AdamW), (so.Adam, torch.optim.Adam)])
 def test_amsgrad_matches_torch(disk_dir, tmp_path, ours, theirs):
-    a, b = make_model(), make_model()
-    oa = ours(groups(a, lr=5e-3), lr=1e-2, amsgrad=True, devices=[disk_dir], **SMALL)
-    ob = theirs(groups(b, lr=5e-3), lr=1e-2, amsgrad=True)
+    a, b = make_model(), make_model()  # weight decay: Adam's L2 term with AMSGrad too
+    oa = ours(groups(a, lr=5e-3), lr=1e-2, weight_decay=0.05, amsgrad=True, devices=[disk_dir],
+              **SMALL)
+    ob = theirs(groups(b, lr=5e-3), lr=1e-2, weight_decay=0.05, amsgrad=True)
     train_both(a, oa, b, ob, range(6))
     assert_models_close(a, b)
     saved = oa.state_dict()  # the fourth array travels as torch's max_exp_avg_sq
@@ -764,7 +779,8 @@ def test_amsgrad_matches_torch(disk_dir, tmp_path, ours, theirs):
                           entry["max_exp_avg_sq"].numpy(), "max_exp_avg_sq")
     c = make_model()
     c.load_state_dict(a.state_dict())
-    oc = ours(groups(c, lr=5e-3), lr=1e-2, amsgrad=True, devices=[str(tmp_path / "c")], **SMALL)
+    oc = ours(groups(c, lr=5e-3), lr=1e-2, weight_decay=0.05, amsgrad=True,
+              devices=[str(tmp_path / "c")], **SMALL)
     oc.load_state_dict(ob.state_dict())
     train_both(c, oc, b, ob, range(6, 9))
     assert_models_close(c, b)

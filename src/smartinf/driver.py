@@ -1,7 +1,7 @@
 """The step of a front-end (``smartinf.optim``, the DeepSpeed integration), shared: the
-update rule read from a param group, and each sub-group's gradient staged (or top-k
-compressed) on the host into the pipeline, N + 1 sub-groups in flight with N devices, the
-updated params back from the host buffers."""
+update rule read from a param group (and the one the devices store, common to all groups),
+and each sub-group's gradient staged (or top-k compressed) on the host into the pipeline,
+N + 1 sub-groups in flight with N devices, the updated params back from the host buffers."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -22,6 +22,24 @@ def rule_for(rule_class: type, group: dict) -> Any:
     if "betas" in fields:
         fields["betas"] = tuple(float(b) for b in fields["betas"])
     return rule_class(**fields)
+
+
+def stored_rule(rules: Sequence[Any]) -> Any:
+    """The rule the devices are opened with, given param groups' rules: the first one.
+    What fixes the states stored for every sub-group, the rule's arrays (``name``: AMSGrad's
+    fourth) and their initial value (Adagrad's ``initial_accumulator_value``), cannot differ
+    between groups, nor change later (``Pipeline.update`` refuses another rule)."""
+    first = rules[0]
+    for rule in rules[1:]:
+        if rule.name != first.name:
+            raise ValueError(f"amsgrad differs between param groups ({first.name} and "
+                             f"{rule.name}): it fixes the states kept on the devices, so it is "
+                             f"one for all groups")
+        if rule.initial_state != first.initial_state:
+            raise ValueError(f"param groups differ in initial_accumulator_value "
+                             f"({first.initial_state} and {rule.initial_state}): the states on "
+                             f"the devices start from one value for all groups")
+    return first
 
 
 def overrides(rule: Any) -> dict:

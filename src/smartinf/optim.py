@@ -32,7 +32,7 @@ from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
-from .driver import Driver, overrides, rule_for
+from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 
@@ -247,9 +247,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             if key in group and group[key] not in (allowed, None, False):
                 raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim."
                                  f"{type(self).__name__}")
-        if self.param_groups and bool(group.get("amsgrad")) != bool(self.param_groups[0].get("amsgrad")):
-            raise ValueError("amsgrad differs between param groups (or from the optimizer's): it "
-                             "fixes the states kept on the devices, so it is one for all groups")
+        if self.param_groups:  # amsgrad, initial_accumulator_value: as the first group's
+            stored_rule([self._rule(self.param_groups[0]), self._rule(group)])
 
     def _check_params(self, group: dict) -> None:
         """Refuses params the devices cannot hold, before anything is stored."""
@@ -774,8 +773,3 @@ class Adagrad(_StorageOptimizer):
         super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
                                   "initial_accumulator_value": initial_accumulator_value,
                                   "eps": eps}, devices=devices, **options)
-        values = {g["initial_accumulator_value"] for g in self.param_groups}
-        if len(values) > 1:
-            self.pipeline.close()
-            raise ValueError(f"param groups differ in initial_accumulator_value {sorted(values)}: "
-                             f"smartinf.optim.Adagrad needs one value for all groups")

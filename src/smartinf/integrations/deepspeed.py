@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 from .. import update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
-from ..driver import Driver, overrides, rule_for
+from ..driver import Driver, overrides, rule_for, stored_rule
 from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
 from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
@@ -149,11 +149,42 @@ def check_config(config: dict) -> Settings:
                          'saved by this integration')
     if config.get("hybrid_engine", {}).get("enabled"):
         raise ValueError("the DeepSpeed hybrid engine is not supported with smartinf")
+    _check_optimizer_block(config.get("optimizer"))
     return settings
 
 
+# The params of a config "Lion" block: LionParams's. (DeepSpeed's CPU Lion and FusedLion
+# options choose their own kernels and state dtypes; the devices keep fp32 states.)
+LION_KEYS = ("lr", "betas", "weight_decay", "maximize")
+
+
+def _check_optimizer_block(block: Any) -> None:
+    """Refuses options of a config "optimizer" block that its base optimizer here would not
+    carry to the devices (the rest are checked where the rule is read: ``_rule``)."""
+    if not isinstance(block, dict):
+        return
+    kind = str(block.get("type", "")).lower()
+    params = block.get("params") or {}
+    if kind in ("adam", "adamw") and "torch_adam" in params and not params["torch_adam"]:
+        for key in ("amsgrad", "maximize"):
+            if params.get(key):
+                raise ValueError(f'"optimizer.params.{key}" needs torch\'s Adam(W) as the base '
+                                 f'optimizer (smartinf\'s default): remove "torch_adam": false '
+                                 f'(it builds DeepSpeed\'s FusedAdam, which has no {key})')
+    if kind in ("sgd", "adagrad", "lion") and "amsgrad" in params:
+        raise ValueError(f'"optimizer.params.amsgrad" is an option of Adam and AdamW (a fourth '
+                         f'state array); the {block["type"]} block has none: remove it')
+    if kind == "lion":
+        unknown = sorted(set(params) - set(LION_KEYS))
+        if unknown:
+            raise ValueError(f'"optimizer.params" {unknown} of the Lion block: smartinf\'s Lion '
+                             f'takes {list(LION_KEYS)} (its states are fp32 on the devices): '
+                             f'remove {"it" if len(unknown) == 1 else "them"}')
+
+
 # The update rule for DeepSpeed's base optimizer: its Adam variants and torch's Adam(W)
-# by their decoupled-weight-decay flag, SGD, Adagrad; any other optimizer is refused.
+# by their decoupled-weight-decay flag, SGD, Adagrad, Lion; any other optimizer is refused.
+# amsgrad and maximize come with the param groups (rule_for).
 def _rule_class(optimizer: torch.optim.Optimizer) -> type:
     name = type(optimizer).__name__
     if name in ("DeepSpeedCPUAdam", "FusedAdam", "ZenFlowCPUAdam"):
@@ -216,7 +247,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             param_group["params"] = []
 
     def _open_pipeline(self, if_exists: str) -> Pipeline:
-        return Pipeline(self._dirs, _rule(self._rule_class, self.optimizer.param_groups[0]),
+        rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
+        return Pipeline(self._dirs, rule,
                         settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists))
 
     def _all_ranks(self, action: Any) -> Any:
@@ -506,9 +538,9 @@ def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
                          "args.deepspeed_config")
     if not isinstance(config, dict):
         config = deepspeed.load_ds_config(config)  # a path, or base64 JSON, as DeepSpeed reads it
+    check_config(config)
     config = _with_torch_adam(config)
     config, kwargs = _with_lion_params(config, args, kwargs)
-    check_config(config)
     # DeepSpeed gets the checked config as config= (and refuses a second one in args)
     with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine), \
             _named(ds_args, in_args, None) if in_args else contextlib.nullcontext():
@@ -521,9 +553,9 @@ class LionParams(torch.optim.Optimizer):
     FusedLion, a CUDA op (none on CPU)."""
 
     def __init__(self, params: Any, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, maximize: bool = False) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-                                      maximize=False))
+                                      maximize=maximize))
 
     def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
         raise RuntimeError("LionParams holds hyper-parameters; the devices run the update")
