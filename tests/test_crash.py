@@ -6,8 +6,13 @@ reopened: their states must equal, bit for bit, an uninterrupted run's at the st
 report, and the next child goes on training from there, so every later check also shows
 that training continued identically.
 
-``SMARTINF_CRASH_TRIALS`` sets the number of random-time kills (70); six kills per fault
-point are added (36)."""
+The same harness runs with the memory tier and a commit interval (``commit_every=4``, a
+budget that holds half the sub-groups; fp32 and int8, one and two devices): a reopened
+directory is then at a durable commit (a multiple of 4), bit for bit the uninterrupted
+plain run's (no tier, every step committed), and training continues identically.
+
+``SMARTINF_CRASH_TRIALS`` sets the number of random-time kills (70, and 50 for each tiered
+configuration); six kills per fault point are added (36; 2 each with tiers, 12)."""
 import os
 import random
 import signal
@@ -15,6 +20,7 @@ import time
 import traceback
 
 import numpy as np
+import pytest
 
 import smartinf
 import smartinf._native as native
@@ -31,8 +37,14 @@ POINTS = ["io.read", "io.write", "store.synced", "manifest.written", "manifest.r
 KILLS_PER_POINT = 6
 
 
-def open_pipe(dirs):
-    return open_with_subgroups(dirs, RULE, SIZES, CHUNK)
+# (devices, state_dtype, memory_budget per device, commit_every): budgets that hold the
+# states of exactly 2 of the 4 sub-groups (checked), as placement fills them in order.
+TIERED = [(2, "fp32", 36864, 4), (1, "fp32", 69632, 4), (2, "int8", 24576, 4), (1, "int8", 45056, 4)]
+
+
+def open_pipe(dirs, state_dtype="fp32", memory_budget=0, commit_every=1):
+    return open_with_subgroups(dirs, RULE, SIZES, CHUNK, state_dtype=state_dtype,
+                               memory_budget=memory_budget, commit_every=commit_every)
 
 
 def train_step(pipe, step):
@@ -47,15 +59,15 @@ def snapshot(pipe):
     return [np.concatenate(list(pipe.read_states(i).values())) for i in range(len(SIZES))]
 
 
-def child(dirs, point, after, log):
+def child(dirs, point, after, log, config, max_steps):
     """Runs in the forked child; never returns."""
     code = 0
     try:
         if point:
             native.arm_fault(point, "kill", after=after)
-        with open_pipe(dirs) as pipe:
+        with open_pipe(dirs, **config) as pipe:
             first = pipe.step_count
-            for step in range(first, first + MAX_STEPS_PER_CHILD):
+            for step in range(first, first + max_steps):
                 train_step(pipe, step)
     except BaseException:
         with open(log, "a") as f:
@@ -65,12 +77,28 @@ def child(dirs, point, after, log):
 
 
 def test_sigkill_anywhere_leaves_the_last_committed_step(tmp_path):
-    trials = [(None, 0)] * RANDOM_KILLS + [(p, k) for p in POINTS for k in range(KILLS_PER_POINT)]
+    kill_and_reopen(tmp_path, 2, {}, RANDOM_KILLS, KILLS_PER_POINT, 100, MAX_STEPS_PER_CHILD)
+
+
+@pytest.mark.parametrize("devices, state_dtype, budget, every", TIERED)
+def test_sigkill_with_resident_states_and_a_commit_interval(tmp_path, devices, state_dtype,
+                                                            budget, every):
+    config = dict(state_dtype=state_dtype, memory_budget=budget, commit_every=every)
+    # Non-durable steps are fast: a child runs longer, so the kills land mid-run.
+    kill_and_reopen(tmp_path, devices, config, int(os.environ.get("SMARTINF_CRASH_TRIALS", "50")),
+                    2, 50, 5 * MAX_STEPS_PER_CHILD)
+
+
+def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, min_killed, max_steps):
+    trials = [(None, 0)] * random_kills + [(p, k) for p in POINTS for k in range(kills_per_point)]
     rnd = random.Random(20261123)
     rnd.shuffle(trials)
-    # The uninterrupted run, advanced to each step a reopened directory reports (steps
-    # only move forward: a kill loses at most the step in flight).
-    reference = open_pipe([str(tmp_path / "ref-a"), str(tmp_path / "ref-b")])
+    every = config.get("commit_every", 1)
+    plain = {"state_dtype": config.get("state_dtype", "fp32")}
+    # The uninterrupted run without tiers, advanced to each step a reopened directory
+    # reports (steps only move forward: a kill loses at most the steps since the last
+    # durable commit).
+    reference = open_pipe([str(tmp_path / f"ref-{i}") for i in range(devices)], **plain)
 
     def reference_at(step):
         assert step >= reference.step_count, "a committed step was lost"
@@ -78,10 +106,11 @@ def test_sigkill_anywhere_leaves_the_last_committed_step(tmp_path):
             train_step(reference, reference.step_count)
         return snapshot(reference)
 
-    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    dirs = [str(tmp_path / f"dev-{i}") for i in range(devices)]
     log = str(tmp_path / "child.log")
-    with open_pipe(dirs):
-        pass
+    with open_pipe(dirs, **config) as pipe:
+        if config.get("memory_budget"):
+            assert [pipe.resident(i) for i in range(len(SIZES))].count(True) == 2
     killed = finished = 0
     by_point: dict = {}
     for point, k in trials:
@@ -89,7 +118,7 @@ def test_sigkill_anywhere_leaves_the_last_committed_step(tmp_path):
         after = rnd.randrange({"io.read": 300, "io.write": 300}.get(point, 20))
         pid = os.fork()
         if pid == 0:
-            child(dirs, point, after, log)
+            child(dirs, point, after, log, config, max_steps)
         if point is None:
             time.sleep(rnd.uniform(0, KILL_WINDOW_S))
             os.kill(pid, signal.SIGKILL)
@@ -101,13 +130,14 @@ def test_sigkill_anywhere_leaves_the_last_committed_step(tmp_path):
         else:
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
             finished += 1
-        with open_pipe(dirs) as pipe:  # reopen: the last committed step, bit for bit
+        with open_pipe(dirs, **config) as pipe:  # reopen: the last durable step, bit for bit
             step = pipe.step_count
+            assert step % every == 0 or not os.WIFSIGNALED(status), f"step {step} is not durable"
             for i, (got, want) in enumerate(zip(snapshot(pipe), reference_at(step))):
                 assert np.array_equal(got, want), \
                     f"after a kill ({point or 'random'}, {after}): sub-group {i} differs at step {step}"
     reference.close()
     print(f"\ncrash harness: {len(trials)} trials, {killed} killed ({by_point}), "
           f"{finished} finished, all {len(trials)} reopened consistent; reached step {step}")
-    assert killed >= 100
+    assert killed >= min_killed
     assert step >= len(trials)  # training made progress through the kills

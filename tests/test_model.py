@@ -148,3 +148,24 @@ def test_command_line(tmp_path, capsys):
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_tiered_step_and_the_budget_a_step_time_needs():
+    """Storage time falls linearly with the resident fraction, to the resident states'
+    write-back once per interval; budget_for inverts it."""
+    P, R, W, mem = 1e9, 2e9, 1e9, 10e9
+    none = model.predict_tiered(P, 0.0, R, W, mem)
+    assert none.storage_s == pytest.approx(P * 12 / R + P * 12 / W) and none.bound == "storage"
+    full = model.predict_tiered(P, 1.0, R, W, mem, commit_every=10)
+    assert full.storage_s == pytest.approx(P * 12 / 10 / W)
+    assert full.memory_s == pytest.approx(P * 28 / mem) and full.bound == "memory"
+    half = model.predict_tiered(P, 0.5, R, W, mem, commit_every=1)
+    assert half.storage_s == pytest.approx(P * 6 / R + P * 12 / W)
+    for target in (none.storage_s * 0.7, half.storage_s, 13.0):
+        budget = model.budget_for(target, P, R, W, commit_every=4)
+        got = model.predict_tiered(P, budget / (P * 12), R, W, mem, commit_every=4)
+        assert got.storage_s == pytest.approx(target)
+    assert model.budget_for(100.0, P, R, W) == 0.0
+    assert model.budget_for(0.1, P, R, W, commit_every=1) == math.inf
+    with pytest.raises(ValueError, match="fraction"):
+        model.predict_tiered(P, 1.5, R, W, mem)

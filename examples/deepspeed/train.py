@@ -74,6 +74,9 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["smartinf"]["compress"] = {"ratio": args.topk}
         if args.state_dtype != "fp32":
             config["smartinf"]["state_dtype"] = args.state_dtype
+        for key in ("memory_budget", "commit_every", "compute_threads"):
+            if getattr(args, key) is not None:
+                config["smartinf"][key] = getattr(args, key)
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     else:
@@ -107,6 +110,10 @@ def main() -> None:
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
     p.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
                    help="smartinf: Adam moments in fp32 or 8-bit block-wise (int8)")
+    p.add_argument("--memory-budget", help="smartinf: bytes of states kept resident in RAM "
+                   "per device (e.g. 24GiB)")
+    p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
+    p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
     p.add_argument("--persistence-threshold", type=int,
                    help="params of at most this many elements stay gathered (DeepSpeed's "
@@ -187,7 +194,8 @@ def main() -> None:
         params = sum(p.ds_numel for p in engine.module.parameters())
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
-            "dtype": args.dtype, "topk": args.topk, "steps": records}, indent=1))
+            "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
+            "steps": records}, indent=1))
     if args.params_out:
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params):

@@ -9,6 +9,8 @@
   T_opt,n = max(T_opt / n, T_param_swap / min(n, B_PCIe / B_SSD)).
 - ``Hardware`` + ``predict`` / ``scaling_table``: those two applied to a machine (from a
   probe JSON or explicit bandwidths), against ZeRO-Infinity on a RAID0 of the same drives.
+- ``predict_tiered`` / ``budget_for``: one device's step with a memory budget (a fraction
+  of the states resident in memory) and a commit interval, and the budget a step time needs.
 
 ``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
 prints the table and draws it. Bandwidths are bytes per second, times are seconds.
@@ -273,6 +275,65 @@ def scaling_table(params: float, devices: Sequence[int], hw: Hardware, grad_byte
             row[scheme]["speedup"] = base / row[scheme]["step_s"]
         rows.append(row)
     return rows
+
+
+# -- the memory tier ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TieredPrediction:
+    """One device's step over ``params`` with ``resident`` of its states in memory,
+    averaged over a commit interval of ``commit_every`` steps."""
+
+    params: float
+    resident: float      # fraction of the states resident in memory
+    commit_every: int
+    step_s: float
+    storage_s: float     # streamed states read + written, resident ones written once per interval
+    memory_s: float      # the kernel's memory traffic at memory bandwidth
+    update_s: float      # the kernel's own rate (parallel update)
+
+    @property
+    def bound(self) -> str:
+        return max((self.storage_s, "storage"), (self.memory_s, "memory"), (self.update_s, "update"))[1]
+
+
+def _tier_storage_s(params: float, resident: float, commit_every: int, state_bytes: float,
+                    read_bps: float, write_bps: float) -> float:
+    streamed = params * (1 - resident) * state_bytes
+    return streamed / read_bps + (streamed + params * resident * state_bytes / commit_every) / write_bps
+
+
+def predict_tiered(params: float, resident: float, read_bps: float, write_bps: float,
+                   memory_bps: float, commit_every: int = 1, state_bytes: float = STATE_BYTES,
+                   grad_bytes: int = 2, param_bytes: int = 2,
+                   update_pps: float = math.inf) -> TieredPrediction:
+    """The step of one device whose budget holds ``resident`` (0..1) of the states: the
+    streamed part is read and written every step, the resident part written once per
+    ``commit_every`` steps (its durable commit) and never read; every param's states,
+    gradient and updated param cross memory (``memory_bps``, e.g. the probe's STREAM
+    triad) once each way. Storage, memory and the kernel overlap: the step is the largest."""
+    if not 0 <= resident <= 1:
+        raise ValueError(f"resident must be a fraction in [0, 1], got {resident!r}")
+    if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+        raise ValueError(f"commit_every must be a positive int, got {commit_every!r}")
+    storage = _tier_storage_s(params, resident, commit_every, state_bytes, read_bps, write_bps)
+    memory = params * (2 * state_bytes + grad_bytes + param_bytes) / memory_bps
+    update = params / update_pps
+    return TieredPrediction(params, resident, commit_every, max(storage, memory, update),
+                            storage, memory, update)
+
+
+def budget_for(step_s: float, params: float, read_bps: float, write_bps: float,
+               commit_every: int = 1, state_bytes: float = STATE_BYTES) -> float:
+    """Bytes of memory budget one device needs for its storage traffic to fit in
+    ``step_s`` (0: none needed); ``inf`` when even all states resident do not fit (their
+    write-back per interval alone takes longer)."""
+    none = _tier_storage_s(params, 0.0, commit_every, state_bytes, read_bps, write_bps)
+    full = _tier_storage_s(params, 1.0, commit_every, state_bytes, read_bps, write_bps)
+    if step_s >= none:
+        return 0.0
+    if step_s < full:
+        return math.inf
+    return (none - step_s) / (none - full) * params * state_bytes
 
 
 # -- command line ----------------------------------------------------------------------

@@ -2,6 +2,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
+
+#include <unistd.h>
 
 #include "device/compute_pool.h"
 #include "device/device.h"
@@ -56,6 +60,12 @@ class CpuDevice final : public Device {
     own_states_.reserve(slots_.size());
     for (const Slot& s : slots_) own_states_.push_back(s.states);
     resident_bytes_ = store::align_up(options.resident_bytes);
+    const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+    if (resident_bytes_ > ram)
+      throw std::invalid_argument("a memory budget of " + std::to_string(resident_bytes_) +
+                                  " bytes for " + dir_ + " is more than this machine's memory (" +
+                                  std::to_string(ram) + " bytes); give each device a budget "
+                                  "that fits, beside the model and the other devices'");
     if (resident_bytes_) {
       void* mem = std::aligned_alloc(store::kAlign, resident_bytes_);
       if (!mem)

@@ -1,0 +1,122 @@
+"""The memory tier on this machine: the step against the fraction of states resident in
+memory (0, 25, 50, 100 %), on one directory in one run, beside ``smartinf.model``'s
+prediction from the bandwidths measured in the same run; and the parallel update's rate
+against a STREAM triad over the same threads (goal >= 0.7).
+
+Each round opens the directory once per fraction (the budget is fixed at creation), in
+alternating order, and times two steps after a warm-up; medians over the rounds. Results:
+``bench/results/tiers.json`` and ``.png`` (copied to ``bench/measured/`` by hand).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+import smartinf
+from smartinf import model, probe
+from conftest import RESULTS, env_int, require_disk
+
+SUBGROUP = 16 << 20
+PARAMS = env_int("SMARTINF_BENCH_PARAMS", 256 << 20)
+ROUNDS = env_int("SMARTINF_BENCH_ROUNDS", 3)
+FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+STATE_BYTES = 12  # fp32 AdamW, one copy
+KERNEL_BYTES = 2 * STATE_BYTES + 2 + 2  # states in and out, bf16 gradient in, bf16 param out
+
+
+def open_pipe(directory: str, fraction: float) -> tuple:
+    pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20,
+                             memory_budget=int(fraction * PARAMS * STATE_BYTES) + (1 << 20))
+    sizes = [min(SUBGROUP, PARAMS - i) for i in range(0, PARAMS, SUBGROUP)]
+    for n in sizes:
+        pipe.add_subgroup(n)
+    return pipe, sizes
+
+
+def one_step(pipe, sizes, grads, outs) -> tuple[float, dict]:
+    before = pipe.stats
+    start = time.perf_counter()
+    futures = [None, None]
+    with pipe.step():
+        for sg, n in enumerate(sizes):
+            k = sg % 2
+            if futures[k] is not None:
+                futures[k].wait()
+            futures[k] = pipe.update(sg, grads[k][:n], outs[k][:n])
+    elapsed = time.perf_counter() - start
+    after = pipe.stats
+    return elapsed, {k: after[k] - before[k] for k in after}
+
+
+def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
+    directory = os.path.join(bench_dir, "tiers")
+    require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, "the tier benchmark")
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(0)
+    grads = [(rng.standard_normal(SUBGROUP, dtype=np.float32) * 1e-3).astype(np.float16) for _ in range(2)]
+    outs = [np.empty(SUBGROUP, np.float16) for _ in range(2)]
+    pipe, _ = open_pipe(directory, 0.0)  # creates the states: not timed
+    pipe.close()
+    measured: dict = {f: [] for f in FRACTIONS}
+    for r in range(ROUNDS):
+        for fraction in (FRACTIONS if r % 2 == 0 else FRACTIONS[::-1]):
+            pipe, sizes = open_pipe(directory, fraction)
+            try:
+                one_step(pipe, sizes, grads, outs)  # warm-up
+                measured[fraction] += [one_step(pipe, sizes, grads, outs) for _ in range(2)]
+            finally:
+                pipe.close()
+    triad = probe.measure_triad()
+    kernel = probe.measure_kernel(SUBGROUP, "float16", "float16", threads=0)
+    read_bw, write_bw = storage_limits.read_bw, storage_limits.write_bw
+    rows = []
+    for fraction, runs in measured.items():
+        step_s = statistics.median(s for s, _ in runs)
+        delta = runs[0][1]
+        predicted = model.predict_tiered(PARAMS, fraction, read_bw, write_bw, triad.bps,
+                                         update_pps=kernel.params_per_s)
+        rows.append({"resident": fraction, "step_s": step_s, "steps_s": [s for s, _ in runs],
+                     "predicted_s": predicted.step_s, "bound": predicted.bound,
+                     "ratio_to_prediction": step_s / predicted.step_s,
+                     "storage_read": delta["storage_read"], "storage_write": delta["storage_write"],
+                     "memory_read": delta["memory_read"], "memory_write": delta["memory_write"]})
+    result = {"params": PARAMS, "read_bw": read_bw, "write_bw": write_bw, "triad_bps": triad.bps,
+              "threads": triad.threads, "kernel_params_per_s": kernel.params_per_s,
+              "kernel_bps": kernel.params_per_s * KERNEL_BYTES,
+              "kernel_to_triad": kernel.params_per_s * KERNEL_BYTES / triad.bps, "rows": rows}
+    summary["tiers"] = result
+    with open(os.path.join(RESULTS, "tiers.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(RESULTS, "tiers.png"))
+    for row in rows:
+        print(f"resident {row['resident']:4.0%}: step {row['step_s']:.2f} s, predicted "
+              f"{row['predicted_s']:.2f} s ({row['bound']}), ratio {row['ratio_to_prediction']:.2f}")
+    print(f"parallel update {result['kernel_bps'] / 1e9:.1f} GB/s on {triad.threads} threads, "
+          f"STREAM triad {triad.bps / 1e9:.1f} GB/s: {result['kernel_to_triad']:.2f} (goal >= 0.7)")
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        pytest.skip("matplotlib is not installed")
+    rows = result["rows"]
+    x = [100 * r["resident"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["step_s"] for r in rows], "o-", label="measured (median)")
+    ax.plot(x, [r["predicted_s"] for r in rows], "s--", label="smartinf.model")
+    ax.set_xlabel("states resident in memory (%)")
+    ax.set_ylabel("optimizer step (s)")
+    ax.set_title(f"{result['params'] / 1e6:.0f} M params, fp32 AdamW, one directory", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

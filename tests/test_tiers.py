@@ -1,0 +1,231 @@
+"""The memory tier (a budget of resident states per device), the commit interval and the
+parallel update: the same bits as the plain pipeline, the traffic the tiers promise, and
+what a failed step, a failed commit, discard, flush and close do between durable commits.
+(Crash consistency under SIGKILL with tiers: test_crash.py.)"""
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import smartinf
+import smartinf._native as native
+from smartinf.compress import Compressed
+from conftest import open_with_subgroups
+
+SIZES = [3000, 2500, 1000, 4000]
+CHUNK = 1000
+RULE = smartinf.AdamW(lr=1e-2, weight_decay=0.1)
+FP32_BYTES = {0: 36864, 1: 32768, 2: 12288, 3: 49152}  # each sub-group's states, one copy
+
+
+def open_pipe(dirs, **kwargs):
+    return open_with_subgroups(dirs, RULE, SIZES, CHUNK, **kwargs)
+
+
+def grads(step, compressed=False):
+    rng = np.random.default_rng(1000 + step)
+    out = []
+    for n in SIZES:
+        g = rng.standard_normal(n).astype(np.float32)
+        if compressed:  # 10 % top-k pairs, fp16 values
+            index = np.sort(rng.choice(n, n // 10, replace=False)).astype(np.int32)
+            g = Compressed(torch.from_numpy(index), torch.from_numpy(g[index]).half(), n)
+        out.append(g)
+    return out
+
+
+def run_step(pipe, step, compressed=False):
+    outs = [np.empty(n, np.float16) for n in SIZES]
+    with pipe.step():
+        for i, g in enumerate(grads(step, compressed)):
+            pipe.update(i, g, outs[i])
+    return outs
+
+
+def states(pipe):
+    return [np.concatenate(list(pipe.read_states(i).values())) for i in range(len(SIZES))]
+
+
+def assert_same(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert np.array_equal(x, y), f"sub-group {i} differs"
+
+
+def train(dirs, steps, compressed=False, **kwargs):
+    """Params out and states after each step."""
+    with open_pipe(dirs, **kwargs) as pipe:
+        return [(run_step(pipe, s, compressed), states(pipe)) for s in range(steps)]
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("compressed", [False, True])
+def test_tiers_and_threads_give_the_plain_pipelines_bits(tmp_path, state_dtype, compressed):
+    """Every resident fraction, commit interval, thread count and device count: the params
+    sent out and the states after every step equal the plain pipeline's, bit for bit."""
+    plain = train(str(tmp_path / "plain"), 6, compressed, state_dtype=state_dtype, compute_threads=1)
+    for name, devices, kwargs in [
+            ("all", 1, dict(memory_budget="1MiB", commit_every=1, compute_threads=4)),
+            ("half", 2, dict(memory_budget=40000, commit_every=4, compute_threads=3)),
+            ("none", 2, dict(memory_budget=0, commit_every=3, compute_threads=2))]:
+        dirs = [str(tmp_path / f"{name}{i}") for i in range(devices)]
+        got = train(dirs, 6, compressed, state_dtype=state_dtype, **kwargs)
+        for step, ((outs, st), (want_outs, want_st)) in enumerate(zip(got, plain)):
+            assert_same(outs, want_outs)
+            assert_same(st, want_st)
+
+
+def test_parallel_update_splits_a_chunk_over_threads_with_the_same_bits(tmp_path):
+    """Chunks of 3 Mi params are cut into parts over 7 threads (int8 blocks whole)."""
+    n = 3 << 20
+    rng = np.random.default_rng(5)
+    init = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    results = []
+    for threads in (1, 7):
+        for dtype in ("fp32", "int8"):
+            with smartinf.Pipeline(str(tmp_path / f"{threads}{dtype}"), RULE, chunk=n,
+                                   state_dtype=dtype, compute_threads=threads) as pipe:
+                pipe.add_subgroup(n, init)
+                out = np.empty(n, np.float32)
+                for _ in range(2):
+                    with pipe.step():
+                        pipe.update(0, g, out)
+                results.append((out.copy(), np.concatenate(list(pipe.read_states(0).values()))))
+    for (a, s), (b, t) in zip(results[:2], results[2:]):
+        assert np.array_equal(a, b) and np.array_equal(s, t)
+
+
+def test_resident_states_are_written_never_read(disk_dir):
+    """All resident, K=1: a step writes each sub-group's states once and reads none from
+    storage; the kernel reads and writes them in memory."""
+    with open_pipe(disk_dir, memory_budget=sum(FP32_BYTES.values())) as pipe:
+        assert all(pipe.resident(i) for i in range(len(SIZES)))
+        before = pipe.stats
+        run_step(pipe, 0)
+        after = pipe.stats
+        moved = {k: after[k] - before[k] for k in ("storage_read", "storage_write", "memory_read",
+                                                   "memory_write")}
+    total = sum(FP32_BYTES.values())
+    assert moved == {"storage_read": 0, "storage_write": total, "memory_read": total,
+                     "memory_write": total}
+
+
+def test_a_commit_interval_writes_resident_states_only_at_durable_commits(disk_dir):
+    """Half resident, K=3: the resident sub-groups reach storage once per 3 steps; the
+    streamed ones are read and written every step (in their working copy)."""
+    budget = FP32_BYTES[0] + FP32_BYTES[1]
+    streamed = FP32_BYTES[2] + FP32_BYTES[3]
+    with open_pipe(disk_dir, memory_budget=budget, commit_every=3) as pipe:
+        assert [pipe.resident(i) for i in range(4)] == [True, True, False, False]
+        writes = []
+        for step in range(6):
+            before = pipe.stats["storage_write"]
+            run_step(pipe, step)
+            writes.append(pipe.stats["storage_write"] - before)
+            assert pipe.durable_step_count == (step + 1) // 3 * 3
+        assert writes == [streamed, streamed, streamed + budget] * 2
+        assert pipe.stats["memory_read"] == 6 * budget
+
+
+def test_reopen_after_close_is_at_the_last_committed_step(tmp_path):
+    """close() makes the steps since the last durable commit durable."""
+    d = str(tmp_path / "d")
+    plain = train(str(tmp_path / "plain"), 5)
+    with open_pipe(d, memory_budget=40000, commit_every=4) as pipe:
+        for step in range(5):
+            run_step(pipe, step)
+        assert (pipe.step_count, pipe.durable_step_count) == (5, 4)
+    with open_pipe(d, memory_budget=40000, commit_every=4) as pipe:
+        assert (pipe.step_count, pipe.durable_step_count) == (5, 5)
+        assert_same(states(pipe), plain[4][1])
+
+
+def test_flush_discard_and_reads_between_durable_commits(tmp_path):
+    d = str(tmp_path / "d")
+    plain = train(str(tmp_path / "plain"), 4)
+    with open_pipe(d, memory_budget=40000, commit_every=10) as pipe:
+        run_step(pipe, 0)
+        run_step(pipe, 1)
+        assert_same(states(pipe), plain[1][1])  # reads give the committed step, not the durable one
+        pipe.flush()
+        assert pipe.durable_step_count == 2
+        run_step(pipe, 2)
+        out = np.empty(SIZES[0], np.float16)
+        pipe.update(0, grads(3)[0], out)
+        pipe.wait()
+        with pytest.raises(ValueError, match="updated in the step in progress after steps not yet durable"):
+            pipe.read_states(0)
+        others = [np.concatenate(list(pipe.read_states(i).values())) for i in (1, 2, 3)]
+        assert_same(others, plain[2][1][1:])  # the others: at step 3
+        with pytest.raises(ValueError, match="step is in progress"):
+            pipe.flush()
+        pipe.discard()  # back to the durable commit: steps 2 and 3 forgotten
+        assert (pipe.step_count, pipe.durable_step_count) == (2, 2)
+        assert_same(states(pipe), plain[1][1])
+        run_step(pipe, 2)
+        run_step(pipe, 3)
+        assert_same(states(pipe), plain[3][1])
+
+
+@pytest.mark.parametrize("point", ["io.read", "io.write", "store.synced", "manifest.renamed"])
+def test_a_failed_step_or_commit_goes_back_to_the_durable_commit(tmp_path, point):
+    """An I/O error in a step or a failed durable commit: the pipeline is back at its last
+    durable commit (resident states reloaded), the directories too, and training goes on
+    identically from there."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    plain = train(str(tmp_path / "plain"), 8)
+    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+        for step in range(6):
+            run_step(pipe, step)
+        native.arm_fault(point, "error", errno=errno.EIO)
+        with pytest.raises(OSError, match="injected fault|read failed|write failed") as e:
+            for step in range(6, 8):  # the commit of step 8 is durable
+                run_step(pipe, step)
+        native.disarm_fault()
+        assert e.value.errno == errno.EIO
+        assert (pipe.step_count, pipe.durable_step_count) == (4, 4)
+        assert_same(states(pipe), plain[3][1])
+        assert not any(os.path.exists(os.path.join(d, "manifest.tmp")) for d in dirs)
+        for step in range(4, 8):
+            run_step(pipe, step)
+        assert_same(states(pipe), plain[7][1])
+    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+        assert pipe.step_count == 8
+        assert_same(states(pipe), plain[7][1])
+
+
+def test_a_directory_reopens_with_another_budget_and_interval(tmp_path):
+    """Residency is decided when the pipeline places its sub-groups, not stored: the same
+    directory opens with any budget, and the states are the same."""
+    d = str(tmp_path / "d")
+    plain = train(str(tmp_path / "plain"), 4)
+    with open_pipe(d, memory_budget=0) as pipe:
+        run_step(pipe, 0)
+        run_step(pipe, 1)
+    with open_pipe(d, memory_budget="1 MiB", commit_every=2) as pipe:
+        assert all(pipe.resident(i) for i in range(4))
+        run_step(pipe, 2)
+        run_step(pipe, 3)
+    with open_pipe(d, memory_budget=40000) as pipe:
+        assert_same(states(pipe), plain[3][1])
+
+
+def test_budget_and_interval_settings_are_checked(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    assert smartinf.PipelineSettings.resolve(memory_budget="24GiB").memory_budget == 24 << 30
+    assert smartinf.PipelineSettings.resolve(memory_budget="1.5 GB").memory_budget == 1_500_000_000
+    monkeypatch.setenv("SMARTINF_MEMORY_BUDGET", "2MiB")
+    monkeypatch.setenv("SMARTINF_COMMIT_EVERY", "5")
+    monkeypatch.setenv("SMARTINF_COMPUTE_THREADS", "3")
+    s = smartinf.PipelineSettings.resolve()
+    assert (s.memory_budget, s.commit_every, s.compute_threads) == (2 << 20, 5, 3)
+    for kwargs, error, match in [
+            (dict(memory_budget="lots"), ValueError, "memory_budget='lots': expected bytes"),
+            (dict(memory_budget=-1), ValueError, "must not be negative"),
+            (dict(commit_every=0), ValueError, r"commit_every=0 is outside \[1"),
+            (dict(compute_threads=-2), ValueError, "compute_threads=-2 is outside"),
+            (dict(memory_budget=1 << 60), ValueError, "more than this machine's memory")]:
+        with pytest.raises(error, match=match):
+            smartinf.Pipeline(d, RULE, **kwargs)
