@@ -1,4 +1,6 @@
-"""Host memory does not grow with the model: RSS of a 1 B-param vs a 100 M-param Pipeline.
+"""Host memory does not grow with the model: RSS of a 1 B-param vs a 100 M-param Pipeline,
+and with a memory budget (``SMARTINF_BENCH_BUDGET``, 512 MiB) smaller than both: RSS over
+the interpreter's = budget + fixed slots + the step's buffers, whatever the model size.
 
 Each size runs in a fresh subprocess (this file's ``__main__``) so its RSS is its own:
 it builds the pipeline on its own directory, runs one step with reused 16 M-param
@@ -29,7 +31,7 @@ def proc_status(field: str) -> int:
     return 0
 
 
-def worker(directory: str, params: int) -> dict:
+def worker(directory: str, params: int, budget: int = 0) -> dict:
     import resource
 
     import numpy as np
@@ -38,7 +40,8 @@ def worker(directory: str, params: int) -> dict:
 
     baseline = proc_status("VmRSS")  # interpreter + numpy + torch + smartinf, before any pipeline
     start = time.perf_counter()
-    pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20, slots=SLOTS)
+    pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20, slots=SLOTS,
+                             memory_budget=budget)
     sizes = [min(SUBGROUP, params - i) for i in range(0, params, SUBGROUP)]
     sgs = [pipe.add_subgroup(n) for n in sizes]
     init_s = time.perf_counter() - start
@@ -55,6 +58,9 @@ def worker(directory: str, params: int) -> dict:
     step_s = time.perf_counter() - start
     result = {
         "params": params, "subgroups": len(sgs), "init_s": init_s, "step_s": step_s,
+        "memory_budget": budget, "resident_subgroups": sum(map(pipe.resident, sgs)),
+        # slots: states (12 B), grad, out, pairs; the caller's two grad/out buffer pairs
+        "fixed_bytes": SLOTS * (1 << 20) * (12 + 4 + 4 + 4 + 2) + 2 * SUBGROUP * (4 + 2),
         "baseline_rss_bytes": baseline, "vm_rss_bytes": proc_status("VmRSS"),
         # The peak of this process's own memory. ru_maxrss (KiB) is kept for reference but
         # Linux carries it over exec from the forked parent, so under pytest it reports
@@ -66,8 +72,8 @@ def worker(directory: str, params: int) -> dict:
     return result
 
 
-def run_worker(directory: str, params: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, directory, str(params)],
+def run_worker(directory: str, params: int, budget: int = 0) -> dict:
+    proc = subprocess.run([sys.executable, __file__, directory, str(params), str(budget)],
                           capture_output=True, text=True, timeout=3600)
     shutil.rmtree(directory, ignore_errors=True)  # also when the worker died
     if proc.returncode != 0:
@@ -103,5 +109,30 @@ def test_memory_rss(benchmark, bench_dir, summary, size):
         benchmark.extra_info.update(rss_ratio_big_vs_small=ratio)
 
 
+@pytest.mark.parametrize("size", ["small", "big"])
+def test_memory_rss_with_a_budget(benchmark, bench_dir, summary, size):
+    """Both models larger than the budget: the pipeline's RSS is the budget plus fixed
+    memory for both (ratio to budget + fixed reported; goal about 1)."""
+    from conftest import env_int, require_disk
+
+    budget = env_int("SMARTINF_BENCH_BUDGET", 512 << 20)
+    params = env_int("SMARTINF_BENCH_BIG_PARAMS", 10**9) if size == "big" else \
+        env_int("SMARTINF_BENCH_SMALL_PARAMS", 10**8)
+    name = f"{size}_{params / 1e6:.0f}M_budget{budget >> 20}MiB"
+    require_disk(bench_dir, params * STATE_BYTES, f"the {name} RSS test")
+    results: list[dict] = []
+    benchmark.pedantic(lambda: results.append(run_worker(os.path.join(bench_dir, name), params,
+                                                         budget)), rounds=1, iterations=1)
+    result = results[0]
+    own = result["peak_rss_bytes"] - result["baseline_rss_bytes"]
+    result["own_rss_bytes"] = own
+    result["own_to_budget_plus_fixed"] = own / (budget + result["fixed_bytes"])
+    benchmark.extra_info.update(result)
+    summary.setdefault("rss_budget", {})[name] = result
+    print(f"{name}: {result['resident_subgroups']}/{result['subgroups']} sub-groups resident, "
+          f"RSS over baseline {own / 2**20:.0f} MiB = {result['own_to_budget_plus_fixed']:.2f} x "
+          f"(budget + fixed {(budget + result['fixed_bytes']) / 2**20:.0f} MiB)")
+
+
 if __name__ == "__main__":
-    print(json.dumps(worker(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)))

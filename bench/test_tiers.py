@@ -14,8 +14,8 @@ import os
 import statistics
 import time
 
-import numpy as np
 import pytest
+import torch
 
 import smartinf
 from smartinf import model, probe
@@ -23,7 +23,7 @@ from conftest import RESULTS, env_int, require_disk
 
 SUBGROUP = 16 << 20
 PARAMS = env_int("SMARTINF_BENCH_PARAMS", 256 << 20)
-ROUNDS = env_int("SMARTINF_BENCH_ROUNDS", 3)
+ROUNDS = env_int("SMARTINF_BENCH_ROUNDS", 5)
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 STATE_BYTES = 12  # fp32 AdamW, one copy
 KERNEL_BYTES = 2 * STATE_BYTES + 2 + 2  # states in and out, bf16 gradient in, bf16 param out
@@ -57,9 +57,11 @@ def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
     directory = os.path.join(bench_dir, "tiers")
     require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, "the tier benchmark")
     os.makedirs(directory, exist_ok=True)
-    rng = np.random.default_rng(0)
-    grads = [(rng.standard_normal(SUBGROUP, dtype=np.float32) * 1e-3).astype(np.float16) for _ in range(2)]
-    outs = [np.empty(SUBGROUP, np.float16) for _ in range(2)]
+    # bf16 gradients in, bf16 params out, as in bf16 training
+    grads = [torch.randn(SUBGROUP, generator=torch.Generator().manual_seed(k)).mul_(1e-3).bfloat16()
+             for k in range(2)]
+    outs = [torch.empty(SUBGROUP, dtype=torch.bfloat16) for _ in range(2)]
+    storage_limits.read_bw  # the disk's bandwidth before the steps (and again after them)
     pipe, _ = open_pipe(directory, 0.0)  # creates the states: not timed
     pipe.close()
     measured: dict = {f: [] for f in FRACTIONS}
@@ -71,8 +73,12 @@ def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
                 measured[fraction] += [one_step(pipe, sizes, grads, outs) for _ in range(2)]
             finally:
                 pipe.close()
+    for _ in range(2):
+        storage_limits.record("write", [storage_limits.time(True)])
+        storage_limits.record("read", [storage_limits.time(False)])
+    storage_limits.remove()
     triad = probe.measure_triad()
-    kernel = probe.measure_kernel(SUBGROUP, "float16", "float16", threads=0)
+    kernel = probe.measure_kernel(SUBGROUP, "bfloat16", "bfloat16", threads=0)
     read_bw, write_bw = storage_limits.read_bw, storage_limits.write_bw
     rows = []
     for fraction, runs in measured.items():

@@ -93,6 +93,20 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     assert all(s["storage_written"] >= 12 * params / world for s in applied)
 
 
+def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir):
+    """The block's memory_budget (all states resident) and commit_every=3, two ranks: the
+    same losses and params, bit for bit, as streaming every step; states are not read."""
+    plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
+    tiered = train(work, os.path.join(disk_dir, "tiered"), "tiered-2", world=2,
+                   extra=("--memory-budget", "8MiB", "--commit-every", "3", "--compute-threads", "2"))
+    assert losses(tiered) == losses(plain)
+    assert params_rel_diff(tiered, plain) == 0.0
+    assert tiered["smartinf"]["commit_every"] == 3
+    per_rank = 12 * tiered["num_params"] / 2
+    assert all(s["storage_read"] < per_rank / 2 for s in tiered["steps"][1:])
+    assert all(s["storage_read"] >= per_rank for s in plain["steps"][1:])
+
+
 def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
     """A config "Lion" block: loss-for-loss DeepSpeed's own Lion (ZeRO-3, CPU offload,
     DeepSpeedCPULion), with 8 B/param of states on storage. The params are not compared:

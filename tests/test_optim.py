@@ -3,6 +3,7 @@ import errno
 import hashlib
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -521,6 +522,32 @@ def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
     train_both(a, oa, b, ob, range(2, 4))  # the step is redone and training goes on
     assert_models_close(a, b)
     oa.close()
+
+
+def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_commit(disk_dir, caplog):
+    """memory_budget + commit_every=3 train like torch; a durable commit that fails puts
+    the devices (resident states reloaded) and the model's params back to the last durable
+    commit, with a warning, and training from there goes on like torch from that step."""
+    import smartinf._native as native
+    a, oa, b, ob = adamw_pair(disk_dir, 5, memory_budget="4MiB", commit_every=3)
+    assert (oa.pipeline.durable_step_count, oa.pipeline.step_count) == (3, 5)
+    assert all(oa.pipeline.resident(i) for i in range(oa.pipeline.num_subgroups))
+    assert_models_close(a, b)
+    c, oc, d, od = adamw_pair(str(Path(disk_dir) / "ref3"), 3)  # torch's model at step 3
+    set_grads(a, reference_grads(b, 5))
+    native.arm_fault("store.synced", "error", errno=5)
+    try:
+        with pytest.raises(OSError):
+            oa.step()  # step 6: its durable commit fails
+    finally:
+        native.disarm_fault()
+    assert oa.pipeline.step_count == 3
+    assert "back at step 3" in caplog.text
+    assert_models_close(a, d)
+    train_both(a, oa, d, od, range(3, 7))
+    assert_models_close(a, d)
+    oa.close()
+    oc.close()
 
 
 def test_state_dict_on_a_full_disk_raises_enospc(small_fs):
