@@ -1,8 +1,11 @@
 """Summaries and the plot of DeepSpeed head-to-head runs (records of examples/deepspeed/train.py).
 
-    python bench/deepspeed_report.py OUT_PREFIX --read-gbps R --write-gbps W RECORD.json ...
+    python bench/deepspeed_report.py OUT_PREFIX --read-gbps R --write-gbps W [NAME=]RECORD.json ...
 
-writes OUT_PREFIX.json and OUT_PREFIX.png from records measured elsewhere (the GPU runs).
+writes OUT_PREFIX.json and OUT_PREFIX.png from records measured elsewhere (the GPU runs,
+bench/gpu_headtohead.sh): per mode the medians of iterations 2+, the mean step over them
+(a commit interval's durable commit included), and each mode's speedups over
+ZeRO-Infinity and its ratio to ZeRO-Offload when those were run.
 """
 from __future__ import annotations
 
@@ -24,25 +27,37 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     steps = record["steps"][1:]
     median = {k: statistics.median(s[k] for s in steps)
               for k in ("fwd_s", "bwd_s", "step_s", "storage_read", "storage_written")}
+    mean_step = statistics.mean(s["step_s"] for s in steps)
     n = record["num_params"]
     limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
+            "mean_step_s": mean_step,
+            "mean_iteration_s": median["fwd_s"] + median["bwd_s"] + mean_step,
+            "smartinf": record.get("smartinf"),
             "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
 
 
 def compare(modes: dict, read_bw: float, write_bw: float) -> dict:
-    zi, si = modes["zero-infinity"], modes["smartinf"]
-    result = {"params": si["params"], "modes": modes,
-              "step_speedup": zi["step_s"] / si["step_s"],
-              "iteration_speedup": zi["iteration_s"] / si["iteration_s"],
+    """Every mode against the baselines run beside it: step and iteration speedups over
+    ZeRO-Infinity, iteration (median and mean) as a ratio to ZeRO-Offload's; and the
+    largest relative loss difference from ZeRO-Offload's over the iterations."""
+    result = {"params": next(iter(modes.values()))["params"], "modes": modes,
               "traffic_bound": TRAFFIC_BOUND, "read_bytes_per_s": read_bw,
               "write_bytes_per_s": write_bw}
-    if "smartinf-int8" in modes:  # int8 states: against fp32 states and against ZeRO-Infinity
-        q = modes["smartinf-int8"]
-        result.update(int8_step_speedup_over_fp32=si["step_s"] / q["step_s"],
-                      int8_step_speedup=zi["step_s"] / q["step_s"],
-                      int8_iteration_speedup=zi["iteration_s"] / q["iteration_s"])
+    zi, zo = modes.get("zero-infinity"), modes.get("zero-offload")
+    for m in modes.values():
+        if zi:
+            m["step_speedup_over_zero_infinity"] = zi["step_s"] / m["step_s"]
+            m["iteration_speedup_over_zero_infinity"] = zi["iteration_s"] / m["iteration_s"]
+        if zo:
+            m["iteration_to_zero_offload"] = m["iteration_s"] / zo["iteration_s"]
+            m["mean_iteration_to_zero_offload"] = m["mean_iteration_s"] / zo["iteration_s"]
+            m["max_loss_rel_diff_to_zero_offload"] = max(
+                abs(a - b) / abs(b) for a, b in zip(m["losses"], zo["losses"]))
+    if zi and "smartinf" in modes:  # the storage-only head-to-head of earlier runs
+        result["step_speedup"] = zi["step_s"] / modes["smartinf"]["step_s"]
+        result["iteration_speedup"] = zi["iteration_s"] / modes["smartinf"]["iteration_s"]
     return result
 
 
@@ -56,8 +71,10 @@ def plot(plt, ds: dict, path: str) -> None:
         ax1.bar(modes, values, 0.5, bottom=bottom, label=phase[:-2])
         bottom = [b + v for b, v in zip(bottom, values)]
     ax1.set_ylabel("seconds per iteration (median)")
-    ax1.set_title(f"ZeRO-3, {ds['params'] / 1e6:.0f} M params: step speedup "
-                  f"{ds['step_speedup']:.2f} (bound {ds['traffic_bound']:.2f})", fontsize=10)
+    ax1.set_title(f"ZeRO-3, {ds['params'] / 1e6:.0f} M params (medians of iterations 2+)",
+                  fontsize=10)
+    ax1.tick_params(axis="x", labelrotation=30, labelsize=7)
+    ax2.tick_params(axis="x", labelrotation=30, labelsize=7)
     ax1.legend(fontsize=8)
     ax2.bar(modes, [ds["modes"][m]["storage_bytes_per_param"] for m in modes], 0.5)
     ax2.set_ylabel("storage bytes per param per iteration")
@@ -76,9 +93,10 @@ def main() -> None:
     args = p.parse_args()
     rb, wb = args.read_gbps * 1e9, args.write_gbps * 1e9
     modes = {}
-    for path in args.records:
+    for arg in args.records:
+        name, _, path = arg.rpartition("=")
         record = json.loads(Path(path).read_text())
-        modes[label(record)] = summarize(record, rb, wb)
+        modes[name or label(record)] = summarize(record, rb, wb)
     report = compare(modes, rb, wb)
     Path(args.out + ".json").write_text(json.dumps(report, indent=1))
     import matplotlib
@@ -88,9 +106,12 @@ def main() -> None:
     for name, m in modes.items():
         print(f"{name:<20} fwd {m['fwd_s']:6.2f}  bwd {m['bwd_s']:6.2f}  step {m['step_s']:6.2f}  "
               f"iteration {m['iteration_s']:6.2f} s  storage {m['storage_bytes_per_param']:5.1f} B/param"
-              f"  limit {m['storage_limit_s']:6.2f} s")
-    print(f"step speedup {report['step_speedup']:.2f}  iteration speedup "
-          f"{report['iteration_speedup']:.2f}  (traffic bound {TRAFFIC_BOUND:.2f})")
+              f"  limit {m['storage_limit_s']:6.2f} s  mean step {m['mean_step_s']:6.2f} s"
+              + (f"  x ZI {m['iteration_speedup_over_zero_infinity']:5.2f}"
+                 if "iteration_speedup_over_zero_infinity" in m else "")
+              + (f"  / ZO {m['iteration_to_zero_offload']:4.2f} (mean {m['mean_iteration_to_zero_offload']:4.2f})"
+                 f"  loss diff {m['max_loss_rel_diff_to_zero_offload']:.1e}"
+                 if "iteration_to_zero_offload" in m else ""))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+#!/bin/bash
+# The DeepSpeed head-to-head on a lent GPU machine (GPT-2 XL shape, bf16, batch 8 x 1024,
+# ZeRO-3, one NVMe): each named mode runs examples/deepspeed/train.py on fresh
+# directories, one after another on the same machine; its record goes to
+# $OUT/<mode>.json (summarise with bench/deepspeed_report.py). Environment first:
+# `source .devkit/setup.sh` (DeepSpeed, liburing, ... carried to the machine).
+#
+#   bash bench/gpu_headtohead.sh zero-offload int8-all-k10 ...
+#
+# STATES: where states / swap files go (default /tmp/states, removed after each mode);
+# STEPS: iterations per mode (default 6; 12 for the commit_every=10 modes, so that one
+# durable commit is among them). The runs' output goes to $OUT/run.log (what comes back
+# from the machine is limited in files).
+set -u
+OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}
+mkdir -p "$OUT" "$STATES"
+COMMON="--model gpt2-xl --dtype bf16 --batch 8 --seq 1024 --if-exists overwrite"
+INT8_STATES=9400000000   # 1.56 B params x 6.03 B
+FP32_STATES=18700000000  # 1.56 B params x 12 B
+
+flags() {  # mode name -> train.py flags
+  case $1 in
+    zero-offload) echo "--mode deepspeed-cpu" ;;
+    zero-infinity) echo "--mode zero-infinity" ;;
+    fp32-none) echo "--mode smartinf" ;;
+    int8-none) echo "--mode smartinf --state-dtype int8" ;;
+    int8-half) echo "--mode smartinf --state-dtype int8 --memory-budget $((INT8_STATES / 2))" ;;
+    fp32-half) echo "--mode smartinf --memory-budget $((FP32_STATES / 2))" ;;
+    int8-all-k1) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB" ;;
+    int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB --commit-every 10" ;;
+    fp32-all-k1) echo "--mode smartinf --memory-budget 20GiB" ;;
+    fp32-all-k10) echo "--mode smartinf --memory-budget 20GiB --commit-every 10" ;;
+    *) echo "unknown mode $1" >&2; return 1 ;;
+  esac
+}
+
+for mode in "$@"; do
+  f=$(flags "$mode") || exit 2
+  steps=$STEPS; case $mode in *-k10) steps=$((STEPS > 12 ? STEPS : 12)) ;; esac
+  start=$(date +%s)
+  rm -rf "${STATES:?}/$mode"
+  python3 -m torch.distributed.run --nproc_per_node=1 examples/deepspeed/train.py $f $COMMON \
+      --steps "$steps" --dir "$STATES/$mode" --json "$OUT/$mode.json" > "$STATES/$mode.log" 2>&1
+  rc=$?
+  { echo "== $mode: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$mode.log"; } >> "$OUT/run.log"
+  echo "== $mode: rc $rc, $(( $(date +%s) - start )) s"
+  grep -E "^step " "$STATES/$mode.log"
+  [ $rc = 0 ] || tail -30 "$STATES/$mode.log"
+  rm -f "$STATES/$mode.log"
+  rm -rf "${STATES:?}/$mode"
+done
