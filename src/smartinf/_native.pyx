@@ -58,7 +58,7 @@ cdef extern from "pipeline/completion.h" namespace "smartinf::pipeline":
         void wait() except +raise_py_error nogil
 
 
-cdef extern from "device/device.h" namespace "smartinf::device":
+cdef extern from "device/xrt_device.h" namespace "smartinf::device":
     cdef cppclass XrtOptions:
         unsigned index
         string bdf

@@ -8,7 +8,8 @@
 #include <unistd.h>
 
 #include "device/compute_pool.h"
-#include "device/device.h"
+#include "device/cpu_device.h"
+#include "device/host_states.h"
 #include "kernels/decompress.h"
 #include "store/state_store.h"
 

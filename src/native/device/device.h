@@ -2,13 +2,10 @@
 // (gradients in, params out) and the update kernel. The pipeline's ring drives it; the
 // device only knows how to move and compute one chunk held in one slot.
 #pragma once
-#include <algorithm>
 #include <cstddef>
-#include <cstring>
-#include <memory>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "kernels/numeric.h"
 #include "kernels/rules.h"
@@ -85,62 +82,9 @@ class Device {
   virtual void export_states(size_t slot, float* const* arrays, size_t numel) = 0;
 };
 
-// init_states / export_states for a device whose slot states are host-visible (host RAM, or
-// a mapped buffer object), in `layout`: fp32 arrays of `numel` one after another, or int8.
-inline void import_host_states(void* states, const store::StateLayout& layout,
-                               const float* const* from, const float* fill, size_t numel) {
-  if (layout.int8)
-    return kernels::import_int8(layout.int8_at(states, numel), numel, layout.int8_moments(), from, fill);
-  for (unsigned a = 0; a < layout.arrays; ++a) {
-    float* to = layout.array(states, numel, a);
-    if (from[a])
-      std::memcpy(to, from[a], numel * 4);
-    else
-      std::fill(to, to + numel, fill[a]);
-  }
-}
-
-inline void export_host_states(void* states, const store::StateLayout& layout,
-                               float* const* to, size_t numel) {
-  if (layout.int8)
-    return kernels::export_int8(layout.int8_at(states, numel), numel, layout.int8_moments(), to);
-  for (unsigned a = 0; a < layout.arrays; ++a)
-    if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
-}
-
 inline void Device::bind_states(size_t, uint64_t at) {
   if (at != kOwnStates)
     throw std::invalid_argument(describe() + " has no memory for resident states");
 }
-
-class ComputePool;
-
-// The emulated CSD: slot memory and `resident_bytes` of resident states in host RAM (page
-// aligned for O_DIRECT, touched at creation), kernels split over `pool`'s threads.
-struct CpuOptions {
-  uint64_t resident_bytes = 0;
-  std::shared_ptr<ComputePool> pool;
-};
-std::unique_ptr<Device> make_cpu_device(const std::string& dir, const SlotGeometry& geometry,
-                                        const CpuOptions& options);
-
-// A SmartSSD through XRT (xrt_device.cc when CMake finds libxrt, else
-// xrt_unavailable.cc): the FPGA by index or PCIe BDF, and the xclbin of hls_kernels/
-// (without one the kernel stage is unavailable; data movement still works).
-struct XrtOptions {
-  unsigned index = 0;
-  std::string bdf;
-  std::string xclbin;
-};
-std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
-                                        const XrtOptions& options);
-
-// The probe's SmartSSD figures: `nbytes` through a P2P buffer to and from a file in `dir`
-// (SSD -> FPGA DRAM and back, no host copy), and host <-> FPGA DRAM syncs of a normal one.
-struct XrtBandwidth {
-  double p2p_read_s = 0, p2p_write_s = 0, to_fpga_s = 0, from_fpga_s = 0;
-  bool direct = true;  // O_DIRECT was possible (the P2P mapping is page aligned)
-};
-XrtBandwidth time_xrt(const XrtOptions& options, const std::string& dir, uint64_t nbytes);
 
 }  // namespace smartinf::device

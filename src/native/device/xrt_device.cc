@@ -19,7 +19,8 @@
 #include <xrt/xrt_device.h>
 #include <xrt/xrt_kernel.h>
 
-#include "device/device.h"
+#include "device/host_states.h"
+#include "device/xrt_device.h"
 #include "store/state_store.h"
 
 namespace smartinf::device {

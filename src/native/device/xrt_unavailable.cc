@@ -1,7 +1,7 @@
 // Built instead of xrt_device.cc when XRT is not found: an XRT device is a clear error.
 #include <stdexcept>
 
-#include "device/device.h"
+#include "device/xrt_device.h"
 
 namespace smartinf::device {
 

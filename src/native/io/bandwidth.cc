@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "device/compute_pool.h"
-#include "device/device.h"
+#include "device/cpu_device.h"
 #include "error.h"
 #include "kernels/adam.h"
 

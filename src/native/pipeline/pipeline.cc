@@ -1,6 +1,7 @@
 #include "pipeline/pipeline.h"
 
 #include "device/compute_pool.h"
+#include "device/cpu_device.h"
 #include "error.h"
 #include "fault.h"
 

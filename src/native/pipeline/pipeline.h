@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "device/device.h"
+#include "device/xrt_device.h"
 #include "pipeline/ring.h"
 #include "store/state_store.h"
 
