@@ -10,6 +10,7 @@ alternating order, and times two steps after a warm-up; medians over the rounds.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -29,9 +30,10 @@ STATE_BYTES = 12  # fp32 AdamW, one copy
 KERNEL_BYTES = 2 * STATE_BYTES + 2 + 2  # states in and out, bf16 gradient in, bf16 param out
 
 
-def open_pipe(directory: str, fraction: float) -> tuple:
+def open_pipe(directory: str, fraction: float, commit_every: int = 1) -> tuple:
     pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20,
-                             memory_budget=int(fraction * PARAMS * STATE_BYTES) + (1 << 20))
+                             memory_budget=int(fraction * PARAMS * STATE_BYTES) + (1 << 20),
+                             commit_every=commit_every)
     sizes = [min(SUBGROUP, PARAMS - i) for i in range(0, PARAMS, SUBGROUP)]
     for n in sizes:
         pipe.add_subgroup(n)
@@ -104,6 +106,44 @@ def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
               f"{row['predicted_s']:.2f} s ({row['bound']}), ratio {row['ratio_to_prediction']:.2f}")
     print(f"parallel update {result['kernel_bps'] / 1e9:.1f} GB/s on {triad.threads} threads, "
           f"STREAM triad {triad.bps / 1e9:.1f} GB/s: {result['kernel_to_triad']:.2f} (goal >= 0.7)")
+
+
+def test_half_resident_with_a_commit_interval(bench_dir, storage_limits, summary):
+    """Half the states resident and commit_every=10 against storage only: mean step over
+    10 steps (one durable commit among them), twice each, alternating; goal about half."""
+    directory = os.path.join(bench_dir, "interval")
+    require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, "the interval benchmark")
+    os.makedirs(directory, exist_ok=True)
+    grads = [torch.randn(SUBGROUP, generator=torch.Generator().manual_seed(k)).mul_(1e-3).bfloat16()
+             for k in range(2)]
+    outs = [torch.empty(SUBGROUP, dtype=torch.bfloat16) for _ in range(2)]
+    storage_limits.read_bw
+    pipe, _ = open_pipe(directory, 0.0)
+    pipe.close()
+    means: dict = {"storage only": [], "half resident, commit_every=10": []}
+    for _ in range(2):
+        for name, fraction, every in (("storage only", 0.0, 1),
+                                      ("half resident, commit_every=10", 0.5, 10)):
+            pipe, sizes = open_pipe(directory, fraction, every)
+            try:
+                while pipe.step_count % 10:  # start at an interval's first step
+                    one_step(pipe, sizes, grads, outs)
+                means[name].append(statistics.mean(one_step(pipe, sizes, grads, outs)[0]
+                                                   for _ in range(10)))
+            finally:
+                pipe.close()
+    read_bw, write_bw = storage_limits.read_bw, storage_limits.write_bw
+    result = {name: {"mean_step_s": statistics.median(m), "rounds": m,
+                     "predicted_s": model.predict_tiered(PARAMS, f, read_bw, write_bw, math.inf,
+                                                         commit_every=k).step_s}
+              for (name, m), f, k in zip(means.items(), (0.0, 0.5), (1, 10))}
+    ratio = result["half resident, commit_every=10"]["mean_step_s"] / result["storage only"]["mean_step_s"]
+    summary["tiers_interval"] = {**result, "ratio": ratio}
+    with open(os.path.join(RESULTS, "tiers-interval.json"), "w") as f:
+        json.dump({**result, "ratio": ratio, "params": PARAMS}, f, indent=1)
+    for name, r in result.items():
+        print(f"{name}: mean step {r['mean_step_s']:.2f} s (predicted {r['predicted_s']:.2f} s)")
+    print(f"half resident with commit_every=10 / storage only: {ratio:.2f} (goal about 0.5)")
 
 
 def plot(result: dict, path: str) -> None:
