@@ -169,3 +169,21 @@ def test_tiered_step_and_the_budget_a_step_time_needs():
     assert model.budget_for(0.1, P, R, W, commit_every=1) == math.inf
     with pytest.raises(ValueError, match="fraction"):
         model.predict_tiered(P, 1.5, R, W, mem)
+
+
+def test_command_line_tiers(tmp_path, capsys):
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9}],
+                                 "triad": {"bps": 10e9}}))
+    assert model.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--commit-every", "4",
+                       "--step-time", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["resident"] for r in out["rows"]] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert out["rows"][0]["step_s"] == pytest.approx(18.0)
+    assert out["budget_bytes"] == pytest.approx(model.budget_for(10, 1e9, 2e9, 1e9, 4))
+    assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
+                       "--step-time", "1"]) == 2
+    assert "--memory-gbps" in capsys.readouterr().err
+    assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
+                       "--memory-gbps", "10", "--step-time", "0.5"]) == 0
+    assert "more than all the states" in capsys.readouterr().out

@@ -13,7 +13,8 @@
   of the states resident in memory) and a commit interval, and the budget a step time needs.
 
 ``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
-prints the table and draws it. Bandwidths are bytes per second, times are seconds.
+prints the table and draws it; with ``--tiers`` (and ``--memory-gbps`` or a probe with a
+triad), one device's step per resident fraction, and with ``--step-time S`` the budget S needs. Bandwidths are bytes per second, times are seconds.
 """
 from __future__ import annotations
 
@@ -415,6 +416,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.01, help="SmartComp kept fraction (0.01)")
     parser.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
                         help="smartinf's Adam states: fp32 (12 B/param) or int8 (~6 B/param)")
+    parser.add_argument("--tiers", action="store_true",
+                        help="one device's step per fraction of states resident in memory")
+    parser.add_argument("--memory-gbps", type=float,
+                        help="host memory bandwidth, GB/s (default: the probe's STREAM triad)")
+    parser.add_argument("--commit-every", type=int, default=1, help="steps per durable commit (1)")
+    parser.add_argument("--step-time", type=float, help="--tiers: the memory budget this step time needs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", help="write a PNG of step time and speedup per device count")
     args = parser.parse_args(argv)
@@ -425,14 +432,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "device_link_bps": args.device_link_gbps and args.device_link_gbps * gb,
                      "host_link_bps": args.host_link_gbps * gb,
                      "host_update_pps": args.host_update_gpps and args.host_update_gpps * gb}
+        probe_triad = None
         if args.probe:
             with open(args.probe) as f:
-                hw = Hardware.from_probe(json.load(f), **overrides)
+                result = json.load(f)
+            hw = Hardware.from_probe(result, **overrides)
+            probe_triad = (result.get("triad") or {}).get("bps")
         elif args.read_gbps and args.write_gbps:
             hw = Hardware(**{k: v for k, v in overrides.items() if v is not None})
         else:
             parser.error("give --probe probe.json (from `python -m smartinf.probe DIR --json`) "
                          "or both --read-gbps and --write-gbps")
+        if args.tiers:
+            return _print_tiers(args, hw, probe_triad)
         rows = scaling_table(args.params, parse_devices(args.devices), hw, args.grad_bytes,
                              args.param_bytes, args.ratio, args.state_dtype)
         if args.plot:
@@ -442,6 +454,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(json.dumps({"params": args.params, "hardware": dataclasses.asdict(hw), "rows": rows},
                      indent=1) if args.json else format_table(args.params, hw, rows, args.ratio))
+    return 0
+
+
+def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[float]) -> int:
+    memory = args.memory_gbps * 1e9 if args.memory_gbps else probe_triad
+    if not memory:
+        raise ValueError("--tiers needs --memory-gbps or a probe JSON with a triad "
+                         "(python -m smartinf.probe DIR --json)")
+    state = state_bytes_per_param(args.state_dtype)
+    rows = [dataclasses.asdict(predict_tiered(args.params, f, hw.read_bps, hw.write_bps, memory,
+                                              args.commit_every, state, args.grad_bytes,
+                                              args.param_bytes))
+            for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    budget = None if args.step_time is None else budget_for(
+        args.step_time, args.params, hw.read_bps, hw.write_bps, args.commit_every, state)
+    if args.json:
+        print(json.dumps({"params": args.params, "rows": rows, "step_time": args.step_time,
+                          "budget_bytes": budget}, indent=1))
+        return 0
+    print(f"{args.params:.3g} params on one device, {args.state_dtype} states, commit_every="
+          f"{args.commit_every}: storage {hw.read_bps / 1e9:.2f} / {hw.write_bps / 1e9:.2f} GB/s, "
+          f"memory {memory / 1e9:.1f} GB/s")
+    for r in rows:
+        print(f"  {r['resident']:4.0%} resident: step {r['step_s']:8.2f} s  (storage "
+              f"{r['storage_s']:.2f} s, memory {r['memory_s']:.2f} s)")
+    if budget is not None:
+        print(f"a {args.step_time:g} s step needs a memory budget of " +
+              ("more than all the states (the durable commit alone is longer)" if math.isinf(budget)
+               else f"{budget / 2**30:.1f} GiB"))
     return 0
 
 
