@@ -55,17 +55,23 @@ def one_step(pipe, sizes, grads, outs) -> tuple[float, dict]:
     return elapsed, {k: after[k] - before[k] for k in after}
 
 
-def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
-    directory = os.path.join(bench_dir, "tiers")
-    require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, "the tier benchmark")
+def prepare(bench_dir: str, name: str, storage_limits) -> tuple:
+    """A directory holding the states (created, not timed), after the disk's bandwidth is
+    measured, and two bf16 gradient / param buffer pairs, as in bf16 training."""
+    directory = os.path.join(bench_dir, name)
+    require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, f"the {name} benchmark")
     os.makedirs(directory, exist_ok=True)
-    # bf16 gradients in, bf16 params out, as in bf16 training
     grads = [torch.randn(SUBGROUP, generator=torch.Generator().manual_seed(k)).mul_(1e-3).bfloat16()
              for k in range(2)]
     outs = [torch.empty(SUBGROUP, dtype=torch.bfloat16) for _ in range(2)]
-    storage_limits.read_bw  # the disk's bandwidth before the steps (and again after them)
-    pipe, _ = open_pipe(directory, 0.0)  # creates the states: not timed
+    storage_limits.read_bw  # the disk's bandwidth before the steps
+    pipe, _ = open_pipe(directory, 0.0)
     pipe.close()
+    return directory, grads, outs
+
+
+def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
+    directory, grads, outs = prepare(bench_dir, "tiers", storage_limits)
     measured: dict = {f: [] for f in FRACTIONS}
     for r in range(ROUNDS):
         for fraction in (FRACTIONS if r % 2 == 0 else FRACTIONS[::-1]):
@@ -111,15 +117,7 @@ def test_step_against_the_resident_fraction(bench_dir, storage_limits, summary):
 def test_half_resident_with_a_commit_interval(bench_dir, storage_limits, summary):
     """Half the states resident and commit_every=10 against storage only: mean step over
     10 steps (one durable commit among them), twice each, alternating; goal about half."""
-    directory = os.path.join(bench_dir, "interval")
-    require_disk(bench_dir, PARAMS * 2 * STATE_BYTES, "the interval benchmark")
-    os.makedirs(directory, exist_ok=True)
-    grads = [torch.randn(SUBGROUP, generator=torch.Generator().manual_seed(k)).mul_(1e-3).bfloat16()
-             for k in range(2)]
-    outs = [torch.empty(SUBGROUP, dtype=torch.bfloat16) for _ in range(2)]
-    storage_limits.read_bw
-    pipe, _ = open_pipe(directory, 0.0)
-    pipe.close()
+    directory, grads, outs = prepare(bench_dir, "interval", storage_limits)
     means: dict = {"storage only": [], "half resident, commit_every=10": []}
     for _ in range(2):
         for name, fraction, every in (("storage only", 0.0, 1),
