@@ -213,9 +213,13 @@ uint64_t Pipeline::numel(size_t sg) const {
   return devices_[p.unit].store->record(p.local).numel;
 }
 
+uint64_t Pipeline::current_steps(const Placement& p) const {
+  return p.dirty ? p.steps : devices_[p.unit].store->record(p.local).steps;
+}
+
 uint64_t Pipeline::subgroup_steps(size_t sg) const {
   const Placement& p = placed(sg);
-  return p.dirty ? p.steps : devices_[p.unit].store->record(p.local).steps;
+  return current_steps(p);
 }
 
 void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
@@ -333,7 +337,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   Unit& unit = devices_[p.unit];
   const store::StateStore& store = *unit.store;
   const store::SubgroupRecord& r = store.record(p.local);
-  const uint64_t steps = p.dirty ? p.steps : r.steps;
+  const uint64_t steps = current_steps(p);
   const bool compressed = g.compressed;
   if (compressed && g.dtype == kernels::DType::f32)
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");

@@ -125,6 +125,7 @@ class Pipeline {
     uint64_t steps = 0;
   };
   const Placement& placed(size_t sg) const;
+  uint64_t current_steps(const Placement& p) const;  // ahead of the store's record while dirty
   void check_membership();
   void require_open() const;
   void wait_step();  // waits for the step's work; rethrows its first error
