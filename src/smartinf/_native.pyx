@@ -1,7 +1,7 @@
 # cython: language_level=3, binding=False
 # distutils: language = c++
 """Binding of the C++ core: translates arguments and errors, releases the GIL. No logic."""
-from libc.stdint cimport int32_t, uint8_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.map cimport map as cmap
 from libcpp.memory cimport shared_ptr
@@ -87,6 +87,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[DeviceSpec] devices
         string optimizer
         string state_dtype
+        string master
         float initial_state
         uint64_t chunk
         size_t slots
@@ -102,6 +103,10 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         double lr, weight_decay, beta1, beta2, eps, momentum, dampening, lr_decay, grad_scale
         cbool nesterov
 
+    cdef cppclass ForeignChunk:
+        int64_t subgroup
+        uint64_t chunk
+
     cdef cppclass Gradient:
         const void* data
         DType dtype
@@ -115,7 +120,8 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
-        void read_states(size_t, float* const*) except +raise_py_error nogil
+        void read_states(size_t, float* const*, const void*) except +raise_py_error nogil
+        vector[ForeignChunk] take_foreign() except +raise_py_error nogil
         unsigned state_arrays()
         void commit() except +raise_py_error nogil
         void flush() except +raise_py_error nogil
@@ -237,6 +243,7 @@ cdef class NativePipeline:
         options.host_link_bps = (settings.host_link_gbps or 0.0) * 1e9
         options.verify = settings.verify
         options.state_dtype = settings.state_dtype.encode()
+        options.master = settings.master.encode()
         options.if_exists = settings.if_exists.encode()
         options.memory_budget = settings.memory_budget
         options.commit_every = settings.commit_every
@@ -286,12 +293,19 @@ cdef class NativePipeline:
         with nogil:
             self.p.write_states(sg, ptrs, steps)
 
-    def read_states(self, size_t sg, list arrays):
+    def read_states(self, size_t sg, list arrays, uintptr_t params=0):
         cdef float* ptrs[4]  # kernels::kMaxStateArrays
         for a in range(4):
             ptrs[a] = <float*><uintptr_t>(arrays[a] if a < len(arrays) else 0)
         with nogil:
-            self.p.read_states(sg, ptrs)
+            self.p.read_states(sg, ptrs, <const void*>params)
+
+    def take_foreign(self) -> list:
+        """(sub-group, chunk) of each chunk whose params came back other than emitted."""
+        cdef vector[ForeignChunk] found
+        with nogil:
+            found = self.p.take_foreign()
+        return [(f.subgroup, f.chunk) for f in found]
 
     def commit(self):
         with nogil:

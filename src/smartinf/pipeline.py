@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
@@ -25,7 +26,12 @@ logger = logging.getLogger("smartinf")
 _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
                          verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
-                         commit_every=None, compute_threads=None)
+                         commit_every=None, compute_threads=None, master="fp32")
+
+
+class ParamsChangedWarning(UserWarning):
+    """With ``master="split"``: params came back other than the devices emitted them, so
+    they were taken as the new fp32 masters (their stored low halves dropped)."""
 
 
 class UpdateFuture:
@@ -82,8 +88,20 @@ class Pipeline:
         ``"fp32"`` (default) or ``"int8"``: the rule's moments stored 8-bit, block-wise
         quantized (256 per block, a non-linear code scaled by each block's maximum), so an
         Adam param takes ~6 B of storage instead of 12 and a step moves half the bytes
-        (Lion: ~5 B instead of 8). The master weights stay fp32. Fixed for a directory; for
-        the rules whose row in ``kernels/rules.h`` allows it (Adam, AdamW, Lion).
+        (Lion: ~5 B instead of 8). ``"int4"``: 4-bit moments (Li et al., NeurIPS 2023), ~1.1
+        B per param for Adam's two. The master weights stay fp32 (see ``master``). Fixed for
+        a directory; for the rules whose row in ``kernels/rules.h`` allows it (Adam, AdamW,
+        Lion).
+    master
+        ``"fp32"`` (default): fp32 master weights stored, 4 B per param. ``"split"``, for
+        bfloat16 params: bf16 is the upper half of an fp32, so only each master's low 16 bits
+        are stored (2 B) and every ``update`` sends the current params in with the gradient
+        (``out`` holds them on entry): the device rebuilds the exact fp32 master, updates it
+        and emits the new params and low halves -- the same bits as ``"fp32"`` (bf16 rounds
+        to nearest, ties away from zero, with either). Params that come back other than
+        emitted (weights loaded or edited) are found by a checksum per chunk and taken as the
+        new masters, with a ``ParamsChangedWarning``. Reading the masters takes the params
+        (``read_states(params=)``). Fixed for a directory; cpu devices.
     verify
         Check every extent loaded in a step against the checksum (XXH3-64) written with
         it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,
@@ -136,6 +154,7 @@ class Pipeline:
         memory_budget: Any = None,
         commit_every: Optional[int] = None,
         compute_threads: Optional[int] = None,
+        master: str = "fp32",
         settings: Optional[PipelineSettings] = None,
     ) -> None:
         self._native = None
@@ -149,7 +168,7 @@ class Pipeline:
         given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
                      if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
-                     compute_threads=compute_threads)
+                     compute_threads=compute_threads, master=master)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
@@ -239,7 +258,7 @@ class Pipeline:
         CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
         tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
         clipping coefficient) before use. ``out`` receives the updated params
-        (fp32/fp16/bf16). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry). Keyword ``overrides`` replace the optimizer's hyper-parameters
         for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
         schedulers, param groups). Each sub-group is updated at most once per step; the
         step becomes durable with ``commit()`` (or ``with pipe.step():``).
@@ -292,6 +311,7 @@ class Pipeline:
             native.commit()
         finally:
             self._inflight.clear()
+            self._warn_foreign()
 
     def flush(self) -> None:
         """Makes the committed steps durable now (between steps; a no-op when they are)."""
@@ -305,6 +325,7 @@ class Pipeline:
             native.discard()
         finally:
             self._inflight.clear()
+            self._warn_foreign()
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Pipeline"]:
@@ -318,14 +339,24 @@ class Pipeline:
         self.commit()
 
     # -- states -----------------------------------------------------------------------
-    def read_states(self, sg: int, into: Optional[Sequence[Any]] = None) -> dict[str, Any]:
+    def read_states(self, sg: int, into: Optional[Sequence[Any]] = None, *,
+                    params: Any = None) -> dict[str, Any]:
         """The fp32 states of ``sg`` at ``step_count``: ``param`` and the optimizer's
         (``exp_avg``/``exp_avg_sq``, ``momentum_buffer``, ``sum`` ...), in new numpy arrays,
-        or in ``into``: one writable fp32 buffer of the sub-group's size per name, in order."""
+        or in ``into``: one writable fp32 buffer of the sub-group's size per name, in order.
+        With ``master="split"`` the masters are rebuilt from ``params`` (the sub-group's bf16
+        params as they are now); without them ``param`` is left out."""
         native = self._open()
         sg = self._subgroup(sg)
+        split = self.settings.master == "split"
         names = ("param", *self.optimizer.state_names)
+        if split and params is None:
+            names = names[1:]
         numel = native.numel(sg)
+        address, params_owner = 0, None
+        if split and params is not None:
+            address, _, params_owner = buffers.host_buffer("params", params, numel,
+                                                           [buffers.BF16], writable=False)
         if into is None:
             into = [np.empty(numel, np.float32) for _ in names]
         if len(into) != len(names):
@@ -333,12 +364,16 @@ class Pipeline:
         held = [buffers.host_buffer(k, a, numel, [buffers.F32], writable=True)
                 for k, a in zip(names, into)]
         arrays = {k: b.owner for k, b in zip(names, held)}
-        native.read_states(sg, [b.address for b in held])
+        addresses = [b.address for b in held]
+        native.read_states(sg, addresses if names[0] == "param" else [0, *addresses], address)
+        del params_owner
+        self._warn_foreign()
         return arrays
 
     def write_master(self, sg: int, param: Any) -> None:
         """Replaces the fp32 master weights of ``sg`` (``param``, fp32 of the sub-group's
-        size) as part of the current step; its optimizer states and step count stay."""
+        size) as part of the current step; its optimizer states and step count stay. (With
+        ``master="split"`` the params must then be ``param`` rounded: ``rounding.to_bf16``.)"""
         states = self.read_states(sg)
         states["param"] = param
         self.write_states(sg, states, self.subgroup_steps(sg))
@@ -442,6 +477,18 @@ class Pipeline:
             raise ValueError(f"an update cannot change the rule from {self.optimizer.name} to "
                              f"{rule.name}: it is fixed for the directories")
         return rule
+
+    def _warn_foreign(self) -> None:
+        if self._native is None or self.settings.master != "split":
+            return
+        found = self._native.take_foreign()
+        if found:
+            groups = sorted({sg for sg, _ in found})
+            warnings.warn(ParamsChangedWarning(
+                f"master='split': the bf16 params of sub-groups {groups} ({len(found)} chunks) "
+                f"were not the ones the devices emitted (weights loaded or edited since?): they "
+                f"were taken as the new fp32 masters as they are, their stored low halves "
+                f"dropped"), stacklevel=3)
 
     def _subgroup(self, sg: Any) -> int:
         if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):

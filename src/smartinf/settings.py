@@ -13,7 +13,8 @@ from typing import Optional
 from . import defaults
 from .devices import positive_gbps
 
-STATE_DTYPES = ("fp32", "int8")
+STATE_DTYPES = ("fp32", "int8", "int4")
+MASTERS = ("fp32", "split")
 IF_EXISTS = ("resume", "overwrite", "error")
 
 
@@ -22,7 +23,8 @@ class PipelineSettings:
     """``slots`` ring slots per device; ``chunk`` params per chunk (fixed for a directory);
     ``io`` storage engine; ``queue_depth`` requests in flight per engine;
     ``host_link_gbps`` cap on the shared host link (None: none); ``verify`` checksum every
-    load; ``state_dtype`` fp32 or int8 moments; ``if_exists`` resume, overwrite or error
+    load; ``state_dtype`` fp32, int8 or int4 moments; ``master`` fp32 masters or, for
+    bf16 params, ``"split"``: only their low 16 bits stored (the params are the high ones); ``if_exists`` resume, overwrite or error
     for directories holding a run; ``memory_budget`` bytes of states per device kept
     resident in memory (the rest streams from storage); ``commit_every`` steps per durable
     commit; ``compute_threads`` threads of the update kernel (0: the usable cores);
@@ -39,6 +41,7 @@ class PipelineSettings:
     memory_budget: int = defaults.MEMORY_BUDGET
     commit_every: int = defaults.COMMIT_EVERY
     compute_threads: int = defaults.COMPUTE_THREADS
+    master: str = "fp32"
     piece_bytes: int = defaults.PIECE_BYTES
 
     @classmethod
@@ -47,7 +50,8 @@ class PipelineSettings:
                 host_link_gbps: Optional[float] = None, verify: bool = False,
                 state_dtype: str = "fp32", if_exists: str = "resume",
                 memory_budget=None, commit_every: Optional[int] = None,
-                compute_threads: Optional[int] = None) -> "PipelineSettings":
+                compute_threads: Optional[int] = None,
+                master: str = "fp32") -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -69,6 +73,8 @@ class PipelineSettings:
             raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+        if master not in MASTERS:
+            raise ValueError(f"master={master!r}: expected one of {', '.join(MASTERS)}")
         if if_exists not in IF_EXISTS:
             raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
         if not isinstance(verify, bool):
@@ -76,7 +82,7 @@ class PipelineSettings:
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
-                   memory_budget, commit_every, compute_threads)
+                   memory_budget, commit_every, compute_threads, master)
 
 
 #: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s

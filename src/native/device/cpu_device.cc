@@ -4,10 +4,12 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <unistd.h>
 
 #include "device/compute_pool.h"
+#include "kernels/split_master.h"
 #include "device/cpu_device.h"
 #include "device/host_states.h"
 #include "kernels/decompress.h"
@@ -21,18 +23,58 @@ namespace {
 // picked when the library loads (GCC function multi-versioning; `flatten` inlines every
 // kernel into each clone). The same IEEE operations (no FMA contraction), so both give
 // the same bits; AVX2 halves the time of the int8 kernel. `grad`: the dense gradient's dtype.
+//
+// The rule's kernel on params [lo, lo + n) of a chunk of `numel` whose states are at
+// `states`, with their fp32 masters at `master` (lo's), in the layout's moments.
+template <class G, class P>
+void run_moments(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
+                 size_t lo, size_t n, float* master, const G* grad, P* out) {
+  switch (layout.moments) {
+    case store::Moments::int8: {
+      store::Int8States s = layout.int8_at(states, numel).from(lo);
+      s.param = master;
+      return kernels::run_rule_int8(k.step, n, s, grad, out);
+    }
+    case store::Moments::int4: {
+      store::Int4States s = layout.int4_at(states, numel).from(lo);
+      s.param = master;
+      return kernels::run_rule_int4(k.step, n, s, grad, out);
+    }
+    case store::Moments::fp32: {
+      float* arrays[kMaxStateArrays] = {master};  // the master, then the rule's states
+      for (unsigned a = 1; a < layout.arrays; ++a) arrays[a] = layout.array(states, numel, a) + lo;
+      return kernels::run_rule(k.step, n, arrays, grad, out);
+    }
+  }
+}
+
+// A split master is rebuilt piece by piece (whole int8 blocks and int4 tiles) from the
+// params sent in (in `out`) into an fp32 buffer, updated there, and split again.
+constexpr size_t kSplitPiece = store::kQuant4Tile;
+static_assert(kSplitPiece % store::kQuantBlock == 0);
+
 __attribute__((target_clones("avx2", "default"), flatten))
 // Params [lo, lo + n) of a chunk of `numel`: `s.grad` and `s.out` already point at lo.
 void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
                 const store::StateLayout& layout, size_t numel, size_t lo) {
-  float* arrays[kMaxStateArrays] = {};  // the param, then the rule's states, one after another
-  for (unsigned a = 0; a < layout.arrays && !layout.int8; ++a) arrays[a] = layout.array(s.states, numel, a) + lo;
   kernels::dispatch(grad, k.param, [&](auto g, auto p) {
+    using P = decltype(p);
     const auto* gp = static_cast<const decltype(g)*>(s.grad);
-    auto* op = static_cast<decltype(p)*>(s.out);
-    if (layout.int8)
-      return kernels::run_rule_int8(k.step, n, layout.int8_at(s.states, numel).from(lo), gp, op);
-    kernels::run_rule(k.step, n, arrays, gp, op);
+    auto* op = static_cast<P*>(s.out);
+    if (!layout.split())
+      return run_moments(k, layout, s.states, numel, lo, n, layout.fp32_master(s.states) + lo, gp, op);
+    if constexpr (std::is_same_v<P, kernels::bf16>) {
+      uint16_t* low = layout.split_at(s.states, numel).low + lo;
+      float master[kSplitPiece];
+      for (size_t at = 0; at < n; at += kSplitPiece) {
+        const size_t len = std::min(kSplitPiece, n - at);
+        kernels::rebuild_masters(len, op + at, low + at, k.adopt, master);
+        run_moments(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
+        kernels::split_masters(len, master, op + at, low + at);
+      }
+    } else {
+      throw std::logic_error("a split master needs bfloat16 params");
+    }
   });
 }
 
@@ -130,6 +172,10 @@ class CpuDevice final : public Device {
     });
   }
 
+  void copy_in_params(size_t i, const void* params, size_t bytes) override {
+    std::memcpy(slots_[i].out, params, bytes);
+  }
+
   void copy_out(size_t i, void* dst, size_t bytes) override {
     std::memcpy(dst, slots_[i].out, bytes);
   }
@@ -139,14 +185,15 @@ class CpuDevice final : public Device {
     import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
   }
 
-  void export_states(size_t i, float* const* arrays, size_t numel) override {
-    export_host_states(slots_[i].states, geometry_.layout, arrays, numel);
+  void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
+    export_host_states(slots_[i].states, geometry_.layout, arrays, numel,
+                       static_cast<const kernels::bf16*>(slots_[i].out), adopt);
   }
 
  private:
-  // Parts of whole int8 blocks, large enough that a thread's share outweighs waking it.
+  // Parts of whole int8 blocks and int4 tiles (and split-master pieces), large enough that a thread's share outweighs waking it.
   static constexpr uint64_t kGrain = uint64_t(1) << 14;
-  static_assert(kGrain % store::kQuantBlock == 0);
+  static_assert(kGrain % kSplitPiece == 0);
 
   // The slot's grad and out buffers from param `lo` on (the states are cut by run_update:
   // their arrays are laid out for the whole chunk).

@@ -28,12 +28,17 @@ struct Kernel {
   bool compressed = false;
   uint64_t nnz = 0;          // compressed: pairs in this chunk
   uint64_t base = 0;         // compressed: sub-group position of the chunk's first param
+  // Split master (store/layout.h): the bf16 params sent in (in `out`) are not the ones
+  // emitted with the stored low halves, so they are the masters as they are.
+  bool adopt = false;
 };
 
 struct Slot {
   float* states = nullptr;  // the state arrays of up to `chunk` params, one after another
   void* grad = nullptr;     // gradient of the chunk (up to 4 B/param)
-  void* out = nullptr;      // updated params in the caller's dtype (up to 4 B/param)
+  // updated params in the caller's dtype (up to 4 B/param); with a split master also the
+  // params sent in, the masters' upper halves
+  void* out = nullptr;
   int32_t* index = nullptr; // compressed gradient: indices, then values (up to 6 B/param)
   void* values = nullptr;
 };
@@ -69,6 +74,8 @@ class Device {
   virtual uint64_t resident_bytes() const { return 0; }
   virtual void bind_states(size_t slot, uint64_t at);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
+  // host -> device: the bf16 params a split master is rebuilt from, into the slot's `out`.
+  virtual void copy_in_params(size_t slot, const void* params, size_t bytes) = 0;
   // host -> device: `nnz` top-k pairs (int32 index, value of `value_bytes`).
   virtual void copy_in_compressed(size_t slot, const int32_t* index, const void* values,
                                   size_t nnz, size_t value_bytes) = 0;
@@ -78,8 +85,9 @@ class Device {
   // States from the host, one array each; a null array is filled with `fill[a]`.
   virtual void init_states(size_t slot, const float* const* arrays, const float* fill,
                            size_t numel) = 0;
-  // The slot's states to the host, one array each (a null array is skipped).
-  virtual void export_states(size_t slot, float* const* arrays, size_t numel) = 0;
+  // The slot's states to the host, one array each (a null array is skipped); a split master
+  // from the params copied in (copy_in_params), `adopt` as in Kernel.
+  virtual void export_states(size_t slot, float* const* arrays, size_t numel, bool adopt) = 0;
 };
 
 inline void Device::bind_states(size_t, uint64_t at) {

@@ -133,6 +133,11 @@ class XrtDevice final : public Device {
     run.wait();
   }
 
+  void copy_in_params(size_t i, const void* params, size_t bytes) override {
+    std::memcpy(slots_[i].out, params, bytes);
+    buffers_[i].out.sync(XCL_BO_SYNC_BO_TO_DEVICE, bytes, 0);
+  }
+
   void copy_out(size_t i, void* dst, size_t bytes) override {
     buffers_[i].out.sync(XCL_BO_SYNC_BO_FROM_DEVICE, bytes, 0);
     std::memcpy(dst, slots_[i].out, bytes);
@@ -143,8 +148,9 @@ class XrtDevice final : public Device {
     import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
   }
 
-  void export_states(size_t i, float* const* arrays, size_t numel) override {
-    export_host_states(slots_[i].states, geometry_.layout, arrays, numel);
+  void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
+    export_host_states(slots_[i].states, geometry_.layout, arrays, numel,
+                       static_cast<const kernels::bf16*>(slots_[i].out), adopt);
   }
 
  private:

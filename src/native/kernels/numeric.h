@@ -1,7 +1,11 @@
 // Element types of gradients and params, and exact fp16/bf16 <-> fp32 conversions.
-// Branch-free bit formulas (those of the FP16 library used by PyTorch's c10) so loops
-// vectorise on a baseline ISA and HLS synthesises them; rounding is nearest-even,
-// matching torch's `.to(torch.float16 / torch.bfloat16)`.
+// Branch-free bit formulas (fp16: those of the FP16 library used by PyTorch's c10) so loops
+// vectorise on a baseline ISA and HLS synthesises them. fp16 rounds to nearest-even, as
+// torch's `.to(torch.float16)`. bf16 rounds to nearest with ties away from zero: the rule a
+// split master can be rebuilt from (kernels/split_master.h; nearest-even cannot be at exact
+// ties), used for every bf16 param so that a split master and an fp32 one give the same
+// bits. It differs from torch's `.to(torch.bfloat16)` only at exact ties (low 16 bits
+// 0x8000, one value in 65536), by one bf16 ulp; smartinf.rounding.to_bf16 is it in torch.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -52,7 +56,7 @@ template <> inline float from_float<float>(float x) { return x; }
 template <> inline bf16 from_float<bf16>(float x) {
   const uint32_t u = bits_of(x);
   if (x != x) return bf16{0x7FC0};  // NaN stays a quiet NaN
-  return bf16{static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+  return bf16{static_cast<uint16_t>((u + 0x8000u) >> 16)};
 }
 
 template <> inline f16 from_float<f16>(float x) {

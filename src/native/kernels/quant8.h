@@ -227,13 +227,13 @@ inline void lion8(std::size_t n, const Int8States& s, const G* __restrict grad,
 }
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8
-// states. A second moment (exp_avg_sq) is coded as its root.
+// states (the fp32 param skipped when the states hold none: a split master). A second moment (exp_avg_sq) is coded as its root.
 inline void import_int8(const Int8States& s, std::size_t n, unsigned moments,
                         const float* const* from, const float* fill) {
   float x[kQuantBlock];
   for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
     const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
-    for (std::size_t j = 0; j < len; ++j) s.param[lo + j] = from[0] ? from[0][lo + j] : fill[0];
+    for (std::size_t j = 0; j < len && s.param; ++j) s.param[lo + j] = from[0] ? from[0][lo + j] : fill[0];
     for (unsigned k = 0; k < moments; ++k) {
       for (std::size_t j = 0; j < len; ++j) {
         const float v = from[k + 1] ? from[k + 1][lo + j] : fill[k + 1];
@@ -245,11 +245,11 @@ inline void import_int8(const Int8States& s, std::size_t n, unsigned moments,
 }
 
 // int8 states -> fp32 arrays (a second moment as the square of the decoded root); a null
-// array is skipped.
+// array, and the param when the states hold none (a split master), is skipped.
 inline void export_int8(const Int8States& s, std::size_t n, unsigned moments, float* const* to) {
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t b = i / kQuantBlock;
-    if (to[0]) to[0][i] = s.param[i];
+    if (to[0] && s.param) to[0][i] = s.param[i];
     if (moments > 0 && to[1]) to[1][i] = decode_signed(s.code[0][i], s.scale[0][b]);
     if (moments > 1 && to[2]) {
       const float r = decode_unsigned(s.code[1][i], s.scale[1][b]);

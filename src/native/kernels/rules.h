@@ -3,8 +3,8 @@
 // kernels on fp32 and int8 states, its HLS top function) is read from here: nothing else
 // switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
 // cases below, its HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py);
-// int8 states for it: its kernel in kernels/quant8.h, `int8` in its row, its case in
-// run_rule_int8, its HLS top.
+// int8 (int4) states for it: its kernel in kernels/quant8.h (quant4.h), `int8` (`int4`) in its
+// row, its case in run_rule_int8 (run_rule_int4), its HLS top.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +14,7 @@
 #include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/lion.h"
+#include "kernels/quant4.h"
 #include "kernels/quant8.h"
 #include "kernels/sgd.h"
 #include "store/layout.h"
@@ -27,24 +28,25 @@ struct RuleRow {
   Rule rule;
   unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
   bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in run_rule_int8
+  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in run_rule_int4
   bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
   const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes (int8: "8" added)
 };
 
 inline constexpr RuleRow kRules[] = {
-    {"adam", Rule::adam, 3, true, true, "smartinf_adam"},
-    {"adamw", Rule::adamw, 3, true, true, "smartinf_adam"},
-    {"adam_amsgrad", Rule::adam_amsgrad, 4, false, true, "smartinf_amsgrad"},
-    {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, true, "smartinf_amsgrad"},
-    {"sgd", Rule::sgd, 2, false, false, "smartinf_sgd"},
-    {"adagrad", Rule::adagrad, 2, false, false, "smartinf_adagrad"},
-    {"lion", Rule::lion, 2, true, true, "smartinf_lion"},
+    {"adam", Rule::adam, 3, true, true, true, "smartinf_adam"},
+    {"adamw", Rule::adamw, 3, true, true, true, "smartinf_adam"},
+    {"adam_amsgrad", Rule::adam_amsgrad, 4, false, false, true, "smartinf_amsgrad"},
+    {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, false, true, "smartinf_amsgrad"},
+    {"sgd", Rule::sgd, 2, false, false, false, "smartinf_sgd"},
+    {"adagrad", Rule::adagrad, 2, false, false, false, "smartinf_adagrad"},
+    {"lion", Rule::lion, 2, true, true, true, "smartinf_lion"},
 };
 inline constexpr unsigned kMaxStateArrays = 4;
 
 constexpr bool int8_rows_fit_the_layout() {
   for (const RuleRow& row : kRules)
-    if (row.int8 && row.arrays - 1 > store::kMaxInt8Moments) return false;
+    if ((row.int8 || row.int4) && row.arrays - 1 > store::kMaxInt8Moments) return false;
   return true;
 }
 static_assert(int8_rows_fit_the_layout(), "an int8 row keeps at most kMaxInt8Moments moments");
@@ -67,11 +69,18 @@ inline const RuleRow& rule_row(const std::string& name) {
   throw std::invalid_argument("unknown optimizer '" + name + "' (expected one of " + known + ")");
 }
 
-// The rules whose row allows int8 states, for messages: "adam, adamw, lion".
-inline std::string int8_rule_names() {
+// Whether a row allows moments of `dtype` ("fp32", "int8", "int4").
+inline bool row_allows(const RuleRow& row, store::Moments moments) {
+  return moments == store::Moments::int8   ? row.int8
+         : moments == store::Moments::int4 ? row.int4
+                                           : true;
+}
+
+// The rules whose row allows those moments, for messages: "adam, adamw, lion".
+inline std::string rule_names_allowing(store::Moments moments) {
   std::string names;
   for (const RuleRow& row : kRules)
-    if (row.int8) names += (names.empty() ? "" : ", ") + std::string(row.name);
+    if (row_allows(row, moments)) names += (names.empty() ? "" : ", ") + std::string(row.name);
   return names;
 }
 
@@ -161,6 +170,22 @@ inline void run_rule_int8(const Step& s, std::size_t n, const store::Int8States&
       return lion8(n, st, grad, out, s.lion);
     default:
       throw std::logic_error(std::string("no int8 kernel for ") + rule_row(s.rule).name);
+  }
+}
+
+// The CPU kernel of the step's rule on int4 states (store/layout.h's Int4States); only
+// rows with `int4` have one.
+template <class G, class P>
+inline void run_rule_int4(const Step& s, std::size_t n, const store::Int4States& st,
+                          const G* grad, P* out) {
+  switch (s.rule) {
+    case Rule::adam:
+    case Rule::adamw:
+      return adam4(n, st, grad, out, s.adam);
+    case Rule::lion:
+      return lion4(n, st, grad, out, s.lion);
+    default:
+      throw std::logic_error(std::string("no int4 kernel for ") + rule_row(s.rule).name);
   }
 }
 

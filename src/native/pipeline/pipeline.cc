@@ -52,17 +52,25 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.slots == 0 || options.slots > kMaxSlots)
     throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
                                 ", got " + std::to_string(options.slots));
-  if (options.state_dtype != "fp32" && options.state_dtype != "int8")
-    throw std::invalid_argument("state_dtype must be 'fp32' or 'int8', got '" +
+  if (options.state_dtype != "fp32" && options.state_dtype != "int8" && options.state_dtype != "int4")
+    throw std::invalid_argument("state_dtype must be 'fp32', 'int8' or 'int4', got '" +
                                 options.state_dtype + "'");
+  if (options.master != "fp32" && options.master != "split")
+    throw std::invalid_argument("master must be 'fp32' or 'split', got '" + options.master + "'");
   if (options.commit_every == 0 || options.commit_every > kMaxCommitEvery)
     throw std::invalid_argument("commit_every must be between 1 and " +
                                 std::to_string(kMaxCommitEvery) + ", got " +
                                 std::to_string(options.commit_every));
-  const store::StateLayout layout{state_arrays(), options.state_dtype == "int8"};
+  const store::StateLayout layout{
+      state_arrays(),
+      options.state_dtype == "int8"   ? store::Moments::int8
+      : options.state_dtype == "int4" ? store::Moments::int4
+                                      : store::Moments::fp32,
+      options.master == "split" ? store::Master::split : store::Master::fp32};
   layout_ = layout;
-  if (layout.int8 && !kernels::rule_row(rule_).int8)
-    throw std::invalid_argument("int8 states are for " + kernels::int8_rule_names() + "; " +
+  if (!kernels::row_allows(kernels::rule_row(rule_), layout.moments))
+    throw std::invalid_argument(options.state_dtype + " states are for " +
+                                kernels::rule_names_allowing(layout.moments) + "; " +
                                 options.optimizer + " keeps fp32 states");
   if (options.if_exists != "resume" && options.if_exists != "overwrite" && options.if_exists != "error")
     throw std::invalid_argument("if_exists must be 'resume', 'overwrite' or 'error', got '" +
@@ -78,9 +86,10 @@ Pipeline::Pipeline(const PipelineOptions& options)
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
     // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
     // but xrt_device.cc neither names nor launches them (fp32 state sub-buffers only).
-    if (spec.kind == "xrt" && layout.int8)
-      throw std::invalid_argument("int8 states run on cpu devices; the SmartSSD device "
-                                  "(xrt_device.cc) drives the fp32-state kernels only so far");
+    if (spec.kind == "xrt" && (layout.moments != store::Moments::fp32 || layout.split()))
+      throw std::invalid_argument(std::string(layout.split() ? "a split master" : "int8/int4 states") +
+                                  " runs on cpu devices; the SmartSSD device (xrt_device.cc) "
+                                  "drives the fp32-state kernels only so far");
     if (spec.kind == "xrt" && options.memory_budget)
       throw std::invalid_argument("a memory budget is for cpu devices: XRT devices keep no "
                                   "resident states yet (FPGA DRAM beyond the slots); pass "
@@ -339,6 +348,10 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   const store::SubgroupRecord& r = store.record(p.local);
   const uint64_t steps = current_steps(p);
   const bool compressed = g.compressed;
+  if (layout_.split() && out_dtype != kernels::DType::bf16)
+    throw std::invalid_argument("master='split' keeps the low halves of the fp32 masters of "
+                                "bfloat16 params; sub-group " + std::to_string(sg) +
+                                "'s params are not bfloat16: use master='fp32'");
   if (compressed && g.dtype == kernels::DType::f32)
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
   const std::vector<uint64_t> first =
@@ -390,9 +403,12 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
   submit_and_wait(p.unit, jobs);
 }
 
-void Pipeline::read_states(size_t sg, float* const* arrays) {
+void Pipeline::read_states(size_t sg, float* const* arrays, const void* params) {
   std::lock_guard lock(mu_);
   Placement p = placed(sg);
+  if (layout_.split() && arrays[0] && !params)
+    throw std::invalid_argument("with master='split' the masters are rebuilt from the bf16 "
+                                "params: pass sub-group " + std::to_string(sg) + "'s params");
   if (updated_[sg]) {  // written in the step in progress: step()'s states are the committed copy
     if (p.was_dirty)
       throw std::invalid_argument(
@@ -404,9 +420,12 @@ void Pipeline::read_states(size_t sg, float* const* arrays) {
     p.resident = device::kOwnStates;
   }
   std::vector<Job> jobs = chunk_jobs(p, JobKind::read);
-  for (Job& job : jobs)
+  for (Job& job : jobs) {
     for (unsigned a = 0; a < state_arrays(); ++a)
       job.exported[a] = arrays[a] ? arrays[a] + job.chunk * options_.chunk : nullptr;
+    if (layout_.split() && arrays[0])
+      job.output = const_cast<char*>(static_cast<const char*>(params) + job.chunk * options_.chunk * 2);
+  }
   submit_and_wait(p.unit, jobs);
 }
 
@@ -569,6 +588,7 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
   s["chunks"] += c.chunks;
   s["memory_read"] += c.memory_read;
   s["memory_write"] += c.memory_write;
+  s["foreign_chunks"] += c.foreign_chunks;
   for (size_t i = 0; i < kStages; ++i)
     s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;
@@ -598,6 +618,14 @@ std::vector<std::map<std::string, double>> Pipeline::device_stats() const {
     s["memory_budget"] = static_cast<double>(u.device->resident_bytes());
     all.push_back(std::move(s));
   }
+  return all;
+}
+
+std::vector<ForeignChunk> Pipeline::take_foreign() {
+  std::lock_guard lock(mu_);
+  std::vector<ForeignChunk> all;
+  for (Unit& u : devices_)
+    for (const ForeignChunk& f : u.ring->take_foreign()) all.push_back(f);
   return all;
 }
 

@@ -25,7 +25,8 @@ struct DeviceSpec {
 struct PipelineOptions {
   std::vector<DeviceSpec> devices;
   std::string optimizer = "adamw";  // a row of kernels/rules.h
-  std::string state_dtype = "fp32"; // fp32 | int8 (Adam moments, 8-bit block-wise)
+  std::string state_dtype = "fp32"; // fp32 | int8 | int4 (the moments, block-wise)
+  std::string master = "fp32";      // fp32 | split (bf16 params: the low halves stored)
   float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
   size_t slots = 4;                 // K slots per device
@@ -76,8 +77,9 @@ class Pipeline {
   // optimizer's initial value) and its step count, as part of the current step: they
   // become current at commit(), like an update.
   void write_states(size_t sg, const float* const* arrays, uint64_t steps);
-  // The states of a sub-group at step(), state_arrays() arrays (a null one is skipped).
-  void read_states(size_t sg, float* const* arrays);
+  // The states of a sub-group at step(), state_arrays() arrays (a null one is skipped). With
+  // a split master the masters (arrays[0]) are rebuilt from the sub-group's bf16 `params`.
+  void read_states(size_t sg, float* const* arrays, const void* params = nullptr);
   unsigned state_arrays() const { return kernels::rule_row(rule_).arrays; }
 
   // Waits for the step and advances step(); every commit_every-th one also makes the steps
@@ -103,6 +105,9 @@ class Pipeline {
   std::vector<std::map<std::string, double>> device_stats() const;  // one per device
   std::string engine() const;
   const std::vector<std::string>& notes() const { return notes_; }
+  // Split master: the chunks whose params came back other than the devices emitted them
+  // (since the last call); their params were taken as the masters.
+  std::vector<ForeignChunk> take_foreign();
 
  private:
   struct Unit {  // one device with its storage and ring

@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <utility>
 
 #include "error.h"
 #include "kernels/numeric.h"
@@ -47,6 +48,7 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   host_link_ = options.host_link;
   verify_ = options.verify;
   checksums_ = device.host_visible_states();
+  split_ = store.layout().split();
   if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
   // Named for top -H / perf: one thread per stage.
@@ -80,6 +82,20 @@ void Ring::drain() {
     write_error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+std::vector<ForeignChunk> Ring::take_foreign() {
+  std::lock_guard lock(mu_);
+  return std::exchange(foreign_, {});
+}
+
+void Ring::check_params(Job& job, size_t slot, uint64_t sent) {
+  const uint64_t emitted = *store_.layout().split_at(device_.slot(slot).states, job.src.numel).params_sum;
+  if (sent == emitted) return;
+  job.kernel.adopt = true;
+  ++counters_.foreign_chunks;
+  std::lock_guard lock(mu_);
+  foreign_.push_back({job.subgroup, job.chunk});
 }
 
 void Ring::finished() {
@@ -145,6 +161,18 @@ void Ring::load_loop() {
         const Deadline storage = read ? reserve_storage(job->src.bytes) : std::nullopt;
         const io::Op op = state_io(false, job->src, slot, resident);
         if (read) reader_->submit({&op, 1});
+        const bool send = split_ && job->output &&
+                          (job->kind == JobKind::update || job->kind == JobKind::read);
+        uint64_t sent = 0;
+        if (send) {  // a split master's upper halves: the caller's bf16 params
+          Timer h(counters_.busy_ns[kHostToDevice]);
+          const uint64_t bytes = job->src.numel * 2;
+          const Deadline link = reserve_host(true, bytes);
+          sent = store::params_checksum(job->output, job->src.numel);
+          device_.copy_in_params(slot, job->output, bytes);
+          counters_.host_to_device += bytes;
+          finish_host(link);
+        }
         if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
           Timer h(counters_.busy_ns[kHostToDevice]);
           const device::Kernel& k = job->kernel;
@@ -164,6 +192,7 @@ void Ring::load_loop() {
           counters_.storage_read += job->src.bytes;
         }
         finish_storage(storage);
+        if (send) check_params(*job, slot, sent);
         if (job->kind == JobKind::verify) check_sum(*job, slot);
       }
     } catch (...) {
@@ -197,7 +226,7 @@ void Ring::compute_loop() {
         uint64_t bytes = 0;
         for (float* a : job.exported) bytes += a ? numel * 4 : 0;
         const Deadline link = reserve_host(false, bytes);
-        device_.export_states(item->slot, job.exported, numel);
+        device_.export_states(item->slot, job.exported, numel, job.kernel.adopt);
         counters_.device_to_host += bytes;
         if (resident) counters_.memory_read += job.src.bytes;
         finish_host(link);
@@ -216,6 +245,9 @@ void Ring::compute_loop() {
         device_.copy_out(item->slot, job.output, bytes);
         counters_.device_to_host += bytes;
         finish_host(link);
+        if (split_)  // stored with the states: the params that must come back
+          *store_.layout().split_at(device_.slot(item->slot).states, numel).params_sum =
+              store::params_checksum(job.output, numel);
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
       job.completion->chunk_done(std::current_exception());

@@ -35,7 +35,9 @@ struct Job {
   // update: the dense gradient, or the compressed pairs' indices (then `values`)
   const void* input = nullptr;
   const void* values = nullptr;
-  void* output = nullptr;  // update: updated params
+  // update: updated params (with a split master also the bf16 params sent in); read with a
+  // split master: the bf16 params the masters are rebuilt from (null: masters not read)
+  void* output = nullptr;
   // init: the state arrays from the host; a null one is filled with `fill`
   const float* imported[device::kMaxStateArrays] = {};
   float fill[device::kMaxStateArrays] = {};
@@ -62,6 +64,14 @@ struct Counters {
   std::array<std::atomic<uint64_t>, kStages> busy_ns{};
   // Time spent waiting for a bandwidth budget (host link, emulated internal storage).
   std::atomic<uint64_t> host_link_wait_ns{0}, storage_wait_ns{0};
+  // Split master: chunks whose params came back other than emitted (taken as the masters).
+  std::atomic<uint64_t> foreign_chunks{0};
+};
+
+// A chunk whose bf16 params were not the ones the device emitted with its split master.
+struct ForeignChunk {
+  int64_t subgroup;
+  uint64_t chunk;
 };
 
 struct RingOptions {
@@ -89,6 +99,8 @@ class Ring {
   void drain();
 
   const Counters& counters() const { return counters_; }
+  // The chunks found foreign since the last call (in any job kind that sends params in).
+  std::vector<ForeignChunk> take_foreign();
   const char* engine_name() const { return engine_name_; }
 
  private:
@@ -102,6 +114,9 @@ class Ring {
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot, bool resident) const;
   void check_sum(const Job& job, size_t slot) const;
+  // Split master: the checksum of the params sent in (`sent`) against the one stored with the
+  // states; foreign params become the masters (`job.kernel.adopt`).
+  void check_params(Job& job, size_t slot, uint64_t sent);
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
   using Deadline = std::optional<RateLimiter::Clock::time_point>;
   Deadline reserve_host(bool to_device, uint64_t bytes);
@@ -118,7 +133,7 @@ class Ring {
   const char* engine_name_ = "";
   std::shared_ptr<HostLink> host_link_;
   std::unique_ptr<RateLimiter> storage_limit_;
-  bool verify_ = false, checksums_ = true;
+  bool verify_ = false, checksums_ = true, split_ = false;
   Queue<Job> jobs_;
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;
@@ -128,6 +143,7 @@ class Ring {
   std::condition_variable idle_;
   size_t in_flight_ = 0;
   std::exception_ptr write_error_;
+  std::vector<ForeignChunk> foreign_;
   std::thread loader_, computer_, writer_thread_;
 };
 

@@ -1,8 +1,17 @@
-// How one chunk's states sit in an extent (and in a device slot): `arrays` fp32 arrays
-// of the chunk's params one after another (param first, then the optimizer's), or, with
-// int8 states, the fp32 params and the rule's moments as 8-bit codes with per-block fp32
-// scales (how a moment is coded: kernels/quant8.h). The only owner of these byte layouts:
-// the store, the devices, the host import/export, the kernels and the HLS tops read them here.
+// How one chunk's states sit in an extent (and in a device slot): the master weights, then
+// the rule's moments, then (split master) a checksum of the params it belongs to.
+//   master:  fp32 (4 B/param), or "split" for bf16 params: the low 16 bits of each fp32
+//            master (the high 16 are the bf16 param, which the caller holds and sends in;
+//            kernels/split_master.h), 2 B/param, padded to 64 B
+//   moments: the rule's fp32 arrays one after another; or int8 codes with per-block fp32
+//            scales (kernels/quant8.h); or int4 codes, two per byte, with per-block scales for
+//            a first moment and rank-1 (row and column) scales per tile for a second one
+//            (kernels/quant4.h)
+//   split:   8 B at the end (8-aligned): the checksum of the bf16 params the device emitted
+//            with these states (store::params_checksum), checked when they come back
+// The only owner of these byte layouts: the store, the devices, the host import/export, the
+// kernels and the HLS tops read them here. With an fp32 master the bytes are those directories
+// have always had.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +21,10 @@ namespace smartinf::store {
 inline constexpr uint64_t kAlign = 4096;
 
 inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+inline uint64_t align4(uint64_t n) { return (n + 3) / 4 * 4; }
+
+enum class Master : uint8_t { fp32, split };
+enum class Moments : uint8_t { fp32, int8, int4 };
 
 // int8 states: each moment's values are coded in blocks of kQuantBlock params, one fp32
 // scale per block; blocks restart at every chunk.
@@ -20,9 +33,10 @@ inline constexpr unsigned kMaxInt8Moments = 2;  // Adam: exp_avg and sqrt(exp_av
 
 inline std::size_t quant_blocks(std::size_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
 
-// One chunk's int8 states: the fp32 master, then M code arrays (one byte per param), padding
-// to 4 B, then M arrays of block scales. Moment k's codes are code[k], its scales scale[k];
-// those past M are null. For M = 2 (Adam) this is the layout directories have always had.
+// One chunk's int8 states: the fp32 master (null with a split master: the kernel is given it),
+// then M code arrays (one byte per param), padding to 4 B, then M arrays of block scales.
+// Moment k's codes are code[k], its scales scale[k]; those past M are null. For M = 2 (Adam)
+// with an fp32 master this is the layout directories have always had.
 struct Int8States {
   float* param;
   uint8_t* code[kMaxInt8Moments];
@@ -30,7 +44,7 @@ struct Int8States {
   // The params from `lo` on, a whole number of blocks in: one thread's part of the chunk.
   Int8States from(std::size_t lo) const {
     Int8States s = *this;
-    s.param += lo;
+    if (s.param) s.param += lo;
     for (unsigned m = 0; m < kMaxInt8Moments; ++m) {
       if (s.code[m]) s.code[m] += lo;
       if (s.scale[m]) s.scale[m] += lo / kQuantBlock;
@@ -39,43 +53,136 @@ struct Int8States {
   }
 };
 
-inline std::size_t int8_codes_end(std::size_t n, unsigned moments) {
-  return (n * (4 + moments) + 3) / 4 * 4;
+// The int8 moments of n params: codes, padding, scales.
+inline std::size_t int8_moment_bytes(std::size_t n, unsigned moments) {
+  return align4(n * moments) + moments * quant_blocks(n) * 4;
 }
 
-inline std::size_t int8_bytes(std::size_t n, unsigned moments) {
-  return int8_codes_end(n, moments) + moments * quant_blocks(n) * 4;
-}
-
-inline Int8States int8_states(void* base, std::size_t n, unsigned moments) {
+// The int8 moments starting at `base`, with the master at `param`.
+inline Int8States int8_moments_at(void* base, float* param, std::size_t n, unsigned moments) {
   char* p = static_cast<char*>(base);
-  float* scales = reinterpret_cast<float*>(p + int8_codes_end(n, moments));
-  Int8States s{reinterpret_cast<float*>(p), {}, {}};
+  float* scales = reinterpret_cast<float*>(p + align4(n * moments));
+  Int8States s{param, {}, {}};
   for (unsigned k = 0; k < moments && k < kMaxInt8Moments; ++k) {
-    s.code[k] = reinterpret_cast<uint8_t*>(p + (4 + k) * n);
+    s.code[k] = reinterpret_cast<uint8_t*>(p + k * n);
     s.scale[k] = scales + k * quant_blocks(n);
   }
   return s;
 }
 
-struct StateLayout {
-  unsigned arrays = 3;  // the rule's fp32 arrays per param: the master, then its states
-  bool int8 = false;    // the states as 8-bit moments (the rule's row says whether it may)
-  // int8: every state array of the rule is one coded moment.
-  unsigned int8_moments() const { return arrays - 1; }
-  uint64_t bytes(uint64_t numel) const {
-    return int8 ? int8_bytes(numel, int8_moments()) : numel * arrays * 4;
+// With an fp32 master in front (the HLS tops' and their tests' layout).
+inline std::size_t int8_bytes(std::size_t n, unsigned moments) {
+  return 4 * n + int8_moment_bytes(n, moments);
+}
+
+inline Int8States int8_states(void* base, std::size_t n, unsigned moments) {
+  return int8_moments_at(static_cast<char*>(base) + 4 * n, static_cast<float*>(base), n, moments);
+}
+
+// int4 states: a first moment coded in blocks of kQuant4Block params (one fp32 scale each); a
+// second moment in tiles of kQuant4Block x kQuant4Block params (the chunk's params row by
+// row), each param's scale the smaller of its row's and its column's maximum (rank-1
+// normalisation), 2 x kQuant4Block fp32 scales per tile. Blocks and tiles restart at every chunk.
+inline constexpr std::size_t kQuant4Block = 128;
+inline constexpr std::size_t kQuant4Tile = kQuant4Block * kQuant4Block;
+
+inline std::size_t quant4_blocks(std::size_t n) { return (n + kQuant4Block - 1) / kQuant4Block; }
+inline std::size_t quant4_tiles(std::size_t n) { return (n + kQuant4Tile - 1) / kQuant4Tile; }
+inline std::size_t int4_code_bytes(std::size_t n) { return align4((n + 1) / 2); }
+
+// One chunk's int4 states: the master (null with a split master), M code arrays (param i's
+// code in byte i / 2, the low nibble for even i), then the first moment's block scales and
+// (M = 2) the second moment's tile scales: per tile, kQuant4Block row maxima then
+// kQuant4Block column maxima.
+struct Int4States {
+  float* param;
+  uint8_t* code[kMaxInt8Moments];
+  float* scale[kMaxInt8Moments];
+  // The params from `lo` on, a whole number of tiles in: one thread's part of the chunk.
+  Int4States from(std::size_t lo) const {
+    Int4States s = *this;
+    if (s.param) s.param += lo;
+    for (unsigned m = 0; m < kMaxInt8Moments; ++m)
+      if (s.code[m]) s.code[m] += lo / 2;
+    if (s.scale[0]) s.scale[0] += lo / kQuant4Block;
+    if (s.scale[1]) s.scale[1] += lo / kQuant4Tile * 2 * kQuant4Block;
+    return s;
   }
-  const char* dtype() const { return int8 ? "int8" : "fp32"; }
-  // Byte offset of fp32 array `a` (0: the param) of a chunk of `numel` params (fp32 only).
-  uint64_t array_offset(uint64_t numel, unsigned a) const { return uint64_t(a) * numel * 4; }
-  // fp32 array `a` of a chunk's states held at `states` (fp32 layout only).
+};
+
+inline std::size_t int4_moment_bytes(std::size_t n, unsigned moments) {
+  return moments * int4_code_bytes(n) + (moments > 0 ? quant4_blocks(n) * 4 : 0) +
+         (moments > 1 ? quant4_tiles(n) * 2 * kQuant4Block * 4 : 0);
+}
+
+inline Int4States int4_moments_at(void* base, float* param, std::size_t n, unsigned moments) {
+  char* p = static_cast<char*>(base);
+  Int4States s{param, {}, {}};
+  for (unsigned k = 0; k < moments && k < kMaxInt8Moments; ++k)
+    s.code[k] = reinterpret_cast<uint8_t*>(p + k * int4_code_bytes(n));
+  float* scales = reinterpret_cast<float*>(p + moments * int4_code_bytes(n));
+  if (moments > 0) s.scale[0] = scales;
+  if (moments > 1) s.scale[1] = scales + quant4_blocks(n);
+  return s;
+}
+
+// A split master: the low 16 bits of each fp32 master, and the checksum of the bf16 params
+// (the high halves) the device emitted with them.
+struct SplitMaster {
+  uint16_t* low;
+  uint64_t* params_sum;
+};
+
+struct StateLayout {
+  unsigned arrays = 3;  // the rule's arrays per param: the master, then its states
+  Moments moments = Moments::fp32;
+  Master master = Master::fp32;
+
+  unsigned moment_count() const { return arrays - 1; }
+  bool split() const { return master == Master::split; }
+  uint64_t master_bytes(uint64_t numel) const {
+    return split() ? (2 * numel + 63) / 64 * 64 : 4 * numel;
+  }
+  uint64_t moment_bytes(uint64_t numel) const {
+    switch (moments) {
+      case Moments::int8: return int8_moment_bytes(numel, moment_count());
+      case Moments::int4: return int4_moment_bytes(numel, moment_count());
+      default: return uint64_t(moment_count()) * numel * 4;
+    }
+  }
+  uint64_t params_sum_offset(uint64_t numel) const {  // split only
+    return (master_bytes(numel) + moment_bytes(numel) + 7) / 8 * 8;
+  }
+  uint64_t bytes(uint64_t numel) const {
+    return split() ? params_sum_offset(numel) + 8 : master_bytes(numel) + moment_bytes(numel);
+  }
+  const char* dtype() const {
+    return moments == Moments::int8 ? "int8" : moments == Moments::int4 ? "int4" : "fp32";
+  }
+  const char* master_format() const { return split() ? "split" : "fp32"; }
+  // fp32 array `a` of a chunk of `numel` params held at `states`: 0 the fp32 master (not
+  // with a split one), then the fp32 moments.
+  uint64_t array_offset(uint64_t numel, unsigned a) const {
+    return a == 0 ? 0 : master_bytes(numel) + uint64_t(a - 1) * numel * 4;
+  }
   float* array(void* states, uint64_t numel, unsigned a) const {
     return reinterpret_cast<float*>(static_cast<char*>(states) + array_offset(numel, a));
   }
-  // A chunk's int8 states held at `states` (int8 layout only).
+  float* fp32_master(void* states) const {
+    return split() ? nullptr : static_cast<float*>(states);
+  }
   Int8States int8_at(void* states, uint64_t numel) const {
-    return int8_states(states, numel, int8_moments());
+    return int8_moments_at(static_cast<char*>(states) + master_bytes(numel), fp32_master(states),
+                           numel, moment_count());
+  }
+  Int4States int4_at(void* states, uint64_t numel) const {
+    return int4_moments_at(static_cast<char*>(states) + master_bytes(numel), fp32_master(states),
+                           numel, moment_count());
+  }
+  SplitMaster split_at(void* states, uint64_t numel) const {
+    char* p = static_cast<char*>(states);
+    return {reinterpret_cast<uint16_t*>(p),
+            reinterpret_cast<uint64_t*>(p + params_sum_offset(numel))};
   }
 };
 

@@ -89,6 +89,7 @@ std::string Manifest::serialize() const {
   append(body, "%s %d\n", kMagic, kVersion);
   append(body, "chunk %" PRIu64 "\n", chunk);
   append(body, "state_dtype %s\n", state_dtype.c_str());
+  append(body, "master %s\n", master.c_str());
   append(body, "optimizer %s\n", optimizer.c_str());
   for (const auto& [key, value] : hyper) append(body, "hyper %s %.17g\n", key.c_str(), value);
   append(body, "step %" PRIu64 "\n", step);
@@ -146,6 +147,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     bool ok = true;
     if (key == "chunk") ok = in.number(m.chunk);
     else if (key == "state_dtype") ok = in.next(m.state_dtype);
+    else if (key == "master") ok = in.next(m.master) && (m.master == "fp32" || m.master == "split");
     else if (key == "optimizer") ok = in.next(m.optimizer);
     else if (key == "step") ok = in.number(m.step);
     else if (key == "previous") ok = in.number(m.previous) && (have_previous = true);

@@ -39,12 +39,14 @@ struct Membership {
 };
 
 struct Manifest {
-  // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous
-  static constexpr int kVersion = 6;
+  // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous;
+  // 7: master
+  static constexpr int kVersion = 7;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   uint64_t chunk = 0;            // params per chunk
   std::string state_dtype = "fp32";
+  std::string master = "fp32";   // fp32 | split (store/layout.h); before version 7: fp32
   std::string optimizer;         // adam, adamw, ...
   std::map<std::string, double> hyper;  // informational: last hyper-parameters used
   uint64_t step = 0;             // pipeline steps committed

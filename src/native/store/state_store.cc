@@ -80,10 +80,13 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       mismatch(dir, "optimizer", manifest_.optimizer, config.optimizer);
     if (manifest_.state_dtype != config.layout.dtype())
       mismatch(dir, "state dtype", manifest_.state_dtype, config.layout.dtype());
+    if (manifest_.master != config.layout.master_format())
+      mismatch(dir, "master", manifest_.master, config.layout.master_format());
   } else {
     manifest_.chunk = config.chunk;
     manifest_.optimizer = config.optimizer;
     manifest_.state_dtype = config.layout.dtype();
+    manifest_.master = config.layout.master_format();
     if (config.if_exists != "overwrite") refuse_orphan_states();
   }
 

@@ -79,6 +79,7 @@ class StateStore {
   const std::string& file_path() const { return states_path_; }
   const std::string& dir() const { return dir_; }
   bool direct() const { return direct_; }
+  const StateLayout& layout() const { return layout_; }
 
  private:
   void write_manifest(const Manifest& m);  // durably replaces the manifest; then current

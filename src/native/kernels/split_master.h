@@ -1,0 +1,42 @@
+// A split fp32 master for bf16 params (store/layout.h, master "split"): bf16 is the upper
+// half of an fp32, so the device stores only each master's low 16 bits and is sent the bf16
+// param (the upper half, rounded) with the gradient. With bf16 rounded to nearest, ties away
+// from zero (kernels/numeric.h), master - (param << 16) lies in [-2^15, 2^15): the low half
+// is that difference, an int16, and param << 16 plus it is the master again, bit for bit
+// (after Transformer Engine's FusedAdam(store_param_remainders=True)). A NaN master comes
+// back as a NaN. Written once for the CPU device and HLS.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/numeric.h"
+
+namespace smartinf::kernels {
+
+inline float rebuild_master(bf16 param, uint16_t low) {
+  return float_of((static_cast<uint32_t>(param.bits) << 16) +
+                  static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(low))));
+}
+
+// The low half of `master` given the bf16 param emitted for it (from_float<bf16>(master)).
+inline uint16_t master_low(float master, bf16 param) {
+  return static_cast<uint16_t>(bits_of(master) - (static_cast<uint32_t>(param.bits) << 16));
+}
+
+// n masters from the params sent in and the stored low halves; `adopt`: the params are not
+// the ones emitted with these low halves (weights loaded or edited), so they are the masters.
+inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* low, bool adopt,
+                            float* master) {
+  if (adopt) {
+    for (std::size_t i = 0; i < n; ++i) master[i] = to_float(param[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) master[i] = rebuild_master(param[i], low[i]);
+  }
+}
+
+// The low halves of n updated masters, whose bf16 params the kernel emitted.
+inline void split_masters(std::size_t n, const float* master, const bf16* param, uint16_t* low) {
+  for (std::size_t i = 0; i < n; ++i) low[i] = master_low(master[i], param[i]);
+}
+
+}  // namespace smartinf::kernels
