@@ -62,10 +62,13 @@ class Driver:
             self.staging = Staging(size, self.staging.depth)
 
     def send(self, sg: int, grad: torch.Tensor, buffer: int, scale: float, hyper: dict,
-             out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Any:
+             out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+             params: Optional[torch.Tensor] = None) -> Any:
         """Starts the update of sub-group ``sg`` from its flat gradient (on its own device):
         compressed, passed as it is (a contiguous CPU tensor), or copied into staging. The
-        params come out into ``out`` (a CPU buffer) or into staging (see ``out``)."""
+        params come out into ``out`` (a CPU buffer) or into staging (see ``out``). With a
+        split master ``params`` are the sub-group's current params (flat, on their device),
+        sent in with the gradient through the same buffer."""
         if self.compress is not None:
             c = self.compress.compress(grad, key=sg)
             g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
@@ -77,8 +80,11 @@ class Driver:
             g.copy_(grad, non_blocking=True)
         if out is None:
             out = self.staging.out(buffer, out_dtype or grad.dtype, grad.numel())
-        if grad.is_cuda:
-            torch.cuda.current_stream(grad.device).synchronize()  # the host copies landed
+        if params is not None and params.data_ptr() != out.data_ptr():
+            out.copy_(params, non_blocking=True)
+        if grad.is_cuda or (params is not None and params.is_cuda):
+            device = grad.device if grad.is_cuda else params.device
+            torch.cuda.current_stream(device).synchronize()  # the host copies landed
         return self.pipeline.update(sg, g, out, grad_scale=scale, **hyper)
 
     def host_arrays(self, count: int, numel: int) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from .compress import TopK
 from .devices import CpuDevice, DeviceLike, XrtDevice
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
+from .rounding import round_to
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 
 logger = logging.getLogger("smartinf")
@@ -52,7 +53,7 @@ class StorageOptions(TypedDict, total=False):
     ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
     ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
-    ``memory_budget``, ``commit_every``, ``compute_threads`` as for ``smartinf.Pipeline``
+    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master`` as for ``smartinf.Pipeline``
     (``smartinf.settings.KEYWORDS``); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``.
     """
@@ -69,6 +70,7 @@ class StorageOptions(TypedDict, total=False):
     state_dtype: str
     if_exists: str
     memory_budget: "int | str"
+    master: str
     commit_every: int
     compute_threads: int
 
@@ -159,6 +161,7 @@ def _read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 def _write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
     """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
     transposed): a non-contiguous param is written whole."""
+    src = round_to(src, p.dtype)  # fp32 masters round as the devices round them
     if p.is_contiguous():
         p.detach().view(-1)[start:stop].copy_(src, non_blocking=True)
         return
@@ -226,8 +229,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._subgroup_size = subgroup_size
         self._plan = plan_subgroups(self.param_groups, subgroup_size)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
+        settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
+        self._split = settings.master == "split"
+        self._refuse_split_of_other_dtypes(self._plan)
         pipeline = Pipeline(resolve_devices(devices), self._rule(self.param_groups[0]),
-                            settings=PipelineSettings.resolve(if_exists=if_exists, **storage))
+                            settings=settings)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
@@ -283,6 +289,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_params(group)
             new = plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
                                  len(self._plan))
+            self._refuse_split_of_other_dtypes(new)
             self._driver.grow(max((sg.numel for sg in new), default=0))
             self._attach(self.pipeline, new)
         except BaseException:
@@ -294,6 +301,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
 
+    def _refuse_split_of_other_dtypes(self, plan: Sequence[_Subgroup]) -> None:
+        other = sorted({str(sg.dtype) for sg in plan if sg.dtype != torch.bfloat16})
+        if self._split and other:
+            raise ValueError(f"master='split' keeps the low halves of the fp32 masters of "
+                             f"bfloat16 params (the params are the high ones); this model also "
+                             f"has {', '.join(other)} params: use master='fp32', or a bfloat16 "
+                             f"model")
+
     # -- layout -----------------------------------------------------------------------
     def _attach(self, pipeline: Pipeline, plan: Sequence[_Subgroup]) -> None:
         """Registers the sub-groups; new ones start from the model's params, resumed ones
@@ -303,13 +318,22 @@ class _StorageOptimizer(torch.optim.Optimizer):
             got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg))
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
+            if self._split:
+                continue  # the devices check the params against what they emitted
             if pipeline.resumed(sg.id):
                 master = torch.from_numpy(pipeline.read_states(sg.id)["param"])
                 with torch.no_grad():
                     self._scatter(sg, master)
             self._digests[sg.id] = self._digest(sg, master)
         resumed = sum(pipeline.resumed(sg.id) for sg in plan)
-        if resumed:
+        if resumed and self._split:
+            logger.warning("resumed %d of %d sub-groups at step %d from %s with master='split': "
+                           "the directories hold the low halves of the masters, the model's "
+                           "bf16 params are the high ones, so load the weights saved with that "
+                           "step into the model before the first step (params that differ are "
+                           "taken as the masters then, with a ParamsChangedWarning)", resumed,
+                           len(plan), pipeline.step_count, [d.path for d in pipeline.devices])
+        elif resumed:
             logger.warning("resumed %d of %d sub-groups at step %d from %s: their stored weights "
                            "replaced the model's", resumed, len(plan), pipeline.step_count,
                            [d.path for d in pipeline.devices])
@@ -317,7 +341,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _digest(self, sg: _Subgroup, master: torch.Tensor) -> int:
         """A checksum of the sub-group's params as the model holds them (``master`` rounded
         to their dtype): a later step notices weights the caller loaded since."""
-        held = master[:sg.numel].to(sg.dtype).contiguous()
+        held = round_to(master[:sg.numel], sg.dtype).contiguous()
         return _native.checksum(held.data_ptr(), held.numel() * held.element_size())
 
     def _gather_params(self, sg: _Subgroup) -> torch.Tensor:
@@ -339,6 +363,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             with self.pipeline.step():
                 for sg in changed:
                     self.pipeline.write_master(sg.id, self._gather_params(sg))
+
+    def _flat_params(self, sg: _Subgroup) -> torch.Tensor:
+        """The sub-group's params as the model holds them, flat, on their device."""
+        parts = [_read(s.param, s.start, s.stop) for s in sg.slices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:
@@ -445,8 +474,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         try:
             with self.pipeline.step():
                 self._driver.run(
-                    active, lambda sg, b: self._driver.send(sg.id, self._gather_grad(sg, grads), b,
-                                                            scale, hyper[sg.group]),
+                    active, lambda sg, b: self._driver.send(
+                        sg.id, self._gather_grad(sg, grads), b, scale, hyper[sg.group],
+                        params=self._flat_params(sg) if self._split else None),
                     lambda sg, future, b: self._finish(sg, future, b, scattered))
         except BaseException:
             if self.pipeline.step_count < before:  # back to a durable commit further back
@@ -468,6 +498,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _restore(self, scattered: Sequence[_Subgroup]) -> None:
         """After a failed step (an I/O error, a failed commit) the devices are at the last
         durable commit: so are the model's params, rebuilt from its masters."""
+        if self._split:
+            if scattered:
+                logger.error("the step failed after sub-groups %s had their params updated; "
+                             "with master='split' the params are the masters' high halves, so "
+                             "they cannot be put back: they keep the failed step's values and "
+                             "are taken as the masters at the next step (ParamsChangedWarning)",
+                             [sg.id for sg in scattered])
+            return
         try:
             for sg in scattered:
                 self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
@@ -537,8 +575,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
             steps = self.pipeline.subgroup_steps(sg.id)
             if steps == 0:
                 continue  # initial states: torch has none either
+            params = self._flat_params(sg).to("cpu").contiguous() if self._split else None
             stored = self.pipeline.read_states(
-                sg.id, self._driver.host_arrays(1 + len(self._state_names()), sg.numel))
+                sg.id, self._driver.host_arrays(1 + len(self._state_names()), sg.numel),
+                params=params)
             group = self.param_groups[sg.group]
             names = self._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
             for s in sg.slices:
@@ -650,7 +690,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         held = _read(s.param, s.start, s.stop)
         if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
             master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
-            if torch.equal(master.to(held.device, held.dtype), held):
+            if torch.equal(round_to(master, held.dtype).to(held.device), held):
                 return master
         return held
 

@@ -61,6 +61,7 @@ from ..compress import TopK
 from ..driver import Driver, overrides, rule_for, stored_rule
 from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
+from ..rounding import to_bf16
 from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from . import deepspeed_hook
 
@@ -235,6 +236,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._dirs = self.settings.rank_dirs(dist.get_rank())
+        self._split = self.settings.pipeline.master == "split"
+        if self._split and any(f.dtype != torch.bfloat16 for f in self.fp16_partitioned_groups_flat):
+            raise ValueError("master='split' keeps the low halves of the fp32 masters of bf16 "
+                             "params: enable \"bf16\" in the DeepSpeed config, or use "
+                             "master='fp32'")
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
         self._driver = Driver(self.pipeline, max(numels), self._compress)
         self._attach()
@@ -277,6 +283,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                 raise RuntimeError(f"sub-group {i} was registered out of order")
             if self.pipeline.resumed(i):
                 self._resumed = True
+                if self._split:  # the partitions hold the high halves: loaded with the model
+                    continue
                 flat.copy_(torch.from_numpy(self.pipeline.read_states(i)["param"]))
                 self._unflatten_partitioned_parameters(i)
 
@@ -351,7 +359,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         flat = self.fp16_partitioned_groups_flat[i]
         grad = self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
         return self._driver.send(i, grad, buffer, scale, hyper, out=flat if flat.is_cpu else None,
-                                 out_dtype=flat.dtype)
+                                 out_dtype=flat.dtype, params=flat if self._split else None)
 
     def _finish(self, i: int, future: Any, buffer: int) -> None:
         future.wait()
@@ -371,7 +379,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise KeyError(f"{optim_state_key!r} is not an optimizer state of smartinf's "
                            f"{self.pipeline.optimizer.name}: it keeps {list(names)}")
         group_idx, offset, numel = self.grad_position[self.get_param_id(param)]
-        states = self.pipeline.read_states(group_idx)
+        states = self.pipeline.read_states(group_idx, params=self._host_params(group_idx))
         # DeepSpeed's setters keep the buffers (release_swap_buffers=False) to write them
         self._read = None if release_swap_buffers else (group_idx, states)
         part = states["param" if optim_state_key is None else optim_state_key]
@@ -395,6 +403,14 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             with self.pipeline.step():
                 self.pipeline.write_states(group_idx, states,
                                            self.pipeline.subgroup_steps(group_idx))
+            if self._split:  # the new master's high halves are the params now
+                flat = self.fp16_partitioned_groups_flat[group_idx]
+                flat.copy_(to_bf16(torch.from_numpy(states["param"])).to(flat.device))
+                self._unflatten_partitioned_parameters(group_idx)
+
+    def _host_params(self, i: int) -> Optional[torch.Tensor]:
+        """Sub-group ``i``'s bf16 params on the host: a split master is rebuilt from them."""
+        return self.fp16_partitioned_groups_flat[i].to("cpu").contiguous() if self._split else None
 
     def _restore_from_bit16_weights(self) -> None:
         """DeepSpeed's masters := the model's partitions (``refresh_fp32_params``, loads
@@ -409,8 +425,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's, with the devices' committed masters in place of the empty fp32
         partitions, so that zero_to_fp32 consolidates the true fp32 weights."""
         state = super().state_dict()
-        state[FP32_FLAT_GROUPS] = [torch.from_numpy(self.pipeline.read_states(i)["param"])
-                                   for i in range(len(self.fp16_groups))]
+        state[FP32_FLAT_GROUPS] = [
+            torch.from_numpy(self.pipeline.read_states(i, params=self._host_params(i))["param"])
+            for i in range(len(self.fp16_groups))]
         return state
 
     def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
