@@ -93,7 +93,31 @@ def test_int8_states_halve_the_storage_traffic():
     assert int8["zero-infinity"] == fp32["zero-infinity"]
     assert fp32["smartupdate"]["step_s"] / int8["smartupdate"]["step_s"] == pytest.approx(12 / 6.03125)
     with pytest.raises(ValueError, match="state_dtype"):
-        model.state_bytes_per_param("int4")
+        model.state_bytes_per_param("int2")
+
+
+def test_split_masters_and_int4_moments_in_bytes_per_param():
+    """The bytes per param are store/layout.h's: a split master saves 2 B per param on
+    storage each way and costs the params' bytes host -> device (the trade-off on a real CSD)."""
+    assert model.state_bytes_per_param("fp32", "split") == pytest.approx(10, abs=1e-4)  # + 8 B a chunk
+    assert model.state_bytes_per_param("int8", "split") == pytest.approx(4.03125, abs=1e-4)
+    assert model.state_bytes_per_param("int4", "split") == pytest.approx(3.09375, abs=1e-4)
+    with pytest.raises(ValueError, match="master"):
+        model.state_bytes_per_param("fp32", "half")
+    split = model.traffic_per_param("smartupdate", state_bytes=4.03125, split=True)
+    assert (split["storage_total"], split["host_to_device"]) == (pytest.approx(8.0625), 4)
+    assert model.traffic_per_param("zero-infinity")["storage_total"] / split["storage_total"] \
+        == pytest.approx(32 / 8.0625)
+    # A link as fast as the drive: the params sent in are free while storage bounds the step...
+    fast, slow = model.Hardware(2e9, 2e9), model.Hardware(2e9, 2e9, device_link_bps=1e8)
+    rows = {m: model.scaling_table(1e9, [1], fast, state_dtype="int8", master=m)[0]
+            for m in ("fp32", "split")}
+    assert rows["split"]["smartupdate"]["step_s"] < rows["fp32"]["smartupdate"]["step_s"]
+    assert rows["split"]["smartupdate"]["host_link_bytes"] == 6e9
+    # ...and cost time once the link bounds it
+    rows = {m: model.scaling_table(1e9, [1], slow, state_dtype="int8", master=m)[0]
+            for m in ("fp32", "split")}
+    assert rows["split"]["smartupdate"]["step_s"] > rows["fp32"]["smartupdate"]["step_s"]
 
 
 def test_hardware_from_probe_results():

@@ -38,6 +38,23 @@ cdef extern from "store/manifest.h" namespace "smartinf::store":
         Manifest parse(const string&, const string&) except +raise_py_error
 
 
+cdef extern from "store/layout.h" namespace "smartinf::store":
+    cdef enum class Moments(uint8_t):
+        fp32 "smartinf::store::Moments::fp32"
+        int8 "smartinf::store::Moments::int8"
+        int4 "smartinf::store::Moments::int4"
+
+    cdef enum class Master(uint8_t):
+        fp32 "smartinf::store::Master::fp32"
+        split "smartinf::store::Master::split"
+
+    cdef cppclass StateLayout:
+        unsigned arrays
+        Moments moments
+        Master master
+        uint64_t bytes(uint64_t)
+
+
 cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t extent_checksum(const void*, size_t) nogil
 
@@ -147,6 +164,15 @@ def checksum(uintptr_t address, size_t nbytes) -> int:
     with nogil:
         h = extent_checksum(<const void*>address, nbytes)
     return h
+
+
+def state_bytes(unsigned arrays, str state_dtype, str master, uint64_t numel) -> int:
+    """Bytes of one chunk of ``numel`` params' states (store/layout.h), before alignment."""
+    cdef StateLayout layout
+    layout.arrays = arrays
+    layout.moments = {"fp32": Moments.fp32, "int8": Moments.int8, "int4": Moments.int4}[state_dtype]
+    layout.master = {"fp32": Master.fp32, "split": Master.split}[master]
+    return layout.bytes(numel)
 
 
 def manifest_roundtrip(bytes text) -> bytes:

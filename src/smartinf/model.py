@@ -26,24 +26,31 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .settings import MASTERS, STATE_DTYPES
+
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
 STATE_BYTES = 12
-#: int8 states: fp32 master weight + two 8-bit moments + two fp32 scales per 256 params.
-STATE_BYTES_INT8 = 4 + 2 + 8 / 256
+_LAYOUT_NUMEL = 1 << 20  # a default chunk: the per-chunk scales and padding, per param
 
 
-def state_bytes_per_param(state_dtype: str = "fp32") -> float:
-    """Bytes per parameter of Adam states on storage, for ``"fp32"`` or ``"int8"`` states."""
-    if state_dtype not in ("fp32", "int8"):
-        raise ValueError(f"state_dtype must be 'fp32' or 'int8', got {state_dtype!r}")
-    return STATE_BYTES if state_dtype == "fp32" else STATE_BYTES_INT8
+def state_bytes_per_param(state_dtype: str = "fp32", master: str = "fp32") -> float:
+    """Bytes per parameter of Adam's states on storage, as ``store/layout.h`` lays a chunk
+    out: ``state_dtype`` fp32 (12 B with an fp32 master), int8 (~6.03) or int4 (~5.09) moments;
+    ``master`` fp32 (4 B) or split (2 B: the low halves of bf16 params' masters)."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
+    if master not in MASTERS:
+        raise ValueError(f"master must be one of {', '.join(MASTERS)}, got {master!r}")
+    from . import _native  # the layout's owner
+    return _native.state_bytes(3, state_dtype, master, _LAYOUT_NUMEL) / _LAYOUT_NUMEL
 SCHEMES = ("zero-infinity", "smartupdate", "smartcomp")
 #: SmartComp sends each kept gradient element as an int32 position and its value.
 INDEX_BYTES = 4
 
 
 def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
-                      state_bytes: float = STATE_BYTES, ratio: float = 0.01) -> dict[str, float]:
+                      state_bytes: float = STATE_BYTES, ratio: float = 0.01,
+                      split: bool = False) -> dict[str, float]:
     """Bytes per parameter per step on each link (Table I of the Smart-Infinity paper).
 
     ``"zero-infinity"``: the host updates the params, so all optimizer states cross the
@@ -60,6 +67,11 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
     ``"smartcomp"``: SmartUpdate with top-k gradients: the host link carries ``ratio`` of
     the elements as (int32 position, value of ``grad_bytes``) pairs, ``ratio * (4 +
     grad_bytes)`` B/param in, and the params out.
+
+    ``split`` (a split master, SmartUpdate and SmartComp): the device is also sent the
+    params, ``param_bytes`` more per param host -> device, for 2 B less of master on storage
+    each way: free on the ``cpu`` device (memory copies), a trade-off on a real CSD whose
+    host link is slower than its storage.
 
     Keys: ``storage_read``, ``storage_write`` (bytes at the storage media),
     ``host_to_device``, ``device_to_host`` (bytes over the host/storage interconnect),
@@ -83,6 +95,8 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
                 raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
             h2d = ratio * (INDEX_BYTES + grad_bytes)
+        if split:
+            h2d += param_bytes
     else:
         raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     return {
@@ -221,7 +235,7 @@ class Prediction:
 
 def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
             grad_bytes: int = 2, param_bytes: int = 2, ratio: float = 0.01,
-            state_bytes: float = STATE_BYTES) -> Prediction:
+            state_bytes: float = STATE_BYTES, split: bool = False) -> Prediction:
     """The step time of ``scheme`` on ``n`` devices.
 
     SmartUpdate / SmartComp: ``scaled_step_time`` with T_opt the storage limit of all
@@ -235,7 +249,8 @@ def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
         raise ValueError(f"params must be a positive number, got {params!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    traffic = traffic_per_param(scheme, grad_bytes, param_bytes, state_bytes, ratio)
+    traffic = traffic_per_param(scheme, grad_bytes, param_bytes, state_bytes, ratio,
+                                split and scheme != "zero-infinity")
     read, written = params * traffic["storage_read"], params * traffic["storage_write"]
     link_bytes = params * max(traffic["host_to_device"], traffic["device_to_host"])
     link = link_bytes / min(n * hw.link_bps, hw.host_link_bps)
@@ -257,17 +272,18 @@ def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
 
 
 def scaling_table(params: float, devices: Sequence[int], hw: Hardware, grad_bytes: int = 2,
-                  param_bytes: int = 2, ratio: float = 0.01, state_dtype: str = "fp32") -> list[dict]:
+                  param_bytes: int = 2, ratio: float = 0.01, state_dtype: str = "fp32",
+                  master: str = "fp32") -> list[dict]:
     """Per device count: each scheme's predicted step, what bounds it, the host-link bytes
     per step, and the speedups over ZeRO-Infinity on a RAID0 of the same drives (whose
-    states are fp32; ``state_dtype`` applies to SmartUpdate and SmartComp)."""
-    ours = state_bytes_per_param(state_dtype)
+    states are fp32; ``state_dtype`` and ``master`` apply to SmartUpdate and SmartComp)."""
+    ours = state_bytes_per_param(state_dtype, master)
     rows = []
     for n in devices:
         row: dict[str, Any] = {"n": n}
         for scheme in SCHEMES:
             p = predict(params, n, hw, scheme, grad_bytes, param_bytes, ratio,
-                        STATE_BYTES if scheme == "zero-infinity" else ours)
+                        STATE_BYTES if scheme == "zero-infinity" else ours, master == "split")
             row[scheme] = {"step_s": p.step_s, "bound": p.bound,
                            "host_link_bytes": params * p.traffic["host_link_total"],
                            "storage_bytes": params * p.traffic["storage_total"]}
@@ -414,8 +430,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--grad-bytes", type=int, default=2, help="gradient element size (2)")
     parser.add_argument("--param-bytes", type=int, default=2, help="param element size (2)")
     parser.add_argument("--ratio", type=float, default=0.01, help="SmartComp kept fraction (0.01)")
-    parser.add_argument("--state-dtype", choices=["fp32", "int8"], default="fp32",
-                        help="smartinf's Adam states: fp32 (12 B/param) or int8 (~6 B/param)")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
+                        help="smartinf's Adam moments: fp32 (8 B/param), int8 (~2) or int4 (~1.1)")
+    parser.add_argument("--master", choices=MASTERS, default="fp32",
+                        help="smartinf's masters: fp32 (4 B/param) or split (2 B; bf16 params, "
+                             "sent to the device with the gradient)")
     parser.add_argument("--tiers", action="store_true",
                         help="one device's step per fraction of states resident in memory")
     parser.add_argument("--memory-gbps", type=float,
@@ -446,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.tiers:
             return _print_tiers(args, hw, probe_triad)
         rows = scaling_table(args.params, parse_devices(args.devices), hw, args.grad_bytes,
-                             args.param_bytes, args.ratio, args.state_dtype)
+                             args.param_bytes, args.ratio, args.state_dtype, args.master)
         if args.plot:
             plot(rows, args.plot, f"{args.params:.3g} params")
     except (OSError, ValueError, KeyError, ImportError) as e:
@@ -462,7 +481,7 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
     if not memory:
         raise ValueError("--tiers needs --memory-gbps or a probe JSON with a triad "
                          "(python -m smartinf.probe DIR --json)")
-    state = state_bytes_per_param(args.state_dtype)
+    state = state_bytes_per_param(args.state_dtype, args.master)
     rows = [dataclasses.asdict(predict_tiered(args.params, f, hw.read_bps, hw.write_bps, memory,
                                               args.commit_every, state, args.grad_bytes,
                                               args.param_bytes))
@@ -473,7 +492,8 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
         print(json.dumps({"params": args.params, "rows": rows, "step_time": args.step_time,
                           "budget_bytes": budget}, indent=1))
         return 0
-    print(f"{args.params:.3g} params on one device, {args.state_dtype} states, commit_every="
+    print(f"{args.params:.3g} params on one device, {args.state_dtype} moments, {args.master} "
+          f"masters ({state:.2f} B/param), commit_every="
           f"{args.commit_every}: storage {hw.read_bps / 1e9:.2f} / {hw.write_bps / 1e9:.2f} GB/s, "
           f"memory {memory / 1e9:.1f} GB/s")
     for r in rows:
