@@ -148,8 +148,9 @@ def _print_summary(data: dict) -> None:
                      f"link time saved {t['link_s_saved'] * 1e3:7.1f} ms "
                      f"({t['link_bytes_per_s'] / 1e9:.1f} GB/s)  saved/compress "
                      f"{t['saved_over_compress']:.2f}")
-    if "int8_vs_fp32_states" in data:
-        lines.append(f"  fp32 / int8 states step time: {data['int8_vs_fp32_states']:.2f}")
+    for name in ("int8", "int8_split", "int4_split"):
+        if f"{name}_vs_fp32_states" in data:
+            lines.append(f"  fp32 / {name} states step time: {data[f'{name}_vs_fp32_states']:.2f}")
     if "engine_threads_vs_uring" in data:
         lines.append(f"  threads / uring step time: {data['engine_threads_vs_uring']:.2f}")
     for name, m in sorted(data.get("rss", {}).items()):
