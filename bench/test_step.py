@@ -138,7 +138,7 @@ def test_step(benchmark, bench_dir, storage_limits, summary, slots):
     finally:
         runner.close()
     # Single-thread rate of the bare Adam kernel: what compute would cost if it were serial.
-    kernel_s = native.time_kernel(SUBGROUP, F32, F16, False, 1)
+    kernel_s = native.time_kernel(SUBGROUP, F32, F16, "fp32", 1)
     result["kernel_params_per_s_1thread"] = SUBGROUP / kernel_s
     result["compute_serial_s"] = STEP_PARAMS * kernel_s / SUBGROUP
     benchmark.extra_info.update(kernel_params_per_s_1thread=SUBGROUP / kernel_s)

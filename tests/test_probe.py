@@ -26,15 +26,19 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert s["read_bps"] == pytest.approx(s["nbytes"] / s["read_s"])
         assert s["read_bps"] > 0 and s["write_bps"] > 0
     assert os.listdir(disk_dir) == [] and os.listdir(other) == []
-    pairs = [(k["grad"], k["param"], k["state_dtype"]) for k in result["kernel"]]
-    assert pairs == [(g, p, "fp32") for g, p in probe.KERNEL_DTYPES] + [
-        ("float32", "float16", "int8"), ("bfloat16", "bfloat16", "fp32"), ("bfloat16", "bfloat16", "int8")]
-    assert [k["threads"] for k in result["kernel"][-2:]] == [probe.usable_cores()] * 2
+    kinds = [(k["grad"], k["param"], k["state_dtype"], k["master"]) for k in result["kernel"]]
+    bf16 = ("bfloat16", "bfloat16")
+    assert kinds == [(g, p, "fp32", "fp32") for g, p in probe.KERNEL_DTYPES] + [
+        ("float32", "float16", "int8", "fp32"), (*bf16, "fp32", "fp32"), (*bf16, "int8", "fp32"),
+        (*bf16, "int8", "split"), (*bf16, "int4", "split")]
+    assert [k["threads"] for k in result["kernel"][-4:]] == [probe.usable_cores()] * 4
     assert result["triad"]["threads"] == probe.usable_cores() and result["triad"]["bps"] > 0
     for k in result["kernel"]:
         assert k["params_per_s"] == pytest.approx(k["numel"] / k["seconds"])
-        per_param = 24 if k["state_dtype"] == "fp32" else 2 * 6.03125  # read + written
-        assert k["state_bps"] == pytest.approx(per_param * k["params_per_s"])
+        per_param = 2 * {("fp32", "fp32"): 12, ("int8", "fp32"): 6.03125,  # read + written
+                         ("int8", "split"): 4.03125, ("int4", "split"): 3.09375}[
+            (k["state_dtype"], k["master"])]
+        assert k["state_bps"] == pytest.approx(per_param * k["params_per_s"], rel=1e-5)
     assert result["host_copy"]["bps"] > 0
     assert set(result["build"]) >= {"io_uring", "xrt"}
 

@@ -74,7 +74,9 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["smartinf"]["compress"] = {"ratio": args.topk}
         if args.state_dtype != "fp32":
             config["smartinf"]["state_dtype"] = args.state_dtype
-        for key in ("memory_budget", "commit_every", "compute_threads", "master"):
+        if args.split_master:
+            config["smartinf"]["master"] = "split"
+        for key in ("memory_budget", "commit_every", "compute_threads"):
             if getattr(args, key) is not None:
                 config["smartinf"][key] = getattr(args, key)
     elif args.mode == "deepspeed-cpu":
@@ -110,8 +112,9 @@ def main() -> None:
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
     p.add_argument("--state-dtype", choices=["fp32", "int8", "int4"], default="fp32",
                    help="smartinf: Adam moments in fp32, 8-bit or 4-bit block-wise")
-    p.add_argument("--master", choices=["fp32", "split"],
-                   help="smartinf: fp32 masters stored, or (bf16) only their low halves")
+    p.add_argument("--split-master", action="store_true",
+                   help="smartinf, bf16: store only the low halves of the fp32 masters "
+                        "(master=\"split\"); else fp32 masters")
     p.add_argument("--memory-budget", help="smartinf: bytes of states kept resident in RAM "
                    "per device (e.g. 24GiB)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")

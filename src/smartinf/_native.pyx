@@ -27,7 +27,7 @@ cdef extern from "io/engine.h" namespace "smartinf::io":
 cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_io(const string&, uint64_t, cbool, const string&, uint64_t,
                    unsigned) except +raise_py_error nogil
-    double time_adam_kernel(uint64_t, DType, DType, cbool, unsigned) except +raise_py_error nogil
+    double time_adam_kernel(uint64_t, DType, DType, const StateLayout&, unsigned) except +raise_py_error nogil
     double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
 
@@ -166,13 +166,17 @@ def checksum(uintptr_t address, size_t nbytes) -> int:
     return h
 
 
-def state_bytes(unsigned arrays, str state_dtype, str master, uint64_t numel) -> int:
-    """Bytes of one chunk of ``numel`` params' states (store/layout.h), before alignment."""
+cdef StateLayout adam_layout(str state_dtype, str master):
     cdef StateLayout layout
-    layout.arrays = arrays
+    layout.arrays = 3
     layout.moments = {"fp32": Moments.fp32, "int8": Moments.int8, "int4": Moments.int4}[state_dtype]
     layout.master = {"fp32": Master.fp32, "split": Master.split}[master]
-    return layout.bytes(numel)
+    return layout
+
+
+def state_bytes(str state_dtype, str master, uint64_t numel) -> int:
+    """Bytes of one chunk of ``numel`` params' Adam states (store/layout.h), unaligned."""
+    return adam_layout(state_dtype, master).bytes(numel)
 
 
 def manifest_roundtrip(bytes text) -> bytes:
@@ -221,11 +225,12 @@ def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) 
             "to_fpga_s": bw.to_fpga_s, "from_fpga_s": bw.from_fpga_s, "direct": bw.direct}
 
 
-def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, cbool int8_states,
-                unsigned threads) -> float:
+def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, str state_dtype,
+                unsigned threads, str master="fp32") -> float:
     cdef double seconds
+    cdef StateLayout layout = adam_layout(state_dtype, master)
     with nogil:
-        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, int8_states, threads)
+        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, layout, threads)
     return seconds
 
 

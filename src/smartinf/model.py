@@ -42,7 +42,7 @@ def state_bytes_per_param(state_dtype: str = "fp32", master: str = "fp32") -> fl
     if master not in MASTERS:
         raise ValueError(f"master must be one of {', '.join(MASTERS)}, got {master!r}")
     from . import _native  # the layout's owner
-    return _native.state_bytes(3, state_dtype, master, _LAYOUT_NUMEL) / _LAYOUT_NUMEL
+    return _native.state_bytes(state_dtype, master, _LAYOUT_NUMEL) / _LAYOUT_NUMEL
 SCHEMES = ("zero-infinity", "smartupdate", "smartcomp")
 #: SmartComp sends each kept gradient element as an int32 position and its value.
 INDEX_BYTES = 4

@@ -80,13 +80,14 @@ class KernelThroughput:
     params_per_s: float
     state_dtype: str = "fp32"
     threads: int = 1
+    master: str = "fp32"
 
     @property
     def state_bps(self) -> float:
         """Optimizer-state bytes the kernel gets through per second (read + written per
-        param: 24 with fp32 states, ~12 with int8): compare with the storage bandwidth to
-        see which one limits."""
-        return self.params_per_s * 2 * model.state_bytes_per_param(self.state_dtype)
+        param: 24 with fp32 states, ~12 with int8, ~8 with int8 and a split master, ~6 int4
+        and split): compare with the storage bandwidth to see which one limits."""
+        return self.params_per_s * 2 * model.state_bytes_per_param(self.state_dtype, self.master)
 
 
 @dataclass(frozen=True)
@@ -200,17 +201,17 @@ def measure_host_copy(nbytes: int = HOST_COPY_BYTES, repeats: int = 3) -> HostCo
 
 def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
                    param: str = "float32", state_dtype: str = "fp32",
-                   threads: int = 1) -> KernelThroughput:
-    """Adam kernel throughput for one grad/param dtype pair (dtype names or codes) and
-    state dtype on ``threads`` threads (0: the usable cores, as the pipeline's default);
-    the first call warms up (allocation, page faults), the second is timed."""
+                   threads: int = 1, master: str = "fp32") -> KernelThroughput:
+    """Adam kernel throughput for one grad/param dtype pair (dtype names or codes), state
+    dtype and master format (split: bf16 params) on ``threads`` threads (0: the usable
+    cores, as the pipeline's default); the first call warms up (allocation, page faults),
+    the second is timed."""
     g, p = buffers.dtype_code(grad), buffers.dtype_code(param)
-    int8 = state_dtype == "int8"
     threads = threads or usable_cores()
-    _native.time_kernel(numel, g, p, int8, threads)
-    seconds = _native.time_kernel(numel, g, p, int8, threads)
+    _native.time_kernel(numel, g, p, state_dtype, threads, master)
+    seconds = _native.time_kernel(numel, g, p, state_dtype, threads, master)
     return KernelThroughput(numel, buffers.DTYPE_NAMES[g], buffers.DTYPE_NAMES[p], seconds,
-                            numel / seconds, state_dtype, threads)
+                            numel / seconds, state_dtype, threads, master)
 
 
 def usable_cores() -> int:
@@ -263,7 +264,9 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
                    for k in [*(measure_kernel(kernel_numel, g, p) for g, p in KERNEL_DTYPES),
                              measure_kernel(kernel_numel, "float32", "float16", "int8"),
                              measure_kernel(kernel_numel, "bfloat16", "bfloat16", threads=0),
-                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int8", 0)]],
+                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int8", 0),
+                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int8", 0, "split"),
+                             measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int4", 0, "split")]],
         "triad": dataclasses.asdict(measure_triad()),
         "smartssd": smartssds(),
     }
@@ -286,13 +289,16 @@ def format_report(result: dict) -> str:
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
               f"{'Adam kernel grad/param':<34} {'Mparams/s':>10} {'state GB/s':>11}"]
     for k in result["kernel"]:
-        name = (k["grad"] + "/" + k["param"] + (", int8 states" if k["state_dtype"] == "int8" else "")
+        name = (k["grad"] + "/" + k["param"]
+                + (f", {k['state_dtype']} states" if k["state_dtype"] != "fp32" else "")
+                + (", split master" if k.get("master", "fp32") == "split" else "")
                 + (f", {k['threads']} threads" if k.get("threads", 1) > 1 else ""))
         lines.append(f"{name:<34} {k['params_per_s'] / 1e6:>10.0f} {k['state_bps'] / 1e9:>11.2f}")
     if "triad" in result:
         t = result["triad"]
         lines.append(f"STREAM triad, {t['threads']} threads: {t['bps'] / 1e9:.2f} GB/s")
-    lines.append("(state GB/s: states read+written per param, 24 B fp32 or ~12 B int8, vs storage above)")
+    lines.append("(state GB/s: states read+written per param, 24 B fp32, ~12 B int8, ~8 B int8 + split "
+                 "master, ~6 B int4 + split; vs storage above)")
     cards = result.get("smartssd", [])
     lines += ["", "SmartSSDs: " + ("none found (XRT build, XILINX_XRT set, FPGA and NVMe behind "
                                    "one switch, drive mounted)" if not cards else "")]

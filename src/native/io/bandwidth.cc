@@ -83,8 +83,8 @@ double time_io(const std::string& path, uint64_t bytes, bool write, const std::s
 // On one slot of a cpu device (the code and the ISA the pipeline runs), states p = 0.5,
 // m = v = 0 and a zero gradient, as the probe has always timed it.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
-                        bool int8_states, unsigned threads) {
-  const device::SlotGeometry geometry{1, numel, store::StateLayout{3, int8_states ? store::Moments::int8 : store::Moments::fp32}};
+                        const store::StateLayout& layout, unsigned threads) {
+  const device::SlotGeometry geometry{1, numel, layout};
   const device::CpuOptions options{0, std::make_shared<device::ComputePool>(threads)};
   const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry, options);
   const float* none[device::kMaxStateArrays] = {};

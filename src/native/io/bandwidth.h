@@ -6,6 +6,7 @@
 
 #include "io/engine.h"
 #include "kernels/numeric.h"
+#include "store/layout.h"
 
 namespace smartinf::io {
 
@@ -15,9 +16,10 @@ namespace smartinf::io {
 double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
                uint64_t block, unsigned depth);
 
-// Seconds for one Adam(W) update over `numel` in-memory params on `threads` threads.
+// Seconds for one Adam(W) update over `numel` in-memory params on `threads` threads, with
+// states in `layout` (its moments and master format; 3 arrays).
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
-                        bool int8_states, unsigned threads);
+                        const store::StateLayout& layout, unsigned threads);
 
 // Seconds for one STREAM triad pass over `bytes` (three fp32 arrays) on `threads` threads:
 // what host memory gives a memory-bound kernel (it moves `bytes`).
