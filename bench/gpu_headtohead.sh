@@ -30,6 +30,9 @@ flags() {  # mode name -> train.py flags
     int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB --commit-every 10" ;;
     fp32-all-k1) echo "--mode smartinf --memory-budget 20GiB" ;;
     fp32-all-k10) echo "--mode smartinf --memory-budget 20GiB --commit-every 10" ;;
+    int8-split) echo "--mode smartinf --state-dtype int8 --split-master" ;;
+    int4-split) echo "--mode smartinf --state-dtype int4 --split-master" ;;
+    fp32-split) echo "--mode smartinf --split-master" ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }

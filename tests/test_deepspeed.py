@@ -138,8 +138,9 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     halves, the bf16 partitions are the high ones): the same losses and params, bit for bit,
     as with fp32 masters, reading 2 B per param less from storage every step."""
     extra = ("--dtype", "bf16", "--steps", "120", "--state-dtype", state_dtype)
-    fp32 = train(work, disk_dir, f"bf16-{state_dtype}-fp32", extra=extra)
-    split = train(work, disk_dir, f"bf16-{state_dtype}-split", extra=(*extra, "--split-master"))
+    fp32 = train(work, f"{disk_dir}/fp32", f"bf16-{state_dtype}-fp32", extra=extra)
+    split = train(work, f"{disk_dir}/split", f"bf16-{state_dtype}-split",
+                  extra=(*extra, "--split-master"))
     assert losses(split) == losses(fp32) and len(losses(fp32)) == 120
     for a, b in zip(split["params"], fp32["params"]):
         assert torch.equal(a, b)
