@@ -12,7 +12,7 @@ def fuzz(examples):
     return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
-CURRENT = 6  # the version the core writes
+CURRENT = 7  # the version the core writes
 u64 = st.integers(0, 2**64 - 1)
 word = st.text("abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=12)
 
@@ -25,10 +25,12 @@ def with_crc(body: bytes) -> bytes:
 def manifests(draw):
     """A well-formed manifest, written the way the core writes one."""
     chunk = draw(st.integers(1, 5000))
-    version = draw(st.sampled_from([2, 3, 4, 5, 6]))
+    version = draw(st.sampled_from([2, 3, 4, 5, 6, 7]))
     lines = [f"smartinf-manifest {version}", f"chunk {chunk}",
-             f"state_dtype {draw(st.sampled_from(['fp32', 'int8']))}",
-             f"optimizer {draw(st.sampled_from(['adam', 'adamw', 'sgd', 'adagrad']))}"]
+             f"state_dtype {draw(st.sampled_from(['fp32', 'int8', 'int4']))}"]
+    if version >= 7:
+        lines.append(f"master {draw(st.sampled_from(['fp32', 'split']))}")
+    lines += [f"optimizer {draw(st.sampled_from(['adam', 'adamw', 'sgd', 'adagrad']))}"]
     hyper = draw(st.dictionaries(word, st.floats(allow_nan=False, allow_infinity=False), max_size=4))
     lines += [f"hyper {k} {v:.17g}" for k, v in sorted(hyper.items(), key=lambda kv: kv[0].encode())]
     step = draw(u64)
@@ -72,6 +74,9 @@ def test_well_formed_manifests_round_trip(text):
     if version < 6:  # before version 6 every step was committed: the previous one is step - 1
         step = int(body.split(b"\nstep ")[1].split(b"\n")[0])
         body = body.replace(b"\nstep %d\n" % step, b"\nstep %d\nprevious %d\n" % (step, max(step - 1, 0)), 1)
+    if version < 7:  # before version 7 masters were fp32
+        dtype = body.split(b"\nstate_dtype ")[1].split(b"\n")[0]
+        body = body.replace(b"\nstate_dtype %s\n" % dtype, b"\nstate_dtype %s\nmaster fp32\n" % dtype, 1)
     assert got == with_crc(body.replace(f"smartinf-manifest {version}".encode(), current, 1)) \
         or version < 4  # older versions are rewritten as the current one
     assert native.manifest_roundtrip(got) == got

@@ -11,6 +11,7 @@ import torch
 
 import smartinf
 from smartinf.compress import Compressed, TopK, decompress
+from smartinf.rounding import round_to
 from conftest import ENGINES, TorchReference, assert_close_fp32
 
 SIZES = [2500, 1000, 7, 3001]  # not multiples of the chunk, a full chunk, a tiny one
@@ -100,15 +101,18 @@ def test_low_precision_grads_and_params(disk_dir, grad_dtype, out_dtype):
             expected = torch.from_numpy(ref.states(i)["param"])
             stored = torch.from_numpy(pipe.read_states(i)["param"])
             assert_close_fp32(stored.numpy(), expected.numpy(), f"master of sub-group {i}")
-            # The cast of our fp32 master is exact; against torch's it is within one ulp.
-            assert torch.equal(out, stored.to(out_dtype))
+            # The cast of our fp32 master is exact (bf16: ties away from zero, smartinf.rounding);
+            # against torch's it is within one ulp.
+            assert torch.equal(out, round_to(stored, out_dtype))
             ulp = (expected.to(out_dtype).float() - out.float()).abs()
             spacing = torch.finfo(out_dtype).eps * expected.abs().clamp_min(torch.finfo(out_dtype).tiny)
             assert torch.all(ulp <= spacing), f"sub-group {i} differs by more than one ulp"
 
 
 def test_fp16_conversions_match_torch(disk_dir):
-    """Every fp16 value widens as torch does; fp32 -> fp16/bf16 rounds to nearest even."""
+    """Every fp16 value widens as torch does; fp32 -> fp16 rounds to nearest even, as torch;
+    fp32 -> bf16 to nearest, ties away from zero (the split master's rule), as
+    smartinf.rounding.to_bf16, which differs from torch only at ties."""
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     finite = halves[np.isfinite(halves)]
     rng = np.random.default_rng(0)
@@ -129,8 +133,11 @@ def test_fp16_conversions_match_torch(disk_dir):
             out = torch.empty(floats.size, dtype=dtype)
             pipe.update(sg, zeros, out).wait()
             pipe.discard()
-            expected = torch.from_numpy(floats).to(dtype)
+            expected = round_to(torch.from_numpy(floats), dtype)
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), dtype
+            if dtype == torch.bfloat16:
+                differ = out.view(torch.int16) != torch.from_numpy(floats).to(dtype).view(torch.int16)
+                assert np.all(floats.view(np.uint32)[differ.numpy()] & 0xFFFF == 0x8000)
         # beta1 = 0 makes exp_avg the widened gradient itself.
         pipe.optimizer = smartinf.AdamW(lr=0.0, betas=(0.0, 0.999), weight_decay=0.0)
         grad = torch.from_numpy(finite.copy())
