@@ -2,6 +2,7 @@
 // equal the C++ reference (src/native/kernels/ on whole arrays, as the cpu device runs
 // it) bit for bit on states and params, for lengths that are and are not multiples of a
 // beat, zero-length included, and leave the bytes after each array untouched.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -291,6 +292,19 @@ static void lion4_case(int n) {
         "lion4_f32_f16", n);
 }
 
+// quant4.h's arithmetic linear-map code against its definition, the count of midpoints below
+// x: every midpoint and its float neighbours, the ends, and random x in [0, 1].
+static void linear_code_case() {
+  namespace q4 = k::q4;
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f, 1e-45f, 1e-38f, 0.0625f, 0.03125f};
+  for (float mid : q4::kLinearMid)
+    for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 2.0f)}) xs.push_back(x);
+  for (int i = 0; i < 200000; ++i) xs.push_back(std::uniform_real_distribution<float>(0.0f, 1.0f)(rng));
+  bool ok = true;
+  for (float x : xs) ok = ok && q4::nearest_linear(x) == q4::nearest(x, q4::kLinearMid);
+  check(ok, "quant4 nearest_linear", static_cast<int>(xs.size()));
+}
+
 int main() {
   // 4095..4097 and 9000: int8 tiles of 4096 (whole and partial beats of scales).
   const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500, 4095, 4096, 4097, 9000};
@@ -313,6 +327,7 @@ int main() {
     two_state_cases(n);
     lion8_case(n);
   }
+  linear_code_case();
   // int4 tiles of 16384 params (128 x 128): partial rows, partial tiles, several tiles.
   const int lengths4[] = {0, 1, 15, 16, 127, 128, 129, 1025, 16383, 16384, 16385, 40001};
   for (int n : lengths4) {

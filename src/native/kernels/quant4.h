@@ -30,8 +30,8 @@
 // Rounding is lpmm's "real-nearest" (quantization_kernel.cu, quantize_bsearch): the code is
 // the number of midpoints (float32 (map[i] + map[i+1]) * 0.5) strictly below x, so a tie goes
 // to the smaller value and x beyond the ends clamps to them. Here that count is 15 compares
-// and adds, branch-free, so GCC vectorises it and tests/quant4_reference.py reproduces it
-// exactly. x is the value divided by its scale (correctly rounded: x <= 1 always), as lpmm
+// and adds, branch-free (the linear map's, the same count in arithmetic), so GCC vectorises
+// it and tests/quant4_reference.py reproduces it exactly. x is the value divided by its scale (correctly rounded: x <= 1 always), as lpmm
 // divides; a zero scale (all its values 0) codes every value as x = 0.
 //
 // Where this differs from lpmm: lpmm normalises a 2-D param by its own matrix's row and
@@ -99,6 +99,25 @@ __attribute__((always_inline)) inline float dynamic_value(uint32_t code) {
 #pragma GCC unroll 16
   for (uint32_t i = 0; i < 16; ++i) b |= (0u - static_cast<uint32_t>(code == i)) & bits_of(kDynamic[i]);
   return float_of(b);
+}
+
+// Branch-free float select (a conditional float expression keeps some loops scalar).
+__attribute__((always_inline)) inline float pick(bool c, float a, float b) {
+  const uint32_t take = 0u - static_cast<uint32_t>(c);
+  return float_of((bits_of(a) & take) | (bits_of(b) & ~take));
+}
+
+// nearest(x, kLinearMid) in arithmetic (8 operations instead of 30; the same code for every
+// x, which csim checks): with y = 32 x (exact), the midpoints below x are the k in 0..14 with
+// 2k + 3 < y, i.e. ceil((y - 3) / 2) of them, clamped to [0, 15]. For y >= 1.5, y - 3 and the
+// halving are exact; below, w < 0 and the count is 0. ceil of w >= 0 is trunc(w) plus one
+// where that is below w. A NaN codes 0, as with the compares.
+__attribute__((always_inline)) inline uint32_t nearest_linear(float x) {
+  float w = (x * 32.0f - 3.0f) * 0.5f;
+  w = pick(w > 0.0f, w, 0.0f);
+  w = pick(w < 15.0f, w, 15.0f);
+  const int32_t t = static_cast<int32_t>(w);
+  return static_cast<uint32_t>(t + static_cast<int32_t>(static_cast<float>(t) < w));
 }
 
 __attribute__((always_inline)) inline float linear_value(uint32_t code) {
@@ -178,10 +197,10 @@ inline void encode_second(std::size_t len, const float* __restrict x, float rmax
                           const float* __restrict cmax, uint8_t* __restrict q) {
   for (std::size_t j = 0; j < len / 2; ++j)
     q[j] = static_cast<uint8_t>(
-        nearest(x[2 * j] / divisor(min(rmax, cmax[2 * j])), kLinearMid) |
-        (nearest(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1])), kLinearMid) << 4));
+        nearest_linear(x[2 * j] / divisor(min(rmax, cmax[2 * j]))) |
+        (nearest_linear(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1]))) << 4));
   if (len & 1)
-    q[len / 2] = static_cast<uint8_t>(nearest(x[len - 1] / divisor(min(rmax, cmax[len - 1])), kLinearMid));
+    q[len / 2] = static_cast<uint8_t>(nearest_linear(x[len - 1] / divisor(min(rmax, cmax[len - 1]))));
 }
 
 // The rows of a tile of `len` params.
