@@ -31,8 +31,9 @@
 // the number of midpoints (float32 (map[i] + map[i+1]) * 0.5) strictly below x, so a tie goes
 // to the smaller value and x beyond the ends clamps to them. Here that count is 15 compares
 // and adds, branch-free (the linear map's, the same count in arithmetic), so GCC vectorises
-// it and tests/quant4_reference.py reproduces it exactly. x is the value divided by its scale (correctly rounded: x <= 1 always), as lpmm
-// divides; a zero scale (all its values 0) codes every value as x = 0.
+// it and tests/quant4_reference.py reproduces it exactly. x is the value divided by its
+// scale (correctly rounded: |x| <= 1 always), as lpmm divides; a zero scale (all its values
+// 0) codes every value as x = 0.
 //
 // Where this differs from lpmm: lpmm normalises a 2-D param by its own matrix's row and
 // column maxima (and 1-D ones by blocks of 128; tensors of <= 4096 elements stay fp32). A
@@ -40,7 +41,8 @@
 // viewed row by row (the last tile of a chunk may have fewer rows and a shorter last row),
 // whatever the param's own shape; every param is quantized; blocks and tiles restart at every
 // chunk. A tile's row r is also the first moment's block: the tile's 128 rows are its 128
-// blocks. The update is lpmm's order (optim/adamw.py): decode the old moments, the fp32
+// blocks. The update is lpmm's order (optim/adamw.py, _single_tensor_adamw4bit): decode the
+// old moments, the fp32
 // update with the new moments in fp32 (adam_element, lion_element), then the new moments'
 // maxima become the scales and the new moments are coded.
 //
