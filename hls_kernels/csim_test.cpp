@@ -2,6 +2,7 @@
 // equal the C++ reference (src/native/kernels/ on whole arrays, as the cpu device runs
 // it) bit for bit on states and params, for lengths that are and are not multiples of a
 // beat, zero-length included, and leave the bytes after each array untouched.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -33,6 +34,9 @@ extern "C" void smartinf_amsgrad_f32_f16(Beat*, Beat*, Beat*, Beat*, const Beat*
 extern "C" void smartinf_adam8_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
                                        k::AdamStep);
 extern "C" void smartinf_lion8_f32_f16(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
+extern "C" void smartinf_adam4_f32_f16(Beat*, Beat*, Beat*, Beat*, Beat*, const Beat*, Beat*, int,
+                                       k::AdamStep);
+extern "C" void smartinf_lion4_f32_f16(Beat*, Beat*, Beat*, const Beat*, Beat*, int, k::LionStep);
 namespace store = smartinf::store;
 
 static std::mt19937 rng(7);
@@ -233,6 +237,74 @@ static void lion8_case(int n) {
         "lion8_f32_f16", n);
 }
 
+// int4 states: as int8, on store/layout.h's int4 layout (an fp32 master in front).
+struct Int4Case {
+  int n;
+  unsigned moments;
+  std::vector<uint32_t> buf;
+  store::Int4States ref;
+  Int4Case(int n_, unsigned m, const std::vector<float>* states)
+      : n(n_), moments(m), buf((4 * std::size_t(n_) + store::int4_moment_bytes(n_, m)) / 4 + 1) {
+    ref = store::int4_moments_at(buf.data() + n, reinterpret_cast<float*>(buf.data()), n, moments);
+    const float* from[3] = {states[0].data(), states[1].data(), m > 1 ? states[2].data() : nullptr};
+    const float fill[3] = {0.0f, 0.0f, 0.0f};
+    k::import_int4(ref, n, moments, from, fill);
+  }
+  std::vector<float> param() const { return {ref.param, ref.param + n}; }
+  std::vector<uint8_t> codes(unsigned k) const { return {ref.code[k], ref.code[k] + (n + 1) / 2}; }
+  std::vector<float> scales(unsigned k) const {
+    const std::size_t count = k == 0 ? store::quant4_blocks(n) : store::quant4_tiles(n) * 2 * store::kQuant4Block;
+    return {ref.scale[k], ref.scale[k] + count};
+  }
+};
+
+static void adam4_case(int n, const k::AdamStep& s) {
+  const std::vector<float> states[3] = {random<float>(n), random<float>(n, 0.1f), positive(n)};
+  auto g = random<float>(n);
+  Int4Case c(n, 2, states);
+  Device<float> dp(c.param()), dms(c.scales(0)), dvs(c.scales(1));
+  Device<uint8_t> dmq(c.codes(0)), dvq(c.codes(1));
+  Device<float> dg(g);
+  std::vector<k::f16> out(n);
+  Device<k::f16> dout(out);
+  k::adam4(n, c.ref, g.data(), out.data(), s);
+  smartinf_adam4_f32_f16(dp.data(), dmq.data(), dvq.data(), dms.data(), dvs.data(), dg.data(),
+                         dout.data(), n, s);
+  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dvq.equals(c.codes(1)) &&
+            dms.equals(c.scales(0)) && dvs.equals(c.scales(1)) && dout.equals(out),
+        "adam4_f32_f16", n);
+}
+
+static void lion4_case(int n) {
+  const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
+  const std::vector<float> states[2] = {random<float>(n), random<float>(n, 0.1f)};
+  auto g = random<float>(n);
+  Int4Case c(n, 1, states);
+  Device<float> dp(c.param()), dms(c.scales(0));
+  Device<uint8_t> dmq(c.codes(0));
+  Device<float> dg(g);
+  std::vector<k::f16> out(n);
+  Device<k::f16> dout(out);
+  k::lion4(n, c.ref, g.data(), out.data(), s);
+  smartinf_lion4_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
+  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
+            dout.equals(out),
+        "lion4_f32_f16", n);
+}
+
+// quant4.h's arithmetic linear-map code against its definition, the count of midpoints below
+// x: every midpoint and its float neighbours, the ends, and random x in [0, 1].
+static void linear_code_case() {
+  namespace q4 = k::q4;
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f, 1e-45f, 1e-38f, 0.0625f, 0.03125f};
+  for (float mid : q4::kLinearMid)
+    for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 2.0f)}) xs.push_back(x);
+  for (int i = 0; i < 200000; ++i) xs.push_back(std::uniform_real_distribution<float>(0.0f, 1.0f)(rng));
+  bool ok = true;
+  for (float x : xs) ok = ok && q4::nearest_linear(x) == q4::nearest(x, q4::kLinearMid);
+  check(ok, "quant4 nearest_linear", static_cast<int>(xs.size()));
+}
+
 int main() {
   // 4095..4097 and 9000: int8 tiles of 4096 (whole and partial beats of scales).
   const int lengths[] = {0, 1, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2500, 4095, 4096, 4097, 9000};
@@ -255,7 +327,18 @@ int main() {
     two_state_cases(n);
     lion8_case(n);
   }
-  std::printf("csim: %d checks, %d failures (%zu lengths, 14 top functions)\n", checks, failures,
-              sizeof(lengths) / sizeof(lengths[0]));
+  linear_code_case();
+  // int4 tiles of 16384 params (128 x 128): partial rows, partial tiles, several tiles.
+  const int lengths4[] = {0, 1, 15, 16, 127, 128, 129, 1025, 16383, 16384, 16385, 40001};
+  for (int n : lengths4) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool decoupled = variant != 1;
+      const double beta1 = variant == 2 ? 0.3 : 0.9;
+      adam4_case(n, k::adam_step(1e-3, beta1, 0.999, 1e-8, 0.01, decoupled, 3, 0.5));
+    }
+    lion4_case(n);
+  }
+  std::printf("csim: %d checks, %d failures (%zu + %zu lengths, 16 top functions)\n", checks,
+              failures, sizeof(lengths) / sizeof(lengths[0]), sizeof(lengths4) / sizeof(lengths4[0]));
   return failures ? 1 : 0;
 }

@@ -105,6 +105,38 @@ namespace h = smartinf::hls;
     h::update_chunk_int8<h::Lion8Math, G, P>(param, codes, scales, grad, out, n, h::Lion8Math{step}); \
   }
 
+// Adam / AdamW on int4 states (store/layout.h, kernels/quant4.h): fp32 params, the packed
+// 4-bit codes of exp_avg and exp_avg_sq, exp_avg's fp32 scales per 128 params and
+// exp_avg_sq's row and column maxima per 128 x 128 tile.
+#define SMARTINF_ADAM4(NAME, G, P)                                                             \
+  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* v_codes, Beat* m_scales,               \
+                       Beat* v_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(m_codes, states)                                                             \
+    SMARTINF_PORT(v_codes, states)                                                             \
+    SMARTINF_PORT(m_scales, states)                                                            \
+    SMARTINF_PORT(v_scales, states)                                                            \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* codes[2] = {m_codes, v_codes};                                                       \
+    Beat* scales[2] = {m_scales, v_scales};                                                    \
+    h::update_chunk_int4<h::Adam4Math, G, P>(param, codes, scales, grad, out, n, h::Adam4Math{step}); \
+  }
+
+// Lion on int4 states: fp32 params, the packed 4-bit codes of exp_avg and their scales.
+#define SMARTINF_LION4(NAME, G, P)                                                             \
+  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* m_scales, const Beat* grad, Beat* out, \
+                       int n, k::LionStep step) {                                              \
+    SMARTINF_PORT(param, states)                                                               \
+    SMARTINF_PORT(m_codes, states)                                                             \
+    SMARTINF_PORT(m_scales, states)                                                            \
+    SMARTINF_PORT(grad, grads)                                                                 \
+    SMARTINF_PORT(out, params)                                                                 \
+    Beat* codes[1] = {m_codes};                                                                \
+    Beat* scales[1] = {m_scales};                                                              \
+    h::update_chunk_int4<h::Lion4Math, G, P>(param, codes, scales, grad, out, n, h::Lion4Math{step}); \
+  }
+
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)
 SMARTINF_ADAM(smartinf_adam_f32_bf16, float, k::bf16)
 SMARTINF_ADAM(smartinf_adam_f16_f16, k::f16, k::f16)
@@ -119,3 +151,5 @@ SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::LionMath, k::LionStep, k::bf16, k
 SMARTINF_AMSGRAD(smartinf_amsgrad_f32_f16, float, k::f16)
 SMARTINF_ADAM8(smartinf_adam8_f32_f16, float, k::f16)
 SMARTINF_LION8(smartinf_lion8_f32_f16, float, k::f16)
+SMARTINF_ADAM4(smartinf_adam4_f32_f16, float, k::f16)
+SMARTINF_LION4(smartinf_lion4_f32_f16, float, k::f16)

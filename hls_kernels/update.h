@@ -10,6 +10,7 @@
 #include "kernels/adam.h"
 #include "kernels/decompress.h"
 #include "kernels/lion.h"
+#include "kernels/quant4.h"
 #include "kernels/quant8.h"
 #include "kernels/sgd.h"
 #include "store/layout.h"
@@ -170,6 +171,65 @@ int8_tiles:
       store(codes[k], start, count, q[k]);
       store(scales[k], first_block, blocks, sc[k]);
     }
+    store(out, start, count, o);
+  }
+}
+
+// int4 states (store/layout.h, coded as kernels/quant4.h says) go in tiles of TILE4 params:
+// one rank-1 tile of 128 x 128 (the second moment's scales need the whole tile's new values
+// before any is coded), i.e. 128 first-moment blocks, 8192 code bytes and 256 tile scales:
+// whole beats of each.
+constexpr int TILE4 = static_cast<int>(store::kQuant4Tile);
+
+// The math of one optimizer on an int4 tile: M coded moments.
+struct Adam4Math {
+  static constexpr int M = 2;  // exp_avg (blocks), exp_avg_sq (rank-1 tile)
+  kernels::AdamStep s;
+  template <class G, class P>
+  void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
+    kernels::adam4(static_cast<std::size_t>(n), st, g, out, s);
+  }
+};
+
+struct Lion4Math {
+  static constexpr int M = 1;  // exp_avg
+  kernels::LionStep s;
+  template <class G, class P>
+  void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
+    kernels::lion4(static_cast<std::size_t>(n), st, g, out, s);
+  }
+};
+
+// One chunk of n params with int4 states: fp32 params, Math::M packed code arrays (two codes
+// a byte), the first moment's per-block fp32 scales and (M = 2) the second moment's per-tile
+// row and column maxima; a dense G gradient.
+template <class Math, class G, class P>
+inline void update_chunk_int4(Beat* param, Beat* const* codes, Beat* const* scales,
+                              const Beat* grad, Beat* out, int n, const Math& math) {
+  constexpr int kBlock = static_cast<int>(store::kQuant4Block);
+  float p[TILE4], block_scale[TILE4 / kBlock], tile_scale[2 * kBlock];
+  uint8_t q[Math::M][TILE4 / 2];
+  G g[TILE4];
+  P o[TILE4];
+  store::Int4States st{p, {}, {block_scale, Math::M > 1 ? tile_scale : nullptr}};
+  for (int k = 0; k < Math::M; ++k) st.code[k] = q[k];
+int4_tiles:
+  for (int start = 0; start < n; start += TILE4) {
+    const int count = n - start < TILE4 ? n - start : TILE4;
+    const int bytes = (count + 1) / 2;
+    const int blocks = static_cast<int>(store::quant4_blocks(static_cast<std::size_t>(count)));
+    const std::size_t first_block = static_cast<std::size_t>(start) / store::kQuant4Block;
+    const std::size_t tile_at = static_cast<std::size_t>(start) / store::kQuant4Tile * 2 * kBlock;
+    load(param, start, count, p);
+    for (int k = 0; k < Math::M; ++k) load(codes[k], static_cast<std::size_t>(start) / 2, bytes, q[k]);
+    load(scales[0], first_block, blocks, block_scale);
+    if (Math::M > 1) load(scales[1], tile_at, 2 * kBlock, tile_scale);
+    load(grad, start, count, g);
+    math(count, st, g, o);
+    store(param, start, count, p);
+    for (int k = 0; k < Math::M; ++k) store(codes[k], static_cast<std::size_t>(start) / 2, bytes, q[k]);
+    store(scales[0], first_block, blocks, block_scale);
+    if (Math::M > 1) store(scales[1], tile_at, 2 * kBlock, tile_scale);
     store(out, start, count, o);
   }
 }

@@ -111,7 +111,7 @@ def test_a_directory_keeps_its_state_dtype(tmp_path, rule):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(state_dtype="int2"), "state_dtype='int2'"),
+    (dict(state_dtype="int2"), "state_dtype='int2': expected one of fp32, int8, int4"),
     (dict(state_dtype="int4", optimizer=smartinf.SGD(lr=0.1)), "int4 states are for adam, adamw, lion; sgd"),
     # the rules whose row in kernels/rules.h allows int8, named from the registry
     (dict(state_dtype="int8", optimizer=smartinf.SGD(lr=0.1, momentum=0.9)),

@@ -169,6 +169,8 @@ def optimizers(lr: float, weight_decay: float, state_dir: str) -> dict[str, Opti
     runs["smartinf-topk1%-ef"] = smartinf_adamw("smartinf-topk1%-ef", TopK(0.01, error_feedback=True))
     # Not in the default demo either: Adam's moments 8-bit block-wise on the device.
     runs["smartinf-int8"] = smartinf_adamw("smartinf-int8", state_dtype="int8")
+    # Nor this: 4-bit moments (Li et al. 2023), kernels/quant4.h.
+    runs["smartinf-int4"] = smartinf_adamw("smartinf-int4", state_dtype="int4")
     return runs
 
 

@@ -1,10 +1,58 @@
-// 4-bit block-wise optimizer states (after Li et al., "Memory Efficient Optimizers with
-// 4-bit States", NeurIPS 2023). Where the codes and scales sit is store/layout.h's
-// (Int4States). PLACEHOLDER: the kernels are being written.
+// 4-bit optimizer states (after Li et al., "Memory Efficient Optimizers with 4-bit States",
+// NeurIPS 2023; their code is github.com/thu-ml/low-bit-optimizers, `lpmm`), written once for
+// the CPU device and HLS: the two codes, and the int4 kernels of the rules whose row allows
+// int4 (kernels/rules.h). Where the codes and scales sit is store/layout.h's (Int4States).
+//
+// A rule's int4 moments, in the order of its state arrays (lpmm's default configuration,
+// lpmm/configs/default.yml: first moment "B128/DE", second moment "Rank-1/Linear"):
+//   first (Adam's and Lion's exp_avg, signed): blocks of 128 params (kQuant4Block), each
+//     divided by its extreme value (the block's fp32 scale, see below) and rounded to the
+//     nearest value of lpmm's 4-bit signed dynamic-exponent map (functional.
+//     create_dynamic_map(signed=True, max_exponent_bits=3, total_bits=4), its float32 values
+//     bit for bit):
+//       -0.8875 -0.6625 -0.4375 -0.2125 -0.0775 -0.0325 -0.0055 0
+//        0.0055  0.0325  0.0775  0.2125  0.4375  0.6625  0.8875 1
+//     (code i is the i-th value; 0 is exact). The map holds +1 but not -1, so the scale is
+//     the block's largest magnitude WITH ITS SIGN (the positive one on a tie): lpmm divides
+//     by the absolute maximum, and a block whose extreme is negative then decodes it as
+//     -0.8875 of it; with a signed scale the extreme always decodes exactly, and decoded
+//     states code back to the same bits (a state_dict round trip is exact). The decode is
+//     the same product, map value x scale. Largest gap 0.225, so the error is at most
+//     0.1125 of the block's largest magnitude.
+//   second (Adam's exp_avg_sq, v itself, not its root as int8 keeps it): rank-1 normalisation
+//     (functional.quant_scaling, scale_type "rank1": the scale of element (r, c) is
+//     min(max of row r, max of column c)) and lpmm's "power-1" unsigned map, the linear map
+//     without zero (functional.create_pow_map: linspace(0, 1, 17)[1:]): code i is (i+1)/16.
+//     A positive v never decodes to 0 (at least 1/16 of its scale, which is >= v), so
+//     m / (sqrt(v) + eps) cannot blow up where a tiny v would have rounded to zero, the
+//     failure the paper calls the zero-point problem. Error at most 1/32 of the element's
+//     scale from 1/32 of it up, below that rounded up to 1/16 of it.
+// Rounding is lpmm's "real-nearest" (quantization_kernel.cu, quantize_bsearch): the code is
+// the number of midpoints (float32 (map[i] + map[i+1]) * 0.5) strictly below x, so a tie goes
+// to the smaller value and x beyond the ends clamps to them. Here that count is 15 compares
+// and adds, branch-free (the linear map's, the same count in arithmetic), so GCC vectorises
+// it and tests/quant4_reference.py reproduces it exactly. x is the value divided by its
+// scale (correctly rounded: |x| <= 1 always), as lpmm divides; a zero scale (all its values
+// 0) codes every value as x = 0.
+//
+// Where this differs from lpmm: lpmm normalises a 2-D param by its own matrix's row and
+// column maxima (and 1-D ones by blocks of 128; tensors of <= 4096 elements stay fp32). A
+// device sees only flat chunks, so here a tile is 128 x 128 consecutive params of the chunk
+// viewed row by row (the last tile of a chunk may have fewer rows and a shorter last row),
+// whatever the param's own shape; every param is quantized; blocks and tiles restart at every
+// chunk. A tile's row r is also the first moment's block: the tile's 128 rows are its 128
+// blocks. The update is lpmm's order (optim/adamw.py, _single_tensor_adamw4bit): decode the
+// old moments, the fp32
+// update with the new moments in fp32 (adam_element, lion_element), then the new moments'
+// maxima become the scales and the new moments are coded.
+//
+// Bytes per param of moments (store/layout.h): codes 0.5 each; first moment 4 B per 128
+// params (1/32); second moment 2 x 128 fp32 maxima per 16384 params (1/16). Adam: 2 x 0.5 +
+// 1/32 + 1/16 = 1.09375 B/param (int8: 2.03, fp32: 8); Lion: 0.53125 B/param.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <stdexcept>
 
 #include "kernels/adam.h"
 #include "kernels/lion.h"
@@ -13,25 +61,328 @@
 
 namespace smartinf::kernels {
 
+// The int4 layout's names, owned by store/layout.h.
 using store::Int4States;
+using store::kQuant4Block;
+using store::kQuant4Tile;
 
-template <class G, class P>
-inline void adam4(std::size_t, const Int4States&, const G*, P*, const AdamStep&) {
-  throw std::logic_error("int4 Adam: not written yet");
+namespace q4 {
+
+// lpmm's 4-bit signed dynamic-exponent map (float32, as torch builds it), ascending.
+inline constexpr float kDynamic[16] = {
+    -0x1.c66666p-1f, -0x1.533334p-1f, -0x1.cp-2f,      -0x1.b33332p-3f,
+    -0x1.3d70a4p-4f, -0x1.0a3d72p-5f, -0x1.6872b0p-8f, 0.0f,
+    0x1.6872b0p-8f,  0x1.0a3d72p-5f,  0x1.3d70a4p-4f,  0x1.b33332p-3f,
+    0x1.cp-2f,       0x1.533334p-1f,  0x1.c66666p-1f,  1.0f};
+inline constexpr float kDynamicMid[15] = {
+#define SMARTINF_Q4_MID(i) (kDynamic[i] + kDynamic[i + 1]) * 0.5f
+    SMARTINF_Q4_MID(0),  SMARTINF_Q4_MID(1),  SMARTINF_Q4_MID(2),  SMARTINF_Q4_MID(3),
+    SMARTINF_Q4_MID(4),  SMARTINF_Q4_MID(5),  SMARTINF_Q4_MID(6),  SMARTINF_Q4_MID(7),
+    SMARTINF_Q4_MID(8),  SMARTINF_Q4_MID(9),  SMARTINF_Q4_MID(10), SMARTINF_Q4_MID(11),
+    SMARTINF_Q4_MID(12), SMARTINF_Q4_MID(13), SMARTINF_Q4_MID(14)};
+#undef SMARTINF_Q4_MID
+// The linear map without zero: code i is (i + 1) / 16; midpoints (2i + 3) / 32, exact.
+inline constexpr float kLinearMid[15] = {
+    3 / 32.0f,  5 / 32.0f,  7 / 32.0f,  9 / 32.0f,  11 / 32.0f, 13 / 32.0f, 15 / 32.0f, 17 / 32.0f,
+    19 / 32.0f, 21 / 32.0f, 23 / 32.0f, 25 / 32.0f, 27 / 32.0f, 29 / 32.0f, 31 / 32.0f};
+
+// The nearest map value's code: how many midpoints lie strictly below x (ties go down).
+__attribute__((always_inline)) inline uint32_t nearest(float x, const float* mid) {
+  uint32_t c = 0;
+#pragma GCC unroll 15
+  for (int i = 0; i < 15; ++i) c += static_cast<uint32_t>(x > mid[i]);
+  return c;
+}
+
+// Code -> map value, branch-free (selects by masks) so the loops vectorise on any ISA; on
+// an FPGA this is a 16-entry ROM.
+__attribute__((always_inline)) inline float dynamic_value(uint32_t code) {
+  uint32_t b = 0;
+#pragma GCC unroll 16
+  for (uint32_t i = 0; i < 16; ++i) b |= (0u - static_cast<uint32_t>(code == i)) & bits_of(kDynamic[i]);
+  return float_of(b);
+}
+
+// Branch-free float select (a conditional float expression keeps some loops scalar).
+__attribute__((always_inline)) inline float pick(bool c, float a, float b) {
+  const uint32_t take = 0u - static_cast<uint32_t>(c);
+  return float_of((bits_of(a) & take) | (bits_of(b) & ~take));
+}
+
+// nearest(x, kLinearMid) in arithmetic (8 operations instead of 30; the same code for every
+// x, which csim checks): with y = 32 x (exact), the midpoints below x are the k in 0..14 with
+// 2k + 3 < y, i.e. ceil((y - 3) / 2) of them, clamped to [0, 15]. For y >= 1.5, y - 3 and the
+// halving are exact; below, w < 0 and the count is 0. ceil of w >= 0 is trunc(w) plus one
+// where that is below w. A NaN codes 0, as with the compares.
+__attribute__((always_inline)) inline uint32_t nearest_linear(float x) {
+  float w = (x * 32.0f - 3.0f) * 0.5f;
+  w = pick(w > 0.0f, w, 0.0f);
+  w = pick(w < 15.0f, w, 15.0f);
+  const int32_t t = static_cast<int32_t>(w);
+  return static_cast<uint32_t>(t + static_cast<int32_t>(static_cast<float>(t) < w));
+}
+
+__attribute__((always_inline)) inline float linear_value(uint32_t code) {
+  return static_cast<float>(static_cast<int32_t>(code + 1)) * 0.0625f;
+}
+
+// Largest magnitude as the bits of a non-negative float (they order like the values; an
+// integer max reduction vectorises where a float one needs -ffast-math).
+__attribute__((always_inline)) inline int32_t magnitude(float x) {
+  return static_cast<int32_t>(bits_of(x) & 0x7fffffffu);
+}
+
+// A first-moment block's extreme, found on the way: the largest magnitude among values with
+// the sign bit clear and among those with it set (as float bits, integer maxima).
+struct Extreme {
+  int32_t pos = 0, neg = 0;
+  __attribute__((always_inline)) void add(float x) {
+    const int32_t b = static_cast<int32_t>(bits_of(x));
+    const int32_t a = b & 0x7fffffff, negative = b >> 31;  // all ones for a set sign bit
+    const int32_t p = a & ~negative, q = a & negative;
+    pos = p > pos ? p : pos;
+    neg = q > neg ? q : neg;
+  }
+  // The scale: the largest magnitude with its sign, the positive one on a tie.
+  float scale() const {
+    return neg > pos ? -float_of(static_cast<uint32_t>(neg)) : float_of(static_cast<uint32_t>(pos));
+  }
+};
+
+__attribute__((always_inline)) inline float min(float a, float b) { return a < b ? a : b; }
+
+// A divisor for values whose scale is `s`: s itself, or 1 where s is 0 (its values are 0).
+// Selected by masks: written as `s != 0 ? s : 1`, GCC moves the division into the branches
+// (x / 1 = x), and a conditional division stops the loop from vectorising.
+__attribute__((always_inline)) inline float divisor(float s) {
+  const uint32_t take = 0u - static_cast<uint32_t>(s != 0.0f);
+  return float_of((bits_of(s) & take) | (bits_of(1.0f) & ~take));
+}
+
+// `len` values of the first moment from codes at q (value j's code in q[j / 2], the low
+// nibble for even j), with the block's scale.
+inline void decode_first(std::size_t len, const uint8_t* __restrict q, float scale,
+                         float* __restrict x) {
+  for (std::size_t j = 0; j < len / 2; ++j) {
+    const uint32_t b = q[j];
+    x[2 * j] = dynamic_value(b & 15u) * scale;
+    x[2 * j + 1] = dynamic_value(b >> 4) * scale;
+  }
+  if (len & 1) x[len - 1] = dynamic_value(q[len / 2] & 15u) * scale;
+}
+
+// `len` values of a tile's row of the second moment: the row's maximum `rmax`, the tile's
+// column maxima `cmax`.
+inline void decode_second(std::size_t len, const uint8_t* __restrict q, float rmax,
+                          const float* __restrict cmax, float* __restrict x) {
+  for (std::size_t j = 0; j < len / 2; ++j) {
+    const uint32_t b = q[j];
+    x[2 * j] = linear_value(b & 15u) * min(rmax, cmax[2 * j]);
+    x[2 * j + 1] = linear_value(b >> 4) * min(rmax, cmax[2 * j + 1]);
+  }
+  if (len & 1) x[len - 1] = linear_value(q[len / 2] & 15u) * min(rmax, cmax[len - 1]);
+}
+
+// The codes of `len` first-moment values whose block extreme is `scale`; for odd len the
+// last byte's high nibble is 0.
+inline void encode_first(std::size_t len, const float* __restrict x, float scale,
+                         uint8_t* __restrict q) {
+  const float d = divisor(scale);
+  for (std::size_t j = 0; j < len / 2; ++j)
+    q[j] = static_cast<uint8_t>(nearest(x[2 * j] / d, kDynamicMid) |
+                                (nearest(x[2 * j + 1] / d, kDynamicMid) << 4));
+  if (len & 1) q[len / 2] = static_cast<uint8_t>(nearest(x[len - 1] / d, kDynamicMid));
+}
+
+// The codes of a tile's row of second-moment values (rank-1 scales).
+inline void encode_second(std::size_t len, const float* __restrict x, float rmax,
+                          const float* __restrict cmax, uint8_t* __restrict q) {
+  for (std::size_t j = 0; j < len / 2; ++j)
+    q[j] = static_cast<uint8_t>(
+        nearest_linear(x[2 * j] / divisor(min(rmax, cmax[2 * j]))) |
+        (nearest_linear(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1]))) << 4));
+  if (len & 1)
+    q[len / 2] = static_cast<uint8_t>(nearest_linear(x[len - 1] / divisor(min(rmax, cmax[len - 1]))));
+}
+
+// The rows of a tile of `len` params.
+inline std::size_t tile_rows(std::size_t len) { return (len + kQuant4Block - 1) / kQuant4Block; }
+inline std::size_t row_len(std::size_t len, std::size_t r) {
+  const std::size_t left = len - r * kQuant4Block;
+  return left < kQuant4Block ? left : kQuant4Block;
+}
+
+// Codes a tile's second moment (`len` values, v >= 0) with its rank-1 scales: 128 row maxima
+// then 128 column maxima at `scales` (rows and columns the tile lacks: 0).
+inline void quantize_second_tile(std::size_t len, const float* x, uint8_t* q, float* scales) {
+  int32_t rbits[kQuant4Block] = {}, cbits[kQuant4Block] = {};
+  for (std::size_t r = 0; r < tile_rows(len); ++r) {
+    const std::size_t at = r * kQuant4Block, rl = row_len(len, r);
+    int32_t m = 0;
+    for (std::size_t j = 0; j < rl; ++j) {
+      const int32_t a = magnitude(x[at + j]);
+      m = a > m ? a : m;
+      cbits[j] = a > cbits[j] ? a : cbits[j];
+    }
+    rbits[r] = m;
+  }
+  for (std::size_t i = 0; i < kQuant4Block; ++i) {
+    scales[i] = float_of(static_cast<uint32_t>(rbits[i]));
+    scales[kQuant4Block + i] = float_of(static_cast<uint32_t>(cbits[i]));
+  }
+  for (std::size_t r = 0; r < tile_rows(len); ++r)
+    encode_second(row_len(len, r), x + r * kQuant4Block, scales[r], scales + kQuant4Block,
+                  q + r * kQuant4Block / 2);
+}
+
+// Codes a block of the first moment; its extreme (signed) becomes *scale.
+inline void quantize_first_block(std::size_t len, const float* x, uint8_t* q, float* scale) {
+  Extreme e;
+  for (std::size_t j = 0; j < len; ++j) e.add(x[j]);
+  *scale = e.scale();
+  encode_first(len, x, *scale, q);
+}
+
+}  // namespace q4
+
+// Adam/AdamW on int4 states: per tile, decode both moments, the fp32 update of adam.h's
+// formula (the new moments in fp32 update the param) finding the new maxima on the way
+// (per row: the first moment's block extreme and the second's row maximum; per column), then
+// code the new moments. `n`: whole tiles of the chunk from its start (the last may be partial).
+template <bool Decoupled, bool SmallWeight, class G, class P>
+inline void adam4_range(std::size_t n, const Int4States& s, const G* __restrict grad,
+                        P* __restrict out, const AdamStep& k) {
+  constexpr std::size_t B = kQuant4Block;
+  float m[kQuant4Tile], v[kQuant4Tile];  // the tile's moments, old then new
+  for (std::size_t t = 0; t * kQuant4Tile < n; ++t) {
+    const std::size_t lo = t * kQuant4Tile;
+    const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
+    const std::size_t rows = q4::tile_rows(len);
+    float* mscale = s.scale[0] + lo / B;     // the tile's first-moment block scales (one a row)
+    float* rmax = s.scale[1] + t * 2 * B;    // the tile's row maxima of the second moment
+    float* cmax = rmax + B;                  // and its column maxima
+    uint8_t* mq = s.code[0] + lo / 2;
+    uint8_t* vq = s.code[1] + lo / 2;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t at = r * B, rl = q4::row_len(len, r);
+      q4::decode_first(rl, mq + at / 2, mscale[r], m + at);
+      q4::decode_second(rl, vq + at / 2, rmax[r], cmax, v + at);
+    }
+    int32_t cbits[B] = {};
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t at = r * B, rl = q4::row_len(len, r);
+      // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
+      float* __restrict param = s.param + lo + at;
+      float* __restrict mr = m + at;
+      float* __restrict vr = v + at;
+      const G* __restrict gr = grad + lo + at;
+      P* __restrict o = out + lo + at;
+      q4::Extreme me;
+      int32_t v_bits = 0;
+      for (std::size_t j = 0; j < rl; ++j) {
+        const AdamResult res = adam_element<Decoupled, SmallWeight>(
+            to_float(gr[j]) * k.grad_scale, param[j], mr[j], vr[j], k);
+        param[j] = res.p;
+        o[j] = from_float<P>(res.p);
+        mr[j] = res.m;
+        vr[j] = res.v;
+        me.add(res.m);
+        const int32_t c = q4::magnitude(res.v);
+        v_bits = c > v_bits ? c : v_bits;
+        cbits[j] = c > cbits[j] ? c : cbits[j];
+      }
+      mscale[r] = me.scale();
+      rmax[r] = float_of(static_cast<uint32_t>(v_bits));
+    }
+    for (std::size_t r = rows; r < B; ++r) rmax[r] = 0.0f;
+    for (std::size_t c = 0; c < B; ++c) cmax[c] = float_of(static_cast<uint32_t>(cbits[c]));
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t at = r * B, rl = q4::row_len(len, r);
+      q4::encode_first(rl, m + at, mscale[r], mq + at / 2);
+      q4::encode_second(rl, v + at, rmax[r], cmax, vq + at / 2);
+    }
+  }
 }
 
 template <class G, class P>
-inline void lion4(std::size_t, const Int4States&, const G*, P*, const LionStep&) {
-  throw std::logic_error("int4 Lion: not written yet");
+inline void adam4(std::size_t n, const Int4States& s, const G* grad, P* out, const AdamStep& k) {
+  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
+  if (k.decoupled && small)
+    adam4_range<true, true>(n, s, grad, out, k);
+  else if (k.decoupled)
+    adam4_range<true, false>(n, s, grad, out, k);
+  else if (small)
+    adam4_range<false, true>(n, s, grad, out, k);
+  else
+    adam4_range<false, false>(n, s, grad, out, k);
 }
 
-inline void import_int4(const Int4States&, std::size_t, unsigned, const float* const*,
-                        const float*) {
-  throw std::logic_error("int4 import: not written yet");
+// Lion on int4 states: per block of 128, decode the momentum, the fp32 update of lion.h's
+// element, then code the new momentum as Adam's exp_avg is coded.
+template <class G, class P>
+inline void lion4(std::size_t n, const Int4States& s, const G* __restrict grad,
+                  P* __restrict out, const LionStep& k) {
+  constexpr std::size_t B = kQuant4Block;
+  float m[B];
+  for (std::size_t b = 0; b * B < n; ++b) {
+    const std::size_t lo = b * B, len = n - lo < B ? n - lo : B;
+    uint8_t* mq = s.code[0] + lo / 2;
+    q4::decode_first(len, mq, s.scale[0][b], m);
+    float* __restrict param = s.param + lo;
+    const G* __restrict gr = grad + lo;
+    P* __restrict o = out + lo;
+    q4::Extreme me;
+    for (std::size_t j = 0; j < len; ++j) {
+      const LionResult r = lion_element(to_float(gr[j]) * k.grad_scale, param[j], m[j], k);
+      param[j] = r.p;
+      o[j] = from_float<P>(r.p);
+      m[j] = r.m;
+      me.add(r.m);
+    }
+    s.scale[0][b] = me.scale();
+    q4::encode_first(len, m, s.scale[0][b], mq);
+  }
 }
 
-inline void export_int4(const Int4States&, std::size_t, unsigned, float* const*) {
-  throw std::logic_error("int4 export: not written yet");
+// A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int4
+// states (the fp32 param skipped when the states hold none: a split master). The second
+// moment is Adam's exp_avg_sq itself.
+inline void import_int4(const Int4States& s, std::size_t n, unsigned moments,
+                        const float* const* from, const float* fill) {
+  constexpr std::size_t B = kQuant4Block;
+  float x[kQuant4Tile];
+  for (std::size_t t = 0; t * kQuant4Tile < n; ++t) {
+    const std::size_t lo = t * kQuant4Tile;
+    const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
+    for (std::size_t j = 0; j < len && s.param; ++j) s.param[lo + j] = from[0] ? from[0][lo + j] : fill[0];
+    for (unsigned k = 0; k < moments; ++k) {
+      for (std::size_t j = 0; j < len; ++j) x[j] = from[k + 1] ? from[k + 1][lo + j] : fill[k + 1];
+      if (k == 0) {
+        for (std::size_t r = 0; r < q4::tile_rows(len); ++r)
+          q4::quantize_first_block(q4::row_len(len, r), x + r * B, s.code[0] + (lo + r * B) / 2,
+                                   s.scale[0] + lo / B + r);
+      } else {
+        q4::quantize_second_tile(len, x, s.code[1] + lo / 2, s.scale[1] + t * 2 * B);
+      }
+    }
+  }
+}
+
+// int4 states -> fp32 arrays (the second moment as exp_avg_sq); a null array, and the param
+// when the states hold none (a split master), is skipped.
+inline void export_int4(const Int4States& s, std::size_t n, unsigned moments, float* const* to) {
+  constexpr std::size_t B = kQuant4Block;
+  for (std::size_t lo = 0; lo < n; lo += B) {
+    const std::size_t len = n - lo < B ? n - lo : B;
+    const std::size_t t = lo / kQuant4Tile, r = lo % kQuant4Tile / B;
+    if (to[0] && s.param)
+      for (std::size_t j = 0; j < len; ++j) to[0][lo + j] = s.param[lo + j];
+    if (moments > 0 && to[1]) q4::decode_first(len, s.code[0] + lo / 2, s.scale[0][lo / B], to[1] + lo);
+    if (moments > 1 && to[2]) {
+      const float* rmax = s.scale[1] + t * 2 * B;
+      q4::decode_second(len, s.code[1] + lo / 2, rmax[r], rmax + B, to[2] + lo);
+    }
+  }
 }
 
 }  // namespace smartinf::kernels
