@@ -374,10 +374,10 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     import smartinf
     import smartinf.optim
     given = {"slots": 2, "chunk": 4096, "io": "threads", "queue_depth": 8, "host_link_gbps": 1.5,
-             "verify": True, "state_dtype": "int8", "if_exists": "overwrite"}
+             "verify": True, "state_dtype": "int8", "if_exists": "overwrite", "master": "split"}
     block = sds.Settings.from_config({"smartinf": {"devices": ["/a"], **given}}).pipeline
-    opt = smartinf.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], devices=[str(tmp_path / "o")],
-                               **given)
+    opt = smartinf.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))],
+                               devices=[str(tmp_path / "o")], **given)
     pipe = smartinf.Pipeline(str(tmp_path / "p"), **given)
     assert block == opt.pipeline.settings == pipe.settings == smartinf.PipelineSettings.resolve(**given)
     opt.close()
