@@ -7,7 +7,7 @@ come out.
 from . import _build_info
 from ._native import io_uring_built
 from .devices import CpuDevice, XrtDevice
-from .pipeline import Pipeline, UpdateFuture
+from .pipeline import ParamsChangedWarning, Pipeline, UpdateFuture
 from .settings import PipelineSettings
 from .update_rules import SGD, Adagrad, Adam, AdamW, Lion
 from .integrations import deepspeed_hook
@@ -15,7 +15,7 @@ from .integrations import deepspeed_hook
 deepspeed_hook.install()  # a "smartinf" block in a DeepSpeed config takes effect
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "PipelineSettings", "UpdateFuture", "CpuDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "Lion", "build_info", "__version__"]
+__all__ = ["Pipeline", "ParamsChangedWarning", "PipelineSettings", "UpdateFuture", "CpuDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "Lion", "build_info", "__version__"]
 
 
 def build_info() -> dict[str, bool]:
