@@ -129,6 +129,19 @@ def assert_close_fp32(actual, expected, what=""):
                                   f"{expected[worst]!r} (rel {err[worst] / max(abs(expected[worst]), 1e-30):.2e})")
 
 
+def step_traffic_per_param(directory, rule, n, grad, out, **settings):
+    """Bytes per param each link moved in one step of one sub-group of ``n`` params (its
+    states written at add_subgroup left out)."""
+    with smartinf.Pipeline(str(directory), rule, **settings) as pipe:
+        pipe.add_subgroup(n)
+        before = pipe.stats
+        with pipe.step():
+            pipe.update(0, grad, out)
+        after = pipe.stats
+    return {k: (after[k] - before[k]) / n for k in
+            ("storage_read", "storage_write", "host_to_device", "device_to_host")}
+
+
 def open_with_subgroups(dirs, rule, sizes, chunk, **kwargs):
     """A Pipeline with sub-groups of `sizes` (seeded random inits; resumed when the
     directories hold them), closed again if adding them fails (it holds their locks)."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import smartinf
+from conftest import step_traffic_per_param
 import smartinf.optim as so
 from quant4_reference import (BLOCK, LINEAR, TILE, Int4Adam, Int4Lion, bf16_round,
                               bf16_value, chunk_spans)
@@ -232,15 +233,10 @@ def test_extents_hold_the_layout_of_store_layout_h(disk_dir, rule):
 ])
 def test_storage_bytes_per_param(tmp_path, rule, fp32, int4):
     n = 1 << 20
-    moved = {}
-    for dtype in ("fp32", "int4"):
-        with smartinf.Pipeline(str(tmp_path / dtype), rule, chunk=n, state_dtype=dtype) as pipe:
-            pipe.add_subgroup(n)
-            before = pipe.stats
-            with pipe.step():
-                pipe.update(0, np.ones(n, np.float32), np.empty(n, np.float16))
-            after = pipe.stats
-        moved[dtype] = {k: (after[k] - before[k]) / n for k in ("storage_read", "storage_write")}
+    moved = {dtype: step_traffic_per_param(tmp_path / dtype, rule, n, np.ones(n, np.float32),
+                                           np.empty(n, np.float16), chunk=n, state_dtype=dtype)
+             for dtype in ("fp32", "int4")}
+    moved = {d: {k: m[k] for k in ("storage_read", "storage_write")} for d, m in moved.items()}
     assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
     # 1 Mi params a chunk fill 4 KiB pages exactly.
     assert moved["int4"] == {"storage_read": int4, "storage_write": int4}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import smartinf
+from conftest import step_traffic_per_param
 import smartinf.optim as so
 from quant8_reference import BLOCK, Int8Adam, Int8Lion
 
@@ -86,15 +87,10 @@ def test_update_matches_the_reference_bit_for_bit(disk_dir, rule, decoupled):
 ])
 def test_storage_bytes_per_param(tmp_path, rule, fp32, int8):
     n = 1 << 20
-    moved = {}
-    for dtype in ("fp32", "int8"):
-        with smartinf.Pipeline(str(tmp_path / dtype), rule, chunk=n, state_dtype=dtype) as pipe:
-            pipe.add_subgroup(n)
-            before = pipe.stats
-            with pipe.step():
-                pipe.update(0, np.ones(n, np.float32), np.empty(n, np.float16))
-            after = pipe.stats
-        moved[dtype] = {k: (after[k] - before[k]) / n for k in ("storage_read", "storage_write")}
+    moved = {dtype: step_traffic_per_param(tmp_path / dtype, rule, n, np.ones(n, np.float32),
+                                           np.empty(n, np.float16), chunk=n, state_dtype=dtype)
+             for dtype in ("fp32", "int8")}
+    moved = {d: {k: m[k] for k in ("storage_read", "storage_write")} for d, m in moved.items()}
     assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
     # 1 Mi params a chunk fill 4 KiB pages exactly.
     assert moved["int8"] == {"storage_read": int8, "storage_write": int8}

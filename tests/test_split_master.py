@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import smartinf
+from conftest import step_traffic_per_param
 import smartinf.optim as so
 from smartinf.compress import TopK
 from smartinf.pipeline import ParamsChangedWarning
@@ -149,20 +150,13 @@ def test_the_split_master_stores_two_bytes_per_param(tmp_path):
     expected = {("fp32", "fp32"): 24, ("fp32", "split"): 20, ("int8", "fp32"): 12.06,
                 ("int8", "split"): 8.06, ("int4", "split"): 6.19}
     for (dtype, master), per_param in expected.items():
-        pipe = smartinf.Pipeline(tmp_path / f"{dtype}-{master}", smartinf.AdamW(), chunk=chunk,
-                                 master=master, state_dtype=dtype)
-        pipe.add_subgroup(numel)
-        out = torch.zeros(numel, dtype=torch.bfloat16)
-        before = pipe.stats
-        with pipe.step():
-            pipe.update(0, torch.zeros(numel, dtype=torch.bfloat16), out).wait()
-        after = pipe.stats
-        pipe.close()
-        moved = (after["storage_read"] - before["storage_read"] +
-                 after["storage_write"] - before["storage_write"]) / numel
+        t = step_traffic_per_param(tmp_path / f"{dtype}-{master}", smartinf.AdamW(), numel,
+                                   torch.zeros(numel, dtype=torch.bfloat16),
+                                   torch.zeros(numel, dtype=torch.bfloat16), chunk=chunk,
+                                   master=master, state_dtype=dtype)
+        moved = t["storage_read"] + t["storage_write"]
         assert abs(moved - per_param) < 0.05, (dtype, master, moved)  # + 4 KiB alignment
-        host = (after["host_to_device"] - before["host_to_device"]) / numel
-        assert host == (4 if master == "split" else 2)  # bf16 gradient (+ bf16 params)
+        assert t["host_to_device"] == (4 if master == "split" else 2)  # bf16 gradient (+ params)
 
 
 def test_params_changed_since_emitted_become_the_masters_with_a_warning(tmp_path):
