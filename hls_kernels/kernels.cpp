@@ -74,41 +74,11 @@ namespace h = smartinf::hls;
     h::update_chunk<MATH, h::DenseGrad<G>, P>(states, g, out, n, MATH{step});                  \
   }
 
-// Adam / AdamW on int8 states (store/layout.h, kernels/quant8.h): fp32 params, the 8-bit
-// codes of exp_avg and sqrt(exp_avg_sq), and their fp32 scales per 256 params.
-#define SMARTINF_ADAM8(NAME, G, P)                                                             \
-  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* w_codes, Beat* m_scales,               \
-                       Beat* w_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
-    SMARTINF_PORT(param, states)                                                               \
-    SMARTINF_PORT(m_codes, states)                                                             \
-    SMARTINF_PORT(w_codes, states)                                                             \
-    SMARTINF_PORT(m_scales, states)                                                            \
-    SMARTINF_PORT(w_scales, states)                                                            \
-    SMARTINF_PORT(grad, grads)                                                                 \
-    SMARTINF_PORT(out, params)                                                                 \
-    Beat* codes[2] = {m_codes, w_codes};                                                       \
-    Beat* scales[2] = {m_scales, w_scales};                                                    \
-    h::update_chunk_int8<h::Adam8Math, G, P>(param, codes, scales, grad, out, n, h::Adam8Math{step}); \
-  }
-
-// Lion on int8 states: fp32 params, the 8-bit codes of exp_avg and their scales.
-#define SMARTINF_LION8(NAME, G, P)                                                             \
-  extern "C" void NAME(Beat* param, Beat* m_codes, Beat* m_scales, const Beat* grad, Beat* out, \
-                       int n, k::LionStep step) {                                              \
-    SMARTINF_PORT(param, states)                                                               \
-    SMARTINF_PORT(m_codes, states)                                                             \
-    SMARTINF_PORT(m_scales, states)                                                            \
-    SMARTINF_PORT(grad, grads)                                                                 \
-    SMARTINF_PORT(out, params)                                                                 \
-    Beat* codes[1] = {m_codes};                                                                \
-    Beat* scales[1] = {m_scales};                                                              \
-    h::update_chunk_int8<h::Lion8Math, G, P>(param, codes, scales, grad, out, n, h::Lion8Math{step}); \
-  }
-
-// Adam / AdamW on int4 states (store/layout.h, kernels/quant4.h): fp32 params, the packed
-// 4-bit codes of exp_avg and exp_avg_sq, exp_avg's fp32 scales per 128 params and
-// exp_avg_sq's row and column maxima per 128 x 128 tile.
-#define SMARTINF_ADAM4(NAME, G, P)                                                             \
+// Adam / AdamW on quantized states (store/layout.h): fp32 params, the BITS-bit codes of the
+// two moments and their fp32 scales. int8 (kernels/quant8.h): exp_avg and sqrt(exp_avg_sq),
+// scales per 256 params; int4 (kernels/quant4.h): exp_avg and exp_avg_sq, packed two a byte,
+// exp_avg's scales per 128 params and exp_avg_sq's row and column maxima per 128 x 128 tile.
+#define SMARTINF_ADAM_QUANT(NAME, BITS, G, P)                                                  \
   extern "C" void NAME(Beat* param, Beat* m_codes, Beat* v_codes, Beat* m_scales,               \
                        Beat* v_scales, const Beat* grad, Beat* out, int n, k::AdamStep step) {  \
     SMARTINF_PORT(param, states)                                                               \
@@ -120,11 +90,12 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* codes[2] = {m_codes, v_codes};                                                       \
     Beat* scales[2] = {m_scales, v_scales};                                                    \
-    h::update_chunk_int4<h::Adam4Math, G, P>(param, codes, scales, grad, out, n, h::Adam4Math{step}); \
+    h::update_chunk_int##BITS<h::Adam##BITS##Math, G, P>(param, codes, scales, grad, out, n,   \
+                                                        h::Adam##BITS##Math{step});            \
   }
 
-// Lion on int4 states: fp32 params, the packed 4-bit codes of exp_avg and their scales.
-#define SMARTINF_LION4(NAME, G, P)                                                             \
+// Lion on quantized states: fp32 params, the BITS-bit codes of exp_avg and their scales.
+#define SMARTINF_LION_QUANT(NAME, BITS, G, P)                                                  \
   extern "C" void NAME(Beat* param, Beat* m_codes, Beat* m_scales, const Beat* grad, Beat* out, \
                        int n, k::LionStep step) {                                              \
     SMARTINF_PORT(param, states)                                                               \
@@ -134,7 +105,8 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* codes[1] = {m_codes};                                                                \
     Beat* scales[1] = {m_scales};                                                              \
-    h::update_chunk_int4<h::Lion4Math, G, P>(param, codes, scales, grad, out, n, h::Lion4Math{step}); \
+    h::update_chunk_int##BITS<h::Lion##BITS##Math, G, P>(param, codes, scales, grad, out, n,   \
+                                                        h::Lion##BITS##Math{step});            \
   }
 
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)
@@ -149,7 +121,7 @@ SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::AdagradMath, k::AdagradStep, flo
 SMARTINF_TWO_STATE(smartinf_lion_f32_f16, h::LionMath, k::LionStep, float, k::f16)
 SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::LionMath, k::LionStep, k::bf16, k::bf16)
 SMARTINF_AMSGRAD(smartinf_amsgrad_f32_f16, float, k::f16)
-SMARTINF_ADAM8(smartinf_adam8_f32_f16, float, k::f16)
-SMARTINF_LION8(smartinf_lion8_f32_f16, float, k::f16)
-SMARTINF_ADAM4(smartinf_adam4_f32_f16, float, k::f16)
-SMARTINF_LION4(smartinf_lion4_f32_f16, float, k::f16)
+SMARTINF_ADAM_QUANT(smartinf_adam8_f32_f16, 8, float, k::f16)
+SMARTINF_LION_QUANT(smartinf_lion8_f32_f16, 8, float, k::f16)
+SMARTINF_ADAM_QUANT(smartinf_adam4_f32_f16, 4, float, k::f16)
+SMARTINF_LION_QUANT(smartinf_lion4_f32_f16, 4, float, k::f16)
