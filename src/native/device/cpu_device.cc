@@ -19,11 +19,6 @@ namespace smartinf::device {
 
 namespace {
 
-// The update kernels on one slot, compiled for the portable baseline and for AVX2 and
-// picked when the library loads (GCC function multi-versioning; `flatten` inlines every
-// kernel into each clone). The same IEEE operations (no FMA contraction), so both give
-// the same bits; AVX2 halves the time of the int8 kernel. `grad`: the dense gradient's dtype.
-//
 // The rule's kernel on params [lo, lo + n) of a chunk of `numel` whose states are at
 // `states`, with their fp32 masters at `master` (lo's), in the layout's moments.
 template <class G, class P>
@@ -53,6 +48,10 @@ void run_moments(const Kernel& k, const store::StateLayout& layout, void* states
 constexpr size_t kSplitPiece = store::kQuant4Tile;
 static_assert(kSplitPiece % store::kQuantBlock == 0);
 
+// The update kernels on one slot, compiled for the portable baseline and for AVX2 and
+// picked when the library loads (GCC function multi-versioning; `flatten` inlines every
+// kernel into each clone). The same IEEE operations (no FMA contraction), so both give
+// the same bits; AVX2 halves the time of the int8 kernel. `grad`: the dense gradient's dtype.
 __attribute__((target_clones("avx2", "default"), flatten))
 // Params [lo, lo + n) of a chunk of `numel`: `s.grad` and `s.out` already point at lo.
 void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
@@ -191,7 +190,8 @@ class CpuDevice final : public Device {
   }
 
  private:
-  // Parts of whole int8 blocks and int4 tiles (and split-master pieces), large enough that a thread's share outweighs waking it.
+  // Parts of whole int8 blocks, int4 tiles and split-master pieces, large enough that a
+  // thread's share outweighs waking it.
   static constexpr uint64_t kGrain = uint64_t(1) << 14;
   static_assert(kGrain % kSplitPiece == 0);
 
