@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt.train import TrainConfig, optimizers, plot_losses, summarize, train  # noqa: E402
+from smartinf import compute_dtype  # noqa: E402
 
 
 def main() -> None:
@@ -30,20 +31,22 @@ def main() -> None:
                    help="quantized state dtypes to compare with fp32 (repeatable; default int8)")
     p.add_argument("--out", help="output path without extension (default "
                                  "bench/results/gpt_<dtypes>)")
+    compute_dtype.add_argument(p)
     args = p.parse_args()
     dtypes = args.state_dtype or ["int8"]
     out = args.out or "bench/results/gpt_" + "_".join(dtypes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = compute_dtype.announce(device, args.dtype).dtype
     results = {}
     with tempfile.TemporaryDirectory() as d:
         runs = optimizers(5e-4, 0.1, d)
         for name in ["torch", "smartinf"] + [f"smartinf-{t}" for t in dtypes]:
             r = train(runs[name], args.steps, TrainConfig(), seed=0, device=device,
-                      dtype=torch.bfloat16, progress_desc=name)
+                      dtype=dtype, progress_desc=name)
             results[name] = dict(summarize(r), losses=r["losses"])
             print(f"{name:<14} final loss {results[name]['final_loss']:.4f}", flush=True)
     fp32 = results["smartinf"]["final_loss"]
-    report = {"device": device, "steps": args.steps}
+    report = {"device": device, "dtype": str(dtype), "steps": args.steps}
     for t in dtypes:
         rel = results[f"smartinf-{t}"]["final_loss"] / fp32 - 1
         report[f"{t}_vs_fp32"] = rel

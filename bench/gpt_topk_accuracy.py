@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import smartinf.optim  # noqa: E402
+from smartinf import compute_dtype  # noqa: E402
 from examples.gpt.train import TrainConfig, summarize, train  # noqa: E402
 from smartinf.compress import TopK  # noqa: E402
 
@@ -29,8 +30,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--out", default="bench/results/gpt_topk.json")
+    compute_dtype.add_argument(p)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = compute_dtype.announce(device, args.dtype).dtype
     results = {}
     with tempfile.TemporaryDirectory() as d:
         for ratio, ef in SETTINGS:
@@ -39,7 +42,7 @@ def main() -> None:
             r = train(lambda params: smartinf.optim.AdamW(
                 params, lr=5e-4, weight_decay=0.1, devices=[os.path.join(d, name)],
                 compress=compress), args.steps, TrainConfig(), seed=0, device=device,
-                dtype=torch.bfloat16, progress_desc=name)
+                dtype=dtype, progress_desc=name)
             results[name] = dict(summarize(r), losses=r["losses"])
             print(f"{name:<12} final loss {results[name]['final_loss']:.3f}", flush=True)
     dense = results["dense"]["final_loss"]

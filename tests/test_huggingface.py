@@ -16,6 +16,8 @@ pytest.importorskip("accelerate", reason="the Hugging Face extra is not installe
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "huggingface" / "train.py"
+sys.path.insert(0, str(ROOT))
+from examples.huggingface.train import LR  # noqa: E402  (its constant schedule's rate)
 
 
 def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 1,
@@ -38,12 +40,32 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     return result
 
 
+def noise_driven(key: str, value: torch.Tensor) -> torch.Tensor:
+    """Elements whose gradient is zero in exact arithmetic: GPT-2's attention key bias
+    (``c_attn.bias[n_embd:2 n_embd]``). It shifts all of a query's scores by q.b, which the
+    softmax ignores, so its gradient is rounding noise, and Adam scales noise up to steps of
+    ~lr: a 1-ulp difference anywhere (torch's CPU kernels round differently per instruction
+    set: README, "How close to torch") moves these elements by O(lr) per step."""
+    mask = torch.zeros_like(value, dtype=torch.bool)
+    if key.endswith("attn.c_attn.bias"):
+        third = value.numel() // 3
+        mask[third:2 * third] = True
+    return mask
+
+
 def assert_same_run(ours: dict, theirs: dict, rtol: float) -> None:
-    assert len(ours["losses"]) == len(theirs["losses"]) == 8
+    """Losses and weights within ``rtol``, but for noise-driven elements (above), which can
+    only be promised within what Adam's steps can move them apart: each run moves an
+    element by at most lr (1 - beta1) / sqrt(1 - beta2) per step (Kingma & Ba, sec. 2.1)."""
+    steps = len(ours["losses"])
+    assert steps == len(theirs["losses"]) == 8
     for a, b in zip(ours["losses"], theirs["losses"]):
         assert abs(a - b) <= rtol * abs(b), (ours["losses"], theirs["losses"])
+    adam_bound = 2 * steps * LR * (1 - 0.9) / (1 - 0.999) ** 0.5
     for key, value in theirs["weights"].items():
-        torch.testing.assert_close(ours["weights"][key], value, rtol=rtol, atol=rtol, msg=key)
+        noise = noise_driven(key, value)
+        torch.testing.assert_close(ours["weights"][key][~noise], value[~noise], rtol=rtol, atol=rtol, msg=key)
+        assert torch.all((ours["weights"][key][noise] - value[noise]).abs() <= adam_bound), key
 
 
 @pytest.mark.parametrize("via", ["trainer-optimizers", "accelerate"])

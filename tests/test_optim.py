@@ -873,3 +873,54 @@ def test_lion_moves_two_thirds_of_adams_storage_bytes(tmp_path):
         opt.close()
     assert read[so.Lion] == (8 * 4 * 4096, 8 * 4 * 4096)
     assert read[so.AdamW] == (12 * 4 * 4096, 12 * 4 * 4096)
+
+
+# torch.optim.SGD in a process that runs torch's portable kernels (ATEN_CPU_CAPABILITY=default:
+# the same code on every x86-64 CPU, one rounding per operation, no fused multiply-add).
+TORCH_PORTABLE_SGD = """
+import sys, torch
+inputs = torch.load(sys.argv[1])
+out = {}
+for name, kw in inputs["cases"].items():
+    p = torch.nn.Parameter(inputs["param"].clone())
+    opt = torch.optim.SGD([p], **kw)
+    for g in inputs["grads"]:
+        p.grad = g.clone()
+        opt.step()
+    out[name] = p.detach()
+out["capability"] = torch.backends.cpu.get_cpu_capability()
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_sgd_is_torch_bit_for_bit_where_torch_rounds_once_per_operation(disk_dir, tmp_path):
+    """smartinf's kernels round every operation once, in torch's single-tensor order. Where
+    torch does the same (its portable kernels) SGD is torch's bit for bit, in every variant.
+    torch's vectorised kernels (AVX2, AVX-512) fuse multiply-adds and its sqrt of large
+    tensors goes through MKL (not correctly rounded), so there Adam, Adagrad and SGD agree
+    to ~2 ulps per step (README, "How close to torch"; the other tests here)."""
+    import subprocess
+    import sys
+    rng = np.random.default_rng(0)
+    n = 1 << 16  # past torch's thresholds for vectorised and multi-threaded loops
+    cases = {"plain": dict(lr=0.1), "weight-decay": dict(lr=0.1, weight_decay=0.01),
+             "momentum": dict(lr=0.1, momentum=0.9, dampening=0.1),
+             "nesterov": dict(lr=0.1, momentum=0.9, nesterov=True),
+             "maximize": dict(lr=0.1, momentum=0.5, maximize=True)}
+    inputs = {"param": torch.from_numpy(rng.standard_normal(n, dtype=np.float32)),
+              "grads": [torch.from_numpy(rng.standard_normal(n, dtype=np.float32) * 1e-2)
+                        for _ in range(5)], "cases": cases}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    subprocess.run([sys.executable, "-c", TORCH_PORTABLE_SGD, str(tmp_path / "inputs.pt"),
+                    str(tmp_path / "torch.pt")], env=env, check=True)
+    theirs = torch.load(tmp_path / "torch.pt")
+    assert theirs["capability"] == "DEFAULT"
+    for name, kw in cases.items():
+        p = torch.nn.Parameter(inputs["param"].clone())
+        opt = so.SGD([p], devices=[os.path.join(disk_dir, name)], **kw)
+        for g in inputs["grads"]:
+            p.grad = g.clone()
+            opt.step()
+        opt.close()
+        assert torch.equal(p.detach().view(torch.int32), theirs[name].view(torch.int32)), name

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import smartinf.optim  # noqa: E402
+from smartinf import compute_dtype  # noqa: E402
 from smartinf.compress import TopK  # noqa: E402
 
 from examples.gpt.data import Language, batches  # noqa: E402
@@ -60,23 +61,25 @@ def _sync(device: torch.device) -> None:
 
 def train(make_optimizer: OptimizerFactory, steps: int, config: TrainConfig = TrainConfig(),
           seed: int = 0, device: str | torch.device = "cpu",
-          dtype: torch.dtype = torch.bfloat16, progress_desc: str = "train") -> dict:
+          dtype: torch.dtype | None = None, progress_desc: str = "train") -> dict:
     """Trains a fresh model for ``steps`` steps; same ``seed``, same weights and batches.
 
     ``dtype`` is the autocast dtype of forward and backward (``torch.float32``: no
-    autocast); parameters, gradients and optimizer states stay fp32.
+    autocast; None: ``compute_dtype.choose(device)``, bf16 where the device runs it fast);
+    parameters, gradients and optimizer states stay fp32.
     Returns per-step ``losses``, ``fwd_bwd_s`` and ``opt_s`` (step + zero_grad), the model
     size, and ``traffic`` (bytes per link during the steps) when the optimizer has a
     ``traffic()`` method. An optimizer with
     a ``close()`` method is closed at the end, since it does not outlive the run.
     """
     device = torch.device(device)
+    dtype = dtype or compute_dtype.choose(device).dtype
     lang = Language(n_topics=config.n_topics)
     model = GPT(config.model_config(lang.vocab_size), seed=seed).to(device)
     data = batches(lang, config.batch_size, config.seq_len, seed)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     opt = make_optimizer(list(model.parameters()))
-    result: dict = {"config": asdict(config), "vocab_size": lang.vocab_size,
+    result: dict = {"config": asdict(config), "dtype": str(dtype), "vocab_size": lang.vocab_size,
                     "params": model.num_params(),
                     "tokens_per_step": config.batch_size * config.seq_len,
                     "losses": [], "fwd_bwd_s": [], "opt_s": []}
@@ -183,14 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="autocast dtype of forward/backward")
+    compute_dtype.add_argument(p)
     p.add_argument("--threads", type=int,
                    help="torch CPU threads (default: torch's choice, one per core); use fewer "
                         "when other processes keep cores busy: waiting threads spin")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = compute_dtype.announce("cpu", args.dtype)
 
     with tempfile.TemporaryDirectory(prefix="gpt-states-", dir=args.dir) as state_dir:
         runs = optimizers(args.lr, args.weight_decay, state_dir)
@@ -202,11 +205,11 @@ def main(argv: list[str] | None = None) -> None:
         results = {}
         for name in names:
             results[name] = train(runs[name], args.steps, config, seed=args.seed,
-                                  dtype=getattr(torch, args.dtype), progress_desc=name)
+                                  dtype=dtype.dtype, progress_desc=name)
     first = next(iter(results.values()))
     print(f"model: {first['params'] / 1e6:.1f} M params, vocab {first['vocab_size']} "
           f"(ln vocab = {math.log(first['vocab_size']):.2f}), {first['tokens_per_step']} tokens/step, "
-          f"{args.steps} steps, {args.dtype} autocast")
+          f"{args.steps} steps, {dtype.name} forward/backward")
     print(f"{'run':<16} {'final loss':>10} {'step ms':>9} {'opt ms':>8}")
     for name, r in results.items():
         s = summarize(r)
