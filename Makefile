@@ -38,7 +38,8 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 	touch $@
 
 # The optimizer step over 200 M params on disk, then GPT training: torch AdamW vs
-# smartinf.optim.AdamW vs smartinf with 1 % top-k (loss curves in results/). The GPT
+# smartinf.optim.AdamW vs smartinf with 1 % top-k (loss curves in results/; smartinf's states
+# in RAM, durable on disk every 10 steps: --states-on-disk streams them). The GPT
 # trains in bf16 where the CPU runs it fast, else fp32 (it says which). CI runs a short
 # form through the same code: make demo DEMO_PARAMS=16777216 DEMO_STEPS=2 GPT_STEPS=5
 DEMO_PARAMS ?= 200000000

@@ -62,7 +62,7 @@ def choose(device: str | torch.device = "cpu", requested: str | torch.dtype | No
     if fast_bf16 if fast_bf16 is not None else cpu_has_fast_bf16():
         return Choice(torch.bfloat16, f"torch runs bf16 matmuls on this CPU through oneDNN ({capability})")
     return Choice(torch.float32, f"this CPU ({capability}) has no fast bf16 matmul in torch: "
-                                 "bf16 would be ~100x slower than fp32")
+                                 "its bf16 matmuls run ~50-100x slower than fp32")
 
 
 def add_argument(parser) -> None:
