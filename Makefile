@@ -35,6 +35,13 @@ $(VENV)/.deps: pyproject.toml | system-deps
 $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[test,bench,deepspeed,hf]"
 	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
+	touch $@ $(VENV)/.built-demo
+
+# What the demo needs, no more (the project and matplotlib): a first `make demo` skips
+# DeepSpeed, transformers and the test tools; `make test` adds them.
+$(VENV)/.built-demo: $(VENV)/.deps $(NATIVE)
+	$(BIN)/pip install -q --no-build-isolation -Cbuild-dir=build/{wheel_tag} ".[bench]"
+	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@
 
 # The optimizer step over 200 M params on disk, then GPT training: torch AdamW vs
@@ -45,7 +52,7 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 DEMO_PARAMS ?= 200000000
 DEMO_STEPS  ?= 4
 GPT_STEPS   ?= 250
-demo: setup
+demo: $(VENV)/.built-demo
 	$(PY) examples/demo.py --params $(DEMO_PARAMS) --steps $(DEMO_STEPS)
 	@mkdir -p results
 	$(PY) examples/gpt/train.py --steps $(GPT_STEPS) --out results/gpt_losses.png

@@ -58,12 +58,14 @@ class StepRunner:
     """A Pipeline over ``params`` zero-initialised params and a ring of 2 grad/out pairs."""
 
     def __init__(self, directory: str, params: int, slots: int, io: str | None = None,
-                 state_dtype: str = "fp32", master: str = "fp32", param_dtype=np.float16) -> None:
+                 state_dtype: str = "fp32", master: str = "fp32", param_dtype=np.float16,
+                 io_schedule: str = "mixed") -> None:
         self.directory = directory
         self.params = params
         self.slots = slots
         self.pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20,
-                                      slots=slots, io=io, state_dtype=state_dtype, master=master)
+                                      slots=slots, io=io, state_dtype=state_dtype, master=master,
+                                      io_schedule=io_schedule)
         self.sizes = [min(SUBGROUP, params - i) for i in range(0, params, SUBGROUP)]
         self.sgs = [self.pipe.add_subgroup(n) for n in self.sizes]  # writes the states: not timed
         rng = np.random.default_rng(0)
@@ -224,3 +226,22 @@ def test_step_state_dtype(benchmark, storage_limits, summary, dtype_runners, dty
         if f"{prefix}_{name}" in steps and f"{prefix}_fp32" in steps:
             summary[f"{name}_vs_fp32_states"] = \
                 steps[f"{prefix}_fp32"]["step_s"] / steps[f"{prefix}_{name}"]["step_s"]
+
+
+#: The I/O schedules of the ring (reads and write-backs together, or in turns).
+SCHEDULE_PARAMS = env_int("SMARTINF_BENCH_SCHEDULE_PARAMS", 256 << 20)
+
+
+@pytest.fixture(scope="module")
+def schedule_runners(bench_dir):
+    require_disk(bench_dir, 2 * SCHEDULE_PARAMS * STATE_BYTES, "the I/O schedule comparison")
+    yield from alternating_runners(bench_dir, "schedule", SCHEDULE_PARAMS,
+                                   {s: {"io_schedule": s} for s in ("mixed", "phased")})
+
+
+@pytest.mark.parametrize("schedule", ["mixed", "phased"])
+def test_step_io_schedule(benchmark, storage_limits, summary, schedule_runners, schedule):
+    """fp32 states streamed with reads and write-backs in flight together, and in turns:
+    which one a disk prefers is what the probe's mix curve tells io_schedule="auto"."""
+    measure_alternating(benchmark, storage_limits, summary, schedule_runners, schedule,
+                        f"schedule_{SCHEDULE_PARAMS / 1e6:.0f}M", "phased_vs_mixed", "phased", "mixed")

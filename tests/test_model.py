@@ -25,6 +25,16 @@ def test_storage_limit_is_read_then_write_time():
     assert model.storage_bound_seconds(10**6, 1.2e9, 2.4e9) == pytest.approx(0.015)
 
 
+def test_storage_limit_with_the_measured_mix():
+    """With the probe's aggregate for reads and writes in flight together, the balanced
+    part of a step's traffic goes at that rate, the excess of one direction at its own."""
+    assert model.storage_bound_from_bytes(2e9, 2e9, 1e9, 1e9, mix_bps=0.8e9) == pytest.approx(5.0)
+    assert model.storage_bound_from_bytes(3e9, 1e9, 1.5e9, 2e9, mix_bps=2e9) == pytest.approx(
+        2e9 / 2e9 + 2e9 / 1.5e9)
+    with pytest.raises(ValueError, match="mix=0"):
+        model.storage_bound_from_bytes(1, 1, 1, 1, mix_bps=0)
+
+
 def test_scaling_model_saturates_at_the_host_link():
     t = dict(t_opt=8.0, t_param_swap=4.0, b_pcie=16e9, b_ssd=4e9)
     assert model.scaled_step_time(n=1, **t) == 8.0  # update-bound on one device
@@ -130,6 +140,24 @@ def test_hardware_from_probe_results():
     assert (hw.read_bps, hw.write_bps, hw.link_bps, hw.host_link_bps) == (3e9, 2e9, 3.2e9, math.inf)
     with pytest.raises(ValueError, match="no storage figures"):
         model.Hardware.from_probe({"storage": []})
+    assert hw.mix_bps is None and model.Hardware.from_probe(probe).mix_bps is None
+
+
+def test_the_prediction_uses_the_probes_mix_curve():
+    """A disk that loses bandwidth when reads and writes mix: smartinf's ring (both in flight)
+    is predicted at the mixed rate; ZeRO-Infinity's swapper takes turns, so it is not."""
+    storage = {"read_bps": 2e9, "write_bps": 2e9, "mixed_bps": 1.2e9, "phased_bps": []}
+    hw = model.Hardware.from_probe({"storage": [storage, dict(storage, mixed_bps=1.5e9)]})
+    assert hw.mix_bps == 1.2e9
+    turns = model.Hardware(2e9, 2e9)
+    ours, theirs = model.predict(1e9, 1, hw), model.predict(1e9, 1, turns)
+    assert ours.storage_s == pytest.approx(24e9 / 1.2e9) and theirs.storage_s == pytest.approx(12.0)
+    assert model.predict(1e9, 1, hw, "zero-infinity").storage_s == \
+        model.predict(1e9, 1, turns, "zero-infinity").storage_s
+    # Where bursts of one direction beat the mix by more than the margin, "auto" runs phased
+    # and the prediction takes that burst's figure.
+    phased = dict(storage, phased_bps=[[64 << 20, 1.3e9], [256 << 20, 1.9e9]])
+    assert model.Hardware.from_probe({"storage": [phased]}).mix_bps == 1.9e9
 
 
 def test_command_line(tmp_path, capsys):

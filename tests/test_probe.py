@@ -25,6 +25,7 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert s["write_bps"] == pytest.approx(s["nbytes"] / s["write_s"])
         assert s["read_bps"] == pytest.approx(s["nbytes"] / s["read_s"])
         assert s["read_bps"] > 0 and s["write_bps"] > 0
+        assert s["mixed_bps"] > 0 and s["phased_bps"] == []  # 8 MiB: no burst fits in half
     assert os.listdir(disk_dir) == [] and os.listdir(other) == []
     kinds = [(k["grad"], k["param"], k["state_dtype"], k["master"]) for k in result["kernel"]]
     bf16 = ("bfloat16", "bfloat16")
@@ -41,6 +42,25 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert k["state_bps"] == pytest.approx(per_param * k["params_per_s"], rel=1e-5)
     assert result["host_copy"]["bps"] > 0
     assert set(result["build"]) >= {"io_uring", "xrt"}
+
+
+def test_mix_curve_half_read_half_written(disk_dir):
+    """The aggregate bandwidth of a step's mix (half the bytes read, half written): both
+    directions in flight at once and alternating bursts of one direction, each burst no
+    longer than half the file; bytes per second of a real transfer, nothing left behind."""
+    mib = probe.BLOCK
+    limit = probe.measure_storage(disk_dir, 16 * mib, mix_bursts=(2 * mib, 4 * mib, 32 * mib))
+    assert [burst for burst, _ in limit.phased_bps] == [2 * mib, 4 * mib]  # 32 MiB > half
+    for bps in (limit.mixed_bps, *(bps for _, bps in limit.phased_bps)):
+        assert 0 < bps < float("inf")
+    assert limit.best_phased in limit.phased_bps
+    assert limit.sequential_bps == pytest.approx(2 / (1 / limit.read_bps + 1 / limit.write_bps))
+    assert min(limit.read_bps, limit.write_bps) <= limit.sequential_bps <= max(limit.read_bps, limit.write_bps)
+    assert os.listdir(disk_dir) == []
+    without = probe.measure_storage(disk_dir, 16 * mib, mix=False)
+    assert (without.mixed_bps, without.phased_bps, without.best_phased) == (0.0, (), (0, 0.0))
+    with pytest.raises(ValueError, match="multiples of"):
+        probe.measure_storage(disk_dir, 16 * mib, mix_bursts=(mib + 1,))
 
 
 def test_engine_choice_is_reported(capsys, disk_dir):

@@ -27,6 +27,8 @@ cdef extern from "io/engine.h" namespace "smartinf::io":
 cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_io(const string&, uint64_t, cbool, const string&, uint64_t,
                    unsigned) except +raise_py_error nogil
+    double time_mixed_io(const string&, uint64_t, const string&, uint64_t, unsigned,
+                         uint64_t) except +raise_py_error nogil
     double time_adam_kernel(uint64_t, DType, DType, const StateLayout&, unsigned) except +raise_py_error nogil
     double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
@@ -94,6 +96,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         string dir
         XrtOptions xrt
         double storage_bps
+        string io_schedule
 
     cdef cppclass RingOptions:
         string io
@@ -212,6 +215,15 @@ def time_storage(str path, uint64_t nbytes, cbool write, str engine, uint64_t bl
     return seconds
 
 
+def time_mixed_storage(str path, uint64_t nbytes, str engine, uint64_t block, unsigned depth,
+                       uint64_t burst) -> float:
+    cdef string p = path.encode(), e = engine.encode()
+    cdef double seconds
+    with nogil:
+        seconds = time_mixed_io(p, nbytes, e, block, depth, burst)
+    return seconds
+
+
 def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) -> dict:
     """Seconds to move nbytes SSD <-> FPGA DRAM peer to peer and host <-> FPGA DRAM."""
     cdef XrtOptions o
@@ -266,6 +278,7 @@ cdef class NativePipeline:
             spec.xrt.bdf = d.fpga_bdf.encode()
             spec.xrt.xclbin = d.xclbin.encode()
             spec.storage_bps = d.storage_bps
+            spec.io_schedule = d.io_schedule.encode()
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state

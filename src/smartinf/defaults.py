@@ -13,6 +13,8 @@ Explicit arguments always win over these.
   a number or with a unit (``24GiB``, ``512MB``).
 - ``SMARTINF_COMMIT_EVERY``: steps per durable commit (1: every step).
 - ``SMARTINF_COMPUTE_THREADS``: threads of the update kernel (0: the usable cores).
+- ``SMARTINF_IO_SCHEDULE``: ``auto`` (from the probe's mix curve recorded in a device's
+  directory, else ``mixed``), ``mixed`` (reads and write-backs together) or ``phased``.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ IO = "auto"
 QUEUE_DEPTH = 16
 PIECE_BYTES = 1 << 20  # storage requests are split into pieces of this size
 IO_ENGINES = ("auto", "uring", "threads")
+IO_SCHEDULE = "auto"
+IO_SCHEDULES = ("auto", "mixed", "phased")
 MEMORY_BUDGET = 0
 COMMIT_EVERY = 1
 COMPUTE_THREADS = 0
@@ -97,6 +101,13 @@ def memory_budget() -> int:
 
 def commit_every() -> int:
     return _int_env("SMARTINF_COMMIT_EVERY", COMMIT_EVERY)
+
+
+def io_schedule() -> str:
+    value = os.environ.get("SMARTINF_IO_SCHEDULE") or IO_SCHEDULE
+    if value not in IO_SCHEDULES:
+        raise ValueError(f"SMARTINF_IO_SCHEDULE={value!r}: expected one of {', '.join(IO_SCHEDULES)}")
+    return value
 
 
 def compute_threads() -> int:

@@ -19,6 +19,7 @@ class NativeDeviceSpec(NamedTuple):
     fpga_bdf: str = ""   # by PCIe BDF
     xclbin: str = ""     # xrt: the build of hls_kernels/
     storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
+    io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")

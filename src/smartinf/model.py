@@ -110,14 +110,22 @@ def traffic_per_param(scheme: str, grad_bytes: int = 2, param_bytes: int = 2,
 
 
 def storage_bound_from_bytes(bytes_read: float, bytes_written: float,
-                             read_bps: float, write_bps: float) -> float:
+                             read_bps: float, write_bps: float,
+                             mix_bps: Optional[float] = None) -> float:
     """Seconds to read ``bytes_read`` and write ``bytes_written`` at the raw bandwidths,
-    one after the other (the device's reads and writes share it): a step's storage limit."""
-    if read_bps <= 0 or write_bps <= 0:
-        raise ValueError(f"bandwidths must be positive, got read={read_bps!r} write={write_bps!r}")
+    one after the other (the device's reads and writes share it): a step's storage limit.
+    With ``mix_bps`` (the probe's aggregate with half read and half written, under the
+    ring's I/O schedule) the balanced part goes at that rate and only the excess of one
+    direction at its own."""
+    if read_bps <= 0 or write_bps <= 0 or (mix_bps is not None and mix_bps <= 0):
+        raise ValueError(f"bandwidths must be positive, got read={read_bps!r} write={write_bps!r}"
+                         f" mix={mix_bps!r}")
     if bytes_read < 0 or bytes_written < 0:
         raise ValueError("byte counts must not be negative")
-    return bytes_read / read_bps + bytes_written / write_bps
+    if mix_bps is None:
+        return bytes_read / read_bps + bytes_written / write_bps
+    both = min(bytes_read, bytes_written)
+    return 2 * both / mix_bps + (bytes_read - both) / read_bps + (bytes_written - both) / write_bps
 
 
 def storage_bound_seconds(numel: int, read_bps: float, write_bps: float,
@@ -149,6 +157,14 @@ def scaled_step_time(t_opt: float, t_param_swap: float, n: int,
     return max(t_opt / n, t_param_swap / min(n, b_pcie / b_ssd))
 
 
+def _schedule_bps(storage: dict) -> float:
+    """A probe storage record's aggregate bandwidth under the schedule "auto" picks."""
+    from .io_schedule import from_figures  # noqa: PLC0415 (model stays importable alone)
+    if from_figures(storage).schedule == "phased":
+        return max(bps for _, bps in storage["phased_bps"])
+    return storage["mixed_bps"]
+
+
 # -- a machine, and the step time on it ------------------------------------------------
 @dataclass(frozen=True)
 class Hardware:
@@ -163,6 +179,10 @@ class Hardware:
     machine), what those disks do together; ``None``: every device has its own drive.
     ``update_pps``: params per second one device's update kernel runs (``inf``: hidden).
     ``host_update_pps``: params per second the host's CPU Adam runs, for ZeRO-Infinity.
+    ``mix_bps``: one device's aggregate bandwidth for a step's half-read, half-written
+    traffic under the I/O schedule ``io_schedule="auto"`` picks from the probe's mix curve
+    (both directions in flight, or bursts of one); ``None``: they take turns.
+    ZeRO-Infinity's swapper reads, then writes: its storage time always takes turns.
 
     The host link is full duplex (PCIe): gradients in and params out each have
     ``host_link_bps``; a drive's reads and writes share its bandwidth, one after the other.
@@ -176,12 +196,15 @@ class Hardware:
     shared_write_bps: Optional[float] = None
     update_pps: float = math.inf
     host_update_pps: float = math.inf
+    mix_bps: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("read_bps", "write_bps", "host_link_bps", "device_link_bps",
-                     "shared_read_bps", "shared_write_bps", "update_pps", "host_update_pps"):
+                     "shared_read_bps", "shared_write_bps", "update_pps", "host_update_pps",
+                     "mix_bps"):
             value = getattr(self, name)
-            if value is None and name in ("device_link_bps", "shared_read_bps", "shared_write_bps"):
+            if value is None and name in ("device_link_bps", "shared_read_bps", "shared_write_bps",
+                                          "mix_bps"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
@@ -210,6 +233,8 @@ class Hardware:
                                  "`python -m smartinf.probe DIR --json` on a device directory")
             figures = dict(read_bps=min(s["read_bps"] for s in storage),
                            write_bps=min(s["write_bps"] for s in storage))
+            if all(s.get("mixed_bps") for s in storage):  # the probe measured the mix curve
+                figures["mix_bps"] = min(_schedule_bps(s) for s in storage)
         figures.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**figures)
 
@@ -259,7 +284,7 @@ def predict(params: float, n: int, hw: Hardware, scheme: str = "smartupdate",
         update = params / hw.host_update_pps
         step = max(storage, link, update)
     else:
-        t_opt = storage_bound_from_bytes(read, written, hw.read_bps, hw.write_bps)
+        t_opt = storage_bound_from_bytes(read, written, hw.read_bps, hw.write_bps, hw.mix_bps)
         step = scaled_step_time(t_opt, link_bytes / hw.link_bps, n, hw.host_link_bps, hw.link_bps)
         storage = t_opt / n
         update = params / (n * hw.update_pps)

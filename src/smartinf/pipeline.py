@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _native, buffers
+from . import io_schedule as schedules
 from .compress import Compressed
 from .devices import DeviceLike, resolve
 from .settings import PipelineSettings
@@ -26,7 +27,8 @@ logger = logging.getLogger("smartinf")
 _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
                          verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
-                         commit_every=None, compute_threads=None, master="fp32")
+                         commit_every=None, compute_threads=None, master="fp32",
+                         io_schedule=None)
 
 
 class ParamsChangedWarning(UserWarning):
@@ -125,6 +127,12 @@ class Pipeline:
     compute_threads
         Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
         process may use); the same bits with any number.
+    io_schedule
+        How each device's reads and write-backs share its storage (``SMARTINF_IO_SCHEDULE``;
+        ``auto``): ``mixed`` (in flight together), ``phased`` (turns of one direction), or
+        ``auto``, per directory from the probe's mix curve recorded there
+        (``python -m smartinf.probe DIR --record``; ``mixed`` without one). The same bits
+        either way; ``io_schedules`` lists each device's choice and why.
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
@@ -135,7 +143,7 @@ class Pipeline:
     """
 
     __slots__ = ("_native", "_devices", "optimizer", "settings", "_param_dtype", "_inflight",
-                 "_final_stats", "_final_device_stats", "_resumed")
+                 "_final_stats", "_final_device_stats", "_resumed", "io_schedules")
 
     def __init__(
         self,
@@ -155,6 +163,7 @@ class Pipeline:
         commit_every: Optional[int] = None,
         compute_threads: Optional[int] = None,
         master: str = "fp32",
+        io_schedule: Optional[str] = None,
         settings: Optional[PipelineSettings] = None,
     ) -> None:
         self._native = None
@@ -168,7 +177,7 @@ class Pipeline:
         given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
                      if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
-                     compute_threads=compute_threads, master=master)
+                     compute_threads=compute_threads, master=master, io_schedule=io_schedule)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
@@ -183,6 +192,8 @@ class Pipeline:
         self._final_device_stats: list[dict[str, float]] = []
         self._resumed: set[int] = set()
         self.settings = settings
+        self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
+        specs = [s._replace(io_schedule=c.schedule) for s, c in zip(specs, self.io_schedules)]
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings)
         for note in self._native.notes():

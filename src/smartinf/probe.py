@@ -1,10 +1,12 @@
 """The limits a step is measured against: raw storage, host memory and kernel throughput.
 
-``python -m smartinf.probe [DIR ...] [--json] [--size-mib N] [--engine auto|uring|threads]``
+``python -m smartinf.probe [DIR ...] [--json] [--size-mib N] [--engine auto|uring|threads] [--record]``
 
 For each directory: sequential ``O_DIRECT`` write then read bandwidth through the
 project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 in
-flight; the page cache is not involved). Then host memory copy bandwidth and the Adam
+flight; the page cache is not involved), and the mix curve: half read and half written
+with both directions in flight, and in bursts of one direction (``--record`` keeps it in
+the directory for ``io_schedule="auto"``). Then host memory copy bandwidth and the Adam
 kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
 a STREAM triad over the same threads (what memory gives the parallel update, whose limit
 it is when states are resident). The functions return dataclasses (the
@@ -27,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, build_info, defaults, model
+from . import _native, buffers, build_info, defaults, io_schedule, model
 
 logger = logging.getLogger("smartinf")
 
@@ -38,6 +40,8 @@ DEPTH = 16  # the pipeline's default queue depth
 KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
 TRIAD_BYTES = 768 * MiB
+#: Burst lengths of one direction the mix curve tries (those up to half the probe file).
+MIX_BURSTS = (64 * MiB, 256 * MiB, GiB)
 #: (grad, param) dtype pairs the kernel is timed for (fp32 states; int8 states once, f32/f16).
 KERNEL_DTYPES = (("float32", "float32"), ("float32", "float16"),
                  ("float16", "float16"), ("bfloat16", "bfloat16"))
@@ -57,6 +61,23 @@ class StorageLimit:
     direct: bool  # False where the file system has no O_DIRECT (tmpfs): page-cache speed
     block: int = BLOCK
     depth: int = DEPTH
+    # The mix curve, half the bytes read and half written as a step moves states, aggregate
+    # bytes per second: both directions in flight at once (the pipeline's "mixed" schedule),
+    # and alternating bursts of one direction ((burst bytes, bps) pairs: "phased"). 0 and ()
+    # when not measured.
+    mixed_bps: float = 0.0
+    phased_bps: tuple = ()
+
+    @property
+    def sequential_bps(self) -> float:
+        """Reading half then writing half at the one-direction rates: what a step would
+        get if the directions took turns in long phases."""
+        return 2 / (1 / self.read_bps + 1 / self.write_bps)
+
+    @property
+    def best_phased(self) -> tuple:
+        """The burst with the highest aggregate bandwidth and that bandwidth ((0, 0.0): none)."""
+        return max(self.phased_bps, key=lambda pair: pair[1], default=(0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -148,11 +169,15 @@ def _check_directory(directory: str, nbytes: int) -> str:
 
 
 def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
-                    repeats: int = 1) -> StorageLimit:
+                    repeats: int = 1, mix: bool = True,
+                    mix_bursts: Sequence[int] = MIX_BURSTS) -> StorageLimit:
     """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
     through the storage engine (1 MiB requests, queue depth 16); the file is removed after.
     With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
     (the highest bandwidth gives the smallest limit, so a ratio to it is never flattered).
+    With ``mix``, also the mix curve over the same file (half read, half written): both
+    directions at once, and bursts of one direction (``mix_bursts``, whole blocks, those up
+    to half the file).
 
     Raises ``OSError`` naming the directory when it is missing, not writable or too full.
     """
@@ -162,22 +187,33 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if any(b <= 0 or b % BLOCK for b in mix_bursts):
+        raise ValueError(f"mix_bursts must be positive multiples of {BLOCK}, got {list(mix_bursts)}")
     nbytes = -(-int(nbytes) // BLOCK) * BLOCK  # whole blocks: O_DIRECT needs aligned lengths
     directory = _check_directory(directory, nbytes)
     used = engine_in_use(directory, engine)
     path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
     try:
         write_s = read_s = float("inf")
+        mixed_s = float("inf")
+        phased_s = {b: float("inf") for b in mix_bursts if b <= nbytes // 2}
         for _ in range(repeats):
             write_s = min(write_s, _native.time_storage(path, nbytes, True, engine, BLOCK, DEPTH))
             read_s = min(read_s, _native.time_storage(path, nbytes, False, engine, BLOCK, DEPTH))
+            if mix:
+                mixed_s = min(mixed_s, _native.time_mixed_storage(path, nbytes, engine, BLOCK, DEPTH, 0))
+                for burst in phased_s:
+                    phased_s[burst] = min(phased_s[burst], _native.time_mixed_storage(
+                        path, nbytes, engine, BLOCK, DEPTH, burst))
     finally:
         try:
             os.remove(path)
         except FileNotFoundError:
             pass
     limit = StorageLimit(directory, nbytes, nbytes / write_s, nbytes / read_s,
-                         write_s, read_s, used, supports_direct_io(directory))
+                         write_s, read_s, used, supports_direct_io(directory),
+                         mixed_bps=nbytes / mixed_s if mix else 0.0,
+                         phased_bps=tuple((b, nbytes / t) for b, t in phased_s.items()) if mix else ())
     if not limit.direct:
         logger.warning("%s has no O_DIRECT (tmpfs?): measured buffered I/O, i.e. memory "
                        "speed, not a storage limit", directory)
@@ -284,6 +320,10 @@ def format_report(result: dict) -> str:
         lines.append(f"{s['directory']:<40} {s['engine']:<8} {s['nbytes'] // MiB:>5} MiB "
                      f"{s['write_bps'] / 1e9:>11.2f} {s['read_bps'] / 1e9:>10.2f}"
                      + ("" if s["direct"] else "   buffered: no O_DIRECT here"))
+        if s.get("mixed_bps"):
+            bursts = ", ".join(f"{b // MiB} MiB bursts {bps / 1e9:.2f}" for b, bps in s["phased_bps"])
+            lines.append(f"  half read + half written, GB/s: together {s['mixed_bps'] / 1e9:.2f}, "
+                         f"{bursts}")
     hc = result["host_copy"]
     lines += ["", f"host memory copy: {hc['bps'] / 1e9:.2f} GB/s "
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
@@ -323,6 +363,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="test file size per directory in MiB (default: %(default)s)")
     parser.add_argument("--engine", choices=defaults.IO_ENGINES, default="auto",
                         help="storage engine (default: %(default)s)")
+    parser.add_argument("--record", action="store_true",
+                        help="record each directory's storage figures in DIR/"
+                             f"{io_schedule.RECORD}, where io_schedule='auto' reads them")
     parser.add_argument("--repeats", type=int, default=1, metavar="R",
                         help="repeat the storage write+read R times, keep the best "
                              "(default: %(default)s)")
@@ -336,6 +379,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"smartinf.probe: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if args.record:
+        for storage in result["storage"]:
+            path = io_schedule.record(storage["directory"], storage)
+            choice = io_schedule.from_figures(storage)
+            print(f"recorded {path}: io_schedule='auto' runs {choice.schedule} there ({choice.reason})",
+                  file=sys.stderr)
     return 0
 
 

@@ -28,7 +28,10 @@ class PipelineSettings:
     for directories holding a run; ``memory_budget`` bytes of states per device kept
     resident in memory (the rest streams from storage); ``commit_every`` steps per durable
     commit; ``compute_threads`` threads of the update kernel (0: the usable cores);
-    ``piece_bytes`` size of one storage request."""
+    ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
+    (from the probe's mix curve recorded in its directory, else ``mixed``), ``mixed``
+    (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
+    one storage request."""
 
     slots: int
     chunk: int
@@ -42,6 +45,7 @@ class PipelineSettings:
     commit_every: int = defaults.COMMIT_EVERY
     compute_threads: int = defaults.COMPUTE_THREADS
     master: str = "fp32"
+    io_schedule: str = defaults.IO_SCHEDULE
     piece_bytes: int = defaults.PIECE_BYTES
 
     @classmethod
@@ -51,12 +55,13 @@ class PipelineSettings:
                 state_dtype: str = "fp32", if_exists: str = "resume",
                 memory_budget=None, commit_every: Optional[int] = None,
                 compute_threads: Optional[int] = None,
-                master: str = "fp32") -> "PipelineSettings":
+                master: str = "fp32", io_schedule: Optional[str] = None) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
         queue_depth = defaults.queue_depth() if queue_depth is None else queue_depth
         io = defaults.io() if io is None else io
+        io_schedule = defaults.io_schedule() if io_schedule is None else io_schedule
         memory_budget = defaults.memory_budget() if memory_budget is None \
             else defaults.parse_bytes(memory_budget, "memory_budget")
         commit_every = defaults.commit_every() if commit_every is None else commit_every
@@ -69,6 +74,9 @@ class PipelineSettings:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if not low <= value <= high:
                 raise ValueError(f"{name}={value} is outside [{low}, {high}]")
+        if io_schedule not in defaults.IO_SCHEDULES:
+            raise ValueError(f"io_schedule={io_schedule!r}: expected one of "
+                             f"{', '.join(defaults.IO_SCHEDULES)}")
         if io not in defaults.IO_ENGINES:
             raise ValueError(f"io={io!r}: expected one of {', '.join(defaults.IO_ENGINES)}")
         if state_dtype not in STATE_DTYPES:
@@ -82,7 +90,7 @@ class PipelineSettings:
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
-                   memory_budget, commit_every, compute_threads, master)
+                   memory_budget, commit_every, compute_threads, master, io_schedule)
 
 
 #: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "device/compute_pool.h"
@@ -29,55 +30,128 @@ struct Free {
 
 }  // namespace
 
-double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
-               uint64_t block, unsigned depth) {
+namespace {
+
+// An O_DIRECT file (buffered where the file system has no O_DIRECT), closed by its owner.
+struct File {
+  File(const std::string& path, bool create) : path(path) {
+    const int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT | O_TRUNC : 0);
+    fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
+    if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), flags, 0644);
+    check_errno(fd, "cannot open", path);
+  }
+  ~File() { ::close(fd); }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  const std::string& path;
+  int fd;
+};
+
+// One direction of sequential I/O over [offset, end) of a file through its own engine, in
+// batches of `depth` blocks, two batches submitted so the queue never drains between them.
+class Stream {
+ public:
+  Stream(const File& file, bool write, const std::string& engine, uint64_t block, unsigned depth)
+      : file_(file), write_(write), batch_(block * depth),
+        mem_(std::aligned_alloc(4096, 2 * block * depth)) {
+    if (!mem_) throw std::bad_alloc();
+    std::memset(mem_.get(), 0x5a, 2 * batch_);
+    Options options;
+    options.queue_depth = depth;  // the second batch waits in the engine for room
+    options.piece_bytes = block;
+    options.fixed_buffers.push_back(iovec{mem_.get(), 2 * batch_});
+    std::vector<std::string> notes;
+    engine_ = make_engine(engine, options, notes);
+  }
+
+  void range(uint64_t offset, uint64_t end) {
+    offset_ = offset;
+    end_ = end;
+  }
+  // Submits the next batch (after the one that last used its buffer); false once the range
+  // is done and nothing is in flight.
+  bool advance() {
+    if (inflight_[next_]) engine_->wait_for(std::exchange(inflight_[next_], 0));
+    if (offset_ >= end_) {
+      next_ ^= 1;
+      if (!inflight_[next_]) return false;
+      engine_->wait_for(std::exchange(inflight_[next_], 0));
+      return false;
+    }
+    Op op;
+    op.write = write_;
+    op.fd = file_.fd;
+    op.path = &file_.path;
+    op.buf = static_cast<char*>(mem_.get()) + next_ * batch_;
+    op.len = std::min(batch_, end_ - offset_);
+    op.offset = offset_;
+    op.buf_index = 0;
+    inflight_[next_] = engine_->submit({&op, 1});
+    offset_ += op.len;
+    next_ ^= 1;
+    return true;
+  }
+  void drain() {
+    while (advance()) {
+    }
+  }
+
+ private:
+  const File& file_;
+  bool write_;
+  uint64_t batch_;
+  std::unique_ptr<void, Free> mem_;
+  std::unique_ptr<Engine> engine_;
+  uint64_t offset_ = 0, end_ = 0;
+  Ticket inflight_[2] = {0, 0};
+  int next_ = 0;
+};
+
+void check_geometry(uint64_t block, unsigned depth) {
   if (block == 0 || block % 4096 || depth == 0)
     throw std::invalid_argument("block must be a positive multiple of 4096 and depth positive");
-  const int flags = O_RDWR | O_CLOEXEC | (write ? O_CREAT | O_TRUNC : 0);
-  int fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
-  if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), flags, 0644);
-  check_errno(fd, "cannot open", path);
-  std::unique_ptr<void, Free> mem(std::aligned_alloc(4096, block * depth));
-  if (!mem) {
-    ::close(fd);
-    throw std::bad_alloc();
-  }
-  std::memset(mem.get(), 0x5a, block * depth);
-  Options options;
-  options.queue_depth = depth;
-  options.piece_bytes = block;
-  options.fixed_buffers.push_back(iovec{mem.get(), block * depth});
-  std::vector<std::string> notes;
-  std::unique_ptr<Engine> e;
-  try {
-    e = make_engine(engine, options, notes);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
+}
+
+}  // namespace
+
+double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
+               uint64_t block, unsigned depth) {
+  check_geometry(block, depth);
+  File file(path, write);
+  Stream stream(file, write, engine, block, depth);
   const auto start = Clock::now();
-  try {
-    // One op per buffer-full; the engine keeps `depth` blocks in flight.
-    for (uint64_t done = 0; done < bytes; done += block * depth) {
-      Op op;
-      op.write = write;
-      op.fd = fd;
-      op.path = &path;
-      op.buf = mem.get();
-      op.len = std::min<uint64_t>(block * depth, bytes - done);
-      op.offset = done;
-      op.buf_index = 0;
-      e->submit({&op, 1});
-      e->wait();
+  stream.range(0, bytes);
+  stream.drain();
+  if (write) check_errno(::fdatasync(file.fd), "fdatasync", path);
+  return since(start);
+}
+
+double time_mixed_io(const std::string& path, uint64_t bytes, const std::string& engine,
+                     uint64_t block, unsigned depth, uint64_t burst) {
+  check_geometry(block, depth);
+  if (burst % block) throw std::invalid_argument("burst must be a multiple of block");
+  const uint64_t half = bytes / 2 / block * block;
+  File file(path, false);
+  Stream reads(file, false, engine, block, depth), writes(file, true, engine, block, depth);
+  const auto start = Clock::now();
+  if (burst == 0) {  // both directions at once, batch for batch
+    reads.range(0, half);
+    writes.range(half, 2 * half);
+    for (bool more = true; more;) {
+      const bool r = reads.advance();
+      const bool w = writes.advance();
+      more = r || w;
     }
-    if (write) check_errno(::fdatasync(fd), "fdatasync", path);
-  } catch (...) {
-    ::close(fd);
-    throw;
+  } else {  // bursts of one direction
+    for (uint64_t at = 0; at < half; at += burst) {
+      reads.range(at, std::min(half, at + burst));
+      reads.drain();
+      writes.range(half + at, half + std::min(half, at + burst));
+      writes.drain();
+    }
   }
-  const double seconds = since(start);
-  ::close(fd);
-  return seconds;
+  check_errno(::fdatasync(file.fd), "fdatasync", path);
+  return since(start);
 }
 
 // On one slot of a cpu device (the code and the ISA the pipeline runs), states p = 0.5,

@@ -11,10 +11,18 @@
 namespace smartinf::io {
 
 // Seconds to write (then, with write=false, read back) `bytes` of `path` sequentially
-// with O_DIRECT, in `block` bytes per request, `depth` blocks in flight. The file is
+// with O_DIRECT, in `block` bytes per request, `depth` blocks in flight all along (as the
+// pipeline's engines keep them). The file is
 // created when writing and left in place for the read pass.
 double time_io(const std::string& path, uint64_t bytes, bool write, const std::string& engine,
                uint64_t block, unsigned depth);
+
+// Seconds to read `bytes` / 2 of `path` (which must hold `bytes`) and write the other half,
+// as a step moves states: with burst 0 reads and writes in flight together (two engines,
+// as the pipeline's loader and writer), else alternating bursts of `burst` bytes of one
+// direction. The aggregate bandwidth is bytes / seconds.
+double time_mixed_io(const std::string& path, uint64_t bytes, const std::string& engine,
+                     uint64_t block, unsigned depth, uint64_t burst);
 
 // Seconds for one Adam(W) update over `numel` in-memory params on `threads` threads, with
 // states in `layout` (its moments and master format; 3 arrays).

@@ -33,13 +33,20 @@ struct Options {
 // The ioprio value of `low_priority` requests (linux/ioprio.h: BE class, level 7).
 inline constexpr unsigned short kLowIoPriority = (2u << 13) | 7u;
 
+// A batch of ops given to submit(); tickets increase from 1 in submission order.
+using Ticket = uint64_t;
+
 class Engine {
  public:
   virtual ~Engine() = default;
-  // Starts the ops; returns once they are queued (some may wait for queue room).
-  virtual void submit(std::span<const Op> ops) = 0;
-  // Completes everything submitted. Throws SystemError for the first failed op, after
-  // the others have finished (buffers are never left in use by the kernel).
+  // Starts the ops; returns once they are queued (some may wait for queue room). Batches
+  // submitted one after another share the queue: the device never idles between them.
+  virtual Ticket submit(std::span<const Op> ops) = 0;
+  // Completes the batches up to `ticket`; later ones go on. Throws SystemError for the
+  // first failed op among them, after all of them have finished (buffers are never left
+  // in use by the kernel).
+  virtual void wait_for(Ticket ticket) = 0;
+  // Completes everything submitted, as wait_for(the last ticket).
   virtual void wait() = 0;
   virtual const char* name() const = 0;
 };

@@ -12,6 +12,7 @@
 #include "error.h"
 #include "fault.h"
 #include "io/engine.h"
+#include "io/tickets.h"
 
 namespace smartinf::io {
 namespace {
@@ -57,25 +58,31 @@ class ThreadEngine final : public Engine {
     for (auto& t : workers_) t.join();
   }
 
-  void submit(std::span<const Op> ops) override {
+  Ticket submit(std::span<const Op> ops) override {
+    const std::vector<Op> pieces = split(ops, piece_bytes_);
+    Ticket ticket;
     {
       std::lock_guard lock(mu_);
-      for (const Op& piece : split(ops, piece_bytes_)) {
-        queue_.push_back(piece);
-        ++outstanding_;
-      }
+      ticket = tickets_.open(pieces.size());
+      for (const Op& piece : pieces) queue_.push_back(Piece{piece, ticket});
     }
     ready_.notify_all();
+    return ticket;
   }
 
   void wait() override {
-    std::unique_lock lock(mu_);
-    done_.wait(lock, [this] { return outstanding_ == 0; });
-    if (error_) {
-      SystemError e = *error_;
-      error_.reset();
-      throw e;
+    Ticket last;
+    {
+      std::lock_guard lock(mu_);
+      last = tickets_.last();
     }
+    wait_for(last);
+  }
+
+  void wait_for(Ticket ticket) override {
+    std::unique_lock lock(mu_);
+    done_.wait(lock, [&] { return !tickets_.busy(ticket); });
+    tickets_.settle(ticket);
   }
 
   const char* name() const override { return "threads"; }
@@ -86,28 +93,32 @@ class ThreadEngine final : public Engine {
     for (;;) {
       ready_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
-      Op op = queue_.front();
+      const Piece piece = queue_.front();
+      const Op& op = piece.op;
       queue_.pop_front();
-      int code = 0;
-      if (!error_) {  // after a failure, drain instead of starting more
-        lock.unlock();
-        code = transfer(op);
-        lock.lock();
-      }
-      if (code && !error_)
-        error_ = SystemError(code, op.write ? "write failed" : "read failed",
-                             op.path ? *op.path : std::string("?"));
-      if (--outstanding_ == 0) done_.notify_all();
+      lock.unlock();
+      const int code = transfer(op);
+      lock.lock();
+      if (code)
+        tickets_.finish(piece.ticket, SystemError(code, op.write ? "write failed" : "read failed",
+                                                  op.path ? *op.path : std::string("?")));
+      else
+        tickets_.finish(piece.ticket);
+      done_.notify_all();
     }
   }
+
+  struct Piece {
+    Op op;
+    Ticket ticket;
+  };
 
   uint64_t piece_bytes_;
   std::mutex mu_;
   std::condition_variable ready_, done_;
-  std::deque<Op> queue_;
-  size_t outstanding_ = 0;
+  std::deque<Piece> queue_;
+  Tickets tickets_;
   bool stop_ = false;
-  std::optional<SystemError> error_;
   std::vector<std::thread> workers_;
 };
 

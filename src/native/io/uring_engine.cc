@@ -6,6 +6,7 @@
 #include "error.h"
 #include "fault.h"
 #include "io/engine.h"
+#include "io/tickets.h"
 
 #ifdef SMARTINF_HAVE_URING
 #include <liburing.h>
@@ -32,13 +33,18 @@ class UringEngine final : public Engine {
     io_uring_queue_exit(&ring_);
   }
 
-  void submit(std::span<const Op> ops) override {
-    for (const Op& piece : split(ops, options_.piece_bytes)) pending_.push_back(piece);
+  Ticket submit(std::span<const Op> ops) override {
+    const std::vector<Op> pieces = split(ops, options_.piece_bytes);
+    const Ticket ticket = tickets_.open(pieces.size());
+    for (const Op& piece : pieces) pending_.push_back(Piece{piece, ticket});
     fill();
+    return ticket;
   }
 
-  void wait() override {
-    while (inflight_ > 0) {
+  void wait() override { wait_for(tickets_.last()); }
+
+  void wait_for(Ticket ticket) override {
+    while (tickets_.busy(ticket)) {
       io_uring_cqe* cqe = nullptr;
       int res = io_uring_wait_cqe(&ring_, &cqe);
       if (res == -EINTR) continue;
@@ -51,11 +57,7 @@ class UringEngine final : public Engine {
       io_uring_cq_advance(&ring_, seen);
       fill();
     }
-    if (error_) {
-      SystemError e = *error_;
-      error_.reset();
-      throw e;
-    }
+    tickets_.settle(ticket);
   }
 
   const char* name() const override { return "uring"; }
@@ -63,7 +65,8 @@ class UringEngine final : public Engine {
  private:
   void complete(size_t index, int res) {
     --inflight_;
-    Op& op = slots_[index];
+    Piece& piece = slots_[index];
+    Op& op = piece.op;
     free_.push_back(index);
     switch (fault::at(op.write ? "io.write" : "io.read")) {
       case fault::Action::error: res = -fault::error_code(); break;
@@ -71,41 +74,42 @@ class UringEngine final : public Engine {
       default: break;
     }
     if (res == -EAGAIN || res == -EINTR) {
-      pending_.push_front(op);
+      pending_.push_front(piece);
     } else if (res < 0) {
-      record(-res, op);
+      tickets_.finish(piece.ticket, failure(-res, op));
     } else if (res == 0 && op.len > 0) {
-      record(EIO, op);  // unexpected end of file
+      tickets_.finish(piece.ticket, failure(EIO, op));  // unexpected end of file
     } else if (static_cast<uint64_t>(res) < op.len) {  // short I/O: resubmit the rest
       op.buf = static_cast<char*>(op.buf) + res;
       op.offset += res;
       op.len -= res;
-      pending_.push_front(op);
+      pending_.push_front(piece);
+    } else {
+      tickets_.finish(piece.ticket);
     }
   }
 
-  void record(int code, const Op& op) {
-    if (!error_)
-      error_ = SystemError(code, op.write ? "write failed" : "read failed",
-                           op.path ? *op.path : std::string("?"));
+  static SystemError failure(int code, const Op& op) {
+    return SystemError(code, op.write ? "write failed" : "read failed",
+                       op.path ? *op.path : std::string("?"));
   }
 
   void fill() {
-    if (error_) pending_.clear();  // after a failure, drain instead of starting more
     unsigned queued = 0;
     while (!pending_.empty() && inflight_ < options_.queue_depth) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (!sqe) break;
-      Op op = pending_.front();
+      const Piece piece = pending_.front();
+      const Op& op = piece.op;
       pending_.pop_front();
       size_t index;
       if (free_.empty()) {
         index = slots_.size();
-        slots_.push_back(op);
+        slots_.push_back(piece);
       } else {
         index = free_.back();
         free_.pop_back();
-        slots_[index] = op;
+        slots_[index] = piece;
       }
       const unsigned len = static_cast<unsigned>(op.len);
       if (fixed_ && op.buf_index >= 0) {
@@ -130,14 +134,19 @@ class UringEngine final : public Engine {
     check(res, "io_uring_submit", "io_uring");
   }
 
+  struct Piece {
+    Op op;
+    Ticket ticket;
+  };
+
   Options options_;
   io_uring ring_{};
   bool fixed_ = false;
-  std::deque<Op> pending_;
-  std::vector<Op> slots_;  // ops in flight, indexed by user_data
+  std::deque<Piece> pending_;
+  std::vector<Piece> slots_;  // pieces in flight, indexed by user_data
   std::vector<size_t> free_;
   unsigned inflight_ = 0;
-  std::optional<SystemError> error_;
+  Tickets tickets_;
 };
 
 }  // namespace

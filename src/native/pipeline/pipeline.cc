@@ -94,6 +94,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
       throw std::invalid_argument("a memory budget is for cpu devices: XRT devices keep no "
                                   "resident states yet (FPGA DRAM beyond the slots); pass "
                                   "memory_budget=0 for " + spec.dir);
+    if (spec.io_schedule != "mixed" && spec.io_schedule != "phased")
+      throw std::invalid_argument("io_schedule must be 'mixed' or 'phased', got '" +
+                                  spec.io_schedule + "' for " + spec.dir);
     if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
       throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
@@ -141,6 +144,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.host_link_bps > 0) ring.host_link = std::make_shared<HostLink>(options.host_link_bps);
   for (size_t i = 0; i < devices_.size(); ++i) {
     ring.storage_bps = options.devices[i].storage_bps;
+    ring.io_schedule = options.devices[i].io_schedule;
     Unit& u = devices_[i];
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
@@ -589,6 +593,7 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
   s["memory_read"] += c.memory_read;
   s["memory_write"] += c.memory_write;
   s["foreign_chunks"] += c.foreign_chunks;
+  s["io_turns"] += c.io_turns;
   for (size_t i = 0; i < kStages; ++i)
     s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;

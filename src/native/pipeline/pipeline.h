@@ -20,6 +20,7 @@ struct DeviceSpec {
   std::string dir;
   device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
   double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
+  std::string io_schedule = "mixed";  // mixed | phased: see RingOptions
 };
 
 struct PipelineOptions {

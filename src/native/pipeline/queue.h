@@ -30,6 +30,16 @@ class Queue {
     return item;
   }
 
+  // The next item if there is one now, without blocking.
+  std::optional<T> try_pop() {
+    std::lock_guard lock(mu_);
+    if (items_.empty()) return std::nullopt;
+    T item = std::move(items_.front());
+    items_.pop_front();
+    not_full_.notify_one();
+    return item;
+  }
+
   void close() {
     std::lock_guard lock(mu_);
     closed_ = true;

@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <deque>
 #include <utility>
 
 #include "error.h"
@@ -34,7 +35,8 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
     : device_(device),
       store_(store),
       computing_(device.slot_count()),
-      writing_(device.slot_count()) {
+      writing_(device.slot_count()),
+      phases_(options.io_schedule == "phased", options.io_burst, counters_.io_turns) {
   io::Options io_options;
   io_options.queue_depth = options.queue_depth;
   io_options.piece_bytes = options.piece_bytes;
@@ -139,76 +141,155 @@ io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot, bool resi
   return op;
 }
 
+void Ring::fail(Job& job, size_t slot, std::exception_ptr error) {
+  job.completion->chunk_done(error);
+  free_slots_.push(slot);
+  finished();
+}
+
 void Ring::load_loop() {
-  while (std::optional<Job> job = jobs_.pop()) {
-    const size_t slot = *free_slots_.pop();
-    const bool resident = job->resident != device::kOwnStates;
-    try {
-      device_.bind_states(slot, job->resident);
-      if (job->kind == JobKind::init) {
-        // Arrays from the host cross the host link; filled ones are made on the device.
-        uint64_t bytes = 0;
-        for (const float* a : job->imported) bytes += a ? job->dst.numel * 4 : 0;
-        Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
-        const Deadline link = reserve_host(true, bytes);
-        device_.init_states(slot, job->imported, job->fill, job->dst.numel);
-        counters_.host_to_device += bytes;
-        finish_host(link);
-      } else if (job->kind != JobKind::persist) {
-        // Resident states are in device memory already; verify is their load.
-        const bool read = !resident || job->kind == JobKind::verify;
-        Timer t(counters_.busy_ns[kLoad]);
-        const Deadline storage = read ? reserve_storage(job->src.bytes) : std::nullopt;
-        const io::Op op = state_io(false, job->src, slot, resident);
-        if (read) reader_->submit({&op, 1});
-        const bool send = split_ && job->output &&
-                          (job->kind == JobKind::update || job->kind == JobKind::read);
-        uint64_t sent = 0;
-        if (send) {  // a split master's upper halves: the caller's bf16 params
-          Timer h(counters_.busy_ns[kHostToDevice]);
-          const uint64_t bytes = job->src.numel * 2;
-          const Deadline link = reserve_host(true, bytes);
-          sent = store::params_checksum(job->output, job->src.numel);
-          device_.copy_in_params(slot, job->output, bytes);
-          counters_.host_to_device += bytes;
-          finish_host(link);
+  std::deque<Loading> loading;  // oldest first
+  std::optional<Loaded> next;   // taken, but waiting for the read turn (phased I/O)
+  for (;;) {
+    // Start a load in every free slot there is a job for; block only with none under way.
+    for (;;) {
+      if (!next) {
+        std::optional<size_t> slot = free_slots_.try_pop();
+        if (!slot) {
+          phases_.idle(IoPhases::kRead);
+          if (!loading.empty()) break;
+          slot = free_slots_.pop();
         }
-        if (job->kind == JobKind::update) {  // the gradient crosses the host link meanwhile
-          Timer h(counters_.busy_ns[kHostToDevice]);
-          const device::Kernel& k = job->kernel;
-          const size_t size = kernels::dtype_size(k.grad);
-          const uint64_t bytes = k.compressed ? k.nnz * (4 + size) : job->src.numel * size;
-          const Deadline link = reserve_host(true, bytes);
-          if (k.compressed)
-            device_.copy_in_compressed(slot, static_cast<const int32_t*>(job->input),
-                                       job->values, k.nnz, size);
-          else
-            device_.copy_in(slot, job->input, bytes);
-          counters_.host_to_device += bytes;
-          finish_host(link);
+        std::optional<Job> job = jobs_.try_pop();
+        if (!job) {
+          phases_.idle(IoPhases::kRead);
+          if (!loading.empty() || !(job = jobs_.pop())) {
+            free_slots_.push(*slot);
+            if (loading.empty()) return;  // closed and drained
+            break;
+          }
         }
-        if (read) {
-          reader_->wait();
-          counters_.storage_read += job->src.bytes;
-        }
-        finish_storage(storage);
-        if (send) check_params(*job, slot, sent);
-        if (job->kind == JobKind::verify) check_sum(*job, slot);
+        next = Loaded{std::move(*job), *slot};
       }
-    } catch (...) {
-      job->completion->chunk_done(std::current_exception());
-      free_slots_.push(slot);
-      finished();
-      continue;
+      if (reads_storage(next->job)) {
+        const uint64_t bytes = next->job.src.bytes;
+        if (loading.empty())
+          phases_.begin(IoPhases::kRead, bytes);
+        else if (!phases_.try_begin(IoPhases::kRead, bytes))
+          break;  // the write-backs' turn: finish the reads under way first
+      }
+      Loading l{std::move(*next), 0, std::nullopt, false, 0};
+      next.reset();
+      if (start_load(l.item.job, l.item.slot, l)) loading.push_back(std::move(l));
     }
-    if (job->kind == JobKind::verify) {
-      job->completion->chunk_done();
-      free_slots_.push(slot);
-      finished();
-    } else if (job->kind == JobKind::init || job->kind == JobKind::persist)
-      writing_.push(Loaded{std::move(*job), slot});
-    else
-      computing_.push(Loaded{std::move(*job), slot});
+    if (loading.empty()) continue;
+    finish_load(loading.front());
+    loading.pop_front();
+  }
+}
+
+bool Ring::reads_storage(const Job& job) {
+  if (job.kind == JobKind::init || job.kind == JobKind::persist) return false;
+  return job.resident == device::kOwnStates || job.kind == JobKind::verify;
+}
+
+bool Ring::start_load(Job& job, size_t slot, Loading& l) {
+  const bool resident = job.resident != device::kOwnStates;
+  try {
+    device_.bind_states(slot, job.resident);
+    if (job.kind == JobKind::init) {
+      // Arrays from the host cross the host link; filled ones are made on the device.
+      uint64_t bytes = 0;
+      for (const float* a : job.imported) bytes += a ? job.dst.numel * 4 : 0;
+      Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
+      const Deadline link = reserve_host(true, bytes);
+      device_.init_states(slot, job.imported, job.fill, job.dst.numel);
+      counters_.host_to_device += bytes;
+      finish_host(link);
+    }
+    if (job.kind == JobKind::init || job.kind == JobKind::persist) {
+      writing_.push(Loaded{std::move(job), slot});
+      return false;
+    }
+    // Resident states are in device memory already; verify is their load. The read's
+    // turn was taken (IoPhases::begin) by the caller.
+    if (reads_storage(job)) {
+      Timer t(counters_.busy_ns[kLoad]);
+      l.storage = reserve_storage(job.src.bytes);
+      const io::Op op = state_io(false, job.src, slot, resident);
+      l.read = reader_->submit({&op, 1});
+    }
+    l.send_params = split_ && job.output && (job.kind == JobKind::update || job.kind == JobKind::read);
+    if (l.send_params) {  // a split master's upper halves: the caller's bf16 params
+      Timer h(counters_.busy_ns[kHostToDevice]);
+      const uint64_t bytes = job.src.numel * 2;
+      const Deadline link = reserve_host(true, bytes);
+      l.sent = store::params_checksum(job.output, job.src.numel);
+      device_.copy_in_params(slot, job.output, bytes);
+      counters_.host_to_device += bytes;
+      finish_host(link);
+    }
+    if (job.kind == JobKind::update) {  // the gradient crosses the host link meanwhile
+      Timer h(counters_.busy_ns[kHostToDevice]);
+      const device::Kernel& k = job.kernel;
+      const size_t size = kernels::dtype_size(k.grad);
+      const uint64_t bytes = k.compressed ? k.nnz * (4 + size) : job.src.numel * size;
+      const Deadline link = reserve_host(true, bytes);
+      if (k.compressed)
+        device_.copy_in_compressed(slot, static_cast<const int32_t*>(job.input), job.values,
+                                   k.nnz, size);
+      else
+        device_.copy_in(slot, job.input, bytes);
+      counters_.host_to_device += bytes;
+      finish_host(link);
+    }
+    return true;
+  } catch (...) {
+    // A read already submitted must finish before the slot is given back; the read turn
+    // the caller took for it ends either way.
+    if (reads_storage(job)) {
+      if (l.read) {
+        try {
+          reader_->wait_for(l.read);
+        } catch (...) {
+        }
+      }
+      phases_.end(IoPhases::kRead);
+    }
+    fail(job, slot, std::current_exception());
+    return false;
+  }
+}
+
+void Ring::finish_load(Loading& l) {
+  Job& job = l.item.job;
+  const size_t slot = l.item.slot;
+  try {
+    if (l.read) {
+      Timer t(counters_.busy_ns[kLoad]);
+      const io::Ticket read = std::exchange(l.read, 0);
+      try {
+        reader_->wait_for(read);
+      } catch (...) {
+        phases_.end(IoPhases::kRead);
+        throw;
+      }
+      phases_.end(IoPhases::kRead);
+      counters_.storage_read += job.src.bytes;
+    }
+    finish_storage(l.storage);
+    if (l.send_params) check_params(job, slot, l.sent);
+    if (job.kind == JobKind::verify) check_sum(job, slot);
+  } catch (...) {
+    fail(job, slot, std::current_exception());
+    return;
+  }
+  if (job.kind == JobKind::verify) {
+    job.completion->chunk_done();
+    free_slots_.push(slot);
+    finished();
+  } else {
+    computing_.push(std::move(l.item));
   }
 }
 
@@ -267,29 +348,78 @@ void Ring::compute_loop() {
 }
 
 void Ring::write_loop() {
-  while (std::optional<Loaded> item = writing_.pop()) {
-    Job& job = item->job;
-    std::exception_ptr error;
-    try {
-      Timer t(counters_.busy_ns[kWriteback]);
-      *job.dst.sum = checksums_ ? store::extent_checksum(device_.slot(item->slot).states, job.dst.bytes) : 0;
-      const Deadline storage = reserve_storage(job.dst.bytes);
-      const io::Op op = state_io(true, job.dst, item->slot, job.resident != device::kOwnStates);
-      writer_->submit({&op, 1});
-      writer_->wait();
-      counters_.storage_write += job.dst.bytes;
-      finish_storage(storage);
-    } catch (...) {
-      error = std::current_exception();
+  std::deque<Writing> writing;  // oldest first
+  std::optional<Loaded> next;   // waiting for the write turn (phased I/O)
+  for (;;) {
+    if (!next) {
+      next = writing_.try_pop();
+      if (!next) {
+        phases_.idle(IoPhases::kWrite);
+        if (writing.empty() && !(next = writing_.pop())) return;  // closed and drained
+      }
     }
-    if (job.kind == JobKind::init || job.kind == JobKind::persist) job.completion->chunk_done(error);
-    free_slots_.push(item->slot);
-    {
-      std::lock_guard lock(mu_);
-      if (error && !write_error_) write_error_ = error;
+    if (next) {
+      const uint64_t bytes = next->job.dst.bytes;
+      bool turn = true;
+      if (writing.empty())
+        phases_.begin(IoPhases::kWrite, bytes);
+      else
+        turn = phases_.try_begin(IoPhases::kWrite, bytes);
+      if (turn) {
+        Writing w{std::move(*next), 0, std::nullopt};
+        next.reset();
+        Job& job = w.item.job;
+        std::exception_ptr error;
+        try {
+          Timer t(counters_.busy_ns[kWriteback]);
+          *job.dst.sum = checksums_ ? store::extent_checksum(device_.slot(w.item.slot).states, job.dst.bytes) : 0;
+          w.storage = reserve_storage(job.dst.bytes);
+          const io::Op op = state_io(true, job.dst, w.item.slot, job.resident != device::kOwnStates);
+          w.write = writer_->submit({&op, 1});
+        } catch (...) {
+          error = std::current_exception();
+          phases_.end(IoPhases::kWrite);
+        }
+        writing.push_back(std::move(w));
+        if (!error) continue;  // more writes while there are slots to write
+        finish_write(writing.back(), error);
+        writing.pop_back();
+        continue;
+      }
+      // The reads' turn: finish the writes under way first.
     }
-    finished();
+    if (writing.empty()) continue;
+    finish_write(writing.front(), nullptr);
+    writing.pop_front();
   }
+}
+
+void Ring::finish_write(Writing& w, std::exception_ptr error) {
+  Job& job = w.item.job;
+  try {
+    if (w.write) {
+      Timer t(counters_.busy_ns[kWriteback]);
+      const io::Ticket write = std::exchange(w.write, 0);
+      try {
+        writer_->wait_for(write);
+      } catch (...) {
+        phases_.end(IoPhases::kWrite);
+        throw;
+      }
+      phases_.end(IoPhases::kWrite);
+      counters_.storage_write += job.dst.bytes;
+    }
+    finish_storage(w.storage);
+  } catch (...) {
+    if (!error) error = std::current_exception();
+  }
+  if (job.kind == JobKind::init || job.kind == JobKind::persist) job.completion->chunk_done(error);
+  free_slots_.push(w.item.slot);
+  {
+    std::lock_guard lock(mu_);
+    if (error && !write_error_) write_error_ = error;
+  }
+  finished();
 }
 
 }  // namespace smartinf::pipeline

@@ -4,6 +4,10 @@
 //   computer: run the kernel, copy params out (device -> host); the request's chunk is done
 //   writer:   write the states back to storage (the other shadow copy), free the slot
 // Different chunks are in different stages at once; memory is K slots whatever the model.
+// The loader keeps the reads of every free slot in flight and the writer the writes of
+// every slot it holds, so the storage queue does not drain between chunks: small chunks
+// (int8/int4 states) keep the device as busy as large ones. With the phased I/O schedule
+// the two take turns (io_phases.h).
 #pragma once
 #include <array>
 #include <atomic>
@@ -15,6 +19,7 @@
 #include "device/device.h"
 #include "io/engine.h"
 #include "pipeline/completion.h"
+#include "pipeline/io_phases.h"
 #include "pipeline/queue.h"
 #include "pipeline/rate_limiter.h"
 #include "store/state_store.h"
@@ -66,6 +71,8 @@ struct Counters {
   std::atomic<uint64_t> host_link_wait_ns{0}, storage_wait_ns{0};
   // Split master: chunks whose params came back other than emitted (taken as the masters).
   std::atomic<uint64_t> foreign_chunks{0};
+  // Phased I/O: turns handed from reads to write-backs or back.
+  std::atomic<uint64_t> io_turns{0};
 };
 
 // A chunk whose bf16 params were not the ones the device emitted with its split master.
@@ -81,6 +88,10 @@ struct RingOptions {
   std::shared_ptr<HostLink> host_link;  // shared by the pipeline's rings; null: no cap
   double storage_bps = 0;               // cap on this device's storage traffic; 0: none
   bool verify = false;                  // check every loaded extent against its checksum
+  // "mixed": reads and write-backs in flight together; "phased": they take turns in bursts
+  // of up to `io_burst` bytes (IoPhases). Neither changes a bit of the results.
+  std::string io_schedule = "mixed";
+  uint64_t io_burst = 256ull << 20;
 };
 
 class Ring {
@@ -108,9 +119,29 @@ class Ring {
     Job job;
     size_t slot;
   };
+  using Deadline = std::optional<RateLimiter::Clock::time_point>;
+  struct Loading {  // a load under way: its read (0: none) and what it sent in
+    Loaded item;
+    io::Ticket read;
+    Deadline storage;
+    bool send_params;
+    uint64_t sent;
+  };
+  struct Writing {  // a write-back under way
+    Loaded item;
+    io::Ticket write;
+    Deadline storage;
+  };
   void load_loop();
+  // Starts a job's load in `slot`; false when it is done with (init, persist: handed to the
+  // writer; or failed), true when it is under way.
+  bool start_load(Job& job, size_t slot, Loading& loading);
+  static bool reads_storage(const Job& job);  // loads its states from storage
+  void finish_load(Loading& loading);
   void compute_loop();
   void write_loop();
+  void finish_write(Writing& writing, std::exception_ptr error);
+  void fail(Job& job, size_t slot, std::exception_ptr error);
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot, bool resident) const;
   void check_sum(const Job& job, size_t slot) const;
@@ -118,7 +149,6 @@ class Ring {
   // states; foreign params become the masters (`job.kernel.adopt`).
   void check_params(Job& job, size_t slot, uint64_t sent);
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
-  using Deadline = std::optional<RateLimiter::Clock::time_point>;
   Deadline reserve_host(bool to_device, uint64_t bytes);
   Deadline reserve_storage(uint64_t bytes);
   void finish_host(const Deadline& d) { finish(d, counters_.host_link_wait_ns); }
@@ -138,6 +168,7 @@ class Ring {
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;
   Counters counters_;
+  IoPhases phases_;
 
   std::mutex mu_;
   std::condition_variable idle_;

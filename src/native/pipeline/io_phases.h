@@ -1,0 +1,98 @@
+// Which of a device's two I/O directions may start requests: its reads (the loader) and its
+// write-backs (the writer). "mixed": both at any time. "phased": they take turns, in bursts
+// of one direction, for drives that lose bandwidth when reads and writes are mixed (the
+// probe's mix curve says which). A turn lasts while its direction has requests to start,
+// or until `burst` bytes were started and the other direction waits; the next turn starts
+// when the last request of the turn has finished. The slots absorb the difference: reads
+// fill free slots during a read turn, write-backs empty them during a write turn.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+
+namespace smartinf::pipeline {
+
+class IoPhases {
+ public:
+  enum Dir { kRead = 0, kWrite = 1 };
+
+  // `turns` counts the hand-overs from one direction to the other.
+  IoPhases(bool phased, uint64_t burst, std::atomic<uint64_t>& turns)
+      : phased_(phased), burst_(burst), turns_(turns) {}
+
+  // Blocks until `d` may start a request of `bytes`, and counts it in flight. Only for a
+  // direction with no request of its own in flight (else try_begin, and finish those
+  // first): the other direction's turn waits for them.
+  void begin(Dir d, uint64_t bytes) {
+    if (!phased_) return;
+    std::unique_lock lock(mu_);
+    waiting_[d] = true;
+    changed_.wait(lock, [&] { return may_start(d); });
+    start(d, bytes);
+  }
+
+  // begin() if `d` may start now; false (and `d` counted as waiting for its turn) if not.
+  bool try_begin(Dir d, uint64_t bytes) {
+    if (!phased_) return true;
+    std::lock_guard lock(mu_);
+    waiting_[d] = true;
+    if (!may_start(d)) return false;
+    start(d, bytes);
+    return true;
+  }
+
+  // One request of `d` finished (or failed).
+  void end(Dir d) {
+    if (!phased_) return;
+    std::lock_guard lock(mu_);
+    --in_flight_[d];
+    changed_.notify_all();
+  }
+
+  // `d` has no request to start now: a waiting other direction takes the turn (after this
+  // one's requests in flight); one that comes later takes it at once.
+  void idle(Dir d) {
+    if (!phased_) return;
+    std::lock_guard lock(mu_);
+    idle_[d] = true;
+    changed_.notify_all();
+  }
+
+  bool phased() const { return phased_; }
+
+ private:
+  // The turn passes to a waiting `d` when the owner is idle or has spent its burst; `d`
+  // starts once the owner's last request has finished.
+  bool may_start(Dir d) {
+    const Dir other = Dir(1 - d);
+    if (owner_ == other && (idle_[other] || started_[other] >= burst_)) hand_over(d);
+    return owner_ == d && in_flight_[other] == 0;
+  }
+
+  void start(Dir d, uint64_t bytes) {
+    waiting_[d] = idle_[d] = false;
+    ++in_flight_[d];
+    started_[d] += bytes;
+  }
+
+  void hand_over(Dir to) {
+    ++turns_;
+    owner_ = to;
+    started_[to] = 0;
+    changed_.notify_all();
+  }
+
+  const bool phased_;
+  const uint64_t burst_;
+  std::atomic<uint64_t>& turns_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  Dir owner_ = kRead;
+  unsigned in_flight_[2] = {0, 0};
+  uint64_t started_[2] = {0, 0};
+  bool waiting_[2] = {false, false};
+  bool idle_[2] = {false, false};
+};
+
+}  // namespace smartinf::pipeline

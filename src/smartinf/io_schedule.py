@@ -1,0 +1,66 @@
+"""Which I/O schedule a device's ring runs on its storage, and why.
+
+A step reads every streamed state and writes it back. The ring can keep reads and
+write-backs in flight together (``mixed``) or let them take turns in bursts of one
+direction (``phased``, ``pipeline/io_phases.h``). Many NVMe drives (and virtual disks)
+lose bandwidth on a mixed stream; others do not, so the right choice is a property of the
+device: ``python -m smartinf.probe DIR --record`` measures the mix curve there and records
+it in ``DIR/.smartinf-probe.json``; ``io_schedule="auto"`` (the default) reads that record.
+Neither schedule changes a bit of the results, only the order of the requests.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+RECORD = ".smartinf-probe.json"
+#: phased is chosen where its best burst beats mixed by more than this (a measurement's noise).
+MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class Choice:
+    schedule: str  # mixed | phased
+    reason: str
+
+
+def record(directory: str, storage: dict) -> str:
+    """Writes the probe's storage figures of ``directory`` (``StorageLimit`` as a dict) to
+    its record, atomically; returns the record's path."""
+    path = os.path.join(directory, RECORD)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(storage, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def from_figures(storage: dict) -> Choice:
+    """The schedule the mix curve favours: phased where a burst length beats reads and
+    writes together by more than ``MARGIN``."""
+    mixed = storage.get("mixed_bps") or 0.0
+    phased = max((bps for _, bps in storage.get("phased_bps") or ()), default=0.0)
+    if not mixed or not phased:
+        return Choice("mixed", "the record has no mix curve")
+    figures = f"phased {phased / 1e9:.2f} GB/s, mixed {mixed / 1e9:.2f} GB/s"
+    if phased > MARGIN * mixed:
+        return Choice("phased", f"the probe measured {figures}")
+    return Choice("mixed", f"the probe measured {figures}")
+
+
+def choose(setting: str, directory: str) -> Choice:
+    """The schedule for a device in ``directory`` under ``setting`` (auto, mixed, phased)."""
+    if setting != "auto":
+        return Choice(setting, "as requested")
+    path = os.path.join(directory, RECORD)
+    try:
+        with open(path) as f:
+            storage = json.load(f)
+    except FileNotFoundError:
+        return Choice("mixed", f"no probe record in {directory} (python -m smartinf.probe "
+                               f"{directory} --record measures one)")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a probe record ({e}): run python -m smartinf.probe "
+                         f"{directory} --record again, or pass io_schedule='mixed' or 'phased'") from e
+    return from_figures(storage)

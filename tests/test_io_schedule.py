@@ -1,0 +1,101 @@
+"""The I/O schedule of a device's ring (reads and write-backs in flight together, or taking
+turns) and its choice from the probe's mix curve: the schedule changes the order of the
+requests, never a bit of the results."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import smartinf
+from smartinf import io_schedule, probe
+from smartinf.rounding import to_bf16
+
+SIZES = [5000, 3000, 7000, 1000]
+CHUNK = 1024  # several chunks per sub-group: both directions have turns within a step
+
+
+def train(dirs, schedule, steps=5, **settings):
+    """bf16 params and every stored state after ``steps`` steps from seeded inputs."""
+    rng = np.random.default_rng(7)
+    with smartinf.Pipeline(dirs, smartinf.AdamW(lr=1e-2, weight_decay=0.1), chunk=CHUNK,
+                           slots=3, io_schedule=schedule, **settings) as pipe:
+        assert [c.schedule for c in pipe.io_schedules] == [schedule] * len(dirs)
+        params = []
+        for n in SIZES:
+            init = to_bf16(torch.from_numpy(rng.standard_normal(n).astype(np.float32)))
+            pipe.add_subgroup(n, init.float())
+            params.append(init.clone())
+        for _ in range(steps):
+            with pipe.step():
+                futures = [pipe.update(sg, torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+                                       .to(torch.bfloat16), params[sg]) for sg, n in enumerate(SIZES)]
+                for f in futures:
+                    f.wait()
+        split = settings.get("master") == "split"
+        assert (pipe.stats["io_turns"] > 0) == (schedule == "phased")  # turns were taken
+        states = [pipe.read_states(sg, **({"params": params[sg]} if split else {}))
+                  for sg in range(len(SIZES))]
+    return params, states
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("settings", [
+    {}, dict(state_dtype="int8"), dict(state_dtype="int4"), dict(master="split"),
+    dict(state_dtype="int8", master="split", memory_budget=40_000, commit_every=2),
+    dict(memory_budget=100_000, commit_every=3),  # some sub-groups resident, some streamed
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "fp32")
+def test_phased_and_mixed_io_give_the_same_bits(tmp_path, devices, settings):
+    def dirs(name):
+        return [str(tmp_path / name / str(i)) for i in range(devices)]
+    (pm, sm), (pp, sp) = train(dirs("mixed"), "mixed", **settings), train(dirs("phased"), "phased", **settings)
+    for a, b in zip(pm, pp):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(sm, sp):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)), k
+
+
+def test_auto_follows_the_probe_record_of_each_directory(tmp_path, caplog):
+    """auto: mixed without a record; with one, phased only where a burst beats the mix by
+    more than the margin; an explicit schedule wins; a broken record is named."""
+    plain, fast_bursts, slow_bursts = (str(tmp_path / n) for n in ("plain", "fast", "slow"))
+    for d in (plain, fast_bursts, slow_bursts):
+        os.makedirs(d)
+    storage = {"read_bps": 2e9, "write_bps": 2e9, "mixed_bps": 1.2e9}
+    io_schedule.record(fast_bursts, dict(storage, phased_bps=[[64 << 20, 1.2e9], [256 << 20, 1.6e9]]))
+    io_schedule.record(slow_bursts, dict(storage, phased_bps=[[64 << 20, 1.22e9]]))
+    with smartinf.Pipeline([plain, fast_bursts, slow_bursts]) as pipe:
+        assert [c.schedule for c in pipe.io_schedules] == ["mixed", "phased", "mixed"]
+        assert "no probe record" in pipe.io_schedules[0].reason
+        assert "phased 1.60 GB/s, mixed 1.20 GB/s" in pipe.io_schedules[1].reason
+    explicit = str(tmp_path / "explicit")
+    os.makedirs(explicit)
+    io_schedule.record(explicit, dict(storage, phased_bps=[[64 << 20, 1.6e9]]))
+    with smartinf.Pipeline(explicit, io_schedule="mixed") as pipe:
+        assert pipe.io_schedules[0] == io_schedule.Choice("mixed", "as requested")
+    with open(os.path.join(plain, io_schedule.RECORD), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="is not a probe record"):
+        smartinf.Pipeline(plain)
+
+
+def test_the_setting_and_its_environment_default_are_checked(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="io_schedule='sometimes'"):
+        smartinf.Pipeline(str(tmp_path), io_schedule="sometimes")
+    monkeypatch.setenv("SMARTINF_IO_SCHEDULE", "phased")
+    with smartinf.Pipeline(str(tmp_path / "env")) as pipe:
+        assert pipe.io_schedules[0].schedule == "phased"
+    monkeypatch.setenv("SMARTINF_IO_SCHEDULE", "turns")
+    with pytest.raises(ValueError, match="SMARTINF_IO_SCHEDULE='turns'"):
+        smartinf.Pipeline(str(tmp_path / "bad"))
+
+
+def test_the_probe_records_its_mix_curve_where_auto_reads_it(capsys, disk_dir):
+    assert probe.main([disk_dir, "--size-mib", "8", "--record"]) == 0
+    recorded = json.loads(open(os.path.join(disk_dir, io_schedule.RECORD)).read())
+    assert recorded["directory"] == disk_dir and recorded["mixed_bps"] > 0
+    assert "io_schedule='auto' runs mixed there" in capsys.readouterr().err  # 8 MiB: no bursts
+    assert os.listdir(disk_dir) == [io_schedule.RECORD]
