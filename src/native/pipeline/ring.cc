@@ -141,6 +141,16 @@ io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot, bool resi
   return op;
 }
 
+void Ring::settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d) {
+  try {
+    engine.wait_for(ticket);
+  } catch (...) {
+    phases_.end(d);
+    throw;
+  }
+  phases_.end(d);
+}
+
 void Ring::fail(Job& job, size_t slot, std::exception_ptr error) {
   job.completion->chunk_done(error);
   free_slots_.push(slot);
@@ -267,14 +277,7 @@ void Ring::finish_load(Loading& l) {
   try {
     if (l.read) {
       Timer t(counters_.busy_ns[kLoad]);
-      const io::Ticket read = std::exchange(l.read, 0);
-      try {
-        reader_->wait_for(read);
-      } catch (...) {
-        phases_.end(IoPhases::kRead);
-        throw;
-      }
-      phases_.end(IoPhases::kRead);
+      settle(*reader_, std::exchange(l.read, 0), IoPhases::kRead);
       counters_.storage_read += job.src.bytes;
     }
     finish_storage(l.storage);
@@ -399,14 +402,7 @@ void Ring::finish_write(Writing& w, std::exception_ptr error) {
   try {
     if (w.write) {
       Timer t(counters_.busy_ns[kWriteback]);
-      const io::Ticket write = std::exchange(w.write, 0);
-      try {
-        writer_->wait_for(write);
-      } catch (...) {
-        phases_.end(IoPhases::kWrite);
-        throw;
-      }
-      phases_.end(IoPhases::kWrite);
+      settle(*writer_, std::exchange(w.write, 0), IoPhases::kWrite);
       counters_.storage_write += job.dst.bytes;
     }
     finish_storage(w.storage);

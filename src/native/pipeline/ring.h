@@ -142,6 +142,8 @@ class Ring {
   void write_loop();
   void finish_write(Writing& writing, std::exception_ptr error);
   void fail(Job& job, size_t slot, std::exception_ptr error);
+  // Waits for a batch of requests; its direction's turn ends either way.
+  void settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d);
   void finished();
   io::Op state_io(bool write, const store::Extent& e, size_t slot, bool resident) const;
   void check_sum(const Job& job, size_t slot) const;
