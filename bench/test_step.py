@@ -59,7 +59,7 @@ class StepRunner:
 
     def __init__(self, directory: str, params: int, slots: int, io: str | None = None,
                  state_dtype: str = "fp32", master: str = "fp32", param_dtype=np.float16,
-                 io_schedule: str = "mixed") -> None:
+                 io_schedule: str | None = None) -> None:
         self.directory = directory
         self.params = params
         self.slots = slots
