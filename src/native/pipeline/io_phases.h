@@ -27,16 +27,14 @@ class IoPhases {
   void begin(Dir d, uint64_t bytes) {
     if (!phased_) return;
     std::unique_lock lock(mu_);
-    waiting_[d] = true;
     changed_.wait(lock, [&] { return may_start(d); });
     start(d, bytes);
   }
 
-  // begin() if `d` may start now; false (and `d` counted as waiting for its turn) if not.
+  // begin() if `d` may start now, else false (having asked for the turn, as begin() does).
   bool try_begin(Dir d, uint64_t bytes) {
     if (!phased_) return true;
     std::lock_guard lock(mu_);
-    waiting_[d] = true;
     if (!may_start(d)) return false;
     start(d, bytes);
     return true;
@@ -59,10 +57,8 @@ class IoPhases {
     changed_.notify_all();
   }
 
-  bool phased() const { return phased_; }
-
  private:
-  // The turn passes to a waiting `d` when the owner is idle or has spent its burst; `d`
+  // Asked by `d`: the turn passes to it when the owner is idle or has spent its burst; `d`
   // starts once the owner's last request has finished.
   bool may_start(Dir d) {
     const Dir other = Dir(1 - d);
@@ -71,7 +67,7 @@ class IoPhases {
   }
 
   void start(Dir d, uint64_t bytes) {
-    waiting_[d] = idle_[d] = false;
+    idle_[d] = false;
     ++in_flight_[d];
     started_[d] += bytes;
   }
@@ -91,7 +87,6 @@ class IoPhases {
   Dir owner_ = kRead;
   unsigned in_flight_[2] = {0, 0};
   uint64_t started_[2] = {0, 0};
-  bool waiting_[2] = {false, false};
   bool idle_[2] = {false, false};
 };
 

@@ -23,21 +23,13 @@ class Queue {
   std::optional<T> pop() {
     std::unique_lock lock(mu_);
     not_empty_.wait(lock, [&] { return closed_ || !items_.empty(); });
-    if (items_.empty()) return std::nullopt;
-    T item = std::move(items_.front());
-    items_.pop_front();
-    not_full_.notify_one();
-    return item;
+    return take();
   }
 
   // The next item if there is one now, without blocking.
   std::optional<T> try_pop() {
     std::lock_guard lock(mu_);
-    if (items_.empty()) return std::nullopt;
-    T item = std::move(items_.front());
-    items_.pop_front();
-    not_full_.notify_one();
-    return item;
+    return take();
   }
 
   void close() {
@@ -47,6 +39,14 @@ class Queue {
   }
 
  private:
+  std::optional<T> take() {  // under mu_
+    if (items_.empty()) return std::nullopt;
+    T item = std::move(items_.front());
+    items_.pop_front();
+    not_full_.notify_one();
+    return item;
+  }
+
   size_t capacity_;
   std::mutex mu_;
   std::condition_variable not_empty_, not_full_;

@@ -151,7 +151,7 @@ void Ring::settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d) {
   phases_.end(d);
 }
 
-void Ring::fail(Job& job, size_t slot, std::exception_ptr error) {
+void Ring::release(Job& job, size_t slot, std::exception_ptr error) {
   job.completion->chunk_done(error);
   free_slots_.push(slot);
   finished();
@@ -266,7 +266,7 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       }
       phases_.end(IoPhases::kRead);
     }
-    fail(job, slot, std::current_exception());
+    release(job, slot, std::current_exception());
     return false;
   }
 }
@@ -284,16 +284,13 @@ void Ring::finish_load(Loading& l) {
     if (l.send_params) check_params(job, slot, l.sent);
     if (job.kind == JobKind::verify) check_sum(job, slot);
   } catch (...) {
-    fail(job, slot, std::current_exception());
+    release(job, slot, std::current_exception());
     return;
   }
-  if (job.kind == JobKind::verify) {
-    job.completion->chunk_done();
-    free_slots_.push(slot);
-    finished();
-  } else {
+  if (job.kind == JobKind::verify)
+    release(job, slot, nullptr);
+  else
     computing_.push(std::move(l.item));
-  }
 }
 
 void Ring::compute_loop() {
@@ -334,17 +331,14 @@ void Ring::compute_loop() {
               store::params_checksum(job.output, numel);
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
-      job.completion->chunk_done(std::current_exception());
-      free_slots_.push(item->slot);
-      finished();
+      release(job, item->slot, std::current_exception());
       continue;
     }
     ++counters_.chunks;
-    job.completion->chunk_done();  // OUT: the caller may reuse its buffers now
     if (job.kind == JobKind::read || !job.write_back) {
-      free_slots_.push(item->slot);
-      finished();
+      release(job, item->slot, nullptr);
     } else {
+      job.completion->chunk_done();  // OUT: the caller may reuse its buffers now
       writing_.push(std::move(*item));
     }
   }
@@ -383,11 +377,11 @@ void Ring::write_loop() {
           error = std::current_exception();
           phases_.end(IoPhases::kWrite);
         }
-        writing.push_back(std::move(w));
-        if (!error) continue;  // more writes while there are slots to write
-        finish_write(writing.back(), error);
-        writing.pop_back();
-        continue;
+        if (error)
+          finish_write(w, error);
+        else
+          writing.push_back(std::move(w));
+        continue;  // more writes while there are slots to write
       }
       // The reads' turn: finish the writes under way first.
     }

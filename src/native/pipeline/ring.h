@@ -141,7 +141,8 @@ class Ring {
   void compute_loop();
   void write_loop();
   void finish_write(Writing& writing, std::exception_ptr error);
-  void fail(Job& job, size_t slot, std::exception_ptr error);
+  // The chunk is done (failed with `error` when given) and its slot free again.
+  void release(Job& job, size_t slot, std::exception_ptr error);
   // Waits for a batch of requests; its direction's turn ends either way.
   void settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d);
   void finished();
