@@ -79,7 +79,7 @@ def train(make_optimizer: OptimizerFactory, steps: int, config: TrainConfig = Tr
     a ``close()`` method is closed at the end, since it does not outlive the run.
     """
     device = torch.device(device)
-    dtype = dtype or compute_dtype.choose(device).dtype
+    dtype = compute_dtype.choose(device).dtype if dtype is None else dtype
     lang = Language(n_topics=config.n_topics)
     model = GPT(config.model_config(lang.vocab_size), seed=seed).to(device)
     data = batches(lang, config.batch_size, config.seq_len, seed)

@@ -5,7 +5,9 @@ write-backs in flight together (``mixed``) or let them take turns in bursts of o
 direction (``phased``, ``pipeline/io_phases.h``). Many NVMe drives (and virtual disks)
 lose bandwidth on a mixed stream; others do not, so the right choice is a property of the
 device: ``python -m smartinf.probe DIR --record`` measures the mix curve there and records
-it in ``DIR/.smartinf-probe.json``; ``io_schedule="auto"`` (the default) reads that record.
+it in ``DIR/.smartinf-probe.json``; ``io_schedule="auto"`` (the default) reads the record of
+a device's directory or of the nearest directory above it on the same file system (a run's
+``rank<R>`` directories share the record of the directory the probe measured).
 Neither schedule changes a bit of the results, only the order of the requests.
 """
 from __future__ import annotations
@@ -23,6 +25,8 @@ MARGIN = 1.05
 class Choice:
     schedule: str  # mixed | phased
     reason: str
+    bps: float = 0.0  # the probe's aggregate for a step's half-read, half-written traffic
+                      # under this schedule (0: not measured)
 
 
 def record(directory: str, storage: dict) -> str:
@@ -42,24 +46,39 @@ def from_figures(storage: dict) -> Choice:
     mixed = storage.get("mixed_bps") or 0.0
     phased = max((bps for _, bps in storage.get("phased_bps") or ()), default=0.0)
     if not mixed or not phased:
-        return Choice("mixed", "the record has no mix curve")
+        return Choice("mixed", "the record has no mix curve", mixed)
     figures = f"phased {phased / 1e9:.2f} GB/s, mixed {mixed / 1e9:.2f} GB/s"
     if phased > MARGIN * mixed:
-        return Choice("phased", f"the probe measured {figures}")
-    return Choice("mixed", f"the probe measured {figures}")
+        return Choice("phased", f"the probe measured {figures}", phased)
+    return Choice("mixed", f"the probe measured {figures}", mixed)
+
+
+def find_record(directory: str) -> str | None:
+    """The record of ``directory``, else of the nearest directory above it on the same file
+    system; None when there is none."""
+    here = os.path.abspath(directory)
+    device = os.stat(here).st_dev
+    while True:
+        path = os.path.join(here, RECORD)
+        if os.path.exists(path):
+            return path
+        parent = os.path.dirname(here)
+        if parent == here or os.stat(parent).st_dev != device:
+            return None
+        here = parent
 
 
 def choose(setting: str, directory: str) -> Choice:
     """The schedule for a device in ``directory`` under ``setting`` (auto, mixed, phased)."""
     if setting != "auto":
         return Choice(setting, "as requested")
-    path = os.path.join(directory, RECORD)
+    path = find_record(directory)
+    if path is None:
+        return Choice("mixed", f"no probe record in {directory} or above it (python -m "
+                               f"smartinf.probe {directory} --record measures one)")
     try:
         with open(path) as f:
             storage = json.load(f)
-    except FileNotFoundError:
-        return Choice("mixed", f"no probe record in {directory} (python -m smartinf.probe "
-                               f"{directory} --record measures one)")
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a probe record ({e}): run python -m smartinf.probe "
                          f"{directory} --record again, or pass io_schedule='mixed' or 'phased'") from e

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .io_schedule import from_figures
 from .settings import MASTERS, STATE_DTYPES
 
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
@@ -157,14 +158,6 @@ def scaled_step_time(t_opt: float, t_param_swap: float, n: int,
     return max(t_opt / n, t_param_swap / min(n, b_pcie / b_ssd))
 
 
-def _schedule_bps(storage: dict) -> float:
-    """A probe storage record's aggregate bandwidth under the schedule "auto" picks."""
-    from .io_schedule import from_figures  # noqa: PLC0415 (model stays importable alone)
-    if from_figures(storage).schedule == "phased":
-        return max(bps for _, bps in storage["phased_bps"])
-    return storage["mixed_bps"]
-
-
 # -- a machine, and the step time on it ------------------------------------------------
 @dataclass(frozen=True)
 class Hardware:
@@ -234,7 +227,7 @@ class Hardware:
             figures = dict(read_bps=min(s["read_bps"] for s in storage),
                            write_bps=min(s["write_bps"] for s in storage))
             if all(s.get("mixed_bps") for s in storage):  # the probe measured the mix curve
-                figures["mix_bps"] = min(_schedule_bps(s) for s in storage)
+                figures["mix_bps"] = min(from_figures(s).bps for s in storage)
         figures.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**figures)
 

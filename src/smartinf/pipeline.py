@@ -130,7 +130,7 @@ class Pipeline:
     io_schedule
         How each device's reads and write-backs share its storage (``SMARTINF_IO_SCHEDULE``;
         ``auto``): ``mixed`` (in flight together), ``phased`` (turns of one direction), or
-        ``auto``, per directory from the probe's mix curve recorded there
+        ``auto``, per directory from the probe's mix curve recorded there or above it
         (``python -m smartinf.probe DIR --record``; ``mixed`` without one). The same bits
         either way; ``io_schedules`` lists each device's choice and why.
     settings

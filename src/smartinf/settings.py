@@ -29,7 +29,7 @@ class PipelineSettings:
     resident in memory (the rest streams from storage); ``commit_every`` steps per durable
     commit; ``compute_threads`` threads of the update kernel (0: the usable cores);
     ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
-    (from the probe's mix curve recorded in its directory, else ``mixed``), ``mixed``
+    (from the probe's mix curve recorded in its directory or above it, else ``mixed``), ``mixed``
     (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
     one storage request."""
 
