@@ -151,7 +151,7 @@ def main() -> int:
 
         # Best of 2: a single pass can be slowed by background work on the disk (e.g.
         # discards of files just deleted), which would flatter the ratio below.
-        limit = probe.measure_storage(workdir, probe_bytes, repeats=2)
+        limit = probe.measure_storage(workdir, probe_bytes, repeats=2, mix=False)  # read, write only
         print(f"raw storage ({limit.engine}, O_DIRECT, {limit.nbytes >> 20} MiB, best of 2): "
               f"write {limit.write_bps / 1e9:.2f} GB/s, read {limit.read_bps / 1e9:.2f} GB/s")
 
