@@ -374,12 +374,14 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     import smartinf
     import smartinf.optim
     given = {"slots": 2, "chunk": 4096, "io": "threads", "queue_depth": 8, "host_link_gbps": 1.5,
-             "verify": True, "state_dtype": "int8", "if_exists": "overwrite", "master": "split"}
+             "verify": True, "state_dtype": "int8", "if_exists": "overwrite", "master": "split",
+             "io_schedule": "phased"}
     block = sds.Settings.from_config({"smartinf": {"devices": ["/a"], **given}}).pipeline
     opt = smartinf.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))],
                                devices=[str(tmp_path / "o")], **given)
     pipe = smartinf.Pipeline(str(tmp_path / "p"), **given)
     assert block == opt.pipeline.settings == pipe.settings == smartinf.PipelineSettings.resolve(**given)
+    assert [c.schedule for c in opt.pipeline.io_schedules + pipe.io_schedules] == ["phased"] * 2
     opt.close()
     pipe.close()
     with pytest.raises(TypeError, match="not both"):  # keywords beside settings= are not dropped
