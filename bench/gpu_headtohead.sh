@@ -2,8 +2,8 @@
 # The DeepSpeed head-to-head on a lent GPU machine (GPT-2 XL shape, bf16, batch 8 x 1024,
 # ZeRO-3, one NVMe): each named mode runs examples/deepspeed/train.py on fresh
 # directories, one after another on the same machine; its record goes to
-# $OUT/<mode>.json (summarise with bench/deepspeed_report.py). Environment first:
-# `source .devkit/setup.sh` (DeepSpeed, liburing, ... carried to the machine).
+# $OUT/<mode>.json (summarise with bench/deepspeed_report.py). Environment first, in the
+# same run: `bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env` (carry .devkit).
 #
 #   bash bench/gpu_headtohead.sh zero-offload int8-all-k10 ...
 #

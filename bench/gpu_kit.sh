@@ -7,19 +7,23 @@
 #   bash bench/gpu_kit.sh fetch                       # here, once per checkout
 #   bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env   # there, in one run
 #
-# DeepSpeed for the head-to-heads is not in this minimal kit yet (see the developers' guide:
-# its sdist, hjson, pydantic and friends, libaio, TORCH_CUDA_ARCH_LIST=9.0).
+# `setup` also installs DeepSpeed (its sdist and the wheels the machine lacks) and compiles
+# its async_io and cpu_adam ops into $TORCH_EXTENSIONS_DIR while smartinf builds, for the
+# head-to-heads (bench/gpu_headtohead.sh).
 set -u
 KIT=${KIT:-.devkit}
 PREFIX=${PREFIX:-/tmp/kit}
 WHEELS="cython scikit-build-core cmake ninja packaging pathspec tqdm pytest pluggy iniconfig pytest-benchmark py-cpuinfo"
-DEBS="liburing-dev liburing2 libxxhash-dev libxxhash0 zlib1g-dev"
+DEBS="liburing-dev liburing2 libxxhash-dev libxxhash0 zlib1g-dev libaio-dev libaio1"
+DEEPSPEED=deepspeed==0.19.8
+DS_WHEELS="hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions msgpack einops psutil"
 
 case ${1:-} in
   fetch)
-    mkdir -p "$KIT/wheels" "$KIT/debs"
+    mkdir -p "$KIT/wheels" "$KIT/debs" "$KIT/sdist"
     pip download -q --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux_2_28_x86_64 --platform any --python-version 3.12 -d "$KIT/wheels" $WHEELS
+      --platform manylinux_2_28_x86_64 --platform any --python-version 3.12 -d "$KIT/wheels" $WHEELS $DS_WHEELS
+    pip download -q --no-deps --no-binary=:all: -d "$KIT/sdist" $DEEPSPEED
     (cd "$KIT/debs" && apt-get download $DEBS)
     du -sh "$KIT"
     ;;
@@ -29,10 +33,16 @@ case ${1:-} in
     source "$0" env
     # zlib1g-dev's libz.so points at Debian's libz.so.1.x: use the machine's own zlib.
     [ -e "$LIB/libz.so" ] || ln -sf "$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)" "$LIB/libz.so"
-    python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS
+    [ -e "$LIB/libaio.so" ] || ln -sf "$(cd "$LIB" && ls libaio.so.1* | head -1)" "$LIB/libaio.so"
+    python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS $DS_WHEELS
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$PREFIX/site" "$KIT"/sdist/deepspeed-*.tar.gz
+    # DeepSpeed's JIT ops compile while smartinf builds (each takes minutes).
+    python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" > /tmp/kit-ds-ops.log 2>&1 &
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation \
       --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build .
     python3 -c "import smartinf; print('smartinf built with', smartinf.build_info())"
+    wait; tail -3 /tmp/kit-ds-ops.log
     ;;
   env)
     LIB="$PREFIX/root/usr/lib/x86_64-linux-gnu"
@@ -42,6 +52,8 @@ case ${1:-} in
     export CMAKE_PREFIX_PATH="$PREFIX/root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
     export PYTHONPATH="$PREFIX/site${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$PREFIX/site/bin:$PATH"
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
     ;;
   *) echo "usage: bash bench/gpu_kit.sh fetch|setup; source bench/gpu_kit.sh env" >&2; exit 2 ;;
 esac

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -145,8 +146,11 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     for a, b in zip(split["params"], fp32["params"]):
         assert torch.equal(a, b)
     n = fp32["num_params"]
-    for a, b in zip(split["steps"][1:], fp32["steps"][1:]):
-        assert abs((b["storage_read"] - a["storage_read"]) / n - 2) < 0.2  # + 4 KiB extents
+    saved = [(b["storage_read"] - a["storage_read"]) / n
+             for a, b in zip(split["steps"][1:], fp32["steps"][1:])]
+    # /proc/self/io counts every read of the process: a library or module page read for the
+    # first time lands in whichever step needs it (CI once saw 133 KB more in one step).
+    assert abs(statistics.median(saved) - 2) < 0.2  # + 4 KiB extents
 
 
 def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
