@@ -292,17 +292,15 @@ static void lion4_case(int n) {
         "lion4_f32_f16", n);
 }
 
-// quant4.h's arithmetic linear-map code against its definition, the count of midpoints below
-// x: every midpoint and its float neighbours, the ends, and random x in [0, 1].
-static void linear_code_case() {
+// quant4.h's second-moment map: the exponent-built values are 2^(i - 15) and its midpoint
+// table is the float32 midpoints of neighbouring values, as the count of midpoints needs.
+static void pow2_map_case() {
   namespace q4 = k::q4;
-  std::vector<float> xs = {0.0f, -0.0f, 1.0f, 1e-45f, 1e-38f, 0.0625f, 0.03125f};
-  for (float mid : q4::kLinearMid)
-    for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 2.0f)}) xs.push_back(x);
-  for (int i = 0; i < 200000; ++i) xs.push_back(std::uniform_real_distribution<float>(0.0f, 1.0f)(rng));
   bool ok = true;
-  for (float x : xs) ok = ok && q4::nearest_linear(x) == q4::nearest(x, q4::kLinearMid);
-  check(ok, "quant4 nearest_linear", static_cast<int>(xs.size()));
+  for (uint32_t i = 0; i < 16; ++i) ok = ok && q4::pow2_value(i) == std::ldexp(1.0f, int(i) - 15);
+  for (uint32_t i = 0; i < 15; ++i)
+    ok = ok && q4::kPow2Mid[i] == (q4::pow2_value(i) + q4::pow2_value(i + 1)) * 0.5f;
+  check(ok, "quant4 power-of-two map", 16);
 }
 
 int main() {
@@ -327,7 +325,7 @@ int main() {
     two_state_cases(n);
     lion8_case(n);
   }
-  linear_code_case();
+  pow2_map_case();
   // int4 tiles of 16384 params (128 x 128): partial rows, partial tiles, several tiles.
   const int lengths4[] = {0, 1, 15, 16, 127, 128, 129, 1025, 16383, 16384, 16385, 40001};
   for (int n : lengths4) {

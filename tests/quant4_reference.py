@@ -5,7 +5,7 @@ updates (Adam's and Lion's) can be checked bit for bit against it.
 First moment: blocks of 128, lpmm's 4-bit dynamic-exponent map, scale = the block's
 largest magnitude with its sign (the positive one on a tie).
 Second moment (v itself): 128 x 128 tiles of the chunk's flat params, row by row; element
-(r, c)'s scale is min(row max r, column max c); the linear map without zero, (i + 1) / 16.
+(r, c)'s scale is min(row max r, column max c); the powers of two without zero, 2^(i - 15).
 Nearest value, ties to the smaller one (the count of midpoints strictly below x)."""
 import numpy as np
 
@@ -18,14 +18,14 @@ DYNAMIC = np.array([float.fromhex(h) for h in (
     "-0x1.3d70a4p-4", "-0x1.0a3d72p-5", "-0x1.6872b0p-8", "0x0p+0",
     "0x1.6872b0p-8", "0x1.0a3d72p-5", "0x1.3d70a4p-4", "0x1.b33332p-3",
     "0x1.cp-2", "0x1.533334p-1", "0x1.c66666p-1", "0x1p+0")], np.float32)
-LINEAR = ((np.arange(16) + 1) / 16).astype(np.float32)
+POW2 = np.ldexp(np.float32(1), np.arange(16) - 15).astype(np.float32)
 
 
 def midpoints(values):
     return ((values[:-1] + values[1:]) * F(0.5)).astype(np.float32)
 
 
-DYNAMIC_MID, LINEAR_MID = midpoints(DYNAMIC), midpoints(LINEAR)
+DYNAMIC_MID, POW2_MID = midpoints(DYNAMIC), midpoints(POW2)
 
 
 def nearest(x, mids):
@@ -78,11 +78,11 @@ def element_scales(rmax, cmax, length):
 
 def encode_second(v, rmax, cmax):
     v = np.asarray(v, np.float32)
-    return nearest(v / divisor(element_scales(rmax, cmax, v.size)), LINEAR_MID)
+    return nearest(v / divisor(element_scales(rmax, cmax, v.size)), POW2_MID)
 
 
 def decode_second(codes, rmax, cmax):
-    return (LINEAR[codes] * element_scales(rmax, cmax, codes.size)).astype(np.float32)
+    return (POW2[codes] * element_scales(rmax, cmax, codes.size)).astype(np.float32)
 
 
 def pack(codes):

@@ -3,8 +3,9 @@
 // the CPU device and HLS: the two codes, and the int4 kernels of the rules whose row allows
 // int4 (kernels/rules.h). Where the codes and scales sit is store/layout.h's (Int4States).
 //
-// A rule's int4 moments, in the order of its state arrays (lpmm's default configuration,
-// lpmm/configs/default.yml: first moment "B128/DE", second moment "Rank-1/Linear"):
+// A rule's int4 moments, in the order of its state arrays (the first moment as lpmm's default
+// configuration, lpmm/configs/default.yml "B128/DE"; the second moment's scales as its
+// "Rank-1", its map our own, see below):
 //   first (Adam's and Lion's exp_avg, signed): blocks of 128 params (kQuant4Block), each
 //     divided by its extreme value (the block's fp32 scale, see below) and rounded to the
 //     nearest value of lpmm's 4-bit signed dynamic-exponent map (functional.
@@ -21,19 +22,24 @@
 //     0.1125 of the block's largest magnitude.
 //   second (Adam's exp_avg_sq, v itself, not its root as int8 keeps it): rank-1 normalisation
 //     (functional.quant_scaling, scale_type "rank1": the scale of element (r, c) is
-//     min(max of row r, max of column c)) and lpmm's "power-1" unsigned map, the linear map
-//     without zero (functional.create_pow_map: linspace(0, 1, 17)[1:]): code i is (i+1)/16.
-//     A positive v never decodes to 0 (at least 1/16 of its scale, which is >= v), so
-//     m / (sqrt(v) + eps) cannot blow up where a tiny v would have rounded to zero, the
-//     failure the paper calls the zero-point problem. Error at most 1/32 of the element's
-//     scale from 1/32 of it up, below that rounded up to 1/16 of it.
+//     min(max of row r, max of column c)) and the map of the powers of two without zero:
+//     code i is 2^(i - 15), 2^-15 .. 1. Adam divides by sqrt(v), so what must be bounded is
+//     v's RELATIVE error, wherever in its scale's range v lies: from 2^-15 of the scale up,
+//     a decoded v is within 2/3 .. 4/3 of v (its root within 0.82 .. 1.16), below it is
+//     rounded up to 2^-15 of the scale. lpmm's default, "power-1" (the linear map
+//     (i + 1) / 16), bounds the absolute error instead: a v below 1/32 of its scale decodes
+//     as 1/16 of it, up to thousands of times too large, and in the first iterations, where
+//     v holds the squares of a few gradients spread over orders of magnitude, that shrank
+//     the steps of most params (demo GPT, step 3: 1.6 % off fp32 states' loss; GPT-2 XL,
+//     iteration 4: 15 %; with this map both stay within 0.2 %). Like lpmm's, this map has no
+//     zero, so m / (sqrt(v) + eps) cannot blow up where a tiny v would have rounded to zero
+//     (the failure the paper calls the zero-point problem).
 // Rounding is lpmm's "real-nearest" (quantization_kernel.cu, quantize_bsearch): the code is
 // the number of midpoints (float32 (map[i] + map[i+1]) * 0.5) strictly below x, so a tie goes
 // to the smaller value and x beyond the ends clamps to them. Here that count is 15 compares
-// and adds, branch-free (the linear map's, the same count in arithmetic), so GCC vectorises
-// it and tests/quant4_reference.py reproduces it exactly. x is the value divided by its
-// scale (correctly rounded: |x| <= 1 always), as lpmm divides; a zero scale (all its values
-// 0) codes every value as x = 0.
+// and adds, branch-free, so GCC vectorises it and tests/quant4_reference.py reproduces it
+// exactly. x is the value divided by its scale (correctly rounded: |x| <= 1 always), as lpmm
+// divides; a zero scale (all its values 0) codes every value as x = 0.
 //
 // Where this differs from lpmm: lpmm normalises a 2-D param by its own matrix's row and
 // column maxima (and 1-D ones by blocks of 128; tensors of <= 4096 elements stay fp32). A
@@ -81,10 +87,10 @@ inline constexpr float kDynamicMid[15] = {
     SMARTINF_Q4_MID(8),  SMARTINF_Q4_MID(9),  SMARTINF_Q4_MID(10), SMARTINF_Q4_MID(11),
     SMARTINF_Q4_MID(12), SMARTINF_Q4_MID(13), SMARTINF_Q4_MID(14)};
 #undef SMARTINF_Q4_MID
-// The linear map without zero: code i is (i + 1) / 16; midpoints (2i + 3) / 32, exact.
-inline constexpr float kLinearMid[15] = {
-    3 / 32.0f,  5 / 32.0f,  7 / 32.0f,  9 / 32.0f,  11 / 32.0f, 13 / 32.0f, 15 / 32.0f, 17 / 32.0f,
-    19 / 32.0f, 21 / 32.0f, 23 / 32.0f, 25 / 32.0f, 27 / 32.0f, 29 / 32.0f, 31 / 32.0f};
+// The powers of two 2^-15 .. 1 (code i is 2^(i - 15)); midpoints 1.5 x 2^(i - 15), exact.
+inline constexpr float kPow2Mid[15] = {
+    0x1.8p-15f, 0x1.8p-14f, 0x1.8p-13f, 0x1.8p-12f, 0x1.8p-11f, 0x1.8p-10f, 0x1.8p-9f, 0x1.8p-8f,
+    0x1.8p-7f,  0x1.8p-6f,  0x1.8p-5f,  0x1.8p-4f,  0x1.8p-3f,  0x1.8p-2f,  0x1.8p-1f};
 
 // The nearest map value's code: how many midpoints lie strictly below x (ties go down).
 __attribute__((always_inline)) inline uint32_t nearest(float x, const float* mid) {
@@ -103,27 +109,9 @@ __attribute__((always_inline)) inline float dynamic_value(uint32_t code) {
   return float_of(b);
 }
 
-// Branch-free float select (a conditional float expression keeps some loops scalar).
-__attribute__((always_inline)) inline float pick(bool c, float a, float b) {
-  const uint32_t take = 0u - static_cast<uint32_t>(c);
-  return float_of((bits_of(a) & take) | (bits_of(b) & ~take));
-}
-
-// nearest(x, kLinearMid) in arithmetic (8 operations instead of 30; the same code for every
-// x, which csim checks): with y = 32 x (exact), the midpoints below x are the k in 0..14 with
-// 2k + 3 < y, i.e. ceil((y - 3) / 2) of them, clamped to [0, 15]. For y >= 1.5, y - 3 and the
-// halving are exact; below, w < 0 and the count is 0. ceil of w >= 0 is trunc(w) plus one
-// where that is below w. A NaN codes 0, as with the compares.
-__attribute__((always_inline)) inline uint32_t nearest_linear(float x) {
-  float w = (x * 32.0f - 3.0f) * 0.5f;
-  w = pick(w > 0.0f, w, 0.0f);
-  w = pick(w < 15.0f, w, 15.0f);
-  const int32_t t = static_cast<int32_t>(w);
-  return static_cast<uint32_t>(t + static_cast<int32_t>(static_cast<float>(t) < w));
-}
-
-__attribute__((always_inline)) inline float linear_value(uint32_t code) {
-  return static_cast<float>(static_cast<int32_t>(code + 1)) * 0.0625f;
+// 2^(code - 15), built from its exponent bits (exact, branch-free).
+__attribute__((always_inline)) inline float pow2_value(uint32_t code) {
+  return float_of((code + 112u) << 23);
 }
 
 // Largest magnitude as the bits of a non-negative float (they order like the values; an
@@ -177,10 +165,10 @@ inline void decode_second(std::size_t len, const uint8_t* __restrict q, float rm
                           const float* __restrict cmax, float* __restrict x) {
   for (std::size_t j = 0; j < len / 2; ++j) {
     const uint32_t b = q[j];
-    x[2 * j] = linear_value(b & 15u) * min(rmax, cmax[2 * j]);
-    x[2 * j + 1] = linear_value(b >> 4) * min(rmax, cmax[2 * j + 1]);
+    x[2 * j] = pow2_value(b & 15u) * min(rmax, cmax[2 * j]);
+    x[2 * j + 1] = pow2_value(b >> 4) * min(rmax, cmax[2 * j + 1]);
   }
-  if (len & 1) x[len - 1] = linear_value(q[len / 2] & 15u) * min(rmax, cmax[len - 1]);
+  if (len & 1) x[len - 1] = pow2_value(q[len / 2] & 15u) * min(rmax, cmax[len - 1]);
 }
 
 // The codes of `len` first-moment values whose block extreme is `scale`; for odd len the
@@ -199,10 +187,10 @@ inline void encode_second(std::size_t len, const float* __restrict x, float rmax
                           const float* __restrict cmax, uint8_t* __restrict q) {
   for (std::size_t j = 0; j < len / 2; ++j)
     q[j] = static_cast<uint8_t>(
-        nearest_linear(x[2 * j] / divisor(min(rmax, cmax[2 * j]))) |
-        (nearest_linear(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1]))) << 4));
+        nearest(x[2 * j] / divisor(min(rmax, cmax[2 * j])), kPow2Mid) |
+        (nearest(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1])), kPow2Mid) << 4));
   if (len & 1)
-    q[len / 2] = static_cast<uint8_t>(nearest_linear(x[len - 1] / divisor(min(rmax, cmax[len - 1]))));
+    q[len / 2] = static_cast<uint8_t>(nearest(x[len - 1] / divisor(min(rmax, cmax[len - 1])), kPow2Mid));
 }
 
 // The rows of a tile of `len` params.

@@ -40,8 +40,8 @@ struct Membership {
 
 struct Manifest {
   // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous;
-  // 7: master
-  static constexpr int kVersion = 7;
+  // 7: master; 8: int4's second moment on the powers of two (kernels/quant4.h)
+  static constexpr int kVersion = 8;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   uint64_t chunk = 0;            // params per chunk
