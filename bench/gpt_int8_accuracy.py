@@ -24,6 +24,25 @@ from examples.gpt.train import TrainConfig, optimizers, plot_losses, summarize, 
 from smartinf import compute_dtype  # noqa: E402
 
 
+WINDOW = 20  # steps per moving mean: batches differ in difficulty by several percent
+
+
+def deviations(losses: list[float], reference: list[float]) -> dict:
+    """How far one loss curve is from another, step by step (|a - b| / b) and as moving
+    means: two runs whose arithmetic differs drift apart, and per-batch losses then differ
+    by what the batches' difficulty does to two slightly different models."""
+    gaps = [abs(a - b) / b for a, b in zip(losses, reference)]
+    over = [i for i, g in enumerate(gaps) if g > 0.01]
+
+    def smooth(xs):
+        return [sum(xs[i:i + WINDOW]) / WINDOW for i in range(len(xs) - WINDOW + 1)]
+
+    smoothed = [abs(a - b) / b for a, b in zip(smooth(losses), smooth(reference))]
+    return {"max": max(gaps), "max_step": gaps.index(max(gaps)) + 1,
+            "within_1pct_until": over[0] if over else len(gaps),
+            "max_smoothed": max(smoothed, default=0.0), "window": WINDOW}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
@@ -51,6 +70,11 @@ def main() -> None:
         rel = results[f"smartinf-{t}"]["final_loss"] / fp32 - 1
         report[f"{t}_vs_fp32"] = rel
         print(f"{t} states vs fp32 states: {rel:+.2%} final loss (goal: within 2 %)")
+        report[f"{t}_vs_fp32_per_step"] = gaps = deviations(
+            results[f"smartinf-{t}"]["losses"], results["smartinf"]["losses"])
+        print(f"  per step: {gaps['max']:.2%} at most (step {gaps['max_step']}), within 1 % up to "
+              f"step {gaps['within_1pct_until']}; moving means of {WINDOW} steps: "
+              f"{gaps['max_smoothed']:.2%} at most")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(dict(report, runs=results), f)

@@ -9,12 +9,13 @@
 #
 # STATES: where states / swap files go (default /tmp/states, removed after each mode);
 # STEPS: iterations per mode (default 6; 12 for the commit_every=10 modes, so that one
-# durable commit is among them). The runs' output goes to $OUT/run.log (what comes back
-# from the machine is limited in files).
+# durable commit is among them); MODEL, BATCH, SEQ: the model and batch (default gpt2-xl,
+# 8, 1024). The runs' output goes to $OUT/run.log (what comes back from the machine is
+# limited in files).
 set -u
 OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}
 mkdir -p "$OUT" "$STATES"
-COMMON="--model gpt2-xl --dtype bf16 --batch 8 --seq 1024 --if-exists overwrite"
+COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --if-exists overwrite"
 INT8_STATES=9400000000   # 1.56 B params x 6.03 B
 FP32_STATES=18700000000  # 1.56 B params x 12 B
 
@@ -30,6 +31,7 @@ flags() {  # mode name -> train.py flags
     int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB --commit-every 10" ;;
     fp32-all-k1) echo "--mode smartinf --memory-budget 20GiB" ;;
     fp32-all-k10) echo "--mode smartinf --memory-budget 20GiB --commit-every 10" ;;
+    int4-all-k10) echo "--mode smartinf --state-dtype int4 --memory-budget 10GiB --commit-every 10" ;;
     int8-split) echo "--mode smartinf --state-dtype int8 --split-master" ;;
     int4-split) echo "--mode smartinf --state-dtype int4 --split-master" ;;
     fp32-split) echo "--mode smartinf --split-master" ;;
