@@ -35,6 +35,8 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             "mean_iteration_s": median["fwd_s"] + median["bwd_s"] + mean_step,
             "smartinf": record.get("smartinf"),
             "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
+            # what the step draws from the disk: bytes read + written over the step's seconds
+            "disk_bps": (median["storage_read"] + median["storage_written"]) / median["step_s"],
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
 
 
@@ -106,7 +108,8 @@ def main() -> None:
     for name, m in modes.items():
         print(f"{name:<20} fwd {m['fwd_s']:6.2f}  bwd {m['bwd_s']:6.2f}  step {m['step_s']:6.2f}  "
               f"iteration {m['iteration_s']:6.2f} s  storage {m['storage_bytes_per_param']:5.1f} B/param"
-              f"  limit {m['storage_limit_s']:6.2f} s  mean step {m['mean_step_s']:6.2f} s"
+              f"  {m['disk_bps'] / 1e9:4.2f} GB/s  limit {m['storage_limit_s']:6.2f} s"
+              f"  mean step {m['mean_step_s']:6.2f} s"
               + (f"  x ZI {m['iteration_speedup_over_zero_infinity']:5.2f}"
                  if "iteration_speedup_over_zero_infinity" in m else "")
               + (f"  / ZO {m['iteration_to_zero_offload']:4.2f} (mean {m['mean_iteration_to_zero_offload']:4.2f})"
