@@ -72,7 +72,8 @@ def test_auto_follows_the_probe_record_of_each_directory(tmp_path, caplog):
         if io_schedule.find_record(str(tmp_path)) is None:  # none above tmp_path on this machine
             assert pipe.io_schedules[0].schedule == "mixed"
             assert "no probe record" in pipe.io_schedules[0].reason
-        assert "phased 1.60 GB/s, mixed 1.20 GB/s" in pipe.io_schedules[1].reason
+        assert "phased 1.60 GB/s in 256 MiB turns, mixed 1.20 GB/s" in pipe.io_schedules[1].reason
+        assert pipe.io_schedules[1].burst == 256 << 20  # the best burst, not the first
     explicit = str(tmp_path / "explicit")
     os.makedirs(explicit)
     io_schedule.record(explicit, dict(storage, phased_bps=[[64 << 20, 1.6e9]]))
@@ -94,9 +95,29 @@ def test_ranks_directories_use_the_record_of_the_directory_the_probe_measured(tm
     io_schedule.record(ranks[1], dict(storage, phased_bps=[[64 << 20, 1.0e9]]))
     with smartinf.Pipeline(ranks[0]) as pipe:
         assert pipe.io_schedules[0] == io_schedule.Choice(
-            "phased", "the probe measured phased 1.50 GB/s, mixed 1.00 GB/s", 1.5e9)
+            "phased", "the probe measured phased 1.50 GB/s in 64 MiB turns, mixed 1.00 GB/s",
+            1.5e9, 64 << 20)
     with smartinf.Pipeline(ranks[1]) as pipe:
         assert pipe.io_schedules[0].schedule == "mixed"
+
+
+def test_unset_slots_hold_a_turn_of_the_probes_burst_where_the_schedule_is_phased(tmp_path):
+    """A phased turn also ends when the free slots run out: unset, the ring gets enough
+    slots for the probe's best burst (plus the usual 4, at most 64); mixed keeps 4 and
+    explicit slots are kept. Memory is still fixed when the pipeline is made."""
+    storage = {"read_bps": 2e9, "write_bps": 2e9, "mixed_bps": 1.0e9}
+    io_schedule.record(str(tmp_path), dict(storage, phased_bps=[[64 << 20, 1.5e9]]))
+    chunk = 1 << 16  # 768 KiB of fp32 Adam states a chunk: a 64 MiB turn is 86 of them
+    cases = [(dict(), 64), (dict(state_dtype="int8"), 64), (dict(chunk=1 << 20), 4 + 6),
+             (dict(io_schedule="mixed"), 4), (dict(slots=3), 3),
+             (dict(chunk=1 << 20, io_schedule="phased"), 4 + 22)]  # as requested: 256 MiB turns
+    for i, (kw, slots) in enumerate(cases):
+        kw = dict(dict(chunk=chunk), **kw)
+        with smartinf.Pipeline(str(tmp_path / f"d{i}"), smartinf.AdamW(), **kw) as pipe:
+            assert pipe.stats["slots"] == slots, kw
+            sg = pipe.add_subgroup(100)
+            with pipe.step():
+                pipe.update(sg, np.ones(100, np.float32), np.empty(100, np.float32)).wait()
 
 
 def test_the_setting_and_its_environment_default_are_checked(tmp_path, monkeypatch):

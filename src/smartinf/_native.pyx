@@ -97,6 +97,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         XrtOptions xrt
         double storage_bps
         string io_schedule
+        uint64_t io_burst
 
     cdef cppclass RingOptions:
         string io
@@ -279,11 +280,12 @@ cdef class NativePipeline:
             spec.xrt.xclbin = d.xclbin.encode()
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
+            spec.io_burst = d.io_burst
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state
         options.chunk = settings.chunk
-        options.slots = settings.slots
+        options.slots = settings.slots or 0  # None: the core's auto_slots
         options.host_link_bps = (settings.host_link_gbps or 0.0) * 1e9
         options.verify = settings.verify
         options.state_dtype = settings.state_dtype.encode()

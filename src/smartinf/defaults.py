@@ -3,7 +3,8 @@
 Explicit arguments always win over these.
 
 - ``SMARTINF_DEVICE``: device kind used for plain directory paths (``cpu``).
-- ``SMARTINF_SLOTS``: ring slots per device (4).
+- ``SMARTINF_SLOTS``: ring slots per device (unset: 4, more where a device's storage runs
+  phased: enough to hold a turn of its burst, at most 64; see ``pipeline.cc``'s ``auto_slots``).
 - ``SMARTINF_CHUNK``: parameters per chunk, i.e. per slot (1 Mi).
 - ``SMARTINF_IO``: storage engine, ``auto`` (io_uring, else threads), ``uring`` or ``threads``.
 - ``SMARTINF_QUEUE_DEPTH``: storage requests in flight per engine (16).
@@ -23,7 +24,6 @@ import os
 from typing import Optional
 
 DEVICE = "cpu"
-SLOTS = 4
 CHUNK = 1 << 20
 IO = "auto"
 QUEUE_DEPTH = 16
@@ -75,8 +75,9 @@ def device() -> str:
     return os.environ.get("SMARTINF_DEVICE") or DEVICE
 
 
-def slots() -> int:
-    return _int_env("SMARTINF_SLOTS", SLOTS)
+def slots() -> Optional[int]:
+    """None: the core sizes the ring (``auto_slots``)."""
+    return None if not os.environ.get("SMARTINF_SLOTS") else _int_env("SMARTINF_SLOTS", 0)
 
 
 def chunk() -> int:

@@ -20,6 +20,7 @@ class NativeDeviceSpec(NamedTuple):
     xclbin: str = ""     # xrt: the build of hls_kernels/
     storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
     io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
+    io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")

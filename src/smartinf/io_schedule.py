@@ -27,6 +27,7 @@ class Choice:
     reason: str
     bps: float = 0.0  # the probe's aggregate for a step's half-read, half-written traffic
                       # under this schedule (0: not measured)
+    burst: int = 0  # phased: bytes of one direction per turn, the probe's best (0: default)
 
 
 def record(directory: str, storage: dict) -> str:
@@ -44,12 +45,14 @@ def from_figures(storage: dict) -> Choice:
     """The schedule the mix curve favours: phased where a burst length beats reads and
     writes together by more than ``MARGIN``."""
     mixed = storage.get("mixed_bps") or 0.0
-    phased = max((bps for _, bps in storage.get("phased_bps") or ()), default=0.0)
+    burst, phased = max(((int(b), bps) for b, bps in storage.get("phased_bps") or ()),
+                        key=lambda figure: figure[1], default=(0, 0.0))
     if not mixed or not phased:
         return Choice("mixed", "the record has no mix curve", mixed)
-    figures = f"phased {phased / 1e9:.2f} GB/s, mixed {mixed / 1e9:.2f} GB/s"
+    figures = (f"phased {phased / 1e9:.2f} GB/s in {burst >> 20} MiB turns, "
+               f"mixed {mixed / 1e9:.2f} GB/s")
     if phased > MARGIN * mixed:
-        return Choice("phased", f"the probe measured {figures}", phased)
+        return Choice("phased", f"the probe measured {figures}", phased, burst)
     return Choice("mixed", f"the probe measured {figures}", mixed)
 
 

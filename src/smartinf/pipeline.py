@@ -72,8 +72,9 @@ class Pipeline:
         The update rule and its hyper-parameters: ``smartinf.AdamW()`` (the default),
         ``Adam``, ``SGD`` or ``Adagrad``; fixed for a directory.
     slots
-        Ring slots per device (``SMARTINF_SLOTS``, 4): memory is ``slots`` chunks per
-        device, whatever the model size.
+        Ring slots per device (``SMARTINF_SLOTS``; unset: 4, and where a device's storage
+        runs phased enough more to hold one turn of its burst, at most 64): memory is
+        ``slots`` chunks per device, whatever the model size (``stats["slots"]``).
     chunk
         Parameters per chunk (``SMARTINF_CHUNK``, 1 Mi); fixed for a directory.
     param_dtype
@@ -193,7 +194,8 @@ class Pipeline:
         self._resumed: set[int] = set()
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
-        specs = [s._replace(io_schedule=c.schedule) for s, c in zip(specs, self.io_schedules)]
+        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst)
+                 for s, c in zip(specs, self.io_schedules)]
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings)
         for note in self._native.notes():

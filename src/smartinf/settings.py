@@ -20,7 +20,7 @@ IF_EXISTS = ("resume", "overwrite", "error")
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """``slots`` ring slots per device; ``chunk`` params per chunk (fixed for a directory);
+    """``slots`` ring slots per device (None: 4, or enough for a phased turn); ``chunk`` params per chunk (fixed for a directory);
     ``io`` storage engine; ``queue_depth`` requests in flight per engine;
     ``host_link_gbps`` cap on the shared host link (None: none); ``verify`` checksum every
     load; ``state_dtype`` fp32, int8 or int4 moments; ``master`` fp32 masters or, for
@@ -33,7 +33,7 @@ class PipelineSettings:
     (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
     one storage request."""
 
-    slots: int
+    slots: Optional[int]
     chunk: int
     io: str
     queue_depth: int
@@ -66,10 +66,12 @@ class PipelineSettings:
             else defaults.parse_bytes(memory_budget, "memory_budget")
         commit_every = defaults.commit_every() if commit_every is None else commit_every
         compute_threads = defaults.compute_threads() if compute_threads is None else compute_threads
-        for name, value, low, high in (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
-                                       ("queue_depth", queue_depth, 1, 4096),
-                                       ("commit_every", commit_every, 1, 1 << 20),
-                                       ("compute_threads", compute_threads, 0, 4096)):
+        checked = (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
+                   ("queue_depth", queue_depth, 1, 4096), ("commit_every", commit_every, 1, 1 << 20),
+                   ("compute_threads", compute_threads, 0, 4096))
+        for name, value, low, high in checked:
+            if name == "slots" and value is None:  # the core sizes the ring
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if not low <= value <= high:

@@ -21,6 +21,7 @@ struct DeviceSpec {
   device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
   double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
   std::string io_schedule = "mixed";  // mixed | phased: see RingOptions
+  uint64_t io_burst = 0;     // phased: bytes of one direction per turn; 0: RingOptions' default
 };
 
 struct PipelineOptions {
@@ -30,7 +31,7 @@ struct PipelineOptions {
   std::string master = "fp32";      // fp32 | split (bf16 params: the low halves stored)
   float initial_state = 0.0f;       // optimizer states of new sub-groups (AdaGrad's sum)
   uint64_t chunk = 1 << 20;         // params per chunk (slot size)
-  size_t slots = 4;                 // K slots per device
+  size_t slots = 0;                 // K slots per device; 0: auto_slots() (pipeline.cc)
   double host_link_bps = 0;         // shared host link, each direction; 0: no cap
   bool verify = false;              // checksum every extent loaded (always on resume)
   std::string if_exists = "resume";  // directories holding a run: resume | overwrite | error

@@ -7,7 +7,7 @@ master weights and optimizer states of every ZeRO-3 sub-group onto near-storage 
     "zero_optimization": {"stage": 3, "sub_group_size": 100000000},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
     "smartinf": {"devices": ["/nvme0/run1", "/nvme1/run1"],   # one directory per CSD
-                 "slots": 4, "chunk": 1048576, "io": "auto",
+                 "chunk": 1048576, "io": "auto",
                  "compress": {"ratio": 0.01}}                  # optional SmartComp top-k
 
 Plug-in point: DeepSpeed's engine builds its stage-3 optimizer by importing the name
