@@ -266,8 +266,11 @@ def test_int4_states_coded_on_the_earlier_map_are_refused(tmp_path):
     body = text[:text.rindex(b"crc32 ")].replace(b"smartinf-manifest 8", b"smartinf-manifest 7")
     open(path, "wb").write(body + b"crc32 %08x\n" % zlib.crc32(body))
     with pytest.raises(ValueError, match="int4 states of an earlier smartinf \\(manifest version 7\\)"
-                                         ".*if_exists=\"overwrite\""):
+                                         ".*if_exists=\"overwrite\" to start afresh"):
         smartinf.Pipeline(d, smartinf.Adam(), chunk=CHUNK, state_dtype="int4")
+    with smartinf.Pipeline(d, smartinf.Adam(), chunk=CHUNK, state_dtype="int4",
+                           if_exists="overwrite") as pipe:  # what the refusal says to do
+        assert pipe.step_count == 0
 
 
 @pytest.mark.parametrize("optimizer, match", [

@@ -26,9 +26,8 @@ def manifests(draw):
     """A well-formed manifest, written the way the core writes one."""
     chunk = draw(st.integers(1, 5000))
     version = draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8]))
-    dtypes = ["fp32", "int8", "int4"] if version >= 8 else ["fp32", "int8"]  # int4: its map
     lines = [f"smartinf-manifest {version}", f"chunk {chunk}",
-             f"state_dtype {draw(st.sampled_from(dtypes))}"]
+             f"state_dtype {draw(st.sampled_from(['fp32', 'int8', 'int4']))}"]
     if version >= 7:
         lines.append(f"master {draw(st.sampled_from(['fp32', 'split']))}")
     lines += [f"optimizer {draw(st.sampled_from(['adam', 'adamw', 'sgd', 'adagrad']))}"]

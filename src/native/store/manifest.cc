@@ -139,6 +139,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     bad(path, "format version " + std::to_string(version) + ", this smartinf reads " +
                   std::to_string(kOldestVersion) + " to " + std::to_string(kVersion));
   Manifest m;
+  m.version = version;
   uint64_t total_chunks = 0;
   size_t count = 0;
   bool have_count = false, have_previous = false;
@@ -198,10 +199,6 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (!have_count || count != m.subgroups.size()) bad(path, "sub-group count mismatch");
   if (!have_previous) m.previous = m.step ? m.step - 1 : 0;  // before version 6: every step
   if (m.previous > m.step) bad(path, "previous step after the step");
-  if (m.state_dtype == "int4" && version < 8)
-    bad(path, "int4 states of an earlier smartinf (manifest version " + std::to_string(version) +
-                  "), whose second moment is coded on another map: read them (state_dict) with "
-                  "the version that wrote them, or start afresh with if_exists=\"overwrite\"");
   return m;
 }
 

@@ -44,6 +44,7 @@ struct Manifest {
   static constexpr int kVersion = 8;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
+  int version = kVersion;        // the format it was read in (written: always kVersion)
   uint64_t chunk = 0;            // params per chunk
   std::string state_dtype = "fp32";
   std::string master = "fp32";   // fp32 | split (store/layout.h); before version 7: fp32

@@ -82,6 +82,12 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       mismatch(dir, "state dtype", manifest_.state_dtype, config.layout.dtype());
     if (manifest_.master != config.layout.master_format())
       mismatch(dir, "master", manifest_.master, config.layout.master_format());
+    if (manifest_.state_dtype == "int4" && manifest_.version < 8)
+      throw std::invalid_argument(
+          dir + " holds int4 states of an earlier smartinf (manifest version " +
+          std::to_string(manifest_.version) + "), whose second moment was coded on another map "
+          "(kernels/quant4.h): read them (state_dict) with the version that wrote them, or open "
+          "it with if_exists=\"overwrite\" to start afresh");
   } else {
     manifest_.chunk = config.chunk;
     manifest_.optimizer = config.optimizer;
