@@ -149,7 +149,7 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     saved = [(b["storage_read"] - a["storage_read"]) / n
              for a, b in zip(split["steps"][1:], fp32["steps"][1:])]
     # /proc/self/io counts every read of the process: a library or module page read for the
-    # first time lands in whichever step needs it (CI once saw 133 KB more in one step).
+    # first time lands in whichever step needs it (CI once saw one step 133 KB off).
     assert abs(statistics.median(saved) - 2) < 0.2  # + 4 KiB extents
 
 

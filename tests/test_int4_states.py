@@ -104,6 +104,7 @@ def test_quantization_error_is_bounded(disk_dir, inputs):
     dv = got["exp_avg_sq"]
     assert np.all(v <= s)
     assert np.all((dv > 0) == (s > 0))
+    assert np.all(dv[v > 0] > 0)
     assert np.all(dv >= s * np.float32(2 ** -15))
     above = v >= s * np.float32(2 ** -15)
     assert np.all((dv >= v * (2 / 3 * (1 - 1e-6)))[above] & (dv <= v * (4 / 3 * (1 + 1e-6)))[above])

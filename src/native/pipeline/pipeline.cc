@@ -24,12 +24,16 @@ constexpr size_t kMaxAutoSlots = 64;
 // and turns shorter than the probe's best burst lose what phasing gains (the H100's NVMe,
 // half read, half written: 1.82 GB/s in 64 MiB turns, 2.31 in 256 MiB ones; 4 slots of int8
 // + split chunks hold 16 MiB).
-size_t auto_slots(const PipelineOptions& o, uint64_t chunk_bytes, uint64_t default_burst) {
+// A device's phased turn in bytes: its own (the probe's best), else the ring's default.
+uint64_t io_burst(const DeviceSpec& d, const RingOptions& ring) {
+  return d.io_burst ? d.io_burst : ring.io_burst;
+}
+
+size_t auto_slots(const PipelineOptions& o, uint64_t chunk_bytes) {
   size_t slots = kDefaultSlots;
   for (const DeviceSpec& d : o.devices) {
     if (d.kind != "cpu" || d.io_schedule != "phased") continue;
-    const uint64_t burst = d.io_burst ? d.io_burst : default_burst;
-    const uint64_t turn = (burst + chunk_bytes - 1) / chunk_bytes;
+    const uint64_t turn = (io_burst(d, o.ring) + chunk_bytes - 1) / chunk_bytes;
     slots = std::max<size_t>(slots, std::min<uint64_t>(kMaxAutoSlots, kDefaultSlots + turn));
   }
   return slots;
@@ -96,8 +100,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   store::StoreConfig config{options.chunk, options.optimizer, layout};
   config.if_exists = options.if_exists;
   if (!options_.slots)
-    options_.slots = auto_slots(options, store::extent_bytes(options.chunk, layout),
-                                options.ring.io_burst);
+    options_.slots = auto_slots(options, store::extent_bytes(options.chunk, layout));
   const device::SlotGeometry geometry{options_.slots, options.chunk, layout};
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
@@ -166,7 +169,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   for (size_t i = 0; i < devices_.size(); ++i) {
     ring.storage_bps = options.devices[i].storage_bps;
     ring.io_schedule = options.devices[i].io_schedule;
-    ring.io_burst = options.devices[i].io_burst ? options.devices[i].io_burst : options.ring.io_burst;
+    ring.io_burst = io_burst(options.devices[i], options.ring);
     Unit& u = devices_[i];
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
