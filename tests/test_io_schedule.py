@@ -83,6 +83,10 @@ def test_auto_follows_the_probe_record_of_each_directory(tmp_path, caplog):
         f.write("{not json")
     with pytest.raises(ValueError, match="is not a probe record"):
         smartinf.Pipeline(plain)
+    for bad in ([[-1, 1.6e9]], [["64 MiB", 1.6e9]], [64]):  # valid JSON, not a mix curve
+        io_schedule.record(plain, dict(storage, phased_bps=bad))
+        with pytest.raises(ValueError, match="is not a probe record"):
+            smartinf.Pipeline(plain)
 
 
 def test_ranks_directories_use_the_record_of_the_directory_the_probe_measured(tmp_path):

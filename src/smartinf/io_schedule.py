@@ -45,8 +45,10 @@ def from_figures(storage: dict) -> Choice:
     """The schedule the mix curve favours: phased where a burst length beats reads and
     writes together by more than ``MARGIN``."""
     mixed = storage.get("mixed_bps") or 0.0
-    burst, phased = max(((int(b), bps) for b, bps in storage.get("phased_bps") or ()),
-                        key=lambda figure: figure[1], default=(0, 0.0))
+    curve = [(int(b), float(bps)) for b, bps in storage.get("phased_bps") or ()]
+    if any(b <= 0 or bps < 0 for b, bps in curve):
+        raise ValueError(f"phased_bps holds a burst or a bandwidth out of range: {curve}")
+    burst, phased = max(curve, key=lambda figure: figure[1], default=(0, 0.0))
     if not mixed or not phased:
         return Choice("mixed", "the record has no mix curve", mixed)
     figures = (f"phased {phased / 1e9:.2f} GB/s in {burst >> 20} MiB turns, "
@@ -81,8 +83,7 @@ def choose(setting: str, directory: str) -> Choice:
                                f"smartinf.probe {directory} --record measures one)")
     try:
         with open(path) as f:
-            storage = json.load(f)
-    except (OSError, ValueError) as e:
+            return from_figures(json.load(f))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a probe record ({e}): run python -m smartinf.probe "
                          f"{directory} --record again, or pass io_schedule='mixed' or 'phased'") from e
-    return from_figures(storage)
