@@ -48,6 +48,9 @@ def open_pipe(dirs, state_dtype="fp32", memory_budget=0, commit_every=1, io_sche
                                io_schedule=io_schedule)
 
 
+ALL_STATES = 131072  # the fp32 states of SIZES, one copy (4 KiB-aligned chunks)
+
+
 def train_step(pipe, step):
     rng = np.random.default_rng(1000 + step)
     outs = [np.empty(n, np.float16) for n in SIZES]
@@ -99,7 +102,19 @@ def test_sigkill_with_phased_io(tmp_path, config):
                     int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 2, 30, 5 * MAX_STEPS_PER_CHILD)
 
 
-def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, min_killed, max_steps):
+@pytest.mark.parametrize("every", [1, 3])
+def test_sigkill_during_background_commits(tmp_path, every):
+    """Every sub-group resident with room for a second copy (overlap, the default): each
+    durable commit is written in the background while the next steps update the other
+    copy. Kills at random, in those writes (io.write) or as a commit lands reopen at the
+    last commit that landed, bit for bit."""
+    kill_and_reopen(tmp_path, 1, dict(memory_budget=2 * ALL_STATES, commit_every=every),
+                    int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 2, 30,
+                    5 * MAX_STEPS_PER_CHILD, resident=len(SIZES))
+
+
+def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, min_killed, max_steps,
+                    resident=2):
     trials = [(None, 0)] * random_kills + [(p, k) for p in POINTS for k in range(kills_per_point)]
     rnd = random.Random(20261123)
     rnd.shuffle(trials)
@@ -120,7 +135,7 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
     log = str(tmp_path / "child.log")
     with open_pipe(dirs, **config) as pipe:
         if config.get("memory_budget"):
-            assert [pipe.resident(i) for i in range(len(SIZES))].count(True) == 2
+            assert [pipe.resident(i) for i in range(len(SIZES))].count(True) == resident
     killed = finished = 0
     by_point: dict = {}
     for point, k in trials:

@@ -76,6 +76,34 @@ def test_tiers_and_threads_give_the_plain_pipelines_bits(tmp_path, state_dtype, 
             assert_same(st, want_st)
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_background_commits_give_the_plain_pipelines_bits(tmp_path, state_dtype, every):
+    """Durable commits written in the background (overlap) while later steps update resident
+    states: in their second copy where the budget holds one (all, or only sub-group 0's),
+    else after the commit lands. The params sent out at every step, the states at the end
+    and after reopening equal the plain pipeline's, bit for bit; overlap=False the same."""
+    steps = 7
+    plain = train(str(tmp_path / "plain"), steps, state_dtype=state_dtype)
+    all_states = sum(FP32_BYTES.values())
+    for name, budget, overlap in [("twins", 2 * all_states, True),
+                                  ("one-twin", all_states + FP32_BYTES[0], True),
+                                  ("no-twin", all_states, True), ("off", 2 * all_states, False)]:
+        d = str(tmp_path / name)
+        with open_pipe(d, memory_budget=budget, commit_every=every, state_dtype=state_dtype,
+                       overlap=overlap) as pipe:
+            for step in range(steps):
+                assert_same(run_step(pipe, step), plain[step][0])
+            assert_same(states(pipe), plain[-1][1])
+            stats = pipe.stats
+        assert stats["background_commits"] == (steps // every if overlap else 0), name
+        if name in ("twins", "off") or state_dtype == "fp32":  # int8 states leave room for more twins
+            assert (stats["pinned_copies"] > 0) == (name in ("twins", "one-twin")), name
+        with open_pipe(d, state_dtype=state_dtype) as pipe:
+            assert pipe.step_count == steps
+            assert_same(states(pipe), plain[-1][1])
+
+
 def test_parallel_update_splits_a_chunk_over_threads_with_the_same_bits(tmp_path):
     """Chunks of 3 Mi params are cut into parts over 7 threads (int8 blocks whole)."""
     n = 3 << 20
@@ -97,13 +125,24 @@ def test_parallel_update_splits_a_chunk_over_threads_with_the_same_bits(tmp_path
         assert np.array_equal(a, b) and np.array_equal(s, t)
 
 
-def test_resident_states_are_written_never_read(disk_dir):
+def landed(pipe):
+    """Waits for a durable commit written in the background (overlap) to land."""
+    if pipe.commit_pending:
+        pipe.flush()
+    assert not pipe.commit_pending and pipe.durable_step_count == pipe.step_count
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resident_states_are_written_never_read(disk_dir, overlap):
     """All resident, K=1: a step writes each sub-group's states once and reads none from
-    storage; the kernel reads and writes them in memory."""
-    with open_pipe(disk_dir, memory_budget=sum(FP32_BYTES.values())) as pipe:
+    storage; the kernel reads and writes them in memory. With overlap the write is in the
+    background: commit() returns before it, the commit is durable when it lands."""
+    with open_pipe(disk_dir, memory_budget=sum(FP32_BYTES.values()), overlap=overlap) as pipe:
         assert all(pipe.resident(i) for i in range(len(SIZES)))
         before = pipe.stats
         run_step(pipe, 0)
+        assert pipe.commit_pending == overlap
+        landed(pipe)
         after = pipe.stats
         moved = {k: after[k] - before[k] for k in ("storage_read", "storage_write", "memory_read",
                                                    "memory_write")}
@@ -112,17 +151,20 @@ def test_resident_states_are_written_never_read(disk_dir):
                      "memory_write": total}
 
 
-def test_a_commit_interval_writes_resident_states_only_at_durable_commits(disk_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_commit_interval_writes_resident_states_only_at_durable_commits(disk_dir, overlap):
     """Half resident, K=3: the resident sub-groups reach storage once per 3 steps; the
     streamed ones are read and written every step (in their working copy)."""
     budget = FP32_BYTES[0] + FP32_BYTES[1]
     streamed = FP32_BYTES[2] + FP32_BYTES[3]
-    with open_pipe(disk_dir, memory_budget=budget, commit_every=3) as pipe:
+    with open_pipe(disk_dir, memory_budget=budget, commit_every=3, overlap=overlap) as pipe:
         assert [pipe.resident(i) for i in range(4)] == [True, True, False, False]
         writes = []
         for step in range(6):
             before = pipe.stats["storage_write"]
             run_step(pipe, step)
+            if (step + 1) % 3 == 0:
+                landed(pipe)
             writes.append(pipe.stats["storage_write"] - before)
             assert pipe.durable_step_count == (step + 1) // 3 * 3
         assert writes == [streamed, streamed, streamed + budget] * 2
@@ -169,20 +211,23 @@ def test_flush_discard_and_reads_between_durable_commits(tmp_path):
         assert_same(states(pipe), plain[3][1])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("point", ["io.read", "io.write", "store.synced", "manifest.renamed"])
-def test_a_failed_step_or_commit_goes_back_to_the_durable_commit(tmp_path, point):
+def test_a_failed_step_or_commit_goes_back_to_the_durable_commit(tmp_path, point, overlap):
     """An I/O error in a step or a failed durable commit: the pipeline is back at its last
     durable commit (resident states reloaded), the directories too, and training goes on
-    identically from there."""
+    identically from there. With overlap a durable commit fails where it lands (here
+    flush(); else the next update of a streamed sub-group, or the next durable commit)."""
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     plain = train(str(tmp_path / "plain"), 8)
-    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+    with open_pipe(dirs, memory_budget=36864, commit_every=4, overlap=overlap) as pipe:
         for step in range(6):
             run_step(pipe, step)
         native.arm_fault(point, "error", errno=errno.EIO)
         with pytest.raises(OSError, match="injected fault|read failed|write failed") as e:
             for step in range(6, 8):  # the commit of step 8 is durable
                 run_step(pipe, step)
+            pipe.flush()
         native.disarm_fault()
         assert e.value.errno == errno.EIO
         assert (pipe.step_count, pipe.durable_step_count) == (4, 4)

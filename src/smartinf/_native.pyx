@@ -117,6 +117,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         string if_exists
         uint64_t memory_budget
         uint64_t commit_every
+        cbool background_commit
         unsigned compute_threads
         RingOptions ring
 
@@ -151,6 +152,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         cbool closed()
         uint64_t step()
         uint64_t durable_step()
+        cbool commit_pending()
         cbool resident(size_t) except +raise_py_error
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
@@ -293,6 +295,7 @@ cdef class NativePipeline:
         options.if_exists = settings.if_exists.encode()
         options.memory_budget = settings.memory_budget
         options.commit_every = settings.commit_every
+        options.background_commit = settings.overlap
         options.compute_threads = settings.compute_threads
         options.ring.io = settings.io.encode()
         options.ring.queue_depth = settings.queue_depth
@@ -380,6 +383,10 @@ cdef class NativePipeline:
     @property
     def durable_step(self) -> int:
         return self.p.durable_step()
+
+    @property
+    def commit_pending(self) -> bool:
+        return self.p.commit_pending()
 
     def resident(self, size_t sg) -> bool:
         return self.p.resident(sg)

@@ -126,3 +126,12 @@ def host_link_gbps() -> Optional[float]:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"SMARTINF_HOST_LINK_GBPS={raw!r} must be a positive number of GB/s")
     return value
+
+
+def overlap() -> bool:
+    raw = os.environ.get("SMARTINF_OVERLAP")
+    if raw is None or raw == "":
+        return True
+    if raw not in ("0", "1"):
+        raise ValueError(f"SMARTINF_OVERLAP={raw!r}: expected 1 (on, the default) or 0 (off)")
+    return raw == "1"

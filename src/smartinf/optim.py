@@ -53,7 +53,8 @@ class StorageOptions(TypedDict, total=False):
     ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
     ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
-    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule`` as for ``smartinf.Pipeline``
+    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
+    ``overlap`` as for ``smartinf.Pipeline``
     (``smartinf.settings.KEYWORDS``); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``.
     """
@@ -74,6 +75,7 @@ class StorageOptions(TypedDict, total=False):
     io_schedule: str
     commit_every: int
     compute_threads: int
+    overlap: bool
 
 
 def resolve_devices(devices: Any) -> list:

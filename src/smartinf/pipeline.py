@@ -28,7 +28,7 @@ _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
                          verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
                          commit_every=None, compute_threads=None, master="fp32",
-                         io_schedule=None)
+                         io_schedule=None, overlap=None)
 
 
 class ParamsChangedWarning(UserWarning):
@@ -134,6 +134,14 @@ class Pipeline:
         ``auto``, per directory from the probe's mix curve recorded there or above it
         (``python -m smartinf.probe DIR --record``; ``mixed`` without one). The same bits
         either way; ``io_schedules`` lists each device's choice and why.
+    overlap
+        Hide the optimizer's work behind the caller's (``SMARTINF_OVERLAP``; on): a durable
+        commit writes the resident states in the background while later steps run, and is
+        durable (``durable_step_count``) once they are written; a resident sub-group updated
+        meanwhile works on a second copy when what is left of ``memory_budget`` holds one
+        (else its update waits, as a streamed one's does). The same bits either way; a crash
+        reopens at the last commit that was durable. ``False``: ``commit()`` waits for the
+        writes.
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
@@ -165,6 +173,7 @@ class Pipeline:
         compute_threads: Optional[int] = None,
         master: str = "fp32",
         io_schedule: Optional[str] = None,
+        overlap: Optional[bool] = None,
         settings: Optional[PipelineSettings] = None,
     ) -> None:
         self._native = None
@@ -178,7 +187,8 @@ class Pipeline:
         given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
                      if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
-                     compute_threads=compute_threads, master=master, io_schedule=io_schedule)
+                     compute_threads=compute_threads, master=master, io_schedule=io_schedule,
+                     overlap=overlap)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
@@ -252,6 +262,11 @@ class Pipeline:
         """Steps committed durably: what reopening the directories resumes at."""
         return self._open().durable_step
 
+    @property
+    def commit_pending(self) -> bool:
+        """Whether a durable commit is being written in the background (``overlap``)."""
+        return self._open().commit_pending
+
     def resident(self, sg: int) -> bool:
         """Whether ``sg``'s states stay in the device's memory (the memory budget)."""
         native = self._open()
@@ -317,8 +332,9 @@ class Pipeline:
     def commit(self) -> None:
         """Ends the step: waits for its write-backs; every ``commit_every``-th step also
         writes the resident states, makes the writes durable, then flips the sub-groups'
-        shadow copies in one atomic manifest update per device. If that fails, the
-        pipeline is back at ``durable_step_count``."""
+        shadow copies in one atomic manifest update per device (with ``overlap``, once the
+        resident states are written in the background: ``commit_pending``). If that fails,
+        the pipeline is back at ``durable_step_count``."""
         native = self._open()
         try:
             native.commit()

@@ -28,7 +28,9 @@ class PipelineSettings:
     for directories holding a run; ``memory_budget`` bytes of states per device kept
     resident in memory (the rest streams from storage); ``commit_every`` steps per durable
     commit; ``compute_threads`` threads of the update kernel (0: the usable cores);
-    ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
+    ``overlap`` the optimizer's work hidden behind the caller's: a durable commit's resident
+    states written in the background while later steps run (False: ``commit()`` waits for
+    them); ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
     (from the probe's mix curve recorded in its directory or above it, else ``mixed``), ``mixed``
     (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
     one storage request."""
@@ -46,6 +48,7 @@ class PipelineSettings:
     compute_threads: int = defaults.COMPUTE_THREADS
     master: str = "fp32"
     io_schedule: str = defaults.IO_SCHEDULE
+    overlap: bool = True
     piece_bytes: int = defaults.PIECE_BYTES
 
     @classmethod
@@ -55,7 +58,8 @@ class PipelineSettings:
                 state_dtype: str = "fp32", if_exists: str = "resume",
                 memory_budget=None, commit_every: Optional[int] = None,
                 compute_threads: Optional[int] = None,
-                master: str = "fp32", io_schedule: Optional[str] = None) -> "PipelineSettings":
+                master: str = "fp32", io_schedule: Optional[str] = None,
+                overlap: Optional[bool] = None) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -66,6 +70,7 @@ class PipelineSettings:
             else defaults.parse_bytes(memory_budget, "memory_budget")
         commit_every = defaults.commit_every() if commit_every is None else commit_every
         compute_threads = defaults.compute_threads() if compute_threads is None else compute_threads
+        overlap = defaults.overlap() if overlap is None else overlap
         checked = (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
                    ("queue_depth", queue_depth, 1, 4096), ("commit_every", commit_every, 1, 1 << 20),
                    ("compute_threads", compute_threads, 0, 4096))
@@ -87,12 +92,13 @@ class PipelineSettings:
             raise ValueError(f"master={master!r}: expected one of {', '.join(MASTERS)}")
         if if_exists not in IF_EXISTS:
             raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
+        for name, flag in (("verify", verify), ("overlap", overlap)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
-                   memory_budget, commit_every, compute_threads, master, io_schedule)
+                   memory_budget, commit_every, compute_threads, master, io_schedule, overlap)
 
 
 #: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s

@@ -130,10 +130,23 @@ class CpuDevice final : public Device {
       slots_[i].states = own_states_[i];
       return;
     }
+    slots_[i].states = static_cast<float*>(const_cast<void*>(resident_at(at)));
+  }
+
+  const void* resident_at(uint64_t at) const override {
     if (at >= resident_bytes_ || at % store::kAlign != 0)
       throw std::out_of_range("resident states at byte " + std::to_string(at) + " of " +
                               std::to_string(resident_bytes_));
-    slots_[i].states = reinterpret_cast<float*>(static_cast<char*>(resident_.get()) + at);
+    return static_cast<const char*>(resident_.get()) + at;
+  }
+
+  // On the pool's threads: one thread's memcpy is far below the memory's bandwidth.
+  void copy_states(size_t i, uint64_t from, size_t bytes) override {
+    const char* src = static_cast<const char*>(resident_at(from));
+    char* dst = reinterpret_cast<char*>(slots_[i].states);
+    pool_->run(bytes, kCopyGrain, [&](uint64_t lo, uint64_t hi) {
+      std::memcpy(dst + lo, src + lo, hi - lo);
+    });
   }
 
   void copy_in(size_t i, const void* grad, size_t bytes) override {
@@ -194,6 +207,7 @@ class CpuDevice final : public Device {
   // thread's share outweighs waking it.
   static constexpr uint64_t kGrain = uint64_t(1) << 14;
   static_assert(kGrain % kSplitPiece == 0);
+  static constexpr uint64_t kCopyGrain = uint64_t(1) << 20;  // bytes
 
   // The slot's grad and out buffers from param `lo` on (the states are cut by run_update:
   // their arrays are laid out for the whole chunk).

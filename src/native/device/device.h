@@ -73,6 +73,12 @@ class Device {
   // resident states in place; the ring owns a slot's binding while it holds the slot.
   virtual uint64_t resident_bytes() const { return 0; }
   virtual void bind_states(size_t slot, uint64_t at);
+  // Byte `at` of the resident memory, for the host to write to storage (host-visible only).
+  virtual const void* resident_at(uint64_t at) const;
+  // Copies `bytes` of states from byte `from` of the resident memory into the states slot
+  // `slot` is bound to: a resident chunk's first update after its copy was pinned by a
+  // background commit (the pinned copy is being written; the update goes to the other).
+  virtual void copy_states(size_t slot, uint64_t from, size_t bytes);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: the bf16 params a split master is rebuilt from, into the slot's `out`.
   virtual void copy_in_params(size_t slot, const void* params, size_t bytes) = 0;
@@ -93,6 +99,14 @@ class Device {
 inline void Device::bind_states(size_t, uint64_t at) {
   if (at != kOwnStates)
     throw std::invalid_argument(describe() + " has no memory for resident states");
+}
+
+inline const void* Device::resident_at(uint64_t) const {
+  throw std::invalid_argument(describe() + " has no memory for resident states");
+}
+
+inline void Device::copy_states(size_t, uint64_t, size_t) {
+  throw std::invalid_argument(describe() + " has no memory for resident states");
 }
 
 }  // namespace smartinf::device

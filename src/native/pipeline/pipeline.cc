@@ -6,6 +6,7 @@
 #include "fault.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <random>
 #include <stdexcept>
@@ -255,6 +256,10 @@ uint64_t Pipeline::current_steps(const Placement& p) const {
   return p.dirty ? p.steps : devices_[p.unit].store->record(p.local).steps;
 }
 
+uint64_t Pipeline::resident_size(const Placement& p) const {
+  return store::ChunkLayout{options_.chunk, layout_}.bytes(devices_[p.unit].store->record(p.local).numel) / 2;
+}
+
 uint64_t Pipeline::subgroup_steps(size_t sg) const {
   const Placement& p = placed(sg);
   return current_steps(p);
@@ -385,12 +390,22 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
   const std::vector<uint64_t> first =
       compressed ? split_pairs(g.index, g.nnz, r.numel, options_.chunk) : std::vector<uint64_t>{};
+  // A pending commit holds a streamed sub-group's extents, and a resident one's copy when it
+  // has no twin to update instead: the update waits for the commit to land.
+  if (p.resident == device::kOwnStates || (p.pinned && p.twin == device::kOwnStates)) land();
   std::vector<Job> jobs = chunk_jobs(p, JobKind::update);  // reads the copy current now
+  if (p.pinned) {  // its copy is being written: the update goes to the twin, then they swap
+    Placement& q = placement_[sg];
+    for (Job& job : jobs) {
+      job.copy_from = job.resident;
+      job.resident = job.resident - q.resident + q.twin;
+    }
+    std::swap(q.resident, q.twin);
+    q.pinned = false;
+  }
   mark_written(sg, steps + 1);
-  // Resident states reach storage only for a durable commit (written back as they are
-  // updated in the step that will be one, else by make_durable).
-  const bool write_back = p.resident == device::kOwnStates ||
-                          step_ + 1 - durable_step_ >= options_.commit_every;
+  // Resident states reach storage only at a durable commit (make_durable).
+  const bool write_back = p.resident == device::kOwnStates;
   placement_[sg].behind = !write_back;
   device::Kernel kernel;
   kernel.step = kernels::make_step(rule_, h, steps + 1);
@@ -424,6 +439,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
 void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t steps) {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
+  land();
   mark_written(sg, steps);
   placement_[sg].behind = false;  // init jobs write the shadow extents too
   const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
@@ -434,7 +450,9 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
 
 void Pipeline::read_states(size_t sg, float* const* arrays, const void* params) {
   std::lock_guard lock(mu_);
-  Placement p = placed(sg);
+  placed(sg);
+  land();
+  Placement p = placement_[sg];
   if (layout_.split() && arrays[0] && !params)
     throw std::invalid_argument("with master='split' the masters are rebuilt from the bf16 "
                                 "params: pass sub-group " + std::to_string(sg) + "'s params");
@@ -485,6 +503,10 @@ bool Pipeline::step_in_progress() const {
 
 void Pipeline::back_to_durable() {
   try {
+    land();  // a commit the caller was promised; if it fails it went back before it
+  } catch (...) {
+  }
+  try {
     for (size_t sg = 0; sg < placement_.size(); ++sg) {
       Placement& p = placement_[sg];
       if (!p.dirty) continue;
@@ -511,7 +533,9 @@ void Pipeline::commit() {
     back_to_durable();
     throw;
   }
-  if (step_ + 1 - durable_step_ < options_.commit_every) {
+  land_if_written();
+  const uint64_t last = pending_ ? pending_->step : durable_step_;  // the interval's start
+  if (step_ + 1 - last < options_.commit_every) {
     ++step_;  // in resident memory and the working copies until the next durable commit
     return;
   }
@@ -523,25 +547,78 @@ void Pipeline::flush() {
   require_open();
   if (step_in_progress())
     throw std::invalid_argument("a step is in progress: commit() or discard() it before flush()");
+  land();
   if (step_ > durable_step_) make_durable(step_);
+  land();
 }
 
+// The steps since the last durable commit become durable at `step`: streamed sub-groups'
+// working copies are written already (the step's write-backs); resident ones are written by
+// each ring's background lane, and every device's store commits once they are (land()). In
+// the background, later steps update resident states meanwhile: a resident sub-group's
+// first update after this copies it into its twin (given now from what is left of the
+// budget) and works there; one without a twin, and any streamed one, waits for the commit.
 void Pipeline::make_durable(uint64_t step) {
-  try {
-    std::vector<std::vector<store::Written>> written(devices_.size());
-    for (size_t sg = 0; sg < placement_.size(); ++sg) {
-      Placement& p = placement_[sg];
-      if (!p.dirty) continue;
-      written[p.unit].push_back(store::Written{p.local, p.steps});
-      if (!p.behind) continue;
-      std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
-      for (Job& job : jobs) devices_[p.unit].ring->push(job);
-      completions_.push_back(jobs.front().completion);
+  land();  // one pending commit at a time, landed in order
+  PendingCommit c;
+  c.step = step;
+  c.written.resize(devices_.size());
+  c.hyper = last_hyper_;
+  for (size_t sg = 0; sg < placement_.size(); ++sg) {
+    Placement& p = placement_[sg];
+    if (!p.dirty) continue;
+    c.written[p.unit].push_back(store::Written{p.local, p.steps});
+    c.subgroups.emplace_back(sg, p.steps);
+    if (!p.behind) continue;
+    Unit& u = devices_[p.unit];
+    const uint64_t bytes = resident_size(p);
+    if (options_.background_commit && p.twin == device::kOwnStates &&
+        u.resident_used + bytes <= u.device->resident_bytes()) {
+      p.twin = u.resident_used;
+      u.resident_used += bytes;
     }
-    wait_step();
+    std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
+    c.writes.push_back(jobs.front().completion);
+    for (Job& job : jobs) u.ring->persist(job);
+    p.pinned = true;
+  }
+  const bool background = options_.background_commit && !c.writes.empty();
+  pending_ = std::move(c);
+  step_ = step;
+  if (background)
+    ++background_commits_;
+  else
+    land();
+}
+
+void Pipeline::land_if_written() {
+  if (!pending_) return;
+  for (const auto& w : pending_->writes)
+    if (!w->done()) return;
+  land();
+}
+
+void Pipeline::land() {
+  if (!pending_) return;
+  PendingCommit c = std::move(*pending_);
+  pending_.reset();
+  try {
+    const auto start = std::chrono::steady_clock::now();
+    std::exception_ptr error;
+    for (const auto& w : c.writes) {
+      try {
+        w->wait();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start).count();
+    for (const auto& [sg, steps] : c.subgroups) placement_[sg].pinned = false;  // written
+    if (error) std::rethrow_exception(error);
     for (size_t i = 0; i < devices_.size(); ++i) {
       Unit& u = devices_[i];
-      u.store->commit(written[i], step, last_hyper_, placement_.size());
+      u.store->commit(c.written[i], c.step, c.hyper, placement_.size());
       fault::check("pipeline.device_committed", u.store->dir());
     }
   } catch (...) {
@@ -549,7 +626,7 @@ void Pipeline::make_durable(uint64_t step) {
     // last step every device has (its updates are lost; the caller may redo them).
     try {
       for (Unit& u : devices_)
-        if (u.store->step() == step && step != durable_step_) u.store->rollback_last_step();
+        if (u.store->step() == c.step && c.step != durable_step_) u.store->rollback_last_step();
     } catch (const std::exception& e) {
       abandon();
       throw std::runtime_error(
@@ -557,14 +634,24 @@ void Pipeline::make_durable(uint64_t step) {
           "): the pipeline is closed; reopen the directories, which rolls them back to step " +
           std::to_string(durable_step_));
     }
+    try {
+      wait_step();  // no update in flight may touch what back_to_durable reloads
+    } catch (...) {
+    }
     back_to_durable();
     throw;
   }
-  for (Placement& p : placement_) p.dirty = p.behind = false;
-  step_ = durable_step_ = step;
+  // Their committed copy is now what the commit wrote; one updated since stays dirty (its
+  // states ahead in resident memory, its other extents behind).
+  for (const auto& [sg, steps] : c.subgroups) {
+    Placement& p = placement_[sg];
+    if (p.steps == steps) p.dirty = p.behind = false;
+  }
+  durable_step_ = c.step;
 }
 
 void Pipeline::abandon() {
+  pending_.reset();  // its writes end with the rings; the directories reopen before it
   for (Unit& u : devices_) u.ring.reset();
   devices_.clear();
 }
@@ -589,8 +676,13 @@ void Pipeline::close() {
   try {
     const bool forget = step_in_progress();
     wait_step();
-    if (forget) back_to_durable();
-    else if (step_ > durable_step_) make_durable(step_);
+    if (forget) {
+      back_to_durable();
+    } else {
+      land();
+      if (step_ > durable_step_) make_durable(step_);
+      land();
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -623,6 +715,8 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
     s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;
   s["wait_storage"] += c.storage_wait_ns * 1e-9;
+  s["busy_persist"] += c.persist_ns * 1e-9;
+  s["pinned_copies"] += c.pinned_copies;
 }
 
 }  // namespace
@@ -635,6 +729,9 @@ std::map<std::string, double> Pipeline::stats() const {
   s["step"] = static_cast<double>(step_);
   s["slots"] = static_cast<double>(options_.slots);  // per device
   s["durable_step"] = static_cast<double>(durable_step_);
+  s["background_commits"] = static_cast<double>(background_commits_);
+  s["commit_pending"] = pending_ ? 1.0 : 0.0;
+  s["wait_commit"] = commit_wait_ns_ * 1e-9;
   return s;
 }
 

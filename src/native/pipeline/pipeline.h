@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,9 @@ struct PipelineOptions {
   // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
   // others keep the step in resident memory and the working copies. 1: every step.
   uint64_t commit_every = 1;
+  // A durable commit's resident states are written in the background while later steps
+  // run; it becomes durable when they are written (see make_durable). false: commit() waits.
+  bool background_commit = true;
   unsigned compute_threads = 0;  // threads of the update kernel; 0: the usable cores
   RingOptions ring;
 };
@@ -85,7 +89,8 @@ class Pipeline {
   unsigned state_arrays() const { return kernels::rule_row(rule_).arrays; }
 
   // Waits for the step and advances step(); every commit_every-th one also makes the steps
-  // since the last durable commit durable (all devices, or none).
+  // since the last durable commit durable (all devices, or none): at once, or with
+  // background_commit once its resident states are written (durable_step() tells).
   void commit();
   void flush();    // makes the committed steps durable now (no step in progress)
   // Waits for the step and goes back to durable_step(): the step's updates and those of
@@ -98,6 +103,7 @@ class Pipeline {
   bool closed() const { return devices_.empty(); }
   uint64_t step() const { return step_; }
   uint64_t durable_step() const { return durable_step_; }  // what a crash reopens at
+  bool commit_pending() const { return pending_.has_value(); }  // written in the background
   bool resident(size_t sg) const { return placed(sg).resident != device::kOwnStates; }
   size_t subgroup_count() const { return placement_.size(); }
   uint64_t numel(size_t sg) const;
@@ -130,6 +136,19 @@ class Pipeline {
     bool behind = false;  // resident and dirty, but its shadow extents not written since
     bool was_dirty = false;  // dirty before the step in progress wrote it
     uint64_t steps = 0;
+    // A second copy of its resident states (kOwnStates: none), given at a background commit
+    // from what is left of the budget: while the pending commit writes `resident`, the next
+    // update copies it here and the two swap (pinned until then).
+    uint64_t twin = device::kOwnStates;
+    bool pinned = false;
+  };
+  // A durable commit whose resident states are being written in the background.
+  struct PendingCommit {
+    uint64_t step = 0;
+    std::vector<std::vector<store::Written>> written;  // per device
+    std::vector<std::pair<size_t, uint64_t>> subgroups;  // (sub-group, steps) it holds
+    std::vector<std::shared_ptr<Completion>> writes;
+    std::map<std::string, double> hyper;
   };
   const Placement& placed(size_t sg) const;
   uint64_t current_steps(const Placement& p) const;  // ahead of the store's record while dirty
@@ -142,7 +161,14 @@ class Pipeline {
   std::vector<Job> chunk_jobs(const Placement& p, JobKind kind) const;
   // chunk_jobs that write the host's `arrays` (or the optimizer's initial values) to `copy`.
   std::vector<Job> init_jobs(const Placement& p, uint32_t copy, const float* const* arrays) const;
-  void make_durable(uint64_t step);  // persists resident states, commits every device
+  // Persists resident states and commits every device at `step`: at once, or with
+  // background_commit when the writes are done (pending_, landed by land()).
+  void make_durable(uint64_t step);
+  // Waits for the pending commit's writes and commits every device (none pending: nothing).
+  // On failure, back to the durable commit before it, and rethrows.
+  void land();
+  void land_if_written();  // lands the pending commit if its writes are done, without waiting
+  uint64_t resident_size(const Placement& p) const;  // bytes of one copy of its states
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();
   void abandon();  // drops every device without saving: after a failure it cannot undo
@@ -159,6 +185,8 @@ class Pipeline {
   std::map<std::string, double> last_hyper_;
   std::vector<std::string> notes_;
   uint64_t step_ = 0, durable_step_ = 0;
+  std::optional<PendingCommit> pending_;
+  uint64_t background_commits_ = 0, commit_wait_ns_ = 0;
   mutable std::mutex mu_;
 };
 

@@ -46,6 +46,8 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   reader_ = io::make_engine(options.io, io_options, notes);
   io_options.low_priority = true;  // write-back yields to the loads on the critical path
   writer_ = io::make_engine(reader_->name(), io_options, notes);
+  io_options.fixed_buffers.clear();  // it writes from resident memory only
+  persister_ = io::make_engine(reader_->name(), io_options, notes);
   engine_name_ = reader_->name();
   host_link_ = options.host_link;
   verify_ = options.verify;
@@ -57,6 +59,7 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
   computer_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
   writer_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-write"); write_loop(); });
+  persister_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-persist"); persist_loop(); });
 }
 
 Ring::~Ring() {
@@ -66,6 +69,8 @@ Ring::~Ring() {
   computer_.join();
   writing_.close();
   writer_thread_.join();
+  persisting_.close();
+  persister_thread_.join();
 }
 
 void Ring::push(Job job) {
@@ -130,15 +135,70 @@ void Ring::check_sum(const Job& job, size_t slot) const {
 }
 
 io::Op Ring::state_io(bool write, const store::Extent& e, size_t slot, bool resident) const {
+  // only slots are registered
+  return storage_op(write, e, device_.slot(slot).states, resident ? -1 : static_cast<int>(slot));
+}
+
+io::Op Ring::storage_op(bool write, const store::Extent& e, void* buf, int buf_index) const {
   io::Op op;
   op.write = write;
   op.fd = store_.fd();
   op.path = &store_.file_path();
-  op.buf = device_.slot(slot).states;
+  op.buf = buf;
   op.len = e.bytes;
   op.offset = e.offset;
-  op.buf_index = resident ? -1 : static_cast<int>(slot);  // only slots are registered
+  op.buf_index = buf_index;
   return op;
+}
+
+void Ring::persist(Job job) { persisting_.push(std::move(job)); }
+
+// The background lane: several chunks' writes in flight, as the writer keeps them. Its
+// writes ignore the I/O schedule's turns: while a background commit is pending the
+// pipeline streams nothing (a streamed sub-group's update waits for the commit to land).
+void Ring::persist_loop() {
+  constexpr size_t kInFlight = 8;
+  struct Write {
+    Job job;
+    io::Ticket ticket;
+    Deadline storage;
+  };
+  std::deque<Write> writing;  // oldest first
+  std::chrono::steady_clock::time_point busy_since;  // the first of the writes in flight
+  for (;;) {
+    std::optional<Job> job;
+    if (writing.size() < kInFlight) job = writing.empty() ? persisting_.pop() : persisting_.try_pop();
+    if (job) {
+      Write w{std::move(*job), 0, std::nullopt};
+      try {
+        void* states = const_cast<void*>(device_.resident_at(w.job.resident));
+        *w.job.dst.sum = checksums_ ? store::extent_checksum(states, w.job.dst.bytes) : 0;
+        w.storage = reserve_storage(w.job.dst.bytes);
+        const io::Op op = storage_op(true, w.job.dst, states, -1);
+        if (writing.empty()) busy_since = std::chrono::steady_clock::now();
+        w.ticket = persister_->submit({&op, 1});
+        writing.push_back(std::move(w));
+      } catch (...) {
+        w.job.completion->chunk_done(std::current_exception());
+      }
+      continue;
+    }
+    if (writing.empty()) return;  // closed and drained
+    Write& w = writing.front();
+    std::exception_ptr error;
+    try {
+      persister_->wait_for(w.ticket);
+      counters_.storage_write += w.job.dst.bytes;
+      finish_storage(w.storage);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    w.job.completion->chunk_done(error);
+    writing.pop_front();
+    if (writing.empty())
+      counters_.persist_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - busy_since).count();
+  }
 }
 
 void Ring::settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d) {
@@ -199,7 +259,7 @@ void Ring::load_loop() {
 }
 
 bool Ring::reads_storage(const Job& job) {
-  if (job.kind == JobKind::init || job.kind == JobKind::persist) return false;
+  if (job.kind == JobKind::init) return false;
   return job.resident == device::kOwnStates || job.kind == JobKind::verify;
 }
 
@@ -217,7 +277,7 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       counters_.host_to_device += bytes;
       finish_host(link);
     }
-    if (job.kind == JobKind::init || job.kind == JobKind::persist) {
+    if (job.kind == JobKind::init) {
       writing_.push(Loaded{std::move(job), slot});
       return false;
     }
@@ -314,6 +374,10 @@ void Ring::compute_loop() {
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
+          if (job.copy_from != device::kOwnStates) {
+            device_.copy_states(item->slot, job.copy_from, job.src.bytes);
+            ++counters_.pinned_copies;
+          }
           device_.compute(item->slot, job.kernel, numel);
           if (resident) {
             counters_.memory_read += job.src.bytes;
@@ -403,7 +467,7 @@ void Ring::finish_write(Writing& w, std::exception_ptr error) {
   } catch (...) {
     if (!error) error = std::current_exception();
   }
-  if (job.kind == JobKind::init || job.kind == JobKind::persist) job.completion->chunk_done(error);
+  if (job.kind == JobKind::init) job.completion->chunk_done(error);
   free_slots_.push(w.item.slot);
   {
     std::lock_guard lock(mu_);

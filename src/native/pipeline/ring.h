@@ -4,6 +4,9 @@
 //   computer: run the kernel, copy params out (device -> host); the request's chunk is done
 //   writer:   write the states back to storage (the other shadow copy), free the slot
 // Different chunks are in different stages at once; memory is K slots whatever the model.
+// Beside the ring, a background lane (thread smartinf-persist, its own engine) writes
+// resident chunks' states to storage for a durable commit while later steps run: it needs
+// no slot, and drain() does not wait for it (each write's completion says when it is done).
 // The loader keeps the reads of every free slot in flight and the writer the writes of
 // every slot it holds, so the storage queue does not drain between chunks: small chunks
 // (int8/int4 states) keep the device as busy as large ones. With the phased I/O schedule
@@ -28,8 +31,8 @@ namespace smartinf::pipeline {
 
 // update: load, compute, params out, write back. init: states in from the host, written.
 // read: states loaded and out to the host. verify: loaded and checked against checksums
-// (into resident memory for a resident chunk: its load). persist: resident states written.
-// A resident chunk is never read from storage except by verify.
+// (into resident memory for a resident chunk: its load). persist: resident states written
+// (the background lane). A resident chunk is never read from storage except by verify.
 enum class JobKind { update, init, read, verify, persist };
 
 struct Job {
@@ -52,6 +55,10 @@ struct Job {
   // through the slot (kOwnStates).
   uint64_t resident = device::kOwnStates;
   bool write_back = true;  // update: write the new states to `dst` (else they stay resident)
+  // update of a resident chunk: its current states are at this byte of resident memory,
+  // copied to `resident` before the kernel (a background commit is writing them); else
+  // kOwnStates.
+  uint64_t copy_from = device::kOwnStates;
   int64_t subgroup = -1;  // for error messages
   uint64_t chunk = 0;
   uint64_t written_at = 0;  // pipeline step that wrote `src`
@@ -73,6 +80,9 @@ struct Counters {
   std::atomic<uint64_t> foreign_chunks{0};
   // Phased I/O: turns handed from reads to write-backs or back.
   std::atomic<uint64_t> io_turns{0};
+  // The background lane: time with writes in flight, and resident chunks copied to their
+  // other copy because a background commit held the first.
+  std::atomic<uint64_t> persist_ns{0}, pinned_copies{0};
 };
 
 // A chunk whose bf16 params were not the ones the device emitted with its split master.
@@ -108,6 +118,9 @@ class Ring {
   // Waits for every pushed job, write-backs included; rethrows (once) the first
   // write-back error, which means the step must not be committed.
   void drain();
+  // Queues a persist job (a resident chunk's states written to `dst`) on the background
+  // lane; its completion is done when the write is, with the write's error if any.
+  void persist(Job job);
 
   const Counters& counters() const { return counters_; }
   // The chunks found foreign since the last call (in any job kind that sends params in).
@@ -133,7 +146,7 @@ class Ring {
     Deadline storage;
   };
   void load_loop();
-  // Starts a job's load in `slot`; false when it is done with (init, persist: handed to the
+  // Starts a job's load in `slot`; false when it is done with (init: handed to the
   // writer; or failed), true when it is under way.
   bool start_load(Job& job, size_t slot, Loading& loading);
   static bool reads_storage(const Job& job);  // loads its states from storage
@@ -146,7 +159,9 @@ class Ring {
   // Waits for a batch of requests; its direction's turn ends either way.
   void settle(io::Engine& engine, io::Ticket ticket, IoPhases::Dir d);
   void finished();
+  void persist_loop();
   io::Op state_io(bool write, const store::Extent& e, size_t slot, bool resident) const;
+  io::Op storage_op(bool write, const store::Extent& e, void* buf, int buf_index) const;
   void check_sum(const Job& job, size_t slot) const;
   // Split master: the checksum of the params sent in (`sent`) against the one stored with the
   // states; foreign params become the masters (`job.kernel.adopt`).
@@ -162,7 +177,7 @@ class Ring {
 
   device::Device& device_;
   store::StateStore& store_;
-  std::unique_ptr<io::Engine> reader_, writer_;
+  std::unique_ptr<io::Engine> reader_, writer_, persister_;
   const char* engine_name_ = "";
   std::shared_ptr<HostLink> host_link_;
   std::unique_ptr<RateLimiter> storage_limit_;
@@ -170,6 +185,7 @@ class Ring {
   Queue<Job> jobs_;
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;
+  Queue<Job> persisting_;
   Counters counters_;
   IoPhases phases_;
 
@@ -178,7 +194,7 @@ class Ring {
   size_t in_flight_ = 0;
   std::exception_ptr write_error_;
   std::vector<ForeignChunk> foreign_;
-  std::thread loader_, computer_, writer_thread_;
+  std::thread loader_, computer_, writer_thread_, persister_thread_;
 };
 
 }  // namespace smartinf::pipeline
