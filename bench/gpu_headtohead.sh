@@ -22,16 +22,21 @@ FP32_STATES=18700000000  # 1.56 B params x 12 B
 flags() {  # mode name -> train.py flags
   case $1 in
     zero-offload) echo "--mode deepspeed-cpu" ;;
+    super-offload) echo "--mode super-offload" ;;
     zero-infinity) echo "--mode zero-infinity" ;;
     fp32-none) echo "--mode smartinf" ;;
     int8-none) echo "--mode smartinf --state-dtype int8" ;;
     int8-half) echo "--mode smartinf --state-dtype int8 --memory-budget $((INT8_STATES / 2))" ;;
     fp32-half) echo "--mode smartinf --memory-budget $((FP32_STATES / 2))" ;;
-    int8-all-k1) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB" ;;
-    int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 10GiB --commit-every 10" ;;
-    fp32-all-k1) echo "--mode smartinf --memory-budget 20GiB" ;;
-    fp32-all-k10) echo "--mode smartinf --memory-budget 20GiB --commit-every 10" ;;
-    int4-all-k10) echo "--mode smartinf --state-dtype int4 --memory-budget 10GiB --commit-every 10" ;;
+    # -all: every state resident, with room for the second copy a background commit
+    # (overlap, the default) updates while it writes the first; -sync: overlap off
+    int8-all-k1) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB" ;;
+    int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB --commit-every 10" ;;
+    fp32-all-k1) echo "--mode smartinf --memory-budget 40GiB" ;;
+    fp32-all-k10) echo "--mode smartinf --memory-budget 40GiB --commit-every 10" ;;
+    fp32-all-k10-sync) echo "--mode smartinf --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
+    int8-all-k10-sync) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB --commit-every 10 --no-overlap" ;;
+    int4-all-k10) echo "--mode smartinf --state-dtype int4 --memory-budget 20GiB --commit-every 10" ;;
     int8-split) echo "--mode smartinf --state-dtype int8 --split-master" ;;
     int4-split) echo "--mode smartinf --state-dtype int4 --split-master" ;;
     fp32-split) echo "--mode smartinf --split-master" ;;
@@ -41,7 +46,7 @@ flags() {  # mode name -> train.py flags
 
 for mode in "$@"; do
   f=$(flags "$mode") || exit 2
-  steps=$STEPS; case $mode in *-k10) steps=$((STEPS > 12 ? STEPS : 12)) ;; esac
+  steps=$STEPS; case $mode in *-k10*) steps=$((STEPS > 12 ? STEPS : 12)) ;; esac
   start=$(date +%s)
   rm -rf "${STATES:?}/$mode"
   python3 -m torch.distributed.run --nproc_per_node=1 examples/deepspeed/train.py $f $COMMON \

@@ -524,12 +524,17 @@ def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
     oa.close()
 
 
-def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_commit(disk_dir, caplog):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_commit(
+        disk_dir, caplog, overlap):
     """memory_budget + commit_every=3 train like torch; a durable commit that fails puts
     the devices (resident states reloaded) and the model's params back to the last durable
-    commit, with a warning, and training from there goes on like torch from that step."""
+    commit, with a warning, and training from there goes on like torch from that step.
+    With overlap the commit is written in the background and fails where it lands: here
+    state_dict(), which puts the params back as step() would."""
     import smartinf._native as native
-    a, oa, b, ob = adamw_pair(disk_dir, 5, memory_budget="4MiB", commit_every=3)
+    a, oa, b, ob = adamw_pair(disk_dir, 5, memory_budget="4MiB", commit_every=3, overlap=overlap)
+    oa.pipeline.settle()
     assert (oa.pipeline.durable_step_count, oa.pipeline.step_count) == (3, 5)
     assert all(oa.pipeline.resident(i) for i in range(oa.pipeline.num_subgroups))
     assert_models_close(a, b)
@@ -539,6 +544,8 @@ def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_co
     try:
         with pytest.raises(OSError):
             oa.step()  # step 6: its durable commit fails
+            assert overlap and oa.pipeline.commit_pending
+            oa.state_dict()  # with overlap it lands here
     finally:
         native.disarm_fault()
     assert oa.pipeline.step_count == 3

@@ -6,8 +6,9 @@
 ``--mode smartinf`` (the default) is the integration: one ``"smartinf"`` block in the
 DeepSpeed config and ``smartinf.integrations.deepspeed.initialize`` in place of
 ``deepspeed.initialize``. The other modes run DeepSpeed alone on the same model and data:
-``deepspeed-cpu`` (ZeRO-3, optimizer offloaded to CPU, DeepSpeedCPUAdam) and
-``zero-infinity`` (ZeRO-3, optimizer states swapped to NVMe: ZeRO-Infinity). Each rank
+``deepspeed-cpu`` (ZeRO-3, optimizer offloaded to CPU, DeepSpeedCPUAdam: ZeRO-Offload),
+``super-offload`` (the same with DeepSpeed's SuperOffload, CUDA only: CPU Adam per
+sub-group during backward, speculative) and ``zero-infinity`` (ZeRO-3, optimizer states swapped to NVMe: ZeRO-Infinity). Each rank
 reads its own batches; every mode sees the same ones. Per step the script prints the
 loss (mean over ranks), the forward / backward / optimizer-step seconds and the bytes
 this process read from and wrote to storage during the step; ``--json`` writes them.
@@ -35,7 +36,12 @@ import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 
-MODES = ("smartinf", "deepspeed-cpu", "zero-infinity")
+MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
+# smartinf: the pipeline's counters recorded per step (seconds busy per stage, and the
+# background commit's), as differences
+PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
+                     "busy_writeback", "busy_persist", "wait_commit", "pinned_copies",
+                     "durable_step")
 MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
     "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
@@ -79,8 +85,12 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         for key in ("memory_budget", "commit_every", "compute_threads"):
             if getattr(args, key) is not None:
                 config["smartinf"][key] = getattr(args, key)
+        if args.no_overlap:
+            config["smartinf"]["overlap"] = False
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    elif args.mode == "super-offload":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": True}
     else:
         config["zero_optimization"]["offload_optimizer"] = {
             "device": "nvme", "nvme_path": storage, "pin_memory": True, "buffer_count": 4}
@@ -119,6 +129,8 @@ def main() -> None:
                    "per device (e.g. 24GiB)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="smartinf: overlap=False (durable commits written before commit() returns)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
     p.add_argument("--persistence-threshold", type=int,
                    help="params of at most this many elements stay gathered (DeepSpeed's "
@@ -158,9 +170,16 @@ def main() -> None:
     for _ in range(start):
         next(data)  # the batches the checkpointed steps consumed
 
+    pipeline = getattr(engine.optimizer, "pipeline", None)
+
+    def counters() -> dict:
+        stats = pipeline.stats if pipeline is not None else {}
+        return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
+
     records = []
     for step in range(start, args.steps):
         x, y = (t.to(device) for t in next(data))
+        c0 = counters()
         io0 = storage_bytes()
         t0 = time.perf_counter()
         logits = engine(x)
@@ -186,6 +205,8 @@ def main() -> None:
                # smartinf: the part of the step spent in the pipeline (after DeepSpeed's
                # overflow check and norm)
                "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}
+        if pipeline is not None:
+            rec["pipeline"] = {k: v - c0[k] for k, v in counters().items()}
         records.append(rec)
         if rank == 0:
             print(f"step {rec['step']:4d}  loss {rec['loss']:.6f}  fwd {rec['fwd_s']:.3f}s  "

@@ -147,6 +147,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         unsigned state_arrays()
         void commit() except +raise_py_error nogil
         void flush() except +raise_py_error nogil
+        void settle() except +raise_py_error nogil
         void discard() except +raise_py_error nogil
         void close() except +raise_py_error nogil
         cbool closed()
@@ -363,6 +364,10 @@ cdef class NativePipeline:
     def flush(self):
         with nogil:
             self.p.flush()
+
+    def settle(self):
+        with nogil:
+            self.p.settle()
 
     def discard(self):
         with nogil:

@@ -498,6 +498,23 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if sg.device.type == "cuda":
             torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
 
+    def _settle(self) -> None:
+        """Lands a durable commit still being written in the background (``overlap``),
+        before the states are read, written or copied. If it failed, the devices are back at
+        the durable commit before it: so are the model's params, and the error is raised.
+        (In ``step()`` a failure is found by the updates and the commit, inside its own
+        restore.)"""
+        before = self.pipeline.step_count
+        try:
+            self.pipeline.settle()
+        except BaseException:
+            if self.pipeline.step_count < before:
+                logger.warning("a durable commit written in the background failed: the devices "
+                               "are back at step %d, their last durable commit, and so are the "
+                               "model's params", self.pipeline.step_count)
+                self._restore(self._plan)
+            raise
+
     def _restore(self, scattered: Sequence[_Subgroup]) -> None:
         """After a failed step (an I/O error, a failed commit) the devices are at the last
         durable commit: so are the model's params, rebuilt from its masters."""
@@ -572,6 +589,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         this costs nothing before the first step); an fp16/bf16 param's entry also holds
         its fp32 master weights (``"fp32_master"``, ignored by torch), so loading it
         resumes exactly."""
+        self._settle()
         ids = _param_ids(self.param_groups)
         per_param: dict[int, dict] = {}
         for sg in self._plan:
@@ -660,6 +678,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         steps = [self._subgroup_steps(sg, states, ids, new_groups[sg.group]) for sg in self._plan]
         self._refuse_mixing_resumed_run(steps)
         self._digests.clear()  # the masters come from the model's params now
+        self._settle()
         with self.pipeline.step():
             for sg in self._plan:
                 arrays = {"param": self._driver.staging.grad(0, torch.float32, sg.numel)}
@@ -720,6 +739,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Copies every device directory (states file + manifest) under ``directory``
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
         steps. Resume by constructing the optimizer with ``devices=`` the returned paths."""
+        self._settle()
         self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -730,6 +750,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Closes the pipeline (the devices keep the last committed step)."""
+        if not self.pipeline.closed:
+            self._settle()
         self.pipeline.close()
 
     def __repr__(self) -> str:

@@ -346,6 +346,12 @@ class Pipeline:
         """Makes the committed steps durable now (between steps; a no-op when they are)."""
         self._open().flush()
 
+    def settle(self) -> None:
+        """Waits for a durable commit being written in the background (``overlap``) to
+        land. If it fails, the pipeline is back at the durable commit before it
+        (``step_count`` tells) and its error is raised here."""
+        self._open().settle()
+
     def discard(self) -> None:
         """Ends the step without committing it and goes back to the last durable commit
         (with ``commit_every`` 1: the last committed step)."""
@@ -456,6 +462,10 @@ class Pipeline:
         return list(self._devices)
 
     # -- lifetime ---------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._native is None or self._native.closed
+
     def close(self) -> None:
         """Closes the devices: committed steps are made durable, an uncommitted step is
         discarded (with ``commit_every`` > 1: back to the last durable commit); the layout

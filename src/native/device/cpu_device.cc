@@ -101,6 +101,7 @@ class CpuDevice final : public Device {
     }
     own_states_.reserve(slots_.size());
     for (const Slot& s : slots_) own_states_.push_back(s.states);
+    own_io_ = slots_;
     resident_bytes_ = store::align_up(options.resident_bytes);
     const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (resident_bytes_ > ram)
@@ -147,6 +148,12 @@ class CpuDevice final : public Device {
     pool_->run(bytes, kCopyGrain, [&](uint64_t lo, uint64_t hi) {
       std::memcpy(dst + lo, src + lo, hi - lo);
     });
+  }
+
+  bool host_memory() const override { return true; }
+  void bind_host(size_t i, const void* grad, void* out) override {
+    slots_[i].grad = grad ? const_cast<void*>(grad) : own_io_[i].grad;
+    slots_[i].out = out ? out : own_io_[i].out;
   }
 
   void copy_in(size_t i, const void* grad, size_t bytes) override {
@@ -226,6 +233,7 @@ class CpuDevice final : public Device {
   std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
   std::vector<Slot> slots_;
   std::vector<float*> own_states_;  // each slot's own states, while another is bound
+  std::vector<Slot> own_io_;  // each slot's own gradient and params buffers (bind_host)
   uint64_t resident_bytes_ = 0;
   std::unique_ptr<void, FreeDeleter> resident_;
 };

@@ -79,6 +79,12 @@ class Device {
   // `slot` is bound to: a resident chunk's first update after its copy was pinned by a
   // background commit (the pinned copy is being written; the update goes to the other).
   virtual void copy_states(size_t slot, uint64_t from, size_t bytes);
+  // Whether the device computes in host memory (the cpu device): the ring then points a
+  // slot's gradient and params at the caller's buffers (bind_host) instead of copying them
+  // in and out, the copies a real device's link needs; the bytes still count as crossing it.
+  virtual bool host_memory() const { return false; }
+  // Slot `slot`'s dense gradient and params for one job (null: the slot's own buffers).
+  virtual void bind_host(size_t slot, const void* grad, void* out);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: the bf16 params a split master is rebuilt from, into the slot's `out`.
   virtual void copy_in_params(size_t slot, const void* params, size_t bytes) = 0;
@@ -99,6 +105,10 @@ class Device {
 inline void Device::bind_states(size_t, uint64_t at) {
   if (at != kOwnStates)
     throw std::invalid_argument(describe() + " has no memory for resident states");
+}
+
+inline void Device::bind_host(size_t, const void* grad, void* out) {
+  if (grad || out) throw std::logic_error(describe() + " computes in its own memory");
 }
 
 inline const void* Device::resident_at(uint64_t) const {

@@ -558,6 +558,12 @@ void Pipeline::flush() {
 // the background, later steps update resident states meanwhile: a resident sub-group's
 // first update after this copies it into its twin (given now from what is left of the
 // budget) and works there; one without a twin, and any streamed one, waits for the commit.
+void Pipeline::settle() {
+  std::lock_guard lock(mu_);
+  require_open();
+  land();
+}
+
 void Pipeline::make_durable(uint64_t step) {
   land();  // one pending commit at a time, landed in order
   PendingCommit c;

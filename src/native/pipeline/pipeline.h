@@ -93,6 +93,9 @@ class Pipeline {
   // background_commit once its resident states are written (durable_step() tells).
   void commit();
   void flush();    // makes the committed steps durable now (no step in progress)
+  // Waits for a durable commit written in the background to land; if it fails, the
+  // pipeline is back at the durable commit before it, and the error is rethrown.
+  void settle();
   // Waits for the step and goes back to durable_step(): the step's updates and those of
   // the non-durable commits before it are forgotten (resident states reloaded).
   void discard();

@@ -53,6 +53,7 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   verify_ = options.verify;
   checksums_ = device.host_visible_states();
   split_ = store.layout().split();
+  host_memory_ = device.host_memory();
   if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
   // Named for top -H / perf: one thread per stage.
@@ -289,13 +290,16 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       const io::Op op = state_io(false, job.src, slot, resident);
       l.read = reader_->submit({&op, 1});
     }
+    // A device in host memory works on the caller's buffers: nothing to copy in or out.
+    const bool dense = job.kind == JobKind::update && !job.kernel.compressed;
+    if (host_memory_) device_.bind_host(slot, dense ? job.input : nullptr, job.output);
     l.send_params = split_ && job.output && (job.kind == JobKind::update || job.kind == JobKind::read);
     if (l.send_params) {  // a split master's upper halves: the caller's bf16 params
       Timer h(counters_.busy_ns[kHostToDevice]);
       const uint64_t bytes = job.src.numel * 2;
       const Deadline link = reserve_host(true, bytes);
       l.sent = store::params_checksum(job.output, job.src.numel);
-      device_.copy_in_params(slot, job.output, bytes);
+      if (!host_memory_) device_.copy_in_params(slot, job.output, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
     }
@@ -308,7 +312,7 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       if (k.compressed)
         device_.copy_in_compressed(slot, static_cast<const int32_t*>(job.input), job.values,
                                    k.nnz, size);
-      else
+      else if (!host_memory_)
         device_.copy_in(slot, job.input, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
@@ -387,7 +391,7 @@ void Ring::compute_loop() {
         Timer t(counters_.busy_ns[kDeviceToHost]);
         const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
         const Deadline link = reserve_host(false, bytes);
-        device_.copy_out(item->slot, job.output, bytes);
+        if (!host_memory_) device_.copy_out(item->slot, job.output, bytes);
         counters_.device_to_host += bytes;
         finish_host(link);
         if (split_)  // stored with the states: the params that must come back

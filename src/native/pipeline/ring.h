@@ -181,7 +181,7 @@ class Ring {
   const char* engine_name_ = "";
   std::shared_ptr<HostLink> host_link_;
   std::unique_ptr<RateLimiter> storage_limit_;
-  bool verify_ = false, checksums_ = true, split_ = false;
+  bool verify_ = false, checksums_ = true, split_ = false, host_memory_ = false;
   Queue<Job> jobs_;
   Queue<size_t> free_slots_;
   Queue<Loaded> computing_, writing_;
