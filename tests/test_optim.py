@@ -931,3 +931,33 @@ def test_sgd_is_torch_bit_for_bit_where_torch_rounds_once_per_operation(disk_dir
             opt.step()
         opt.close()
         assert torch.equal(p.detach().view(torch.int32), theirs[name].view(torch.int32)), name
+
+
+@pytest.mark.parametrize("dtype, kw", [(torch.float32, {}),
+                                       (torch.bfloat16, dict(master="split", state_dtype="int8"))],
+                         ids=["fp32", "bf16-split-int8"])
+def test_overlap_changes_no_bit(tmp_path, dtype, kw):
+    """Resident states with room for twins and commit_every=2: with overlap (durable commits
+    written in the background while the next steps update the twins) the params after every
+    step and the states at the end equal overlap=False's, bit for bit; a reopen resumes them."""
+    models, opts = [], []
+    for overlap in (False, True):
+        m = make_model(dtype)
+        models.append(m)
+        opts.append(so.AdamW(m.parameters(), lr=1e-2, devices=[str(tmp_path / str(overlap))],
+                             memory_budget="1MiB", commit_every=2, overlap=overlap, **SMALL, **kw))
+    grads_model = make_model(dtype)
+    for step in range(7):
+        grads = reference_grads(grads_model, step)
+        for m, o in zip(models, opts):
+            set_grads(m, grads)
+            o.step()
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q), f"step {step + 1}"
+    assert opts[1].pipeline.stats["pinned_copies"] > 0  # the twins were used
+    states = [o.state_dict()["state"] for o in opts]
+    for i in states[0]:
+        for k in states[0][i]:
+            assert torch.equal(torch.as_tensor(states[0][i][k]), torch.as_tensor(states[1][i][k])), (i, k)
+    for o in opts:
+        o.close()

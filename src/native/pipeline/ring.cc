@@ -282,6 +282,11 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       writing_.push(Loaded{std::move(job), slot});
       return false;
     }
+    if (job.copy_from != device::kOwnStates) {  // before anything reads the states
+      Timer t(counters_.busy_ns[kLoad]);
+      device_.copy_states(slot, job.copy_from, job.src.bytes);
+      ++counters_.pinned_copies;
+    }
     // Resident states are in device memory already; verify is their load. The read's
     // turn was taken (IoPhases::begin) by the caller.
     if (reads_storage(job)) {
@@ -378,10 +383,6 @@ void Ring::compute_loop() {
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
-          if (job.copy_from != device::kOwnStates) {
-            device_.copy_states(item->slot, job.copy_from, job.src.bytes);
-            ++counters_.pinned_copies;
-          }
           device_.compute(item->slot, job.kernel, numel);
           if (resident) {
             counters_.memory_read += job.src.bytes;
