@@ -33,6 +33,10 @@ cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
 
+cdef extern from "device/compute_pool.h" namespace "smartinf::device":
+    unsigned default_compute_threads_ "smartinf::device::default_compute_threads"()
+
+
 cdef extern from "store/manifest.h" namespace "smartinf::store":
     cdef cppclass Manifest:
         string serialize()
@@ -248,6 +252,10 @@ def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, str state_dtype
     with nogil:
         seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, layout, threads)
     return seconds
+
+
+def default_compute_threads() -> int:
+    return default_compute_threads_()
 
 
 def triad_seconds(uint64_t nbytes, unsigned threads) -> float:

@@ -239,11 +239,11 @@ def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
                    param: str = "float32", state_dtype: str = "fp32",
                    threads: int = 1, master: str = "fp32") -> KernelThroughput:
     """Adam kernel throughput for one grad/param dtype pair (dtype names or codes), state
-    dtype and master format (split: bf16 params) on ``threads`` threads (0: the usable
-    cores, as the pipeline's default); the first call warms up (allocation, page faults),
-    the second is timed."""
+    dtype and master format (split: bf16 params) on ``threads`` threads (0: the pipeline's
+    default, ``_native.default_compute_threads()``); the first call warms up (allocation,
+    page faults), the second is timed."""
     g, p = buffers.dtype_code(grad), buffers.dtype_code(param)
-    threads = threads or usable_cores()
+    threads = threads or _native.default_compute_threads()
     _native.time_kernel(numel, g, p, state_dtype, threads, master)
     seconds = _native.time_kernel(numel, g, p, state_dtype, threads, master)
     return KernelThroughput(numel, buffers.DTYPE_NAMES[g], buffers.DTYPE_NAMES[p], seconds,
@@ -251,7 +251,7 @@ def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (the parallel update's default thread count)."""
+    """The cores this process may run on."""
     return len(os.sched_getaffinity(0))
 
 

@@ -79,6 +79,11 @@ void ComputePool::run(uint64_t n, uint64_t grain, const std::function<void(uint6
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
+unsigned default_compute_threads() {
+  const unsigned cores = usable_cores();
+  return cores >= 8 ? cores - 1 : cores;
+}
+
 unsigned usable_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) != 0) return std::max(1u, std::thread::hardware_concurrency());

@@ -47,4 +47,11 @@ class ComputePool {
 // The threads this process may run on (its CPU affinity), at least 1.
 unsigned usable_cores();
 
+// The update's threads when none are given: the usable cores, less one where there are
+// many (8 or more): the pool's parts finish together, so a core also running the ring's
+// stage threads, the background lane or the training loop holds every chunk up (on the
+// H100 host, 16 cores: a step of 1.56 B params resident 0.59 s on 15 threads, 0.65 s on
+// 16, and 0.65 against 0.76 s while a background commit writes).
+unsigned default_compute_threads();
+
 }  // namespace smartinf::device

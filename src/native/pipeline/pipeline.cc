@@ -105,7 +105,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   const device::SlotGeometry geometry{options_.slots, options.chunk, layout};
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
-      options.compute_threads ? options.compute_threads : device::usable_cores())};
+      options.compute_threads ? options.compute_threads : device::default_compute_threads())};
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");

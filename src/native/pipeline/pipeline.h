@@ -45,7 +45,7 @@ struct PipelineOptions {
   // A durable commit's resident states are written in the background while later steps
   // run; it becomes durable when they are written (see make_durable). false: commit() waits.
   bool background_commit = true;
-  unsigned compute_threads = 0;  // threads of the update kernel; 0: the usable cores
+  unsigned compute_threads = 0;  // threads of the update kernel; 0: default_compute_threads()
   RingOptions ring;
 };
 
