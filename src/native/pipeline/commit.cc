@@ -1,0 +1,217 @@
+// The end of a Pipeline's step: commit() (durable every commit_every-th time, its resident
+// states written on the rings' background lanes and the stores committed when they are:
+// make_durable, land), flush, settle, going back to the durable commit after a failure
+// (back_to_durable, discard) and close. Placement, membership and the updates are in
+// pipeline.cc.
+#include <chrono>
+
+#include "fault.h"
+#include "pipeline/pipeline.h"
+
+namespace smartinf::pipeline {
+
+void Pipeline::back_to_durable() {
+  try {
+    land();  // a commit the caller was promised; if it fails it went back before it
+  } catch (...) {
+  }
+  try {
+    for (size_t sg = 0; sg < placement_.size(); ++sg) {
+      Placement& p = placement_[sg];
+      if (!p.dirty) continue;
+      p.dirty = p.behind = false;
+      if (p.resident == device::kOwnStates) continue;
+      std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);  // the committed copy, again
+      submit_and_wait(p.unit, jobs);
+    }
+  } catch (const std::exception& e) {
+    abandon();
+    throw std::runtime_error(std::string("reloading resident states after a failed step failed (") +
+                             e.what() + "): the pipeline is closed; reopen the directories, "
+                             "which are at step " + std::to_string(durable_step_));
+  }
+  step_ = durable_step_;
+}
+
+void Pipeline::commit() {
+  std::lock_guard lock(mu_);
+  require_open();
+  try {
+    wait_step();
+  } catch (...) {
+    back_to_durable();
+    throw;
+  }
+  land_if_written();
+  const uint64_t last = pending_ ? pending_->step : durable_step_;  // the interval's start
+  if (step_ + 1 - last < options_.commit_every) {
+    ++step_;  // in resident memory and the working copies until the next durable commit
+    return;
+  }
+  make_durable(step_ + 1);
+}
+
+void Pipeline::flush() {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (step_in_progress())
+    throw std::invalid_argument("a step is in progress: commit() or discard() it before flush()");
+  land();
+  if (step_ > durable_step_) make_durable(step_);
+  land();
+}
+
+// The steps since the last durable commit become durable at `step`: streamed sub-groups'
+// working copies are written already (the step's write-backs); resident ones are written by
+// each ring's background lane, and every device's store commits once they are (land()). In
+// the background, later steps update resident states meanwhile: a resident sub-group's
+// first update after this copies it into its twin (given now from what is left of the
+// budget) and works there; one without a twin, and any streamed one, waits for the commit.
+void Pipeline::settle() {
+  std::lock_guard lock(mu_);
+  require_open();
+  land();
+}
+
+void Pipeline::make_durable(uint64_t step) {
+  land();  // one pending commit at a time, landed in order
+  PendingCommit c;
+  c.step = step;
+  c.written.resize(devices_.size());
+  c.hyper = last_hyper_;
+  for (size_t sg = 0; sg < placement_.size(); ++sg) {
+    Placement& p = placement_[sg];
+    if (!p.dirty) continue;
+    c.written[p.unit].push_back(store::Written{p.local, p.steps});
+    c.subgroups.emplace_back(sg, p.steps);
+    if (!p.behind) continue;
+    Unit& u = devices_[p.unit];
+    const uint64_t bytes = resident_size(p);
+    if (options_.background_commit && p.twin == device::kOwnStates &&
+        u.resident_used + bytes <= u.device->resident_bytes()) {
+      p.twin = u.resident_used;
+      u.resident_used += bytes;
+    }
+    std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
+    c.writes.push_back(jobs.front().completion);
+    for (Job& job : jobs) u.ring->persist(job);
+    p.pinned = true;
+  }
+  const bool background = options_.background_commit && !c.writes.empty();
+  pending_ = std::move(c);
+  step_ = step;
+  if (background)
+    ++background_commits_;
+  else
+    land();
+}
+
+void Pipeline::land_if_written() {
+  if (!pending_) return;
+  for (const auto& w : pending_->writes)
+    if (!w->done()) return;
+  land();
+}
+
+void Pipeline::land() {
+  if (!pending_) return;
+  PendingCommit c = std::move(*pending_);
+  pending_.reset();
+  try {
+    const auto start = std::chrono::steady_clock::now();
+    std::exception_ptr error;
+    for (const auto& w : c.writes) {
+      try {
+        w->wait();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start).count();
+    for (const auto& [sg, steps] : c.subgroups) placement_[sg].pinned = false;  // written
+    if (error) std::rethrow_exception(error);
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      Unit& u = devices_[i];
+      u.store->commit(c.written[i], c.step, c.hyper, placement_.size());
+      fault::check("pipeline.device_committed", u.store->dir());
+    }
+  } catch (...) {
+    // Some devices may be at `step` already: put them back, so the pipeline stays at the
+    // last step every device has (its updates are lost; the caller may redo them).
+    try {
+      for (Unit& u : devices_)
+        if (u.store->step() == c.step && c.step != durable_step_) u.store->rollback_last_step();
+    } catch (const std::exception& e) {
+      abandon();
+      throw std::runtime_error(
+          std::string("a commit failed and undoing it failed too (") + e.what() +
+          "): the pipeline is closed; reopen the directories, which rolls them back to step " +
+          std::to_string(durable_step_));
+    }
+    try {
+      wait_step();  // no update in flight may touch what back_to_durable reloads
+    } catch (...) {
+    }
+    back_to_durable();
+    throw;
+  }
+  // Their committed copy is now what the commit wrote; one updated since stays dirty (its
+  // states ahead in resident memory, its other extents behind).
+  for (const auto& [sg, steps] : c.subgroups) {
+    Placement& p = placement_[sg];
+    if (p.steps == steps) p.dirty = p.behind = false;
+  }
+  durable_step_ = c.step;
+}
+
+void Pipeline::abandon() {
+  pending_.reset();  // its writes end with the rings; the directories reopen before it
+  for (Unit& u : devices_) u.ring.reset();
+  devices_.clear();
+}
+
+void Pipeline::discard() {
+  std::lock_guard lock(mu_);
+  require_open();
+  std::exception_ptr error;
+  try {
+    wait_step();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  back_to_durable();
+  if (error) std::rethrow_exception(error);
+}
+
+void Pipeline::close() {
+  std::lock_guard lock(mu_);
+  if (devices_.empty()) return;
+  std::exception_ptr error;
+  try {
+    const bool forget = step_in_progress();
+    wait_step();
+    if (forget) {
+      back_to_durable();
+    } else {
+      land();
+      if (step_ > durable_step_) make_durable(step_);
+      land();
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (devices_.empty()) std::rethrow_exception(error);  // abandoned: nothing to save
+  for (Unit& u : devices_) {
+    u.ring.reset();
+    try {
+      u.store->save_layout(placement_.size());
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  devices_.clear();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace smartinf::pipeline
