@@ -95,14 +95,17 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
 
 
 def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir):
-    """The block's memory_budget (all states resident) and commit_every=3, two ranks: the
-    same losses and params, bit for bit, as streaming every step; states are not read."""
+    """The block's memory_budget (all states resident, with room for their twins) and
+    commit_every=3, two ranks: the same losses and params, bit for bit, as streaming every
+    step; states are not read. Durable commits are written in the background (overlap, the
+    default) while the next steps update the twins (rank 0's pinned copies counted)."""
     plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
     tiered = train(work, os.path.join(disk_dir, "tiered"), "tiered-2", world=2,
                    extra=("--memory-budget", "8MiB", "--commit-every", "3", "--compute-threads", "2"))
     assert losses(tiered) == losses(plain)
     assert params_rel_diff(tiered, plain) == 0.0
     assert tiered["smartinf"]["commit_every"] == 3
+    assert sum(s["pipeline"]["pinned_copies"] for s in tiered["steps"]) > 0
     per_rank = 12 * tiered["num_params"] / 2
     assert all(s["storage_read"] < per_rank / 2 for s in tiered["steps"][1:])
     assert all(s["storage_read"] >= per_rank for s in plain["steps"][1:])
