@@ -345,7 +345,10 @@ def predict_tiered(params: float, resident: float, read_bps: float, write_bps: f
     streamed part is read and written every step, the resident part written once per
     ``commit_every`` steps (its durable commit) and never read; every param's states,
     gradient and updated param cross memory (``memory_bps``, e.g. the probe's STREAM
-    triad) once each way. Storage, memory and the kernel overlap: the step is the largest."""
+    triad) once each way. Storage, memory and the kernel overlap: the step is the largest
+    (the resident write runs in the background with ``overlap``, the default; without it
+    the commit's step takes it whole, and with twin copies the first step after a commit
+    makes one more pass over the resident states: neither is in this mean)."""
     if not 0 <= resident <= 1:
         raise ValueError(f"resident must be a fraction in [0, 1], got {resident!r}")
     if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
