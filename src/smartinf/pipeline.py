@@ -440,7 +440,7 @@ class Pipeline:
         ``storage_write``), busy seconds per stage (``busy_*``), seconds spent waiting
         for a bandwidth cap (``wait_host_link``, ``wait_storage``), ``chunks`` and
         ``step``: all devices together."""
-        if self._native is None or self._native.closed:
+        if self.closed:
             return dict(self._final_stats)
         return self._native.stats()
 
@@ -448,7 +448,7 @@ class Pipeline:
     def device_stats(self) -> list[dict[str, float]]:
         """``stats`` of each device (in the order of ``devices``), plus ``numel``: the
         params placed on it."""
-        if self._native is None or self._native.closed:
+        if self.closed:
             return [dict(s) for s in self._final_device_stats]
         return self._native.device_stats()
 
@@ -470,7 +470,7 @@ class Pipeline:
         """Closes the devices: committed steps are made durable, an uncommitted step is
         discarded (with ``commit_every`` > 1: back to the last durable commit); the layout
         is saved."""
-        if self._native is None or self._native.closed:
+        if self.closed:
             return
         if self._native.pending:
             logger.warning("closing with an uncommitted step: its updates are discarded")
@@ -492,12 +492,12 @@ class Pipeline:
             self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._native is None or self._native.closed else \
+        state = "closed" if self.closed else \
             f"{self._native.subgroup_count} sub-groups, step {self._native.step}, {self._native.engine}"
         return f"Pipeline({[d.path for d in self._devices]}, {self.optimizer}, {state})"
 
     def _open(self) -> Any:
-        if self._native is None or self._native.closed:
+        if self.closed:
             raise ValueError("the pipeline is closed")
         return self._native
 

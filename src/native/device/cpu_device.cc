@@ -99,9 +99,7 @@ class CpuDevice final : public Device {
       slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io,
                             reinterpret_cast<int32_t*>(io_base + 2 * io), io_base + 3 * io});
     }
-    own_states_.reserve(slots_.size());
-    for (const Slot& s : slots_) own_states_.push_back(s.states);
-    own_io_ = slots_;
+    own_ = slots_;
     resident_bytes_ = store::align_up(options.resident_bytes);
     const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (resident_bytes_ > ram)
@@ -128,7 +126,7 @@ class CpuDevice final : public Device {
   uint64_t resident_bytes() const override { return resident_bytes_; }
   void bind_states(size_t i, uint64_t at) override {
     if (at == kOwnStates) {
-      slots_[i].states = own_states_[i];
+      slots_[i].states = own_[i].states;
       return;
     }
     slots_[i].states = static_cast<float*>(const_cast<void*>(resident_at(at)));
@@ -152,8 +150,8 @@ class CpuDevice final : public Device {
 
   bool host_memory() const override { return true; }
   void bind_host(size_t i, const void* grad, void* out) override {
-    slots_[i].grad = grad ? const_cast<void*>(grad) : own_io_[i].grad;
-    slots_[i].out = out ? out : own_io_[i].out;
+    slots_[i].grad = grad ? const_cast<void*>(grad) : own_[i].grad;
+    slots_[i].out = out ? out : own_[i].out;
   }
 
   void copy_in(size_t i, const void* grad, size_t bytes) override {
@@ -232,8 +230,8 @@ class CpuDevice final : public Device {
   size_t slot_bytes_ = 0;
   std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
   std::vector<Slot> slots_;
-  std::vector<float*> own_states_;  // each slot's own states, while another is bound
-  std::vector<Slot> own_io_;  // each slot's own gradient and params buffers (bind_host)
+  // Each slot's own buffers, while others are bound (bind_states, bind_host).
+  std::vector<Slot> own_;
   uint64_t resident_bytes_ = 0;
   std::unique_ptr<void, FreeDeleter> resident_;
 };

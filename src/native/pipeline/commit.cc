@@ -61,28 +61,26 @@ void Pipeline::flush() {
   land();
 }
 
-// The steps since the last durable commit become durable at `step`: streamed sub-groups'
-// working copies are written already (the step's write-backs); resident ones are written by
-// each ring's background lane, and every device's store commits once they are (land()). In
-// the background, later steps update resident states meanwhile: a resident sub-group's
-// first update after this copies it into its twin (given now from what is left of the
-// budget) and works there; one without a twin, and any streamed one, waits for the commit.
 void Pipeline::settle() {
   std::lock_guard lock(mu_);
   require_open();
   land();
 }
 
+// The steps since the last durable commit become durable at `step`: streamed sub-groups'
+// working copies are written already (the step's write-backs); resident ones are written by
+// each ring's background lane, and every device's store commits once they are (land()). In
+// the background, later steps update resident states meanwhile: a resident sub-group's
+// first update after this copies it into its twin (given now from what is left of the
+// budget) and works there; one without a twin, and any streamed one, waits for the commit.
 void Pipeline::make_durable(uint64_t step) {
   land();  // one pending commit at a time, landed in order
   PendingCommit c;
   c.step = step;
-  c.written.resize(devices_.size());
   c.hyper = last_hyper_;
   for (size_t sg = 0; sg < placement_.size(); ++sg) {
     Placement& p = placement_[sg];
     if (!p.dirty) continue;
-    c.written[p.unit].push_back(store::Written{p.local, p.steps});
     c.subgroups.emplace_back(sg, p.steps);
     if (!p.behind) continue;
     Unit& u = devices_[p.unit];
@@ -131,9 +129,12 @@ void Pipeline::land() {
                            std::chrono::steady_clock::now() - start).count();
     for (const auto& [sg, steps] : c.subgroups) placement_[sg].pinned = false;  // written
     if (error) std::rethrow_exception(error);
+    std::vector<std::vector<store::Written>> written(devices_.size());
+    for (const auto& [sg, steps] : c.subgroups)
+      written[placement_[sg].unit].push_back(store::Written{placement_[sg].local, steps});
     for (size_t i = 0; i < devices_.size(); ++i) {
       Unit& u = devices_[i];
-      u.store->commit(c.written[i], c.step, c.hyper, placement_.size());
+      u.store->commit(written[i], c.step, c.hyper, placement_.size());
       fault::check("pipeline.device_committed", u.store->dir());
     }
   } catch (...) {

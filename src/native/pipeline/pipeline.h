@@ -148,7 +148,6 @@ class Pipeline {
   // A durable commit whose resident states are being written in the background.
   struct PendingCommit {
     uint64_t step = 0;
-    std::vector<std::vector<store::Written>> written;  // per device
     std::vector<std::pair<size_t, uint64_t>> subgroups;  // (sub-group, steps) it holds
     std::vector<std::shared_ptr<Completion>> writes;
     std::map<std::string, double> hyper;

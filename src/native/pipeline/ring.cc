@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <deque>
+#include <stdexcept>
 #include <utility>
 
 #include "error.h"
@@ -46,8 +47,6 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   reader_ = io::make_engine(options.io, io_options, notes);
   io_options.low_priority = true;  // write-back yields to the loads on the critical path
   writer_ = io::make_engine(reader_->name(), io_options, notes);
-  io_options.fixed_buffers.clear();  // it writes from resident memory only
-  persister_ = io::make_engine(reader_->name(), io_options, notes);
   engine_name_ = reader_->name();
   host_link_ = options.host_link;
   verify_ = options.verify;
@@ -60,7 +59,11 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
   computer_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
   writer_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-write"); write_loop(); });
-  persister_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-persist"); persist_loop(); });
+  if (device.resident_bytes()) {  // the background lane writes resident memory only
+    io_options.fixed_buffers.clear();
+    persister_ = io::make_engine(reader_->name(), io_options, notes);
+    persister_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-persist"); persist_loop(); });
+  }
 }
 
 Ring::~Ring() {
@@ -71,7 +74,7 @@ Ring::~Ring() {
   writing_.close();
   writer_thread_.join();
   persisting_.close();
-  persister_thread_.join();
+  if (persister_thread_.joinable()) persister_thread_.join();
 }
 
 void Ring::push(Job job) {
@@ -152,7 +155,10 @@ io::Op Ring::storage_op(bool write, const store::Extent& e, void* buf, int buf_i
   return op;
 }
 
-void Ring::persist(Job job) { persisting_.push(std::move(job)); }
+void Ring::persist(Job job) {
+  if (!persister_) throw std::logic_error("persist job for a device without resident memory");
+  persisting_.push(std::move(job));
+}
 
 // The background lane: several chunks' writes in flight, as the writer keeps them. Its
 // writes ignore the I/O schedule's turns: while a background commit is pending the

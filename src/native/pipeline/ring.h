@@ -4,8 +4,8 @@
 //   computer: run the kernel, copy params out (device -> host); the request's chunk is done
 //   writer:   write the states back to storage (the other shadow copy), free the slot
 // Different chunks are in different stages at once; memory is K slots whatever the model.
-// Beside the ring, a background lane (thread smartinf-persist, its own engine) writes
-// resident chunks' states to storage for a durable commit while later steps run: it needs
+// Beside the ring, on a device with resident memory, a background lane (thread
+// smartinf-persist, its own engine) writes resident chunks' states to storage for a durable commit while later steps run: it needs
 // no slot, and drain() does not wait for it (each write's completion says when it is done).
 // The loader keeps the reads of every free slot in flight and the writer the writes of
 // every slot it holds, so the storage queue does not drain between chunks: small chunks
