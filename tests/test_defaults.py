@@ -23,8 +23,19 @@ def test_environment_sets_defaults_and_arguments_win(disk_dir, monkeypatch):
 @pytest.mark.parametrize("name, value, match", [
     ("SMARTINF_IO", "aio", "SMARTINF_IO='aio'"),
     ("SMARTINF_SLOTS", "many", "SMARTINF_SLOTS='many' is not an integer"),
+    ("SMARTINF_OVERLAP", "yes", "SMARTINF_OVERLAP='yes': expected 1"),
 ])
 def test_bad_environment_is_named(disk_dir, monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
         smartinf.Pipeline(disk_dir)
+
+
+def test_overlap_from_the_environment_and_a_bad_argument(disk_dir, monkeypatch):
+    monkeypatch.setenv("SMARTINF_OVERLAP", "0")
+    with smartinf.Pipeline(disk_dir) as pipe:
+        assert pipe.settings.overlap is False
+    with smartinf.Pipeline(disk_dir, overlap=True) as pipe:  # the argument wins
+        assert pipe.settings.overlap is True
+    with pytest.raises(TypeError, match="overlap must be a bool, got str"):
+        smartinf.Pipeline(disk_dir, overlap="no")
