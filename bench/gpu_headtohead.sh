@@ -10,12 +10,13 @@
 # STATES: where states / swap files go (default /tmp/states, removed after each mode);
 # STEPS: iterations per mode (default 6; 12 for the commit_every=10 modes, so that one
 # durable commit is among them); MODEL, BATCH, SEQ: the model and batch (default gpt2-xl,
-# 8, 1024). The runs' output goes to $OUT/run.log (what comes back from the machine is
+# 8, 1024); CLIP: gradient clipping (default 1.0; 0 turns it off, in every mode: a step
+# after a clipped one starts no update during backward). The runs' output goes to $OUT/run.log (what comes back from the machine is
 # limited in files).
 set -u
 OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}
 mkdir -p "$OUT" "$STATES"
-COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --if-exists overwrite"
+COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --clip ${CLIP:-1.0} --if-exists overwrite"
 INT8_STATES=9400000000   # 1.56 B params x 6.03 B
 FP32_STATES=18700000000  # 1.56 B params x 12 B
 
@@ -29,7 +30,8 @@ flags() {  # mode name -> train.py flags
     int8-half) echo "--mode smartinf --state-dtype int8 --memory-budget $((INT8_STATES / 2))" ;;
     fp32-half) echo "--mode smartinf --memory-budget $((FP32_STATES / 2))" ;;
     # -all: every state resident, with room for the second copy a background commit
-    # (overlap, the default) updates while it writes the first; -sync: overlap off
+    # (overlap, the default) updates while it writes the first, and a speculative update
+    # works on; -sync: overlap off (no update during backward, commits written at once)
     int8-all-k1) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB" ;;
     int8-all-k10) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB --commit-every 10" ;;
     fp32-all-k1) echo "--mode smartinf --memory-budget 40GiB" ;;
@@ -39,6 +41,7 @@ flags() {  # mode name -> train.py flags
     int8-all-k10-sync) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB --commit-every 10 --no-overlap" ;;
     int4-all-k10) echo "--mode smartinf --state-dtype int4 --memory-budget 20GiB --commit-every 10" ;;
     int8-split) echo "--mode smartinf --state-dtype int8 --split-master" ;;
+    int8-split-sync) echo "--mode smartinf --state-dtype int8 --split-master --no-overlap" ;;
     int4-split) echo "--mode smartinf --state-dtype int4 --split-master" ;;
     fp32-split) echo "--mode smartinf --split-master" ;;
     *) echo "unknown mode $1" >&2; return 1 ;;

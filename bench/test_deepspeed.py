@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,11 @@ MODES = {"zero-infinity": ["--mode", "zero-infinity"], "smartinf": ["--mode", "s
          "smartinf-int8": ["--mode", "smartinf", "--state-dtype", "int8"]}
 
 
-def run(mode: str, directory: str, out: Path) -> dict:
+def run(mode: str, directory: str, out: Path, args: list = (), steps: int = STEPS) -> dict:
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-           str(ROOT / "examples" / "deepspeed" / "train.py"), *MODES[mode],
-           "--model", MODEL, "--dir", directory, "--steps", str(STEPS), "--batch", "1",
+           str(ROOT / "examples" / "deepspeed" / "train.py"), *(args or MODES[mode]),
+           "--model", MODEL, "--dir", directory, "--steps", str(steps), "--batch", "1",
            "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"{mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
@@ -56,3 +57,43 @@ def test_head_to_head_zero_infinity_vs_smartinf(bench_dir, storage_limits, summa
     # Same model, same data, same first step: the modes agree before any update.
     assert abs(zi["losses"][0] - si["losses"][0]) <= 1e-5 * abs(zi["losses"][0])
     summary["deepspeed"] = dict(compare(results, read_bw, write_bw), model=MODEL)
+
+
+# Updates during backward (overlap) against overlap=False: streamed states, and every state
+# resident with room for twins (266 M x 12 B x 2); clipping off (a step after a clipped one
+# starts nothing during backward).
+OVERLAP_MODES = {
+    "streamed": ["--mode", "smartinf", "--clip", "0"],
+    "streamed-sync": ["--mode", "smartinf", "--clip", "0", "--no-overlap"],
+    "resident": ["--mode", "smartinf", "--clip", "0", "--memory-budget", "7GiB"],
+    "resident-sync": ["--mode", "smartinf", "--clip", "0", "--memory-budget", "7GiB", "--no-overlap"],
+}
+
+
+def test_updates_during_backward(bench_dir, storage_limits, summary, tmp_path):
+    """Each mode twice, alternating with its overlap=False twin; medians of iterations 2+ of
+    each run, then the median of the runs. The same losses, bit for bit."""
+    require_disk(bench_dir, 30 * 266 * 10 ** 6, "the DeepSpeed overlap benchmark")
+    read_bw, write_bw = storage_limits.read_bw, storage_limits.write_bw
+    steps = env_int("SMARTINF_BENCH_DS_OVERLAP_STEPS", 6)
+    runs: dict = {mode: [] for mode in OVERLAP_MODES}
+    for round_ in range(2):
+        for mode, args in OVERLAP_MODES.items():
+            directory = os.path.join(bench_dir, "deepspeed-overlap")
+            record = run(mode, directory, tmp_path / f"{mode}-{round_}.json", args, steps)
+            subprocess.run(["rm", "-rf", directory], check=False)
+            runs[mode].append(summarize(record, read_bw, write_bw)
+                              | {"speculative": [s["pipeline"]["speculative_updates"] for s in record["steps"]],
+                                 "retracted": [s["pipeline"]["retracted_updates"] for s in record["steps"]]})
+    result = {}
+    for mode, rs in runs.items():
+        result[mode] = {k: statistics.median(r[k] for r in rs)
+                        for k in ("fwd_s", "bwd_s", "step_s", "iteration_s")}
+        result[mode]["runs"] = rs
+    for mode in ("streamed", "resident"):
+        assert runs[mode][0]["losses"] == runs[f"{mode}-sync"][0]["losses"], mode
+        result[mode]["iteration_to_sync"] = result[mode]["iteration_s"] / result[f"{mode}-sync"]["iteration_s"]
+        print(f"{mode}: iteration {result[mode]['iteration_s']:.2f} s against "
+              f"{result[mode + '-sync']['iteration_s']:.2f} s without overlap "
+              f"({result[mode]['iteration_to_sync']:.2f}x)")
+    summary["deepspeed_overlap"] = dict(result, model=MODEL)

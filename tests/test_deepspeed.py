@@ -105,10 +105,39 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     assert losses(tiered) == losses(plain)
     assert params_rel_diff(tiered, plain) == 0.0
     assert tiered["smartinf"]["commit_every"] == 3
-    assert sum(s["pipeline"]["pinned_copies"] for s in tiered["steps"]) > 0
+    assert sum(s["pipeline"]["twin_copies"] for s in tiered["steps"]) > 0
     per_rank = 12 * tiered["num_params"] / 2
     assert all(s["storage_read"] < per_rank / 2 for s in tiered["steps"][1:])
     assert all(s["storage_read"] >= per_rank for s in plain["steps"][1:])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_updates_during_backward_change_no_bit(work, disk_dir, world):
+    """overlap (the default): each sub-group's update starts when its gradient partitions are
+    reduced, with the last step's scale assumed; kept where it held, retracted where not
+    (step 3's NaN gradients: skipped; clip 1.0 acting on the first steps: the scale differs).
+    Losses and final params bit for bit those of --no-overlap, streamed and all resident
+    (sub-groups of 60 k params: several per rank)."""
+    for name, extra in (("streamed", ("--clip", "0")),
+                        ("clipped", ()),
+                        ("resident", ("--clip", "0", "--memory-budget", "8MiB"))):
+        extra = ("--nan-at", "3", "--sub-group-size", "60000", *extra)
+        on = train(work, os.path.join(disk_dir, f"spec-{name}-{world}"), f"spec-{name}-{world}",
+                   world=world, extra=extra)
+        off = train(work, os.path.join(disk_dir, f"nospec-{name}-{world}"),
+                    f"nospec-{name}-{world}", world=world, extra=(*extra, "--no-overlap"))
+        assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)], name
+        assert params_rel_diff(on, off) == 0.0, name
+        started = [s["pipeline"]["speculative_updates"] for s in on["steps"]]
+        retracted = [s["pipeline"]["retracted_updates"] for s in on["steps"]]
+        assert sum(s["pipeline"]["speculative_updates"] for s in off["steps"]) == 0
+        clipped = [s["grad_norm"] > 1.0 for s in on["steps"]]
+        print(name, started, retracted, clipped)
+        assert retracted[2] == started[2] > 0, name  # step 3: NaN, all retracted
+        if name == "clipped":
+            assert all(started[i] == 0 for i in range(1, STEPS) if clipped[i - 1] and i != 3), name
+        else:
+            assert all(started[i] > 0 and retracted[i] == 0 for i in range(1, STEPS) if i not in (2, 3)), name
 
 
 def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):

@@ -954,7 +954,7 @@ def test_overlap_changes_no_bit(tmp_path, dtype, kw):
             o.step()
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(p, q), f"step {step + 1}"
-    assert opts[1].pipeline.stats["pinned_copies"] > 0  # the twins were used
+    assert opts[1].pipeline.stats["twin_copies"] > 0  # the twins were used
     states = [o.state_dict()["state"] for o in opts]
     for i in states[0]:
         for k in states[0][i]:

@@ -98,7 +98,7 @@ def test_background_commits_give_the_plain_pipelines_bits(tmp_path, state_dtype,
             stats = pipe.stats
         assert stats["background_commits"] == (steps // every if overlap else 0), name
         if name in ("twins", "off") or state_dtype == "fp32":  # int8 states leave room for more twins
-            assert (stats["pinned_copies"] > 0) == (name in ("twins", "one-twin")), name
+            assert (stats["twin_copies"] > 0) == (name in ("twins", "one-twin")), name
         with open_pipe(d, state_dtype=state_dtype) as pipe:
             assert pipe.step_count == steps
             assert_same(states(pipe), plain[-1][1])

@@ -40,8 +40,8 @@ MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
 # smartinf: the pipeline's counters recorded per step (seconds busy per stage, and the
 # background commit's), as differences
 PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
-                     "busy_writeback", "busy_persist", "wait_commit", "pinned_copies",
-                     "durable_step")
+                     "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
+                     "durable_step", "speculative_updates", "retracted_updates")
 MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
     "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
@@ -130,7 +130,8 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
     p.add_argument("--no-overlap", action="store_true",
-                   help="smartinf: overlap=False (durable commits written before commit() returns)")
+                   help="smartinf: overlap=False (updates wait for step(); durable commits are "
+                        "written before commit() returns)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
     p.add_argument("--persistence-threshold", type=int,
                    help="params of at most this many elements stay gathered (DeepSpeed's "
@@ -202,6 +203,7 @@ def main() -> None:
                "storage_written": io1[1] - io0[1],
                "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
                "skipped": bool(engine.optimizer.overflow),
+               "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                # smartinf: the part of the step spent in the pipeline (after DeepSpeed's
                # overflow check and norm)
                "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}

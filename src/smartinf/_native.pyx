@@ -144,7 +144,9 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
         size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&) except +raise_py_error nogil
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
-                                      const UpdateHyper&) except +raise_py_error nogil
+                                      const UpdateHyper&, cbool) except +raise_py_error nogil
+        cbool retractable(size_t) except +raise_py_error
+        void retract(size_t) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
         void read_states(size_t, float* const*, const void*) except +raise_py_error nogil
         vector[ForeignChunk] take_foreign() except +raise_py_error nogil
@@ -325,7 +327,8 @@ cdef class NativePipeline:
         return sg, resumed
 
     def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,
-               uint64_t nnz, uintptr_t out, int out_dtype, dict hyper) -> NativeCompletion:
+               uint64_t nnz, uintptr_t out, int out_dtype, dict hyper,
+               cbool speculative=False) -> NativeCompletion:
         cdef Gradient g
         g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
         g.index, g.nnz = <const int32_t*>index, nnz
@@ -341,8 +344,15 @@ cdef class NativePipeline:
             h.lr_decay = hyper["lr_decay"]
         cdef NativeCompletion done = NativeCompletion()
         with nogil:
-            done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h)
+            done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h, speculative)
         return done
+
+    def retractable(self, size_t sg) -> bool:
+        return self.p.retractable(sg)
+
+    def retract(self, size_t sg):
+        with nogil:
+            self.p.retract(sg)
 
     def write_states(self, size_t sg, list arrays, uint64_t steps):
         cdef const float* ptrs[4]  # kernels::kMaxStateArrays

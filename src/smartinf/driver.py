@@ -63,12 +63,13 @@ class Driver:
 
     def send(self, sg: int, grad: torch.Tensor, buffer: int, scale: float, hyper: dict,
              out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-             params: Optional[torch.Tensor] = None) -> Any:
+             params: Optional[torch.Tensor] = None, speculative: bool = False) -> Any:
         """Starts the update of sub-group ``sg`` from its flat gradient (on its own device):
         compressed, passed as it is (a contiguous CPU tensor), or copied into staging. The
         params come out into ``out`` (a CPU buffer) or into staging (see ``out``). With a
         split master ``params`` are the sub-group's current params (flat, on their device),
-        sent in with the gradient through the same buffer."""
+        sent in with the gradient through the same buffer. ``speculative``: see
+        ``Pipeline.update``."""
         if self.compress is not None:
             c = self.compress.compress(grad, key=sg)
             g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
@@ -85,7 +86,8 @@ class Driver:
         if grad.is_cuda or (params is not None and params.is_cuda):
             device = grad.device if grad.is_cuda else params.device
             torch.cuda.current_stream(device).synchronize()  # the host copies landed
-        return self.pipeline.update(sg, g, out, grad_scale=scale, **hyper)
+        return self.pipeline.update(sg, g, out, grad_scale=scale, speculative=speculative,
+                                    **hyper)
 
     def host_arrays(self, count: int, numel: int) -> list[torch.Tensor]:
         """``count`` distinct fp32 staging buffers of ``numel`` (states read between steps:

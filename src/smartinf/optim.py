@@ -36,6 +36,7 @@ from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .rounding import round_to
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from .speculation import ParamHooks, Speculation
 
 logger = logging.getLogger("smartinf")
 
@@ -244,6 +245,15 @@ class _StorageOptimizer(torch.optim.Optimizer):
             pipeline.close()
             raise
         self.pipeline = pipeline
+        # Updates started during backward: not with top-k compression, whose error feedback
+        # a retracted update would have advanced.
+        self._speculation: Optional[Speculation] = None
+        if settings.overlap and compress is None:
+            self._speculation = Speculation(pipeline)
+            self._hooks = ParamHooks(self._speculation, self._send_speculative,
+                                     lambda sg: overrides(self._rule(self.param_groups[sg.group])),
+                                     self._gather_grad)
+            self._hooks.register(self._plan)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _check_group(self, group: dict) -> None:
@@ -300,6 +310,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             raise
         self._plan.extend(new)
         self._stored.update(id(s.param) for sg in new for s in sg.slices)
+        if self._speculation is not None:
+            self._hooks.register(new)
 
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
@@ -461,6 +473,21 @@ class _StorageOptimizer(torch.optim.Optimizer):
         grads = {id(p): g for group in self.param_groups for p in group["params"]
                  if (g := self._grad(p)) is not None}  # dense, checked: once per step
         scale = self._grad_scale(grad_scale, list(grads.values()))
+        scattered: list[_Subgroup] = []
+        before = self.pipeline.step_count
+        try:
+            # The updates started during backward that assumed rightly; the others retracted.
+            kept = {}
+            if self._speculation is not None:
+                try:
+                    kept = self._speculation.take(scale, lambda i: hyper[self._plan[i].group])
+                finally:
+                    self._hooks.end_step()
+        except BaseException:
+            self._fail(before, scattered, discard=True)
+            raise
+        if self._speculation is not None:  # the next step is expected to scale as this one
+            self._speculation.predict(grad_scale if scale == grad_scale else None)
         self.last_step_skipped = scale is None
         if scale is None:
             self.skipped_steps += 1
@@ -471,25 +498,43 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._digests.clear()
         self._export = None
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
-        self._warn_partial(active)
-        scattered: list[_Subgroup] = []
-        before = self.pipeline.step_count
+        self._warn_partial([sg for sg in active if sg.id not in kept])
         try:
             with self.pipeline.step():
+                for sg in active:
+                    if sg.id in kept:
+                        scattered.append(sg)
+                        self._scatter(sg, kept[sg.id])
                 self._driver.run(
-                    active, lambda sg, b: self._driver.send(
+                    [sg for sg in active if sg.id not in kept], lambda sg, b: self._driver.send(
                         sg.id, self._gather_grad(sg, grads), b, scale, hyper[sg.group],
                         params=self._flat_params(sg) if self._split else None),
                     lambda sg, future, b: self._finish(sg, future, b, scattered))
         except BaseException:
-            if self.pipeline.step_count < before:  # back to a durable commit further back
-                logger.warning("the step failed: the devices are back at step %d, their last "
-                               "durable commit (commit_every=%d), and so are the model's params",
-                               self.pipeline.step_count, self.pipeline.settings.commit_every)
-                scattered = self._plan
-            self._restore(scattered)
+            self._fail(before, scattered)
             raise
         return loss
+
+    def _send_speculative(self, sg: _Subgroup, grad: torch.Tensor, scale: float, hyper: dict,
+                          out: torch.Tensor) -> Any:
+        return self._driver.send(sg.id, grad, 0, scale, hyper, out=out,
+                                 params=self._flat_params(sg) if self._split else None,
+                                 speculative=True)
+
+    def _fail(self, before: int, scattered: list, discard: bool = False) -> None:
+        """After a failed step: the devices back at their last durable commit (``discard``:
+        the step is still open), and so the model's params."""
+        if discard:
+            try:
+                self.pipeline.discard()
+            except Exception as e:  # the original error is the one to raise
+                logger.error("discarding the failed step failed too: %s", e)
+        if self.pipeline.step_count < before:  # back to a durable commit further back
+            logger.warning("the step failed: the devices are back at step %d, their last "
+                           "durable commit (commit_every=%d), and so are the model's params",
+                           self.pipeline.step_count, self.pipeline.settings.commit_every)
+            scattered[:] = self._plan
+        self._restore(scattered)
 
     def _finish(self, sg: _Subgroup, future: Any, buffer: int, scattered: list) -> None:
         future.wait()
@@ -506,6 +551,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         restore.)"""
         before = self.pipeline.step_count
         try:
+            if self._speculation is not None:
+                self._speculation.cancel()  # the step will redo them
             self.pipeline.settle()
         except BaseException:
             if self.pipeline.step_count < before:
@@ -752,6 +799,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Closes the pipeline (the devices keep the last committed step)."""
         if not self.pipeline.closed:
             self._settle()
+        if self._speculation is not None:
+            self._hooks.close()
+            self._speculation.close()
         self.pipeline.close()
 
     def __repr__(self) -> str:

@@ -278,7 +278,7 @@ class Pipeline:
 
     # -- steps ------------------------------------------------------------------------
     def update(self, sg: int, grad: Any, out: Any, *, grad_scale: float = 1.0,
-               **overrides: Any) -> UpdateFuture:
+               speculative: bool = False, **overrides: Any) -> UpdateFuture:
         """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
 
         ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
@@ -290,6 +290,9 @@ class Pipeline:
         for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
         schedulers, param groups). Each sub-group is updated at most once per step; the
         step becomes durable with ``commit()`` (or ``with pipe.step():``).
+        ``speculative=True`` (where ``retractable(sg)``): the update may be taken back with
+        ``retract(sg)`` before the step is committed (its gradient or the step's global
+        decisions turned out other than assumed).
         """
         native = self._open()
         sg = self._subgroup(sg)
@@ -319,10 +322,22 @@ class Pipeline:
         # maximize: torch negates the gradient first; a negated scale is the same, exactly
         hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
         done = native.update(sg, g.address, g.dtype, index is not None,
-                             index.address if index else 0, nnz, o.address, o.dtype, hyper)
+                             index.address if index else 0, nnz, o.address, o.dtype, hyper,
+                             bool(speculative))
         future = UpdateFuture(done, keep)
         self._inflight.append(future)
         return future
+
+    def retractable(self, sg: int) -> bool:
+        """Whether ``sg`` can be updated speculatively now: its update would leave the states
+        it reads untouched (a streamed sub-group not updated since the last durable commit;
+        a resident one with a twin, see ``overlap``), and it was not updated in this step."""
+        return self._open().retractable(self._subgroup(sg))
+
+    def retract(self, sg: int) -> None:
+        """Takes back ``sg``'s speculative update of the step in progress (waiting for it):
+        its states and step count are as before it; its ``out`` holds params to ignore."""
+        self._open().retract(self._subgroup(sg))
 
     def wait(self) -> None:
         """Waits until every update started so far has its params out."""

@@ -168,7 +168,20 @@ class CpuDevice final : public Device {
   // (each part's pairs found by binary search) before that part's update.
   void compute(size_t i, const Kernel& k, size_t numel) override {
     const Slot& s = slots_[i];
+    const store::StateLayout& layout = geometry_.layout;
+    // fp32 states are copied from their twin part by part (each part's arrays, then its
+    // update while they are in cache); quantized ones, whose blocks share scales, at once.
+    const bool by_part = k.copy_from != kOwnStates && layout.moments == store::Moments::fp32 &&
+                         !layout.split();
+    if (k.copy_from != kOwnStates && !by_part)
+      copy_states(i, k.copy_from, layout.bytes(numel));
     pool_->run(numel, kGrain, [&](uint64_t lo, uint64_t hi) {
+      if (by_part) {
+        void* from = const_cast<void*>(resident_at(k.copy_from));
+        for (unsigned a = 0; a < layout.arrays; ++a)
+          std::memcpy(layout.array(s.states, numel, a) + lo, layout.array(from, numel, a) + lo,
+                      (hi - lo) * sizeof(float));
+      }
       const Slot part = part_of(s, k, lo);
       DType grad = k.grad;
       if (k.compressed) {

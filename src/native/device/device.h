@@ -31,6 +31,11 @@ struct Kernel {
   // Split master (store/layout.h): the bf16 params sent in (in `out`) are not the ones
   // emitted with the stored low halves, so they are the masters as they are.
   bool adopt = false;
+  // Byte of the resident memory holding the states this update starts from, when they are
+  // not the bound ones (a twin's first update: see copy_states); kOwnStates: the bound ones.
+  // The cpu device copies them in part by part, each part just before its update, so the
+  // copy costs no pass over memory of its own.
+  uint64_t copy_from = kOwnStates;
 };
 
 struct Slot {

@@ -109,6 +109,7 @@ class XrtDevice final : public Device {
       throw std::runtime_error("the SmartSSD kernels need chunks of a multiple of " +
                                std::to_string(param_multiple()) + " params (512-bit beats); "
                                "this chunk has " + std::to_string(numel));
+    if (k.copy_from != kOwnStates) copy_states(i, k.copy_from, slot_states_bytes());
     xrt::kernel& kernel = kernel_for(k);
     Buffers& b = buffers_[i];
     // The top's arguments: the rule's state arrays (sub-buffers of the slot), the gradient

@@ -84,12 +84,7 @@ void Pipeline::make_durable(uint64_t step) {
     c.subgroups.emplace_back(sg, p.steps);
     if (!p.behind) continue;
     Unit& u = devices_[p.unit];
-    const uint64_t bytes = resident_size(p);
-    if (options_.background_commit && p.twin == device::kOwnStates &&
-        u.resident_used + bytes <= u.device->resident_bytes()) {
-      p.twin = u.resident_used;
-      u.resident_used += bytes;
-    }
+    if (options_.background_commit) give_twin(p);
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
     for (Job& job : jobs) u.ring->persist(job);

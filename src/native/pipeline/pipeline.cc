@@ -258,6 +258,20 @@ uint64_t Pipeline::resident_size(const Placement& p) const {
   return store::ChunkLayout{options_.chunk, layout_}.bytes(devices_[p.unit].store->record(p.local).numel) / 2;
 }
 
+bool Pipeline::twin_fits(const Placement& p) const {
+  const Unit& u = devices_[p.unit];
+  return p.resident != device::kOwnStates &&
+         (p.twin != device::kOwnStates || u.resident_used + resident_size(p) <= u.device->resident_bytes());
+}
+
+bool Pipeline::give_twin(Placement& p) {
+  if (p.twin != device::kOwnStates || !twin_fits(p)) return p.twin != device::kOwnStates;
+  Unit& u = devices_[p.unit];
+  p.twin = u.resident_used;
+  u.resident_used += resident_size(p);
+  return true;
+}
+
 uint64_t Pipeline::subgroup_steps(size_t sg) const {
   const Placement& p = placed(sg);
   return current_steps(p);
@@ -371,10 +385,51 @@ void Pipeline::mark_written(size_t sg, uint64_t steps) {
   p.steps = steps;
 }
 
-std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void* out,
-                                             kernels::DType out_dtype, const UpdateHyper& h) {
+bool Pipeline::retractable(size_t sg) const {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
+  return !updated_[sg] && (p.resident == device::kOwnStates ? !p.dirty : twin_fits(p));
+}
+
+void Pipeline::retract(size_t sg) {
+  std::lock_guard lock(mu_);
+  placed(sg);
+  auto it = speculative_.find(sg);
+  if (it == speculative_.end())
+    throw std::invalid_argument("sub-group " + std::to_string(sg) + " has no speculative update "
+                                "in the step in progress to retract");
+  Placement before = it->second.first;
+  it->second.second->wait();
+  devices_[before.unit].ring->drain();  // its write-back, which a new update would race
+  completions_.erase(std::find(completions_.begin(), completions_.end(), it->second.second));
+  const bool held = pending_ && std::any_of(pending_->subgroups.begin(), pending_->subgroups.end(),
+                                            [&](const auto& e) { return e.first == sg; });
+  if (!held) {  // a commit that held it landed since: as land() would have left it
+    before.pinned = false;
+    if (before.dirty && before.steps == devices_[before.unit].store->record(before.local).steps)
+      before.dirty = before.behind = false;
+  }
+  placement_[sg] = before;
+  updated_[sg] = false;
+  speculative_.erase(it);
+  ++retracted_updates_;
+}
+
+std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void* out,
+                                             kernels::DType out_dtype, const UpdateHyper& h,
+                                             bool speculative) {
+  std::lock_guard lock(mu_);
+  const Placement& p = placed(sg);
+  const bool resident = p.resident != device::kOwnStates;
+  if (speculative && resident) give_twin(placement_[sg]);  // the update goes to it
+  if (speculative && (updated_[sg] || (resident ? p.twin == device::kOwnStates : p.dirty)))
+    throw std::invalid_argument(
+        "sub-group " + std::to_string(sg) + "'s update cannot be speculative: " +
+        (updated_[sg] ? std::string("it was already updated in this step")
+         : resident ? std::string("its resident states have no twin to update instead")
+                    : std::string("its states were updated in place since the last durable "
+                                  "commit (commit_every > 1)")) + " (see retractable())");
+
   Unit& unit = devices_[p.unit];
   const store::StateStore& store = *unit.store;
   const store::SubgroupRecord& r = store.record(p.local);
@@ -391,8 +446,11 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   // A pending commit holds a streamed sub-group's extents, and a resident one's copy when it
   // has no twin to update instead: the update waits for the commit to land.
   if (p.resident == device::kOwnStates || (p.pinned && p.twin == device::kOwnStates)) land();
+  const Placement before = p;  // after land(), which changes it
   std::vector<Job> jobs = chunk_jobs(p, JobKind::update);  // reads the copy current now
-  if (p.pinned) {  // its copy is being written: the update goes to the twin, then they swap
+  // Its copy is being written, or must survive a retract: the update goes to the twin, then
+  // they swap.
+  if (p.pinned || (speculative && resident)) {
     Placement& q = placement_[sg];
     for (Job& job : jobs) {
       job.copy_from = job.resident;
@@ -412,6 +470,10 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   kernel.compressed = compressed;
   auto done = jobs.front().completion;
   completions_.push_back(done);
+  if (speculative) {
+    speculative_[sg] = {before, done};
+    ++speculative_updates_;
+  }
   last_hyper_ = {{"lr", h.lr}, {"weight_decay", h.weight_decay}};
   if (kernels::rule_row(rule_).betas)
     last_hyper_.insert({{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}});
@@ -491,6 +553,7 @@ void Pipeline::wait_step() {
     }
   }
   completions_.clear();
+  speculative_.clear();
   std::fill(updated_.begin(), updated_.end(), false);
   if (error) std::rethrow_exception(error);
 }
@@ -516,7 +579,7 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;
   s["wait_storage"] += c.storage_wait_ns * 1e-9;
   s["busy_persist"] += c.persist_ns * 1e-9;
-  s["pinned_copies"] += c.pinned_copies;
+  s["twin_copies"] += c.twin_copies;
 }
 
 }  // namespace
@@ -532,6 +595,8 @@ std::map<std::string, double> Pipeline::stats() const {
   s["background_commits"] = static_cast<double>(background_commits_);
   s["commit_pending"] = pending_ ? 1.0 : 0.0;
   s["wait_commit"] = commit_wait_ns_ * 1e-9;
+  s["speculative_updates"] = static_cast<double>(speculative_updates_);
+  s["retracted_updates"] = static_cast<double>(retracted_updates_);
   return s;
 }
 

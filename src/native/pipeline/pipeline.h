@@ -78,7 +78,17 @@ class Pipeline {
 
   // Queues one sub-group's update; the completion is done when all params are in `out`.
   std::shared_ptr<Completion> update(size_t sg, const Gradient& grad, void* out,
-                                     kernels::DType out_dtype, const UpdateHyper& hyper);
+                                     kernels::DType out_dtype, const UpdateHyper& hyper,
+                                     bool speculative = false);
+  // Speculation (an update started before its gradient or the step's global decisions are
+  // known to be final): whether `sg`'s next update could be retracted, i.e. it would leave
+  // the states it reads untouched (a streamed sub-group's committed extents; a resident
+  // one with a twin, whose update copies into the twin first). update(speculative=true)
+  // needs it.
+  bool retractable(size_t sg) const;
+  // Forgets `sg`'s speculative update of the step in progress once it is done (its params
+  // out, its writes finished): the sub-group is as before it, to be updated again or not.
+  void retract(size_t sg);
   // Replaces a sub-group's states (state_arrays() arrays of numel; a null one keeps the
   // optimizer's initial value) and its step count, as part of the current step: they
   // become current at commit(), like an update.
@@ -171,6 +181,10 @@ class Pipeline {
   void land();
   void land_if_written();  // lands the pending commit if its writes are done, without waiting
   uint64_t resident_size(const Placement& p) const;  // bytes of one copy of its states
+  // A resident sub-group's twin, from what is left of its device's budget, if it has none
+  // and one fits (kept from then on); whether it has one.
+  bool twin_fits(const Placement& p) const;
+  bool give_twin(Placement& p);
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();
   void abandon();  // drops every device without saving: after a failure it cannot undo
@@ -188,6 +202,9 @@ class Pipeline {
   std::vector<std::string> notes_;
   uint64_t step_ = 0, durable_step_ = 0;
   std::optional<PendingCommit> pending_;
+  // Speculative updates of the step in progress: each sub-group's placement before it.
+  std::map<size_t, std::pair<Placement, std::shared_ptr<Completion>>> speculative_;
+  uint64_t speculative_updates_ = 0, retracted_updates_ = 0;
   uint64_t background_commits_ = 0, commit_wait_ns_ = 0;
   mutable std::mutex mu_;
 };

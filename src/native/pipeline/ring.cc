@@ -288,10 +288,14 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       writing_.push(Loaded{std::move(job), slot});
       return false;
     }
-    if (job.copy_from != device::kOwnStates) {  // before anything reads the states
-      Timer t(counters_.busy_ns[kLoad]);
-      device_.copy_states(slot, job.copy_from, job.src.bytes);
-      ++counters_.pinned_copies;
+    if (job.copy_from != device::kOwnStates) {
+      ++counters_.twin_copies;
+      if (job.kind == JobKind::update && !split_) {
+        job.kernel.copy_from = job.copy_from;  // copied part by part by the kernel
+      } else {  // now, before anything reads the states (the split master's params checksum)
+        Timer t(counters_.busy_ns[kLoad]);
+        device_.copy_states(slot, job.copy_from, job.src.bytes);
+      }
     }
     // Resident states are in device memory already; verify is their load. The read's
     // turn was taken (IoPhases::begin) by the caller.

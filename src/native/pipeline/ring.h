@@ -80,9 +80,9 @@ struct Counters {
   std::atomic<uint64_t> foreign_chunks{0};
   // Phased I/O: turns handed from reads to write-backs or back.
   std::atomic<uint64_t> io_turns{0};
-  // The background lane: time with writes in flight, and resident chunks copied to their
-  // other copy because a background commit held the first.
-  std::atomic<uint64_t> persist_ns{0}, pinned_copies{0};
+  // The background lane: time with writes in flight; resident chunks copied to their twin
+  // (a background commit held the first copy, or the update was speculative).
+  std::atomic<uint64_t> persist_ns{0}, twin_copies{0};
 };
 
 // A chunk whose bf16 params were not the ones the device emitted with its split master.

@@ -63,6 +63,7 @@ from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
 from ..rounding import to_bf16
 from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from ..speculation import Speculation
 from . import deepspeed_hook
 
 logger = logging.getLogger("smartinf")
@@ -226,6 +227,71 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._agree_on_resume()
+        self._start_speculation()
+
+    # -- updates during backward (overlap) ----------------------------------------------
+    def _start_speculation(self) -> None:
+        """With ``overlap`` (not with top-k compression, whose error feedback a retracted
+        update would have advanced): a sub-group's update starts when the last of its
+        gradient partitions is reduced at an accumulation boundary (``partition_grads``),
+        into host buffers of one copy of the partitions (gradients in, params out)."""
+        self._speculation: Optional[Speculation] = None
+        if not self.settings.pipeline.overlap or self._compress is not None:
+            return
+        self._speculation = Speculation(self.pipeline)
+        self._subgroup_of = {p.ds_id: i for i, group in enumerate(self.fp16_groups) for p in group}
+        self._awaited = [sum(p.requires_grad for p in group) for group in self.fp16_groups]
+        self._reduced = [0] * len(self.fp16_groups)
+        pin = self.grad_partitions_flat_buffer.is_cuda
+        self._speculated_grads = [
+            torch.empty(flat.numel(), dtype=self.grad_partitions_flat_buffer.dtype, pin_memory=pin)
+            for flat in self.fp16_partitioned_groups_flat] if pin else None
+        self._speculated_params = [torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pin)
+                                   for flat in self.fp16_partitioned_groups_flat]
+
+    def partition_grads(self, params_to_release: Any, grad_partitions: Any) -> Any:
+        """DeepSpeed's, then the update of each sub-group whose gradient it completed."""
+        buffers = super().partition_grads(params_to_release, grad_partitions)
+        if getattr(self, "_speculation", None) is not None and self.is_gradient_accumulation_boundary():
+            for param in params_to_release:
+                i = self._subgroup_of.get(param.ds_id)
+                if i is not None:
+                    self._reduced[i] += 1
+                    if self._reduced[i] == self._awaited[i]:
+                        self._speculate(i)
+        return buffers
+
+    def _speculate(self, i: int) -> None:
+        if not self._speculation.may_start(i):
+            return
+        flat = self.fp16_partitioned_groups_flat[i]
+        grad = self._grad_partition(i)
+        out = self._speculated_params[i]
+        hyper = overrides(_rule(self._rule_class, self.optimizer.param_groups[self.sub_group_to_group_id[i]]))
+        ready = None
+        if self._speculated_grads is not None:  # on the reduce stream, current here
+            self._speculated_grads[i].copy_(grad, non_blocking=True)
+            grad = self._speculated_grads[i]
+        if self._split:  # the current params go in with the gradient
+            out.copy_(flat, non_blocking=True)
+        if self._speculated_grads is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._speculation.start(i, hyper, out, lambda scale: self._driver.send(
+            i, grad, 0, scale, hyper, out=out, out_dtype=flat.dtype, speculative=True), ready)
+
+    def _take_speculated(self, scale: Optional[float], hyper: list) -> dict:
+        """The speculative updates that hold (the others retracted); the next step's
+        bookkeeping begins."""
+        if self._speculation is None:
+            return {}
+        self._reduced = [0] * len(self._reduced)
+        return self._speculation.take(scale, lambda i: hyper[self.sub_group_to_group_id[i]])
+
+    def _cancel_speculated(self) -> None:
+        """Before the states are read or written between backward and step."""
+        if getattr(self, "_speculation", None) is not None:
+            self._speculation.cancel()
 
     # -- layout: sub-groups live on the devices ---------------------------------------
     def _create_fp32_partitions(self) -> None:
@@ -330,19 +396,28 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
             if is_invalid_grad_norm(scaled_norm):
                 self.overflow = True
+        hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
         if self._loss_scale_update_and_overflow_cleanup():
+            self._take_speculated(None, hyper)  # all retracted
+            if self._speculation is not None:
+                self._speculation.predict(None)
             return  # skipped: the stored states are untouched
         self._global_grad_norm = scaled_norm / self.loss_scale
         self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
         start = time.perf_counter()
         self.zero_grad(set_to_none=True)
-        scale = float(1.0 / self._combined_scale(scaled_norm))
-        hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
+        combined = self._combined_scale(scaled_norm)
+        scale = float(1.0 / combined)
         with self.pipeline.step():
+            kept = self._take_speculated(scale, hyper)
+            for i, out in kept.items():
+                self._put_params(i, out)
             self._driver.run(
-                range(len(self.fp16_groups)),
+                [i for i in range(len(self.fp16_groups)) if i not in kept],
                 lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
                 self._finish)
+        if self._speculation is not None:  # the next step: the same scale, unless clipped
+            self._speculation.predict(scale if float(combined) == float(self.loss_scale) else None)
         self.last_step_seconds = time.perf_counter() - start
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
@@ -355,17 +430,29 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             combined = torch.clamp(clip, min=1.0) * self.loss_scale
         return combined
 
+    def _grad_partition(self, i: int) -> torch.Tensor:
+        flat = self.fp16_partitioned_groups_flat[i]
+        return self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
+
     def _send(self, i: int, buffer: int, scale: float, hyper: dict) -> Any:
         flat = self.fp16_partitioned_groups_flat[i]
-        grad = self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
-        return self._driver.send(i, grad, buffer, scale, hyper, out=flat if flat.is_cpu else None,
-                                 out_dtype=flat.dtype, params=flat if self._split else None)
+        return self._driver.send(i, self._grad_partition(i), buffer, scale, hyper,
+                                 out=flat if flat.is_cpu else None, out_dtype=flat.dtype,
+                                 params=flat if self._split else None)
 
     def _finish(self, i: int, future: Any, buffer: int) -> None:
         future.wait()
         flat = self.fp16_partitioned_groups_flat[i]
+        if flat.is_cpu:
+            self._unflatten_partitioned_parameters(i)
+        else:
+            self._put_params(i, self._driver.out(buffer, flat.dtype, flat.numel()))
+
+    def _put_params(self, i: int, params: torch.Tensor) -> None:
+        """Sub-group ``i``'s updated params (a host buffer) into its partition."""
+        flat = self.fp16_partitioned_groups_flat[i]
+        flat.copy_(params, non_blocking=True)
         if not flat.is_cpu:
-            flat.copy_(self._driver.out(buffer, flat.dtype, flat.numel()), non_blocking=True)
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
 
@@ -374,6 +461,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                                       optim_state_key: Optional[str] = None) -> tuple:
         """This rank's part of ``param``'s master (or optimizer state), from the devices'
         committed step: what DeepSpeed's safe_get_*/safe_set_* read and write in place."""
+        self._cancel_speculated()
         names = self.pipeline.optimizer.state_names
         if optim_state_key not in (None, *names):
             raise KeyError(f"{optim_state_key!r} is not an optimizer state of smartinf's "
@@ -395,6 +483,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's setter on the states read from the devices, which then go back as a
         step. As with DeepSpeed's own fp32 partitions, the model's param takes a new master
         at the next step."""
+        self._cancel_speculated()
         self._read = None
         setter(*args)
         read, self._read = self._read, None
@@ -416,6 +505,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's masters := the model's partitions (``refresh_fp32_params``, loads
         without optimizer states): written to the devices as a step; the optimizer states
         stay, as DeepSpeed's do."""
+        self._cancel_speculated()
         with self.pipeline.step():
             for i, flat in enumerate(self.fp16_partitioned_groups_flat):
                 self.pipeline.write_master(i, flat.detach().to("cpu", torch.float32))
@@ -424,6 +514,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def state_dict(self) -> dict:
         """DeepSpeed's, with the devices' committed masters in place of the empty fp32
         partitions, so that zero_to_fp32 consolidates the true fp32 weights."""
+        self._cancel_speculated()
         state = super().state_dict()
         state[FP32_FLAT_GROUPS] = [
             torch.from_numpy(self.pipeline.read_states(i, params=self._host_params(i))["param"])
@@ -439,6 +530,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         """Copies this rank's device directories (the last committed step) to ``directory``,
         replacing an earlier copy under the same tag (the transformers Trainer saves a tag
         twice), as DeepSpeed replaces its own files."""
+        self._cancel_speculated()
         self.pipeline.flush()  # the directories hold every committed step
         if os.path.isdir(directory):
             shutil.rmtree(directory)
@@ -447,9 +539,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def restore_states(self, directory: str) -> None:
         """Replaces this rank's device directories with a copy saved by ``save_states`` and
         puts the restored master weights into the model's partitions."""
+        self._cancel_speculated()
         self.pipeline.close()
         restore_devices(directory, self._dirs)
         self.pipeline = self._driver.pipeline = self._open_pipeline("resume")
+        if self._speculation is not None:
+            self._speculation.pipeline = self.pipeline
         self._attach()
         missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
         if missing:
@@ -462,6 +557,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         return self._driver.traffic()
 
     def destroy(self) -> None:
+        self._cancel_speculated()
+        if getattr(self, "_speculation", None) is not None:
+            self._speculation.close()
         if self.pipeline is not None:
             self.pipeline.close()
         super().destroy()
