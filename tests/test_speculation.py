@@ -20,15 +20,16 @@ def make_model(dtype=torch.float32):
 
 def backward(model, step, micro=0, scale=1.0):
     torch.manual_seed(1000 * step + micro)
-    x = torch.randn(16, 24, dtype=next(model.parameters()).dtype)
+    p = next(model.parameters())
+    x = torch.randn(16, 24, dtype=p.dtype).to(p.device)
     (model(x).float().pow(2).mean() * scale).backward()
 
 
 def train(directory, overlap, steps=6, dtype=torch.float32, accumulate=lambda step: 1,
-          loss_scale=lambda step: 1.0, edit=None, lr=lambda step: 1e-2, **kw):
+          loss_scale=lambda step: 1.0, edit=None, lr=lambda step: 1e-2, device="cpu", **kw):
     """Trains the model with real backward passes; the params after every step, the states
     at the end, and the pipeline's stats."""
-    model = make_model(dtype)
+    model = make_model(dtype).to(device)
     opt = so.AdamW(model.parameters(), lr=lr(0), devices=[str(directory)], overlap=overlap,
                    **SMALL, **kw)
     history = []
@@ -41,7 +42,7 @@ def train(directory, overlap, steps=6, dtype=torch.float32, accumulate=lambda st
         opt.zero_grad(set_to_none=True)
         for group in opt.param_groups:
             group["lr"] = lr(step + 1)  # as a scheduler: before the next backward
-        history.append([p.detach().clone() for p in model.parameters()])
+        history.append([p.detach().cpu().clone() for p in model.parameters()])
     states = opt.state_dict()["state"]
     stats = opt.pipeline.stats
     counts = opt._speculation.counts if opt._speculation is not None else None
@@ -86,6 +87,18 @@ def test_updates_during_backward_kept(tmp_path, kw):
         assert counts.kept == SUBGROUPS * 6
     else:
         assert counts.kept == SUBGROUPS * sum(1 for step in range(1, 7) if step % k == 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, dict(memory_budget="1MiB", commit_every=3),
+                                dict(dtype=torch.bfloat16, master="split", state_dtype="int8",
+                                     memory_budget="1MiB")],
+                         ids=["streamed", "resident-k3", "bf16-split-int8"])
+def test_gpu_params(tmp_path, kw):
+    """Params and gradients on the GPU: gradients copied to host buffers during backward and
+    the update launched once they landed (an event), params copied back at step()."""
+    counts = assert_same(tmp_path, steps=7, device="cuda", **kw)
+    assert counts.retracted == 0 and counts.kept == SUBGROUPS * 6
 
 
 def test_resident_without_room_for_twins(tmp_path):
