@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include <unistd.h>
+#include <xmmintrin.h>
 
 #include "device/compute_pool.h"
 #include "kernels/split_master.h"
@@ -75,6 +76,14 @@ void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
       throw std::logic_error("a split master needs bfloat16 params");
     }
   });
+}
+
+// dst[0, n) = src[0, n) with non-temporal stores where dst is 16-byte aligned.
+void stream_copy(float* dst, const float* src, size_t n) {
+  size_t i = 0;
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 struct FreeDeleter {
@@ -169,19 +178,13 @@ class CpuDevice final : public Device {
   void compute(size_t i, const Kernel& k, size_t numel) override {
     const Slot& s = slots_[i];
     const store::StateLayout& layout = geometry_.layout;
-    // fp32 states are copied from their twin part by part (each part's arrays, then its
-    // update while they are in cache); quantized ones, whose blocks share scales, at once.
-    const bool by_part = k.copy_from != kOwnStates && layout.moments == store::Moments::fp32 &&
-                         !layout.split();
-    if (k.copy_from != kOwnStates && !by_part)
+    // fp32 states start from their twin piece by piece (through_cache); quantized ones,
+    // whose blocks share scales, are copied whole first.
+    const bool by_piece = k.copy_from != kOwnStates && layout.moments == store::Moments::fp32 &&
+                          !layout.split();
+    if (k.copy_from != kOwnStates && !by_piece)
       copy_states(i, k.copy_from, layout.bytes(numel));
     pool_->run(numel, kGrain, [&](uint64_t lo, uint64_t hi) {
-      if (by_part) {
-        void* from = const_cast<void*>(resident_at(k.copy_from));
-        for (unsigned a = 0; a < layout.arrays; ++a)
-          std::memcpy(layout.array(s.states, numel, a) + lo, layout.array(from, numel, a) + lo,
-                      (hi - lo) * sizeof(float));
-      }
       const Slot part = part_of(s, k, lo);
       DType grad = k.grad;
       if (k.compressed) {
@@ -198,8 +201,35 @@ class CpuDevice final : public Device {
                               nnz, k.base + lo);
         grad = DType::f32;
       }
-      run_update(part, k, grad, hi - lo, geometry_.layout, numel, lo);
+      if (!by_piece) return run_update(part, k, grad, hi - lo, layout, numel, lo);
+      through_cache(part, k, grad, numel, lo, hi, resident_at(k.copy_from));
     });
+  }
+
+  // The update of params [lo, hi) reading fp32 states at `from` (the twin) and writing the
+  // slot's: each piece's arrays copied into a buffer of this thread, updated there while in
+  // cache, and streamed out (non-temporal stores: no read of the lines they replace), so
+  // starting from the twin moves the bytes an update in place moves.
+  void through_cache(const Slot& part, const Kernel& k, DType grad, size_t numel, uint64_t lo,
+                     uint64_t hi, const void* from) const {
+    const store::StateLayout& layout = geometry_.layout;
+    thread_local std::vector<float> buffer;
+    buffer.resize(size_t(layout.arrays) * kPiece);
+    const size_t gsize = kernels::dtype_size(grad), osize = kernels::dtype_size(k.param);
+    for (uint64_t at = lo; at < hi; at += kPiece) {
+      const size_t len = std::min<uint64_t>(kPiece, hi - at);
+      for (unsigned a = 0; a < layout.arrays; ++a)
+        std::memcpy(buffer.data() + a * len, layout.array(const_cast<void*>(from), numel, a) + at,
+                    len * sizeof(float));
+      Slot piece = part;
+      piece.states = buffer.data();  // laid out as a chunk of len params
+      piece.grad = static_cast<char*>(part.grad) + (at - lo) * gsize;
+      piece.out = static_cast<char*>(part.out) + (at - lo) * osize;
+      run_update(piece, k, grad, len, layout, len, 0);
+      for (unsigned a = 0; a < layout.arrays; ++a)
+        stream_copy(layout.array(part.states, numel, a) + at, buffer.data() + a * len, len);
+    }
+    _mm_sfence();  // the streamed stores are seen before the chunk is handed on
   }
 
   void copy_in_params(size_t i, const void* params, size_t bytes) override {
@@ -226,6 +256,9 @@ class CpuDevice final : public Device {
   static constexpr uint64_t kGrain = uint64_t(1) << 14;
   static_assert(kGrain % kSplitPiece == 0);
   static constexpr uint64_t kCopyGrain = uint64_t(1) << 20;  // bytes
+  // Params of one piece started from a twin: its fp32 arrays (12-16 B a param) fit in L2.
+  static constexpr uint64_t kPiece = uint64_t(1) << 13;
+  static_assert(kGrain % kPiece == 0);
 
   // The slot's grad and out buffers from param `lo` on (the states are cut by run_update:
   // their arrays are laid out for the whole chunk).
