@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -33,8 +34,9 @@ MODES = {"zero-infinity": ["--mode", "zero-infinity"], "smartinf": ["--mode", "s
          "smartinf-int8": ["--mode", "smartinf", "--state-dtype", "int8"]}
 
 
-def run(mode: str, directory: str, out: Path, args: list = (), steps: int = STEPS) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+def run(mode: str, directory: str, out: Path, args: list = (), steps: int = STEPS,
+        env: Optional[dict] = None) -> dict:
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
            str(ROOT / "examples" / "deepspeed" / "train.py"), *(args or MODES[mode]),
            "--model", MODEL, "--dir", directory, "--steps", str(steps), "--batch", "1",
@@ -80,7 +82,8 @@ def test_updates_during_backward(bench_dir, storage_limits, summary, tmp_path):
     for round_ in range(2):
         for mode, args in OVERLAP_MODES.items():
             directory = os.path.join(bench_dir, "deepspeed-overlap")
-            record = run(mode, directory, tmp_path / f"{mode}-{round_}.json", args, steps)
+            record = run(mode, directory, tmp_path / f"{mode}-{round_}.json", args, steps,
+                         env={"SMARTINF_SPECULATE_ON_CPU": "1"})  # off by default on the CPU
             subprocess.run(["rm", "-rf", directory], check=False)
             runs[mode].append(summarize(record, read_bw, write_bw)
                               | {"speculative": [s["pipeline"]["speculative_updates"] for s in record["steps"]],

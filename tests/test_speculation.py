@@ -195,3 +195,17 @@ def test_states_read_between_backward_and_step(tmp_path):
     assert opt._speculation.counts.reasons == {"step skipped": SUBGROUPS}
     opt.close()
     ref_opt.close()
+
+
+def test_not_on_cpu_by_default(tmp_path, monkeypatch):
+    """Where backward runs on the CPU, updates wait for step() unless
+    SMARTINF_SPECULATE_ON_CPU=1 (backward holds the cores the update needs); a value other
+    than 0/1 is refused."""
+    monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "0")
+    history, _, stats, counts = train(tmp_path / "on", True)
+    assert counts is None and stats["speculative_updates"] == 0
+    for a, b in zip(history, train(tmp_path / "off", False)[0]):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+    monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "yes")
+    with pytest.raises(ValueError, match="SMARTINF_SPECULATE_ON_CPU"):
+        so.AdamW(make_model().parameters(), devices=[str(tmp_path / "refused")])

@@ -31,6 +31,7 @@ from typing_extensions import TypedDict, Unpack
 from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
+from .defaults import speculate_on_cpu
 from .devices import CpuDevice, DeviceLike, XrtDevice
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
@@ -246,9 +247,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             raise
         self.pipeline = pipeline
         # Updates started during backward: not with top-k compression, whose error feedback
-        # a retracted update would have advanced.
+        # a retracted update would have advanced, and where backward runs on the CPU only
+        # when asked (speculate_on_cpu).
         self._speculation: Optional[Speculation] = None
-        if settings.overlap and compress is None:
+        gpu = any(sg.device.type == "cuda" for sg in self._plan)
+        if settings.overlap and compress is None and (gpu or speculate_on_cpu()):
             self._speculation = Speculation(pipeline)
             self._hooks = ParamHooks(self._speculation, self._send_speculative,
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),

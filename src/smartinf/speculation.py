@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import defaults
+
 logger = logging.getLogger("smartinf")
 
 
@@ -159,7 +161,8 @@ class ParamHooks:
 
     ``send(sg, grad, scale, hyper, out)`` starts an update and returns its future;
     ``hyper_of(sg)`` gives a sub-group's current hyper-parameters; ``gather(sg, grads)`` its
-    flat gradient from {id(param): grad}. Its params come out into buffers of this class (and
+    flat gradient from {id(param): grad}. Only for GPU params (``defaults.speculate_on_cpu``:
+    a backward on the CPU holds the cores). Its params come out into buffers of this class (and
     GPU params' gradients go through host buffers): one copy of the params, allocated when
     they are registered."""
 
@@ -178,6 +181,7 @@ class ParamHooks:
         self._seen: dict[int, int] = {}  # accumulations per param since the last step
         self._expected = 1  # accumulations per step, as in the last step
         self._stale: set[int] = set()  # sub-groups accumulated into after their update started
+        self._on_cpu = defaults.speculate_on_cpu()  # else only gradients of GPU params
 
     def register(self, plan: Sequence[Any]) -> None:
         """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
@@ -221,7 +225,7 @@ class ParamHooks:
             self.speculation.enabled = False
 
     def _start(self, sg: Any) -> None:
-        if not self.speculation.may_start(sg.id):
+        if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id):
             return
         grads = []
         for p in self._params[sg.id]:

@@ -55,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
 
-from .. import update_rules
+from .. import defaults, update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
 from ..driver import Driver, overrides, rule_for, stored_rule
@@ -236,7 +236,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         gradient partitions is reduced at an accumulation boundary (``partition_grads``),
         into host buffers of one copy of the partitions (gradients in, params out)."""
         self._speculation: Optional[Speculation] = None
-        if not self.settings.pipeline.overlap or self._compress is not None:
+        on_cpu = not self.grad_partitions_flat_buffer.is_cuda
+        if not self.settings.pipeline.overlap or self._compress is not None or \
+                (on_cpu and not defaults.speculate_on_cpu()):  # a CPU backward holds the cores
             return
         self._speculation = Speculation(self.pipeline)
         self._subgroup_of = {p.ds_id: i for i, group in enumerate(self.fp16_groups) for p in group}
