@@ -16,6 +16,9 @@ Explicit arguments always win over these.
 - ``SMARTINF_COMPUTE_THREADS``: threads of the update kernel (0: the usable cores).
 - ``SMARTINF_IO_SCHEDULE``: ``auto`` (from the probe's mix curve recorded in a device's
   directory, else ``mixed``), ``mixed`` (reads and write-backs together) or ``phased``.
+- ``SMARTINF_OVERLAP``: the optimizer's work behind the caller's (1, on; 0 off).
+- ``SMARTINF_SPECULATE_ON_CPU``: with overlap, updates start during a backward that runs on
+  the CPU too (0, off: it holds the cores the update needs).
 """
 from __future__ import annotations
 
