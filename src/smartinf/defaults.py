@@ -131,22 +131,22 @@ def host_link_gbps() -> Optional[float]:
     return value
 
 
-def overlap() -> bool:
-    raw = os.environ.get("SMARTINF_OVERLAP")
+def _flag_env(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
     if raw is None or raw == "":
-        return True
+        return default
     if raw not in ("0", "1"):
-        raise ValueError(f"SMARTINF_OVERLAP={raw!r}: expected 1 (on, the default) or 0 (off)")
+        raise ValueError(f"{name}={raw!r}: expected 1 (on{', the default' if default else ''}) "
+                         f"or 0 (off{'' if default else ', the default'})")
     return raw == "1"
+
+
+def overlap() -> bool:
+    return _flag_env("SMARTINF_OVERLAP", True)
 
 
 def speculate_on_cpu() -> bool:
     """Whether updates start during a backward that runs on the CPU (``overlap``;
     ``SMARTINF_SPECULATE_ON_CPU``, off): there backward holds the cores the update needs (on
     this project's 2-core machine the 266 M GPT's iteration was 1.1x slower with them)."""
-    raw = os.environ.get("SMARTINF_SPECULATE_ON_CPU")
-    if raw is None or raw == "":
-        return False
-    if raw not in ("0", "1"):
-        raise ValueError(f"SMARTINF_SPECULATE_ON_CPU={raw!r}: expected 1 (on) or 0 (off, the default)")
-    return raw == "1"
+    return _flag_env("SMARTINF_SPECULATE_ON_CPU", False)
