@@ -37,6 +37,7 @@ flags() {  # mode name -> train.py flags
     fp32-all-k1) echo "--mode smartinf --memory-budget 40GiB" ;;
     fp32-all-k10) echo "--mode smartinf --memory-budget 40GiB --commit-every 10" ;;
     fp32-all-k10-t15) echo "--mode smartinf --memory-budget 40GiB --commit-every 10 --compute-threads 15" ;;
+    fp32-all-k10-t14) echo "--mode smartinf --memory-budget 40GiB --commit-every 10 --compute-threads 14" ;;
     fp32-all-k10-sync) echo "--mode smartinf --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     int8-all-k10-sync) echo "--mode smartinf --state-dtype int8 --memory-budget 20GiB --commit-every 10 --no-overlap" ;;
     int4-all-k10) echo "--mode smartinf --state-dtype int4 --memory-budget 20GiB --commit-every 10" ;;

@@ -6,6 +6,9 @@
 #
 #   bash bench/gpu_kit.sh fetch                       # here, once per checkout
 #   bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env   # there, in one run
+#   OUT=$OUT bash bench/gpu_kit.sh pack               # there: the built kit, to carry later
+#   bash bench/gpu_kit.sh unpack && source bench/gpu_kit.sh env  # there, carrying .kitcache
+#   bash bench/gpu_kit.sh rebuild                     # there, after unpack + env: a changed core
 #
 # `setup` also installs DeepSpeed (its sdist and the wheels the machine lacks) and compiles
 # its async_io and cpu_adam ops into $TORCH_EXTENSIONS_DIR while smartinf builds, for the
@@ -44,6 +47,29 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     python3 -c "import smartinf; print('smartinf built with', smartinf.build_info())"
     wait; tail -3 /tmp/kit-ds-ops.log
     ;;
+  pack)
+    # The built kit into $OUT in pieces the device tool brings back (16 MiB a file); put them
+    # in .kitcache/ here and carry that: `unpack` then replaces `setup` (minutes saved a call).
+    tar -C "$PREFIX" -czf /tmp/kit.tgz --exclude='site/cmake*' --exclude='site/bin/cmake*' \
+      --exclude='site/Cython*' --exclude='site/cython*' --exclude='*/__pycache__' \
+      site root torch_extensions
+    split -b 15M -d /tmp/kit.tgz "${OUT:?}/kit.tgz."
+    du -sh /tmp/kit.tgz
+    ;;
+  unpack)
+    # A kit packed by `pack` (from .kitcache/), with this checkout's Python files over the
+    # built package (the native core must be unchanged since the pack).
+    mkdir -p "$PREFIX"
+    cat "${KITCACHE:-.kitcache}"/kit.tgz.* | tar -C "$PREFIX" -xzf -
+    cp -r src/smartinf/. "$PREFIX/site/smartinf/"
+    ;;
+  rebuild)
+    # After `unpack`, where the native core changed: smartinf built again (Cython from
+    # .kitextra/, the machine's CMake).
+    python3 -m pip install -q --no-index --no-deps --target "$PREFIX/site" .kitextra/cython-*.whl
+    CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation --upgrade \
+      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build .
+    ;;
   env)
     LIB="$PREFIX/root/usr/lib/x86_64-linux-gnu"
     export CPATH="$PREFIX/root/usr/include${CPATH:+:$CPATH}"
@@ -55,5 +81,5 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
     export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's op builder cannot parse the machine's "9.0a"
     ;;
-  *) echo "usage: bash bench/gpu_kit.sh fetch|setup; source bench/gpu_kit.sh env" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_kit.sh fetch|setup|pack|unpack|rebuild; source bench/gpu_kit.sh env" >&2; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 # On a lent GPU machine, before timing anything: the updates started during backward on the
 # GPU paths are exact. tests/test_speculation.py (smartinf.optim, CUDA params), then the
 # DeepSpeed example on the tiny model, bf16, overlap against --no-overlap (streamed and
-# resident): the same losses, printed side by side. Environment as for gpu_headtohead.sh.
+# resident): the same losses, printed side by side, with the updates started during backward
+# and those finished while the next forward ran. Environment as for gpu_headtohead.sh.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
@@ -21,5 +22,7 @@ for name in ("tiny", "tiny-resident"):
     on, off = (json.load(open(f"{sys.argv[1]}/{n}.json"))["steps"] for n in (name, name + "-sync"))
     same = [a["loss"] == b["loss"] for a, b in zip(on, off)]
     print(name, "losses equal:", all(same), "speculative", [s["pipeline"]["speculative_updates"] for s in on],
-          "retracted", [s["pipeline"]["retracted_updates"] for s in on])
+          "retracted", [s["pipeline"]["retracted_updates"] for s in on],
+          "deferred", [s["pipeline"]["deferred_updates"] for s in on],
+          "gather waits", [s["pipeline"]["gather_waits"] for s in on])
 PY

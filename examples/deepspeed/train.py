@@ -41,7 +41,9 @@ MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
 # background commit's), as differences
 PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
                      "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
-                     "durable_step", "speculative_updates", "retracted_updates")
+                     "durable_step", "speculative_updates", "retracted_updates",
+                     # the updates finished while the next forward ran (the optimizer's)
+                     "deferred_updates", "gather_waits", "gather_wait_s")
 MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
     "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
@@ -174,7 +176,7 @@ def main() -> None:
     pipeline = getattr(engine.optimizer, "pipeline", None)
 
     def counters() -> dict:
-        stats = pipeline.stats if pipeline is not None else {}
+        stats = {**pipeline.stats, **engine.optimizer.overlap_stats} if pipeline is not None else {}
         return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
 
     records = []
@@ -218,12 +220,20 @@ def main() -> None:
         if args.save and step + 1 == args.save_at:
             engine.save_checkpoint(args.save, client_state={"step": step + 1})
 
+    # smartinf with overlap: the last step's updates may still run; finish them, and count
+    # what they moved
+    io_end = storage_bytes()
+    if hasattr(engine.optimizer, "settle"):
+        engine.optimizer.settle()
+    io_settled = storage_bytes()
     if args.json and rank == 0:
         params = sum(p.ds_numel for p in engine.module.parameters())
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
             "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
-            "steps": records}, indent=1))
+            "steps": records,
+            "after_steps": {"storage_read": io_settled[0] - io_end[0],
+                            "storage_written": io_settled[1] - io_end[1]}}, indent=1))
     if args.params_out:
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params):

@@ -78,19 +78,27 @@ class Speculation:
         happened, on a thread of this class (backward goes on meanwhile). ``guard()`` is asked
         at ``take()`` whether the gradient is still what was sent (a reason if not)."""
         scale = self._scale
-        if ready is None:
-            launched: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                launched.set_result(launch(scale))
-            except BaseException as e:
-                launched.set_exception(e)
-        else:
-            if self._launcher is None:
-                self._launcher = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="smartinf-speculate")
-            launched = self._launcher.submit(lambda: (ready.synchronize(), launch(scale))[1])
+        launched = self.launch(lambda: launch(scale), ready)
         self._flights[sg] = _Flight(launched, out, scale, hyper, guard)
         self.counts.started += 1
+
+    def launch(self, launch: Callable[[], Any],
+               ready: Optional[torch.cuda.Event] = None) -> concurrent.futures.Future:
+        """The future of ``launch()``: called now, or once ``ready`` has happened on a thread
+        of this class, in the order asked (the pipeline runs updates in the order they come,
+        so speculative ones and the rest of a step keep theirs)."""
+        if ready is None and self._launcher is None:
+            launched: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                launched.set_result(launch())
+            except BaseException as e:
+                launched.set_exception(e)
+            return launched
+        if self._launcher is None:
+            self._launcher = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="smartinf-speculate")
+        return self._launcher.submit(
+            lambda: (ready.synchronize() if ready is not None else None, launch())[1])
 
     def flying(self, sg: int) -> bool:
         return sg in self._flights
@@ -238,7 +246,7 @@ class ParamHooks:
         if flat.is_cuda:
             host = self._grad_host[sg.id]
             host.copy_(flat, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # its waiter sleeps: the cores are the update's
             ready.record()  # the launch waits for it, not backward
             flat = host
         out, hyper = self._out[sg.id], self._hyper_of(sg)
