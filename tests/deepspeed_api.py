@@ -138,6 +138,17 @@ def main() -> None:
     results["losses"] = [train(ours, data[0], 2), train(ref, data[1], 2)]
 
     @check
+    def gather_waits_for_the_step():
+        """Right after step(), the step's updates may still run (overlap: they finish during
+        the next forward): a gather waits for those of the params it gathers, so it gives
+        the updated params (fp32: the masters, read after the step is settled)."""
+        before = ours.optimizer.overlap_stats["deferred_updates"]
+        g = gathered(ours)
+        waited = ours.optimizer.overlap_stats["deferred_updates"] - before
+        masters = [safe_get_full_fp32_param(q) for q in named(ours).values()]
+        return {"vs_masters": rel(list(g.values()), masters), "waited_for": waited}
+
+    @check
     def accessors():
         diff = states_diff(ours, ref)
         # in fp32 the master is the model's param

@@ -120,8 +120,8 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world):
     """overlap (the default): each sub-group's update starts when its gradient partitions are
     reduced, with the last step's scale assumed; kept where it held, retracted where not
     (step 3's NaN gradients: skipped; with clip 1.0, acting on every step here, a step after
-    a clipped one starts nothing).
-    The updates not kept finish while the next forward runs (each gather waits for its
+    a clipped one starts nothing; resident sub-groups start nothing: a speculative update
+    would work on a second copy). The updates not kept finish while the next forward runs (each gather waits for its
     sub-group). Losses and final params bit for bit those of --no-overlap, streamed and all
     resident (sub-groups of 60 k params: several per rank)."""
     for name, extra in (("streamed", ("--clip", "0")),
@@ -142,6 +142,8 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world):
         assert sum(s["pipeline"]["deferred_updates"] for s in off["steps"]) == 0, name
         if name == "clipped":  # clip 1.0 acts on every step of this model: nothing starts
             assert all(s["grad_norm"] > 1.0 for s in on["steps"])
+            assert sum(started) == 0, name
+        elif name == "resident":  # left to the tail: updated in place after backward
             assert sum(started) == 0, name
         else:  # from step 2 on, but in step 3 (NaN: all retracted) and 4 (after a skip)
             assert retracted[2] == started[2] > 0, name
@@ -259,6 +261,14 @@ def assert_close_to_deepspeed(result: dict) -> None:
 def test_config_given_in_args_deepspeed_config(api):
     """initialize(args=args) with args.deepspeed_config = "ds.json", as with DeepSpeed."""
     assert ok(api["config_in_args"]) == {"ok": True}
+
+
+def test_a_gather_right_after_step_waits_for_the_step(api):
+    """GatheredParameters between step() and the next forward, while the step's updates
+    still finish (overlap): it waits for them and gives the updated params."""
+    got = ok(api["gather_waits_for_the_step"])
+    assert got["waited_for"] > 0  # the step had updates left when the gather came
+    assert got["vs_masters"] == 0.0
 
 
 def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):

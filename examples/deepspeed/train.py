@@ -180,10 +180,12 @@ def main() -> None:
         return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
 
     records = []
+    # Each step's counters run from where the last one's stopped: background writes that
+    # land between two steps are counted too.
+    c1, io1 = counters(), storage_bytes()
     for step in range(start, args.steps):
         x, y = (t.to(device) for t in next(data))
-        c0 = counters()
-        io0 = storage_bytes()
+        c0, io0 = c1, io1
         t0 = time.perf_counter()
         logits = engine(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
@@ -210,7 +212,8 @@ def main() -> None:
                # overflow check and norm)
                "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}
         if pipeline is not None:
-            rec["pipeline"] = {k: v - c0[k] for k, v in counters().items()}
+            c1 = counters()
+            rec["pipeline"] = {k: v - c0[k] for k, v in c1.items()}
         records.append(rec)
         if rank == 0:
             print(f"step {rec['step']:4d}  loss {rec['loss']:.6f}  fwd {rec['fwd_s']:.3f}s  "
@@ -219,10 +222,11 @@ def main() -> None:
                   f"{rec['storage_written'] / 1e6:.1f} MB", flush=True)
         if args.save and step + 1 == args.save_at:
             engine.save_checkpoint(args.save, client_state={"step": step + 1})
+            c1, io1 = counters(), storage_bytes()  # the checkpoint's copies are no step's
 
     # smartinf with overlap: the last step's updates may still run; finish them, and count
     # what they moved
-    io_end = storage_bytes()
+    io_end = io1
     if hasattr(engine.optimizer, "settle"):
         engine.optimizer.settle()
     io_settled = storage_bytes()

@@ -127,7 +127,7 @@ class Pipeline:
         bit for bit; ``discard()`` and a failed step go back to it as well.
     compute_threads
         Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
-        process may use, less one from 8 on); the same bits with any number.
+        process may use, less two from 8 on); the same bits with any number.
     io_schedule
         How each device's reads and write-backs share its storage (``SMARTINF_IO_SCHEDULE``;
         ``auto``): ``mixed`` (in flight together), ``phased`` (turns of one direction), or
