@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +53,12 @@ def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: 
     return record
 
 
+def total_read(record: dict) -> int:
+    """Bytes read from storage over the run, the last step's tail included (with overlap a
+    step's reads come during the next forward: per-step windows shift)."""
+    return sum(s["storage_read"] for s in record["steps"]) + record["after_steps"]["storage_read"]
+
+
 def losses(record: dict) -> list:
     return [s["loss"] for s in record["steps"]]
 
@@ -92,9 +97,8 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     # last one's when the optimizer settles).
     params = ours["num_params"]
     applied = sum(not s["skipped"] for s in ours["steps"])
-    read, written = (sum(s[key] for s in ours["steps"]) + ours["after_steps"][key]
-                     for key in ("storage_read", "storage_written"))
-    assert read >= 12 * params / world * (applied - 1)
+    written = sum(s["storage_written"] for s in ours["steps"]) + ours["after_steps"]["storage_written"]
+    assert total_read(ours) >= 12 * params / world * (applied - 1)  # the first may not read
     assert written >= 12 * params / world * applied
 
 
@@ -110,9 +114,10 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     assert params_rel_diff(tiered, plain) == 0.0
     assert tiered["smartinf"]["commit_every"] == 3
     assert sum(s["pipeline"]["twin_copies"] for s in tiered["steps"]) > 0
+    # counted over the run (with overlap a step's reads come during the next forward)
     per_rank = 12 * tiered["num_params"] / 2
-    assert all(s["storage_read"] < per_rank / 2 for s in tiered["steps"][1:])
-    assert all(s["storage_read"] >= per_rank for s in plain["steps"][1:])
+    assert total_read(tiered) < per_rank / 2
+    assert total_read(plain) >= per_rank * (STEPS - 1)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -164,8 +169,8 @@ def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
     assert losses(ours)[-1] < losses(ours)[0]
-    assert all(8 * ours["num_params"] <= s["storage_read"] < 12 * ours["num_params"]
-               for s in ours["steps"][1:])
+    n = ours["num_params"]
+    assert 8 * n * (STEPS - 1) <= total_read(ours) < 12 * n * STEPS  # Lion: 8 B/param a step
 
 
 def test_bf16_within_noise_of_deepspeed(work, disk_dir):
@@ -189,12 +194,10 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     assert losses(split) == losses(fp32) and len(losses(fp32)) == 120
     for a, b in zip(split["params"], fp32["params"]):
         assert torch.equal(a, b)
-    n = fp32["num_params"]
-    saved = [(b["storage_read"] - a["storage_read"]) / n
-             for a, b in zip(split["steps"][1:], fp32["steps"][1:])]
-    # /proc/self/io counts every read of the process: a library or module page read for the
-    # first time lands in whichever step needs it (CI once saw one step 133 KB off).
-    assert abs(statistics.median(saved) - 2) < 0.2  # + 4 KiB extents
+    # over the run: with overlap a step's reads come during the next forward; /proc/self/io
+    # counts every read of the process (CI once saw a step 133 KB off: a module page read)
+    saved = (total_read(fp32) - total_read(split)) / fp32["num_params"] / 120
+    assert abs(saved - 2) < 0.2  # + 4 KiB extents
 
 
 def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):

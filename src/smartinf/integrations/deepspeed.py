@@ -256,7 +256,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._speculated_params = [torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pin)
                                    for flat in self.fp16_partitioned_groups_flat]
         self._tail = StepTail(lambda i: self._put_params(i, self._speculated_params[i]),
-                              self.pipeline.commit, self.pipeline.discard)
+                              lambda: self.pipeline.commit(),  # a checkpoint load opens
+                              lambda: self.pipeline.discard())  # another pipeline
         for param in self.module.parameters():  # a gathered list may begin with any param
             if hasattr(param, "all_gather_coalesced"):
                 self._gathers_wait(param)
