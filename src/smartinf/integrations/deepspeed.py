@@ -499,9 +499,10 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise
 
     def _post_step(self, timer_names: Any) -> None:
-        """DeepSpeed's, but with updates still finishing the kept-whole (persistent) params
-        stay partitioned: the next forward gathers them when it needs them, after their
-        update (the same choice on every rank, as the gather is a collective)."""
+        """DeepSpeed's, but where the step may finish during the next forward (``StepTail``)
+        the kept-whole (persistent) params stay partitioned: the forward gathers them when it
+        needs them, after their update. After every step alike, so on every rank alike: the
+        gather is a collective."""
         if self._tail is None:
             return super()._post_step(timer_names)
         persistent, self.persistent_parameters = self.persistent_parameters, []
