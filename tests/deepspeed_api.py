@@ -206,6 +206,16 @@ def main() -> None:
         return {"vs_masters": rel([sd[n] for n in masters], list(masters.values())),
                 "vs_deepspeed": rel([sd[n] for n in masters], [sd_ref[n] for n in masters])}
 
+    @check
+    def load_right_after_step():
+        """A load while the last step's updates may still run (overlap): they land before
+        the load, not over the loaded weights (the masters are the loaded module's)."""
+        train(ours, data[0], 1)
+        train(ref, data[1], 1)
+        for eng, ckpt in ((ours, "ckpt-ours"), (ref, "ckpt-ref")):
+            eng.load_checkpoint(str(root / ckpt), load_module_only=True)
+        return states_diff(ours, ref, keys=(None,))
+
     for i, how in enumerate(({"load_optimizer_states": False}, {"load_module_only": True})):
         def load(how=how, i=i):
             """DeepSpeed's partial loads into fresh engines (another seed), then a step."""

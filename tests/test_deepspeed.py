@@ -274,6 +274,13 @@ def test_a_gather_right_after_step_waits_for_the_step(api):
     assert got["vs_masters"] == 0.0
 
 
+def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
+    """load_checkpoint(load_module_only=True) while the last step's updates may still run:
+    the masters are the checkpoint's weights, as in DeepSpeed."""
+    got = ok(api["load_right_after_step"])
+    assert got["None"] <= TOL and got["local"] <= TOL, got
+
+
 def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):
     """deepspeed.utils.safe_get_full_fp32_param / _optimizer_state / safe_get_local_fp32_param
     give the same masters and Adam states as DeepSpeed's after two steps."""

@@ -278,7 +278,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         param.all_gather, param.all_gather_coalesced = all_gather, all_gather_coalesced
 
     def _wait_for(self, params: Any) -> None:
-        if self._tail is not None and self._tail.open:
+        if self._tail is not None:
             self._tail.wait(self._subgroup_of.get(p.ds_id) for p in params)
 
     def partition_grads(self, params_to_release: Any, grad_partitions: Any) -> Any:
@@ -691,7 +691,9 @@ class SmartInfEngine(DeepSpeedEngine):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
         """DeepSpeed's load, then the device directories of the same tag (unless only the
-        module is loaded)."""
+        module is loaded). The last step is finished first: its updates would land over the
+        loaded weights."""
+        self.optimizer.settle()
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if os.path.isfile(latest):
