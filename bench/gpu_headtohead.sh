@@ -26,9 +26,12 @@ flags() {  # mode name -> train.py flags
     super-offload) echo "--mode super-offload" ;;
     zero-infinity) echo "--mode zero-infinity" ;;
     fp32-none) echo "--mode smartinf" ;;
+    fp32-none-sync) echo "--mode smartinf --no-overlap" ;;
     int8-none) echo "--mode smartinf --state-dtype int8" ;;
     int8-half) echo "--mode smartinf --state-dtype int8 --memory-budget $((INT8_STATES / 2))" ;;
     fp32-half) echo "--mode smartinf --memory-budget $((FP32_STATES / 2))" ;;
+    fp32-half-sync) echo "--mode smartinf --memory-budget $((FP32_STATES / 2)) --no-overlap" ;;
+    int8-half-sync) echo "--mode smartinf --state-dtype int8 --memory-budget $((INT8_STATES / 2)) --no-overlap" ;;
     # -all: every state resident, with room for the second copy a background commit
     # (overlap, the default) updates while it writes the first, and a speculative update
     # works on; -sync: overlap off (no update during backward, commits written at once)

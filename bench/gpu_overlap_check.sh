@@ -1,27 +1,38 @@
 #!/bin/bash
 # On a lent GPU machine, before timing anything: the updates started during backward on the
 # GPU paths are exact. tests/test_speculation.py (smartinf.optim, CUDA params), then the
-# DeepSpeed example on the tiny model, bf16, overlap against --no-overlap (streamed and
-# resident): the same losses, printed side by side, with the updates started during backward
+# DeepSpeed example on the tiny model, overlap against --no-overlap (bf16 streamed and
+# resident, fp16 with an injected overflow, clipping acting): the same losses, printed side by side, with the updates started during backward
 # and those finished while the next forward ran. Environment as for gpu_headtohead.sh.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
-for extra in "" "--memory-budget 64MiB"; do
+# name -> flags: bf16 streamed / resident, fp16 loss scaling with an injected overflow
+# (step 3's NaN loss: inf gradients, the step skipped, the scale halved), clipping acting.
+CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memory-budget 64MiB"
+       "tiny-fp16|--dtype fp16 --clip 0 --nan-at 3"
+       "tiny-fp16-resident|--dtype fp16 --clip 0 --nan-at 3 --memory-budget 64MiB"
+       "tiny-clipped|--dtype bf16 --clip 0.05")
+for case in "${CASES[@]}"; do
   for overlap in "" "--no-overlap"; do
-    name="tiny${extra:+-resident}${overlap:+-sync}"
+    name="${case%%|*}${overlap:+-sync}"
     python3 -m torch.distributed.run --nproc_per_node=1 examples/deepspeed/train.py --model tiny \
-      --dtype bf16 --clip 0 --steps 8 --sub-group-size 60000 --dir "/tmp/states/$name" \
-      --if-exists overwrite --json "$OUT/$name.json" $extra $overlap > "/tmp/$name.log" 2>&1 \
+      --steps 8 --sub-group-size 60000 --dir "/tmp/states/$name" --if-exists overwrite \
+      --json "$OUT/$name.json" --params-out "/tmp/$name.pt" ${case#*|} $overlap > "/tmp/$name.log" 2>&1 \
       || { echo "$name failed"; tail -30 "/tmp/$name.log"; }
   done
 done
-python3 - "$OUT" <<'PY'
-import json, sys
-for name in ("tiny", "tiny-resident"):
+python3 - "$OUT" "${CASES[@]}" <<'PY'
+import json, sys, torch
+for case in sys.argv[2:]:
+    name = case.split("|")[0]
     on, off = (json.load(open(f"{sys.argv[1]}/{n}.json"))["steps"] for n in (name, name + "-sync"))
-    same = [a["loss"] == b["loss"] for a, b in zip(on, off)]
-    print(name, "losses equal:", all(same), "speculative", [s["pipeline"]["speculative_updates"] for s in on],
+    same = [str(a["loss"]) == str(b["loss"]) for a, b in zip(on, off)]  # NaN: the injected step
+    p_on, p_off = (torch.load(f"/tmp/{n}.pt") for n in (name, name + "-sync"))
+    bits = all(torch.equal(a, b) for a, b in zip(p_on, p_off)) and len(p_on) == len(p_off)
+    print(name, "losses equal:", all(same), "params equal:", bits, "skipped", [s["skipped"] for s in on],
+          "scale", [s["loss_scale"] for s in on],
+          "speculative", [s["pipeline"]["speculative_updates"] for s in on],
           "retracted", [s["pipeline"]["retracted_updates"] for s in on],
           "deferred", [s["pipeline"]["deferred_updates"] for s in on],
           "gather waits", [s["pipeline"]["gather_waits"] for s in on])
