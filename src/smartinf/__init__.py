@@ -6,7 +6,7 @@ come out.
 """
 from . import _build_info
 from ._native import io_uring_built
-from .devices import CpuDevice, XrtDevice
+from .devices import CpuDevice, CudaDevice, XrtDevice
 from .pipeline import ParamsChangedWarning, Pipeline, UpdateFuture
 from .settings import PipelineSettings
 from .update_rules import SGD, Adagrad, Adam, AdamW, Lion
@@ -15,9 +15,10 @@ from .integrations import deepspeed_hook
 deepspeed_hook.install()  # a "smartinf" block in a DeepSpeed config takes effect
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "ParamsChangedWarning", "PipelineSettings", "UpdateFuture", "CpuDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "Lion", "build_info", "__version__"]
+__all__ = ["Pipeline", "ParamsChangedWarning", "PipelineSettings", "UpdateFuture", "CpuDevice", "CudaDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "Lion", "build_info", "__version__"]
 
 
 def build_info() -> dict[str, bool]:
-    """What the native core was built with: io_uring (liburing) and XRT (SmartSSD)."""
-    return {"io_uring": _build_info.IO_URING, "xrt": _build_info.XRT}
+    """What the native core was built with: io_uring (liburing), XRT (SmartSSD) and CUDA
+    (the GPU device)."""
+    return {"io_uring": _build_info.IO_URING, "xrt": _build_info.XRT, "cuda": _build_info.CUDA}

@@ -94,11 +94,16 @@ cdef extern from "device/xrt_device.h" namespace "smartinf::device":
     XrtBandwidth time_xrt(const XrtOptions&, const string&, uint64_t) except +raise_py_error nogil
 
 
+cdef extern from "device/cuda_device.h" namespace "smartinf::device":
+    cdef cppclass CudaOptions:
+        int gpu
+
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
         string kind
         string dir
         XrtOptions xrt
+        CudaOptions cuda
         double storage_bps
         string io_schedule
         uint64_t io_burst
@@ -291,6 +296,7 @@ cdef class NativePipeline:
             spec.xrt.index = d.fpga_index
             spec.xrt.bdf = d.fpga_bdf.encode()
             spec.xrt.xclbin = d.xclbin.encode()
+            spec.cuda.gpu = d.gpu
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst

@@ -13,7 +13,7 @@ from . import _build_info, defaults, smartssd
 class NativeDeviceSpec(NamedTuple):
     """What the native core is told of one device (the binding reads it by name)."""
 
-    kind: str            # cpu | xrt
+    kind: str            # cpu | xrt | cuda
     dir: str
     fpga_index: int = 0  # xrt: the FPGA by index, or
     fpga_bdf: str = ""   # by PCIe BDF
@@ -21,6 +21,7 @@ class NativeDeviceSpec(NamedTuple):
     storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
     io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
+    gpu: int = 0  # cuda: the CUDA device ordinal
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
@@ -114,13 +115,38 @@ class XrtDevice:
                 for card in smartssd.discover(sysfs, mounts_file) if card.mounts]
 
 
-Device = Union[CpuDevice, XrtDevice]
-DeviceLike = Union[CpuDevice, XrtDevice, str, "os.PathLike[str]"]
+@dataclass(frozen=True)
+class CudaDevice:
+    """A CUDA GPU as the update device, its states in ``path``: the storage engine reads
+    each chunk into page-locked host memory as for a ``CpuDevice``, the chunk crosses PCIe to
+    GPU ``gpu`` (a CUDA ordinal), the same kernels run there (bit for bit the CPU's), and
+    states and params come back. fp32 states with an fp32 or a split master, dense
+    gradients; no memory budget yet (states resident in GPU memory are to come)."""
+
+    path: str
+    gpu: int = 0
+    kind = "cuda"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", _abspath(self.path, "CudaDevice"))
+        if isinstance(self.gpu, bool) or not isinstance(self.gpu, int) or self.gpu < 0:
+            raise ValueError(f"gpu must be a CUDA device ordinal (an int >= 0), got {self.gpu!r}")
+
+    def native_spec(self) -> NativeDeviceSpec:
+        if not _build_info.CUDA:
+            raise OSError("smartinf was built without CUDA: install a CUDA toolkit (nvcc on the "
+                          "PATH, or CUDACXX) and reinstall smartinf")
+        return NativeDeviceSpec("cuda", self.path, gpu=self.gpu)
+
+
+Device = Union[CpuDevice, XrtDevice, CudaDevice]
+DEVICE_TYPES = (CpuDevice, XrtDevice, CudaDevice)
+DeviceLike = Union[CpuDevice, XrtDevice, CudaDevice, str, "os.PathLike[str]"]
 
 
 def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[Device]:
     """Turns the ``devices`` argument (a device, a path, or a list of them) into devices."""
-    if isinstance(devices, (str, os.PathLike, CpuDevice, XrtDevice)):
+    if isinstance(devices, (str, os.PathLike, *DEVICE_TYPES)):
         devices = [devices]
     if not isinstance(devices, Sequence) or len(devices) == 0:
         raise ValueError("devices must be a non-empty list of devices or directory paths")
@@ -131,9 +157,10 @@ def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[Device]:
             if kind != "cpu":
                 raise ValueError(f"SMARTINF_DEVICE={kind!r}: only 'cpu' is available in this build")
             d = CpuDevice(d)
-        if not isinstance(d, (CpuDevice, XrtDevice)):
+        if not isinstance(d, DEVICE_TYPES):
             raise TypeError(f"not a device: {d!r} (pass smartinf.CpuDevice(path), "
-                            f"smartinf.XrtDevice(path, fpga) or a path)")
+                            f"smartinf.XrtDevice(path, fpga), smartinf.CudaDevice(path, gpu) "
+                            f"or a path)")
         resolved.append(d)
     paths = [d.path for d in resolved]
     if len(set(paths)) != len(paths):

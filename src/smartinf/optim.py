@@ -32,7 +32,7 @@ from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import speculate_on_cpu
-from .devices import CpuDevice, DeviceLike, XrtDevice
+from .devices import DEVICE_TYPES, DeviceLike
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .rounding import round_to
@@ -90,7 +90,7 @@ def resolve_devices(devices: Any) -> list:
         if not devices:
             raise ValueError("pass devices=[directories] (where the states live), or set "
                              "SMARTINF_DEVICES to directories separated by ':'")
-    if isinstance(devices, (str, os.PathLike, CpuDevice, XrtDevice)):
+    if isinstance(devices, (str, os.PathLike, *DEVICE_TYPES)):
         devices = [devices]
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if distributed else 0
@@ -101,7 +101,7 @@ def resolve_devices(devices: Any) -> list:
             return path.replace("{rank}", str(rank))
         return os.path.join(path, f"rank{rank:05d}") if split else path
 
-    return [replace(d, path=for_rank(d.path)) if isinstance(d, (CpuDevice, XrtDevice))
+    return [replace(d, path=for_rank(d.path)) if isinstance(d, DEVICE_TYPES)
             else for_rank(os.fspath(d)) if isinstance(d, (str, os.PathLike)) else d
             for d in devices]
 

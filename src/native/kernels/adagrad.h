@@ -28,8 +28,8 @@ inline AdagradStep adagrad_step(double lr, double lr_decay, double eps, double w
 }
 
 template <class G, class P>
-inline void adagrad(std::size_t n, float* __restrict param, float* __restrict sum,
-                    const G* __restrict grad, P* __restrict out, const AdagradStep& s) {
+SMARTINF_HD inline void adagrad(std::size_t n, float* __restrict param, float* __restrict sum,
+                                const G* __restrict grad, P* __restrict out, const AdagradStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
     float p = param[i];
     const float g = to_float(grad[i]) * s.grad_scale + s.weight_decay * p;

@@ -44,7 +44,7 @@ inline AdamStep adam_step(double lr, double beta1, double beta2, double eps,
 // step, so the choice is a template argument: a branch inside the loop stops GCC from
 // vectorising it.
 template <bool SmallWeight>
-inline float lerp(float self, float end, float weight) {
+SMARTINF_HD inline float lerp(float self, float end, float weight) {
   return SmallWeight ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
@@ -59,8 +59,8 @@ struct AdamResult {
 // AMSGrad (torch's amsgrad=True) divides by the root of the largest exp_avg_sq so far,
 // v_max, kept as a fourth state.
 template <bool Decoupled, bool SmallWeight, bool Amsgrad = false>
-__attribute__((always_inline)) inline AdamResult adam_element(float g, float p, float m_old, float v_old,
-                                                              const AdamStep& s, float v_max_old = 0.0f) {
+__attribute__((always_inline)) SMARTINF_HD inline AdamResult adam_element(float g, float p, float m_old, float v_old,
+                                                                          const AdamStep& s, float v_max_old = 0.0f) {
   const float gd = Decoupled ? g : g + s.weight_decay * p;
   const float pd = Decoupled ? p * s.decay : p;
   const float m = lerp<SmallWeight>(m_old, gd, s.one_minus_beta1);
@@ -72,9 +72,9 @@ __attribute__((always_inline)) inline AdamResult adam_element(float g, float p, 
 }
 
 template <bool Decoupled, bool SmallWeight, bool Amsgrad, class G, class P>
-inline void adam_range(std::size_t n, float* __restrict param, float* __restrict exp_avg,
-                       float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
-                       const G* __restrict grad, P* __restrict out, const AdamStep& s) {
+SMARTINF_HD inline void adam_range(std::size_t n, float* __restrict param, float* __restrict exp_avg,
+                                   float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
+                                   const G* __restrict grad, P* __restrict out, const AdamStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
     const AdamResult r = adam_element<Decoupled, SmallWeight, Amsgrad>(
         to_float(grad[i]) * s.grad_scale, param[i], exp_avg[i], exp_avg_sq[i], s,
@@ -89,8 +89,8 @@ inline void adam_range(std::size_t n, float* __restrict param, float* __restrict
 
 // `max_exp_avg_sq`: AMSGrad's fourth array, or null (plain Adam).
 template <bool Amsgrad, class G, class P>
-inline void adam_variant(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
-                         float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
+SMARTINF_HD inline void adam_variant(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
+                                     float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
   const bool small = std::fabs(s.one_minus_beta1) < 0.5f;
   if (s.decoupled && small)
     adam_range<true, true, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
@@ -103,14 +103,14 @@ inline void adam_variant(std::size_t n, float* param, float* exp_avg, float* exp
 }
 
 template <class G, class P>
-inline void adam(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
-                 const G* grad, P* out, const AdamStep& s) {
+SMARTINF_HD inline void adam(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
+                             const G* grad, P* out, const AdamStep& s) {
   adam_variant<false>(n, param, exp_avg, exp_avg_sq, nullptr, grad, out, s);
 }
 
 template <class G, class P>
-inline void adam_amsgrad(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
-                         float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
+SMARTINF_HD inline void adam_amsgrad(std::size_t n, float* param, float* exp_avg, float* exp_avg_sq,
+                                     float* max_exp_avg_sq, const G* grad, P* out, const AdamStep& s) {
   adam_variant<true>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
 }
 

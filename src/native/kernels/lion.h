@@ -37,16 +37,16 @@ struct LionResult {
   float p, m;
 };
 
-__attribute__((always_inline)) inline LionResult lion_element(float g, float p, float m,
-                                                              const LionStep& s) {
+__attribute__((always_inline)) SMARTINF_HD inline LionResult lion_element(float g, float p, float m,
+                                                                          const LionStep& s) {
   const float c = m * s.beta1 + g * s.one_minus_beta1;
   const float sign = static_cast<float>((c > 0.0f) - (c < 0.0f));  // sign(0) = 0
   return {p * s.decay + s.neg_lr * sign, m * s.beta2 + g * s.one_minus_beta2};
 }
 
 template <class G, class P>
-inline void lion(std::size_t n, float* __restrict param, float* __restrict exp_avg,
-                 const G* __restrict grad, P* __restrict out, const LionStep& s) {
+SMARTINF_HD inline void lion(std::size_t n, float* __restrict param, float* __restrict exp_avg,
+                             const G* __restrict grad, P* __restrict out, const LionStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
     const LionResult r = lion_element(to_float(grad[i]) * s.grad_scale, param[i], exp_avg[i], s);
     exp_avg[i] = r.m;

@@ -10,35 +10,43 @@
 #include <cstdint>
 #include <cstring>
 
+// The element-wise kernels are host and device functions where CUDA compiles them (the GPU
+// device runs the same source); elsewhere the mark is empty.
+#if defined(__CUDACC__)
+#define SMARTINF_HD __host__ __device__
+#else
+#define SMARTINF_HD
+#endif
+
 namespace smartinf::kernels {
 
 enum class DType : uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
 
-inline unsigned dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+SMARTINF_HD inline unsigned dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
-inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+SMARTINF_HD inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+SMARTINF_HD inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 // Unsigned a < b through a signed compare: baseline SSE2 has only signed 32-bit compares,
 // so this form lets the conversions below vectorise.
-inline bool below(uint32_t a, uint32_t b) {
+SMARTINF_HD inline bool below(uint32_t a, uint32_t b) {
   return static_cast<int32_t>(a ^ 0x80000000u) < static_cast<int32_t>(b ^ 0x80000000u);
 }
 
 // a < b ? x : y without a branch, for the vectoriser.
-inline uint32_t select_below(uint32_t a, uint32_t b, uint32_t x, uint32_t y) {
+SMARTINF_HD inline uint32_t select_below(uint32_t a, uint32_t b, uint32_t x, uint32_t y) {
   const uint32_t mask = 0u - static_cast<uint32_t>(below(a, b));
   return (x & mask) | (y & ~mask);
 }
 
-inline float to_float(float x) { return x; }
+SMARTINF_HD inline float to_float(float x) { return x; }
 
-inline float to_float(bf16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
+SMARTINF_HD inline float to_float(bf16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
 
-inline float to_float(f16 x) {
+SMARTINF_HD inline float to_float(f16 x) {
   const uint32_t w = static_cast<uint32_t>(x.bits) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
@@ -49,17 +57,17 @@ inline float to_float(f16 x) {
   return float_of(sign | magnitude);
 }
 
-template <class T> T from_float(float x);
+template <class T> SMARTINF_HD T from_float(float x);
 
-template <> inline float from_float<float>(float x) { return x; }
+template <> SMARTINF_HD inline float from_float<float>(float x) { return x; }
 
-template <> inline bf16 from_float<bf16>(float x) {
+template <> SMARTINF_HD inline bf16 from_float<bf16>(float x) {
   const uint32_t u = bits_of(x);
   if (x != x) return bf16{0x7FC0};  // NaN stays a quiet NaN
   return bf16{static_cast<uint16_t>((u + 0x8000u) >> 16)};
 }
 
-template <> inline f16 from_float<f16>(float x) {
+template <> SMARTINF_HD inline f16 from_float<f16>(float x) {
   float base = (__builtin_fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t w = bits_of(x);
   const uint32_t shl1_w = w + w;

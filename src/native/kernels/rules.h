@@ -140,7 +140,7 @@ inline decltype(auto) with_scalars(const Step& s, F&& f) {
 
 // The CPU kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
 template <class G, class P>
-inline void run_rule(const Step& s, std::size_t n, float* const* a, const G* grad, P* out) {
+SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, const G* grad, P* out) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:

@@ -35,8 +35,8 @@ inline SgdStep sgd_step(double lr, double momentum, double dampening, double wei
 }
 
 template <bool Momentum, bool Nesterov, bool First, class G, class P>
-inline void sgd_range(std::size_t n, float* __restrict param, float* __restrict buf,
-                      const G* __restrict grad, P* __restrict out, const SgdStep& s) {
+SMARTINF_HD inline void sgd_range(std::size_t n, float* __restrict param, float* __restrict buf,
+                                  const G* __restrict grad, P* __restrict out, const SgdStep& s) {
   for (std::size_t i = 0; i < n; ++i) {
     float p = param[i];
     float d = to_float(grad[i]) * s.grad_scale + s.weight_decay * p;
@@ -53,8 +53,8 @@ inline void sgd_range(std::size_t n, float* __restrict param, float* __restrict 
 
 // `buf` is the momentum buffer (stored, but untouched when momentum is 0).
 template <class G, class P>
-inline void sgd(std::size_t n, float* param, float* buf, const G* grad, P* out,
-                const SgdStep& s) {
+SMARTINF_HD inline void sgd(std::size_t n, float* param, float* buf, const G* grad, P* out,
+                            const SgdStep& s) {
   if (!s.use_momentum)
     sgd_range<false, false, false>(n, param, buf, grad, out, s);
   else if (s.first)

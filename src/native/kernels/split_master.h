@@ -13,20 +13,20 @@
 
 namespace smartinf::kernels {
 
-inline float rebuild_master(bf16 param, uint16_t low) {
+SMARTINF_HD inline float rebuild_master(bf16 param, uint16_t low) {
   return float_of((static_cast<uint32_t>(param.bits) << 16) +
                   static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(low))));
 }
 
 // The low half of `master` given the bf16 param emitted for it (from_float<bf16>(master)).
-inline uint16_t master_low(float master, bf16 param) {
+SMARTINF_HD inline uint16_t master_low(float master, bf16 param) {
   return static_cast<uint16_t>(bits_of(master) - (static_cast<uint32_t>(param.bits) << 16));
 }
 
 // n masters from the params sent in and the stored low halves; `adopt`: the params are not
 // the ones emitted with these low halves (weights loaded or edited), so they are the masters.
-inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* low, bool adopt,
-                            float* master) {
+SMARTINF_HD inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* low, bool adopt,
+                                        float* master) {
   if (adopt) {
     for (std::size_t i = 0; i < n; ++i) master[i] = to_float(param[i]);
   } else {
@@ -35,7 +35,7 @@ inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* lo
 }
 
 // The low halves of n updated masters, whose bf16 params the kernel emitted.
-inline void split_masters(std::size_t n, const float* master, const bf16* param, uint16_t* low) {
+SMARTINF_HD inline void split_masters(std::size_t n, const float* master, const bf16* param, uint16_t* low) {
   for (std::size_t i = 0; i < n; ++i) low[i] = master_low(master[i], param[i]);
 }
 

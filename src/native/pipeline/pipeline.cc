@@ -105,7 +105,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
       options.compute_threads ? options.compute_threads : device::default_compute_threads())};
   for (const DeviceSpec& spec : options.devices) {
-    if (spec.kind != "cpu" && spec.kind != "xrt")
+    if (spec.kind != "cpu" && spec.kind != "xrt" && spec.kind != "cuda")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
     // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
     // but xrt_device.cc neither names nor launches them (fp32 state sub-buffers only).
@@ -113,10 +113,10 @@ Pipeline::Pipeline(const PipelineOptions& options)
       throw std::invalid_argument(std::string(layout.split() ? "a split master" : "int8/int4 states") +
                                   " runs on cpu devices; the SmartSSD device (xrt_device.cc) "
                                   "drives the fp32-state kernels only so far");
-    if (spec.kind == "xrt" && options.memory_budget)
-      throw std::invalid_argument("a memory budget is for cpu devices: XRT devices keep no "
-                                  "resident states yet (FPGA DRAM beyond the slots); pass "
-                                  "memory_budget=0 for " + spec.dir);
+    if (spec.kind != "cpu" && options.memory_budget)
+      throw std::invalid_argument("a memory budget is for cpu devices: " + spec.kind +
+                                  " devices keep no resident states yet (device memory beyond "
+                                  "the slots); pass memory_budget=0 for " + spec.dir);
     if (spec.io_schedule != "mixed" && spec.io_schedule != "phased")
       throw std::invalid_argument("io_schedule must be 'mixed' or 'phased', got '" +
                                   spec.io_schedule + "' for " + spec.dir);
@@ -125,8 +125,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
                                   " for " + spec.dir);
     Unit unit;
-    unit.device = spec.kind == "xrt" ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
-                                     : device::make_cpu_device(spec.dir, geometry, cpu);
+    unit.device = spec.kind == "xrt"    ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
+                  : spec.kind == "cuda" ? device::make_cuda_device(spec.dir, geometry, spec.cuda)
+                                        : device::make_cpu_device(spec.dir, geometry, cpu);
     if (options.chunk % unit.device->param_multiple() != 0)
       throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
                                   std::to_string(unit.device->param_multiple()) +

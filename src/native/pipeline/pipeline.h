@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "device/cuda_device.h"
 #include "device/device.h"
 #include "device/xrt_device.h"
 #include "pipeline/ring.h"
@@ -17,9 +18,10 @@
 namespace smartinf::pipeline {
 
 struct DeviceSpec {
-  std::string kind = "cpu";  // cpu | xrt
+  std::string kind = "cpu";  // cpu | xrt | cuda
   std::string dir;
   device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
+  device::CudaOptions cuda;  // kind cuda: which GPU
   double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
   std::string io_schedule = "mixed";  // mixed | phased: see RingOptions
   uint64_t io_burst = 0;     // phased: bytes of one direction per turn; 0: RingOptions' default

@@ -1,0 +1,14 @@
+// Built instead of cuda_device.cu when CMake finds no CUDA toolkit: a CUDA device is a
+// clear error.
+#include <stdexcept>
+
+#include "device/cuda_device.h"
+
+namespace smartinf::device {
+
+std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&, const CudaOptions&) {
+  throw std::invalid_argument("smartinf was built without CUDA: install a CUDA toolkit (nvcc on "
+                              "the PATH, or CUDACXX) and reinstall smartinf");
+}
+
+}  // namespace smartinf::device

@@ -1,0 +1,44 @@
+"""The GPU update kernels (src/native/device/cuda_update.cu: the functions of
+src/native/kernels/ compiled for the GPU) give the bits the same functions give on the host:
+tests/cuda/kernels_match.cu, built here with nvcc, runs every rule, (gradient, param) dtype
+pair, fp32 and split master, on a million params each. Needs nvcc and a CUDA GPU (the lent
+GPU machine: bench/gpu_kit.sh); skipped elsewhere."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ROOT / "src" / "native"
+
+
+def nvcc() -> str:
+    found = shutil.which("nvcc") or (
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
+    if not found or not os.path.exists(found):
+        pytest.skip("no CUDA toolkit (nvcc) here")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    return found
+
+
+def test_gpu_kernels_match_the_host_bit_for_bit(tmp_path):
+    exe = tmp_path / "kernels_match"
+    # -fmad=false: a * b + c stays two roundings, as on the host; division and square root
+    # are correctly rounded by nvcc's defaults (-prec-div, -prec-sqrt).
+    built = subprocess.run(
+        [nvcc(), "-std=c++17", "-O2", "-arch=native", "-fmad=false", "-diag-suppress", "1675",
+         f"-I{NATIVE}", str(ROOT / "tests" / "cuda" / "kernels_match.cu"),
+         str(NATIVE / "device" / "cuda_update.cu"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    print(ran.stdout[-4000:])
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
+    assert ", 0 differ" in ran.stdout
