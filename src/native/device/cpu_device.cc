@@ -93,22 +93,9 @@ struct FreeDeleter {
 class CpuDevice final : public Device {
  public:
   CpuDevice(std::string dir, const SlotGeometry& g, const CpuOptions& options)
-      : dir_(std::move(dir)), geometry_(g), pool_(options.pool) {
+      : dir_(std::move(dir)), geometry_(g), pool_(options.pool), slots_(g) {
     if (!pool_) pool_ = std::make_shared<ComputePool>(1);
-    // One allocation per slot: states, grad, out, compressed pairs, each page aligned.
-    const size_t io = store::align_up(g.chunk * 4);
-    slot_bytes_ = g.states_bytes() + 3 * io + store::align_up(g.chunk * 2);
-    for (size_t i = 0; i < g.count; ++i) {
-      void* mem = std::aligned_alloc(store::kAlign, slot_bytes_);
-      if (!mem) throw std::bad_alloc();
-      std::memset(mem, 0, slot_bytes_);  // touch now: memory is fixed at creation
-      char* base = static_cast<char*>(mem);
-      memory_.emplace_back(mem);
-      char* io_base = base + g.states_bytes();
-      slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io,
-                            reinterpret_cast<int32_t*>(io_base + 2 * io), io_base + 3 * io});
-    }
-    own_ = slots_;
+    for (size_t i = 0; i < slots_.size(); ++i) own_.push_back(slots_[i]);
     resident_bytes_ = store::align_up(options.resident_bytes);
     const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (resident_bytes_ > ram)
@@ -163,14 +150,11 @@ class CpuDevice final : public Device {
     slots_[i].out = out ? out : own_[i].out;
   }
 
-  void copy_in(size_t i, const void* grad, size_t bytes) override {
-    std::memcpy(slots_[i].grad, grad, bytes);
-  }
+  void copy_in(size_t i, const void* grad, size_t bytes) override { slots_.copy_in(i, grad, bytes); }
 
   void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
                           size_t value_bytes) override {
-    std::memcpy(slots_[i].index, index, nnz * 4);
-    std::memcpy(slots_[i].values, values, nnz * value_bytes);
+    slots_.copy_in_compressed(i, index, values, nnz, value_bytes);
   }
 
   // The chunk in parts on the pool's threads; a compressed gradient is rebuilt part by part
@@ -233,21 +217,18 @@ class CpuDevice final : public Device {
   }
 
   void copy_in_params(size_t i, const void* params, size_t bytes) override {
-    std::memcpy(slots_[i].out, params, bytes);
+    slots_.copy_in_params(i, params, bytes);
   }
 
-  void copy_out(size_t i, void* dst, size_t bytes) override {
-    std::memcpy(dst, slots_[i].out, bytes);
-  }
+  void copy_out(size_t i, void* dst, size_t bytes) override { slots_.copy_out(i, dst, bytes); }
 
   void init_states(size_t i, const float* const* arrays, const float* fill,
                    size_t numel) override {
-    import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
+    slots_.init_states(i, arrays, fill, numel);
   }
 
   void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
-    export_host_states(slots_[i].states, geometry_.layout, arrays, numel,
-                       static_cast<const kernels::bf16*>(slots_[i].out), adopt);
+    slots_.export_states(i, arrays, numel, adopt);
   }
 
  private:
@@ -273,9 +254,7 @@ class CpuDevice final : public Device {
   std::string dir_;
   SlotGeometry geometry_;
   std::shared_ptr<ComputePool> pool_;
-  size_t slot_bytes_ = 0;
-  std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
-  std::vector<Slot> slots_;
+  HostSlots slots_;
   // Each slot's own buffers, while others are bound (bind_states, bind_host).
   std::vector<Slot> own_;
   uint64_t resident_bytes_ = 0;

@@ -2,9 +2,6 @@
 // drains as on the cpu device, the kernel on the GPU over a mirror of the slot.
 #include "device/cuda_device.h"
 
-#include <cstdlib>
-#include <cstring>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,10 +21,6 @@ void check(cudaError_t e, const std::string& what) {
     throw std::runtime_error("CUDA device: " + what + ": " + cudaGetErrorString(e));
 }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
 // One slot's GPU side: its states, gradient and params, and the stream its chunk runs on.
 struct Mirror {
   void* states = nullptr;
@@ -39,7 +32,7 @@ struct Mirror {
 class CudaDevice final : public Device {
  public:
   CudaDevice(std::string dir, const SlotGeometry& g, const CudaOptions& o)
-      : dir_(std::move(dir)), geometry_(g), gpu_(o.gpu) {
+      : dir_(std::move(dir)), geometry_(g), gpu_(o.gpu), slots_(g) {
     if (g.layout.moments != store::Moments::fp32)
       throw std::invalid_argument(std::string(g.layout.dtype()) + " states run on cpu devices; "
                                   "the CUDA device has the fp32-state kernels only so far");
@@ -53,39 +46,26 @@ class CudaDevice final : public Device {
       throw std::invalid_argument("no CUDA GPU " + std::to_string(gpu_) + " (this machine has " +
                                   std::to_string(count) + ")");
     check(cudaSetDevice(gpu_), "selecting GPU " + std::to_string(gpu_));
-    // As the cpu device: one page-aligned host allocation per slot (states, grad, out,
-    // compressed pairs), page-locked so the copies to the GPU run at the link's speed.
-    io_ = store::align_up(g.chunk * 4);
-    slot_bytes_ = g.states_bytes() + 3 * io_ + store::align_up(g.chunk * 2);
-    for (size_t i = 0; i < g.count; ++i) {
-      void* mem = std::aligned_alloc(store::kAlign, slot_bytes_);
-      if (!mem) throw std::bad_alloc();
-      std::memset(mem, 0, slot_bytes_);
-      memory_.emplace_back(mem);
-      check(cudaHostRegister(mem, slot_bytes_, cudaHostRegisterPortable), "page-locking a slot");
-      char* base = static_cast<char*>(mem);
-      char* io_base = base + g.states_bytes();
-      slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io_,
-                            reinterpret_cast<int32_t*>(io_base + 2 * io_), io_base + 3 * io_});
-      Mirror m;
-      check(cudaMalloc(&m.states, g.states_bytes()), "allocating a slot's states on the GPU");
-      check(cudaMalloc(&m.grad, io_), "allocating a slot's gradient on the GPU");
-      check(cudaMalloc(&m.out, io_), "allocating a slot's params on the GPU");
-      check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
-      mirrors_.push_back(m);
+    // The host slots page-locked, so the copies to the GPU run at the link's speed.
+    const size_t io = store::align_up(g.chunk * 4);
+    try {
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        check(cudaHostRegister(slots_.memory(i), slots_.slot_bytes(), cudaHostRegisterPortable),
+              "page-locking a slot");
+        registered_ = i + 1;
+        Mirror& m = mirrors_.emplace_back();
+        check(cudaMalloc(&m.states, g.states_bytes()), "allocating a slot's states on the GPU");
+        check(cudaMalloc(&m.grad, io), "allocating a slot's gradient on the GPU");
+        check(cudaMalloc(&m.out, io), "allocating a slot's params on the GPU");
+        check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
+      }
+    } catch (...) {  // no destructor runs for a constructor that throws
+      release();
+      throw;
     }
   }
 
-  ~CudaDevice() override {
-    cudaSetDevice(gpu_);
-    for (Mirror& m : mirrors_) {
-      cudaStreamDestroy(m.stream);
-      cudaFree(m.states);
-      cudaFree(m.grad);
-      cudaFree(m.out);
-    }
-    for (auto& mem : memory_) cudaHostUnregister(mem.get());
-  }
+  ~CudaDevice() override { release(); }
 
   std::string describe() const override { return "cuda:" + std::to_string(gpu_) + ":" + dir_; }
   const std::string& storage_dir() const override { return dir_; }
@@ -94,20 +74,16 @@ class CudaDevice final : public Device {
   size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   bool registrable() const override { return true; }
 
-  void copy_in(size_t i, const void* grad, size_t bytes) override {
-    std::memcpy(slots_[i].grad, grad, bytes);
-  }
+  // The host's side of the slots is the cpu device's (HostSlots).
+  void copy_in(size_t i, const void* grad, size_t bytes) override { slots_.copy_in(i, grad, bytes); }
   void copy_in_params(size_t i, const void* params, size_t bytes) override {
-    std::memcpy(slots_[i].out, params, bytes);
+    slots_.copy_in_params(i, params, bytes);
   }
   void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
                           size_t value_bytes) override {
-    std::memcpy(slots_[i].index, index, nnz * 4);
-    std::memcpy(slots_[i].values, values, nnz * value_bytes);
+    slots_.copy_in_compressed(i, index, values, nnz, value_bytes);
   }
-  void copy_out(size_t i, void* dst, size_t bytes) override {
-    std::memcpy(dst, slots_[i].out, bytes);
-  }
+  void copy_out(size_t i, void* dst, size_t bytes) override { slots_.copy_out(i, dst, bytes); }
 
   // The chunk's states and gradient (and a split master's params) to the GPU, the kernel,
   // states and params back; the slot's host memory holds the result when this returns.
@@ -139,21 +115,32 @@ class CudaDevice final : public Device {
   }
 
   void init_states(size_t i, const float* const* arrays, const float* fill, size_t numel) override {
-    import_host_states(slots_[i].states, geometry_.layout, arrays, fill, numel);
+    slots_.init_states(i, arrays, fill, numel);
   }
 
   void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
-    export_host_states(slots_[i].states, geometry_.layout, arrays, numel,
-                       static_cast<const kernels::bf16*>(slots_[i].out), adopt);
+    slots_.export_states(i, arrays, numel, adopt);
   }
 
  private:
+  void release() {  // what was made so far (cudaFree(nullptr) is a no-op)
+    cudaSetDevice(gpu_);
+    for (Mirror& m : mirrors_) {
+      if (m.stream) cudaStreamDestroy(m.stream);
+      cudaFree(m.states);
+      cudaFree(m.grad);
+      cudaFree(m.out);
+    }
+    mirrors_.clear();
+    for (size_t i = 0; i < registered_; ++i) cudaHostUnregister(slots_.memory(i));
+    registered_ = 0;
+  }
+
   std::string dir_;
   SlotGeometry geometry_;
   int gpu_;
-  size_t io_ = 0, slot_bytes_ = 0;
-  std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
-  std::vector<Slot> slots_;
+  HostSlots slots_;
+  size_t registered_ = 0;  // slots page-locked so far (a failed constructor unlocks them)
   std::vector<Mirror> mirrors_;
 };
 

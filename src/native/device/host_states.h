@@ -1,13 +1,19 @@
 // The host's side of a device whose slot states are host-visible (host RAM, or a mapped
-// buffer object): state arrays in and out in the layout store/layout.h owns.
+// buffer object): state arrays in and out in the layout store/layout.h owns, and slots in
+// host memory (HostSlots).
 #pragma once
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
 
 #include "device/device.h"
 #include "kernels/rules.h"
 #include "kernels/split_master.h"
 #include "store/checksum.h"
+#include "store/layout.h"
 
 namespace smartinf::device {
 
@@ -72,5 +78,61 @@ inline void export_host_states(void* states, const store::StateLayout& layout,
   for (unsigned a = layout.split() ? 1 : 0; a < layout.arrays; ++a)
     if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
 }
+
+// Slots in host memory (the cpu device computes in them, the cuda device stages each chunk
+// there): one page-aligned allocation per slot, touched at creation (memory is fixed then),
+// holding the states, the gradient, the params and a compressed gradient's pairs; and the
+// host's side of the device interface's copies and state import/export on them.
+class HostSlots {
+ public:
+  explicit HostSlots(const SlotGeometry& g) : layout_(g.layout) {
+    const size_t io = store::align_up(g.chunk * 4);
+    bytes_ = g.states_bytes() + 3 * io + store::align_up(g.chunk * 2);
+    for (size_t i = 0; i < g.count; ++i) {
+      void* mem = std::aligned_alloc(store::kAlign, bytes_);
+      if (!mem) throw std::bad_alloc();
+      std::memset(mem, 0, bytes_);
+      memory_.emplace_back(mem);
+      char* base = static_cast<char*>(mem);
+      char* io_base = base + g.states_bytes();
+      slots_.push_back(Slot{reinterpret_cast<float*>(base), io_base, io_base + io,
+                            reinterpret_cast<int32_t*>(io_base + 2 * io), io_base + 3 * io});
+    }
+  }
+
+  size_t size() const { return slots_.size(); }
+  size_t slot_bytes() const { return bytes_; }
+  void* memory(size_t i) const { return memory_[i].get(); }
+  Slot& operator[](size_t i) { return slots_[i]; }
+  const Slot& operator[](size_t i) const { return slots_[i]; }
+
+  void copy_in(size_t i, const void* grad, size_t bytes) { std::memcpy(slots_[i].grad, grad, bytes); }
+  void copy_in_params(size_t i, const void* params, size_t bytes) {
+    std::memcpy(slots_[i].out, params, bytes);
+  }
+  void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
+                          size_t value_bytes) {
+    std::memcpy(slots_[i].index, index, nnz * 4);
+    std::memcpy(slots_[i].values, values, nnz * value_bytes);
+  }
+  void copy_out(size_t i, void* dst, size_t bytes) const { std::memcpy(dst, slots_[i].out, bytes); }
+  void init_states(size_t i, const float* const* arrays, const float* fill, size_t numel) {
+    import_host_states(slots_[i].states, layout_, arrays, fill, numel);
+  }
+  // A split master's params are the ones in the slot's `out` (copy_in_params).
+  void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) const {
+    export_host_states(slots_[i].states, layout_, arrays, numel,
+                       static_cast<const kernels::bf16*>(slots_[i].out), adopt);
+  }
+
+ private:
+  struct FreeDeleter {
+    void operator()(void* p) const { std::free(p); }
+  };
+  store::StateLayout layout_;
+  size_t bytes_ = 0;
+  std::vector<std::unique_ptr<void, FreeDeleter>> memory_;
+  std::vector<Slot> slots_;
+};
 
 }  // namespace smartinf::device
