@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import smartinf
+import smartinf.optim as so
 from smartinf.rounding import to_bf16
 
 CHUNK = 5000  # two full chunks and a partial one per sub-group
@@ -97,6 +98,8 @@ def test_gpu_ordinal_is_checked(tmp_path):
 def test_without_a_gpu_a_gpu_device_is_a_clear_error(disk_dir):
     with pytest.raises(ValueError, match="no CUDA GPU is visible"):
         smartinf.Pipeline(smartinf.CudaDevice(disk_dir), smartinf.AdamW(), chunk=CHUNK)
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):  # the optimizer's path too
+        so.AdamW(torch.nn.Linear(4, 4).parameters(), devices=smartinf.CudaDevice(disk_dir))
 
 
 @pytest.mark.skipif(cuda_built, reason="smartinf was built with CUDA")
