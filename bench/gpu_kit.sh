@@ -65,7 +65,7 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     ;;
   rebuild)
     # After `unpack`, where the native core changed: smartinf built again (Cython from
-    # .kitextra/, the machine's CMake).
+    # .kitextra/, the machine's CMake; its nvcc builds the CUDA device too).
     python3 -m pip install -q --no-index --no-deps --target "$PREFIX/site" .kitextra/cython-*.whl
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation --upgrade \
       --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build .
