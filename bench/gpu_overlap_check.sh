@@ -2,13 +2,15 @@
 # On a lent GPU machine, before timing anything: the updates started during backward on the
 # GPU paths are exact. tests/test_speculation.py (smartinf.optim, CUDA params), then the
 # DeepSpeed example on the tiny model, overlap against --no-overlap (bf16 streamed and
-# resident, fp16 with an injected overflow, clipping acting): the same losses, printed side by side, with the updates started during backward
-# and those finished while the next forward ran. Environment as for gpu_headtohead.sh.
+# resident, fp16 with an injected overflow, clipping acting): the same losses and final
+# params, printed side by side, with the updates started during backward and those
+# finished while the next forward ran. Environment as for gpu_headtohead.sh.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
 # name -> flags: bf16 streamed / resident, fp16 loss scaling with an injected overflow
-# (step 3's NaN loss: inf gradients, the step skipped, the scale halved), clipping acting.
+# (step 3's NaN loss: inf gradients, the step skipped; DeepSpeed's hysteresis keeps the
+# scale at a first overflow), clipping acting.
 CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memory-budget 64MiB"
        "tiny-fp16|--dtype fp16 --clip 0 --nan-at 3"
        "tiny-fp16-resident|--dtype fp16 --clip 0 --nan-at 3 --memory-budget 64MiB"

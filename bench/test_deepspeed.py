@@ -88,8 +88,7 @@ def test_updates_during_backward(bench_dir, storage_limits, summary, tmp_path):
             runs[mode].append(summarize(record, read_bw, write_bw)
                               | {"speculative": [s["pipeline"]["speculative_updates"] for s in record["steps"]],
                                  "retracted": [s["pipeline"]["retracted_updates"] for s in record["steps"]],
-                                 "deferred": [s["pipeline"]["deferred_updates"] for s in record["steps"]],
-                                 "gather_wait_s": [s["pipeline"]["gather_wait_s"] for s in record["steps"]]})
+                                 "deferred": [s["pipeline"]["deferred_updates"] for s in record["steps"]]})
     result = {}
     for mode, rs in runs.items():
         result[mode] = {k: statistics.median(r[k] for r in rs)

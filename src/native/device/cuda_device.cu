@@ -10,7 +10,6 @@
 
 #include "device/cuda_update.h"
 #include "device/host_states.h"
-#include "store/state_store.h"
 
 namespace smartinf::device {
 
