@@ -25,6 +25,14 @@ flags() {  # mode name -> train.py flags
     zero-offload) echo "--mode deepspeed-cpu" ;;
     super-offload) echo "--mode super-offload" ;;
     zero-infinity) echo "--mode zero-infinity" ;;
+    # ZeRO-Offload++: a quarter / half of the states updated on the GPU, the rest on the CPU
+    zero-offload-pp-q) echo "--mode deepspeed-cpu --offload-ratio 0.75" ;;
+    zero-offload-pp-h) echo "--mode deepspeed-cpu --offload-ratio 0.5" ;;
+    # the same GPU memory for smartinf's states (sub-groups that fit: whole ones), the rest
+    # resident in host RAM; -sync: overlap off
+    fp32-gpu-q-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10" ;;
+    fp32-gpu-h-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10" ;;
+    fp32-gpu-h-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-none) echo "--mode smartinf" ;;
     fp32-none-sync) echo "--mode smartinf --no-overlap" ;;
     int8-none) echo "--mode smartinf --state-dtype int8" ;;

@@ -77,14 +77,165 @@ def test_gpu_updates_match_the_cpu_device_bit_for_bit(disk_dir, rule, master, dt
     assert any(np.any(bits(v) != 0) for v in gpu[1][0].values())  # states were written
 
 
+def run_steps(pipe, params, rng, sizes, steps, on=None):
+    """`steps` steps of random gradients (made on the host, then moved `on` a GPU if given)."""
+    for _ in range(steps):
+        with pipe.step():
+            futures = []
+            for sg, n in enumerate(sizes):
+                grad = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(params[sg].dtype)
+                futures.append(pipe.update(sg, grad if on is None else grad.to(on), params[sg]))
+            for f in futures:
+                f.wait()
+
+
+def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_001),
+                   **settings):
+    """Sub-groups trained over `steps[0]` steps, the pipeline closed and reopened (states
+    from storage), then `steps[1]` more; their params, states and residency."""
+    rng = np.random.default_rng(0)
+    params = [to_bf16(torch.from_numpy(rng.standard_normal(n).astype(np.float32))).to(dtype)
+              for n in sizes]
+    params = [p if on is None else p.to(on) for p in params]
+    resident = []
+    for run, count in enumerate(steps):
+        pipe = smartinf.Pipeline(device, rule(), chunk=CHUNK, commit_every=3, **settings)
+        for sg, n in enumerate(sizes):
+            pipe.add_subgroup(n, params[sg].float().cpu())
+            assert pipe.resumed(sg) == (run > 0)
+        run_steps(pipe, params, rng, sizes, count, on)
+        resident.append([pipe.resident(sg) for sg in range(len(sizes))])
+        stats = pipe.stats
+        pipe.close()
+    pipe = smartinf.Pipeline(device, rule(), chunk=CHUNK, **settings)
+    for sg, n in enumerate(sizes):
+        pipe.add_subgroup(n, None)
+    states = [pipe.read_states(sg) for sg in range(len(sizes))]
+    pipe.close()
+    return [p.cpu() for p in params], states, resident, stats
+
+
+# Both sub-groups resident with room for their twins (a durable commit written in the
+# background while the next steps update the second copy), or only the first, without.
+BUDGETS = {"all": 8 << 20, "first": 200 << 10}
+
+
+@needs_gpu
+@pytest.mark.parametrize("rule", ["adamw", "lion", "sgd-nesterov"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir, rule, dtype,
+                                                                         budget):
+    """Commits every 3 steps (the resident states written at 3 and 6, the run closed at 7
+    and reopened: the states of step 7 come from the working copies written at close),
+    resumed from storage into GPU memory."""
+    gpu = train_resident(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"),
+                                             memory_budget=BUDGETS[budget]), RULES[rule], dtype)
+    cpu = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES[rule], dtype,
+                         memory_budget=BUDGETS[budget])
+    assert gpu[2] == cpu[2] == [[True, budget == "all"]] * 2
+    for a, b in zip(gpu[0], cpu[0]):
+        assert np.array_equal(bits(a), bits(b))
+    for sa, sb in zip(gpu[1], cpu[1]):
+        for name in sa:
+            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+
+
+@needs_gpu
+def test_cuda_tensors_are_read_and_written_in_place(disk_dir):
+    """Gradients and params in the GPU's memory, states resident there: nothing crosses
+    PCIe, and the bits are those of host buffers on the cpu device."""
+    gpu = train_resident(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=8 << 20),
+                         RULES["adamw"], torch.bfloat16, on="cuda")
+    cpu = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES["adamw"],
+                         torch.bfloat16)
+    assert gpu[3]["host_to_device"] == gpu[3]["device_to_host"] == 0
+    assert cpu[3]["host_to_device"] > 0
+    for a, b in zip(gpu[0], cpu[0]):
+        assert np.array_equal(bits(a), bits(b))
+    for sa, sb in zip(gpu[1], cpu[1]):
+        for name in sa:
+            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+
+
+@needs_gpu
+def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir):
+    sizes = (12_345, 7_001, 9_000, 4_000)
+    gpu_dir, cpu_dir = os.path.join(disk_dir, "gpu"), os.path.join(disk_dir, "cpu")
+    devices = [smartinf.CudaDevice(gpu_dir, memory_budget=300 << 10), smartinf.CpuDevice(cpu_dir)]
+    mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
+    one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
+                         torch.bfloat16, sizes=sizes)
+    # 12,345 + 7,001 params' states fit in 300 KiB, then 9,000 do not: balanced on the cpu
+    pipe = smartinf.Pipeline(devices, smartinf.AdamW(), chunk=CHUNK)
+    for n in sizes:
+        pipe.add_subgroup(n, None)
+    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, None]
+    pipe.close()
+    assert mixed[2] == [[True, True, False, False]] * 2
+    for a, b in zip(mixed[0], one[0]):
+        assert np.array_equal(bits(a), bits(b))
+
+
+@needs_gpu
+def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
+    """smartinf.optim with gpu_memory_budget: the GPU in front of the directory, the same
+    bits as the states on the cpu device (clipping acting)."""
+    def run(path, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 64)).cuda()
+        opt = so.AdamW(model.parameters(), lr=1e-2, devices=path, subgroup_size=10_000,
+                       max_grad_norm=0.5, chunk=CHUNK, **options)
+        data = torch.randn(6, 32, 64, generator=torch.Generator().manual_seed(1)).cuda()
+        for x in data:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        stats = opt.pipeline.stats
+        opt.close()
+        return [p.detach().cpu() for p in model.parameters()], stats
+    gpu, stats = run(os.path.join(disk_dir, "gpu"), gpu_memory_budget="4MiB")
+    cpu, _ = run(os.path.join(disk_dir, "cpu"))
+    assert os.path.isfile(os.path.join(disk_dir, "gpu", "gpu", "manifest"))
+    assert stats["host_to_device"] == 0  # every sub-group on the GPU
+    for a, b in zip(gpu, cpu):
+        assert np.array_equal(bits(a), bits(b))
+
+
 @needs_gpu
 @pytest.mark.parametrize("settings,message", [
     ({"state_dtype": "int8"}, "int8 states run on cpu devices"),
-    ({"memory_budget": 1 << 20}, "a memory budget is for cpu devices"),
+    ({"master": "split", "devices": lambda d: smartinf.CudaDevice(d, memory_budget=1 << 20)},
+     "a split master's states stay in host memory"),
 ])
 def test_what_the_gpu_device_does_not_do_yet_is_refused(disk_dir, settings, message):
+    device = settings.pop("devices", smartinf.CudaDevice)(disk_dir)
     with pytest.raises(ValueError, match=message):
-        smartinf.Pipeline(smartinf.CudaDevice(disk_dir), smartinf.AdamW(), chunk=CHUNK, **settings)
+        smartinf.Pipeline(device, smartinf.AdamW(), chunk=CHUNK, **settings)
+
+
+@needs_gpu
+def test_cuda_tensors_go_only_to_their_gpus_sub_groups(disk_dir):
+    pipe = smartinf.Pipeline(smartinf.CpuDevice(disk_dir), smartinf.AdamW(), chunk=CHUNK)
+    pipe.add_subgroup(100, None)
+    with pytest.raises(ValueError, match="grad is on cuda:0; pass a CPU"):
+        pipe.update(0, torch.zeros(100, device="cuda"), torch.zeros(100))
+    pipe.close()
+    pipe = smartinf.Pipeline(smartinf.CudaDevice(disk_dir + "-split"), smartinf.AdamW(),
+                             chunk=CHUNK, master="split")
+    pipe.add_subgroup(100, None)
+    with pytest.raises(ValueError, match="out is on cuda:0; pass a CPU"):
+        pipe.update(0, torch.zeros(100, device="cuda", dtype=torch.bfloat16),
+                    torch.zeros(100, device="cuda", dtype=torch.bfloat16))
+    pipe.close()
+
+
+def test_a_host_memory_budget_needs_a_cpu_device(tmp_path):
+    if not cuda_built:
+        pytest.skip("smartinf built without CUDA")
+    with pytest.raises(ValueError, match="memory_budget is host memory for cpu devices"):
+        smartinf.Pipeline(smartinf.CudaDevice(tmp_path), smartinf.AdamW(), memory_budget=1 << 20)
 
 
 def test_gpu_ordinal_is_checked(tmp_path):

@@ -429,9 +429,21 @@ def test_config_errors(change, message):
 def test_per_rank_directories_and_compression_settings():
     s = sds.Settings.from_config({"smartinf": {"devices": ["/a", "/b"],
                                                "compress": {"ratio": 0.01, "value_dtype": "bfloat16"}}})
-    assert s.rank_dirs(3) == ["/a/rank00003", "/b/rank00003"]
+    assert s.rank_devices(3, gpu=1) == ["/a/rank00003", "/b/rank00003"]
     top = s.top_k()
     assert top.ratio == 0.01 and top.value_dtype == torch.bfloat16
+
+
+def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
+    import smartinf
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a", "/b"],
+                                               "gpu": {"memory_budget": "2GiB"}}})
+    devices = s.rank_devices(3, gpu=1)
+    assert devices[0] == smartinf.CudaDevice("/a/rank00003/gpu", 1, 2 << 30)
+    assert devices[1:] == ["/a/rank00003", "/b/rank00003"]
+    for bad in ({"memory_budget": "lots"}, {"budget": 1}, 5):
+        with pytest.raises(ValueError, match="gpu"):
+            sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": bad}})
 
 
 def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):

@@ -89,8 +89,12 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
                 config["smartinf"][key] = getattr(args, key)
         if args.no_overlap:
             config["smartinf"]["overlap"] = False
+        if args.gpu_memory_budget:
+            config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if args.offload_ratio is not None:
+            config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     elif args.mode == "super-offload":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": True}
     else:
@@ -129,6 +133,10 @@ def main() -> None:
                         "(master=\"split\"); else fp32 masters")
     p.add_argument("--memory-budget", help="smartinf: bytes of states kept resident in RAM "
                    "per device (e.g. 24GiB)")
+    p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
+                   "updated there (the \"gpu\" block)")
+    p.add_argument("--offload-ratio", type=float, help="deepspeed-cpu: the share of the optimizer "
+                   "states offloaded to the CPU, the rest updated on the GPU (ZeRO-Offload++)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
     p.add_argument("--no-overlap", action="store_true",

@@ -97,6 +97,7 @@ cdef extern from "device/xrt_device.h" namespace "smartinf::device":
 cdef extern from "device/cuda_device.h" namespace "smartinf::device":
     cdef cppclass CudaOptions:
         int gpu
+        uint64_t resident_bytes
 
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
@@ -168,6 +169,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         cbool resident(size_t) except +raise_py_error
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
+        size_t device_of(size_t) except +raise_py_error
         uint64_t subgroup_steps(size_t) except +raise_py_error
         cbool pending()
         cmap[string, double] stats()
@@ -297,6 +299,7 @@ cdef class NativePipeline:
             spec.xrt.bdf = d.fpga_bdf.encode()
             spec.xrt.xclbin = d.xclbin.encode()
             spec.cuda.gpu = d.gpu
+            spec.cuda.resident_bytes = d.gpu_memory_budget
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst
@@ -430,6 +433,9 @@ cdef class NativePipeline:
 
     def numel(self, size_t sg) -> int:
         return self.p.numel(sg)
+
+    def device_of(self, size_t sg) -> int:
+        return self.p.device_of(sg)
 
     @property
     def state_arrays(self) -> int:

@@ -5,7 +5,7 @@ moves.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -43,14 +43,19 @@ def dtype_code(dtype: Any) -> int:
     return DTYPE_CODES[dtype]
 
 
-def host_buffer(name: str, x: Any, numel: int, dtypes: Iterable[int], *, writable: bool) -> Buffer:
-    """Checks that ``x`` is a contiguous CPU buffer of ``numel`` elements of an allowed dtype."""
+def host_buffer(name: str, x: Any, numel: int, dtypes: Iterable[int], *, writable: bool,
+                gpu: Optional[int] = None) -> Buffer:
+    """Checks that ``x`` is a contiguous CPU buffer of ``numel`` elements of an allowed dtype
+    (or a tensor in the memory of CUDA device ``gpu``, whose update device reads and writes
+    it there)."""
     allowed = sorted(set(dtypes))
     wanted = " or ".join(DTYPE_NAMES[c] for c in allowed)
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise ValueError(f"{name} is on {x.device}; pass a CPU (ideally pinned) tensor: "
-                             f"the device copies it over the host link itself")
+        on_gpu = gpu is not None and x.device.type == "cuda" and x.device.index == gpu
+        if x.device.type != "cpu" and not on_gpu:
+            where = f"a CUDA tensor on cuda:{gpu}, or " if gpu is not None else ""
+            raise ValueError(f"{name} is on {x.device}; pass {where}a CPU (ideally pinned) "
+                             f"tensor: the device copies it over the host link itself")
         if x.dtype not in DTYPE_CODES or DTYPE_CODES[x.dtype] not in allowed:
             raise TypeError(f"{name} has dtype {x.dtype}, expected {wanted}")
         if not x.is_contiguous():

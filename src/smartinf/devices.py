@@ -22,6 +22,7 @@ class NativeDeviceSpec(NamedTuple):
     io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
     gpu: int = 0  # cuda: the CUDA device ordinal
+    gpu_memory_budget: int = 0  # cuda: bytes of GPU memory for resident states
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
@@ -117,26 +118,54 @@ class XrtDevice:
 
 @dataclass(frozen=True)
 class CudaDevice:
-    """A CUDA GPU as the update device, its states in ``path``: the storage engine reads
-    each chunk into page-locked host memory as for a ``CpuDevice``, the chunk crosses PCIe to
-    GPU ``gpu`` (a CUDA ordinal), the same kernels run there (bit for bit the CPU's), and
-    states and params come back. fp32 states with an fp32 or a split master, dense
-    gradients; no memory budget yet (states resident in GPU memory are to come)."""
+    """A CUDA GPU as the update device, its states in ``path``; the same kernels run on GPU
+    ``gpu`` (a CUDA ordinal), bit for bit the CPU's.
+
+    ``memory_budget`` (bytes, or a string such as ``"8GiB"``; none by default) of GPU memory,
+    allocated when the pipeline is created, keeps states resident there: sub-groups fill it
+    before any are placed on other devices, are updated where they are, and are written to
+    ``path`` at durable commits. The rest stream: the storage engine reads each chunk into
+    page-locked host memory, it crosses PCIe to the GPU and its states come back. Gradients
+    and params in this GPU's memory are read and written where they are (``Pipeline.update``
+    takes CUDA tensors for its sub-groups); others cross PCIe. fp32 states, with an fp32
+    master or a split one (streamed, params in host memory); dense gradients."""
 
     path: str
-    gpu: int = 0
+    gpu: Optional[int] = None  # None: torch's current CUDA device when the pipeline opens
+    memory_budget: Union[int, str, None] = None
     kind = "cuda"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", _abspath(self.path, "CudaDevice"))
-        if isinstance(self.gpu, bool) or not isinstance(self.gpu, int) or self.gpu < 0:
+        if self.gpu is not None and (isinstance(self.gpu, bool) or not isinstance(self.gpu, int)
+                                     or self.gpu < 0):
             raise ValueError(f"gpu must be a CUDA device ordinal (an int >= 0), got {self.gpu!r}")
+        budget = 0 if self.memory_budget is None else \
+            defaults.parse_bytes(self.memory_budget, "CudaDevice memory_budget")
+        object.__setattr__(self, "memory_budget", budget)
 
     def native_spec(self) -> NativeDeviceSpec:
         if not _build_info.CUDA:
             raise OSError("smartinf was built without CUDA: install a CUDA toolkit (nvcc on the "
                           "PATH, or CUDACXX) and reinstall smartinf")
-        return NativeDeviceSpec("cuda", self.path, gpu=self.gpu)
+        return NativeDeviceSpec("cuda", self.path, gpu=self.ordinal(),
+                                gpu_memory_budget=self.memory_budget)
+
+    def ordinal(self) -> int:
+        """The CUDA ordinal: ``gpu``, or torch's current device (each rank's own under DDP)."""
+        if self.gpu is not None:
+            return self.gpu
+        import torch  # the devices module stays importable without initialising CUDA
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str],
+             gpu: int) -> list:
+    """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``
+    of states in its memory, its directory ``gpu/`` in the first device's: what
+    ``smartinf.optim``'s ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
+    first = devices[0] if isinstance(devices[0], (str, os.PathLike)) else devices[0].path
+    return [CudaDevice(os.path.join(os.fspath(first), "gpu"), gpu, memory_budget), *devices]
 
 
 Device = Union[CpuDevice, XrtDevice, CudaDevice]

@@ -55,32 +55,50 @@ class Driver:
         self.pipeline = pipeline
         self.compress = compress
         self.staging = Staging(size, depth_for(len(pipeline.devices)))
+        # Per staging buffer: params out in a GPU's memory, for sub-groups updated on that
+        # GPU (made at first use, kept), and which out the last send used.
+        self._gpu_outs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outs: dict[int, torch.Tensor] = {}
 
     def grow(self, size: int) -> None:
         """Staging for sub-groups of ``size`` params (asked for by the user: add_param_group)."""
         if size > self.staging.size:
             self.staging = Staging(size, self.staging.depth)
+            self._gpu_outs.clear()
+
+    def _gpu_out(self, buffer: int, device: torch.device, dtype: torch.dtype,
+                 numel: int) -> torch.Tensor:
+        key = (buffer, device.index)
+        if key not in self._gpu_outs:
+            self._gpu_outs[key] = torch.empty(self.staging.size * 4, dtype=torch.uint8, device=device)
+        return self._gpu_outs[key][:numel * dtype.itemsize].view(dtype)
 
     def send(self, sg: int, grad: torch.Tensor, buffer: int, scale: float, hyper: dict,
              out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
              params: Optional[torch.Tensor] = None, speculative: bool = False) -> Any:
         """Starts the update of sub-group ``sg`` from its flat gradient (on its own device):
-        compressed, passed as it is (a contiguous CPU tensor), or copied into staging. The
-        params come out into ``out`` (a CPU buffer) or into staging (see ``out``). With a
-        split master ``params`` are the sub-group's current params (flat, on their device),
-        sent in with the gradient through the same buffer. ``speculative``: see
-        ``Pipeline.update``."""
+        compressed, passed as it is (a contiguous CPU tensor, or one in the memory of the GPU
+        that updates the sub-group), or copied into staging. The params come out into ``out``
+        (a CPU buffer) or into staging (see ``out``), in that GPU's memory where the gradient
+        is there. With a split master ``params`` are the sub-group's current params (flat, on
+        their device), sent in with the gradient through the same buffer. ``speculative``:
+        see ``Pipeline.update``."""
+        gpu = self.pipeline.gpu_of(sg)
+        on_its_gpu = grad.is_cuda and grad.device.index == gpu
         if self.compress is not None:
             c = self.compress.compress(grad, key=sg)
             g: Any = Compressed(c.indices.to("cpu", non_blocking=True),
                                 c.values.to("cpu", non_blocking=True), c.numel)
-        elif grad.is_cpu and grad.is_contiguous():
+        elif (grad.is_cpu or on_its_gpu) and grad.is_contiguous():
             g = grad
         else:
             g = self.staging.grad(buffer, grad.dtype, grad.numel())
             g.copy_(grad, non_blocking=True)
+        if out is None and on_its_gpu and params is None:  # params never leave the GPU
+            out = self._gpu_out(buffer, grad.device, out_dtype or grad.dtype, grad.numel())
         if out is None:
             out = self.staging.out(buffer, out_dtype or grad.dtype, grad.numel())
+        self._outs[buffer] = out
         if params is not None and params.data_ptr() != out.data_ptr():
             out.copy_(params, non_blocking=True)
         if grad.is_cuda or (params is not None and params.is_cuda):
@@ -100,6 +118,9 @@ class Driver:
 
     def out(self, buffer: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The updated params of the sub-group sent with ``buffer`` (once its future is done)."""
+        sent = self._outs.get(buffer)
+        if sent is not None and sent.dtype == dtype and sent.numel() == numel:
+            return sent
         return self.staging.out(buffer, dtype, numel)
 
     def run(self, items: Sequence[Any], send: Callable[[Any, int], Any],

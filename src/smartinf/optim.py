@@ -32,7 +32,7 @@ from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import speculate_on_cpu
-from .devices import DEVICE_TYPES, DeviceLike
+from .devices import DEVICE_TYPES, DeviceLike, with_gpu
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .rounding import round_to
@@ -58,7 +58,10 @@ class StorageOptions(TypedDict, total=False):
     ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
     ``overlap`` as for ``smartinf.Pipeline``
     (``smartinf.settings.KEYWORDS``); ``if_exists`` what to do with directories holding an
-    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``.
+    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
+    ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
+    there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
+    directory ``gpu/`` in the first one's; none by default).
     """
 
     subgroup_size: int
@@ -78,6 +81,7 @@ class StorageOptions(TypedDict, total=False):
     commit_every: int
     compute_threads: int
     overlap: bool
+    gpu_memory_budget: "int | str"
 
 
 def resolve_devices(devices: Any) -> list:
@@ -200,7 +204,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
-                 **options: Any) -> None:
+                 gpu_memory_budget: "int | str | None" = None, **options: Any) -> None:
         # The pipeline's settings (PIPELINE_KEYWORDS) and torch's own options, apart.
         storage = {k: options.pop(k) for k in PIPELINE_KEYWORDS if k in options}
         torch_options = options
@@ -237,8 +241,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         self._split = settings.master == "split"
         self._refuse_split_of_other_dtypes(self._plan)
-        pipeline = Pipeline(resolve_devices(devices), self._rule(self.param_groups[0]),
-                            settings=settings)
+        pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget),
+                            self._rule(self.param_groups[0]), settings=settings)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
@@ -257,6 +261,17 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      self._gather_grad)
             self._hooks.register(self._plan)
+
+    def _devices_with_gpu(self, devices: list, budget: "int | str | None") -> list:
+        """``devices``, with the GPU the params are on in front when given a budget."""
+        if budget is None:
+            return devices
+        gpus = {sg.device for sg in self._plan if sg.device.type == "cuda"}
+        if len(gpus) != 1:
+            raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
+                             f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
+                             f": move the model to one GPU, or leave gpu_memory_budget out")
+        return with_gpu(devices, budget, gpus.pop().index)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _check_group(self, group: dict) -> None:

@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+import torch
 
 from . import _native, buffers
 from . import io_schedule as schedules
@@ -115,9 +116,10 @@ class Pipeline:
         states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
         starts from its ``init``), or ``"error"`` (refused, nothing changed).
     memory_budget
-        Bytes of states per device kept resident in memory (``SMARTINF_MEMORY_BUDGET``; 0):
-        the ``cpu`` device allocates them in host RAM when the pipeline is created (memory
-        stays fixed whatever the model). Each sub-group whose states fit in what is left
+        Bytes of states per ``cpu`` device kept resident in host RAM
+        (``SMARTINF_MEMORY_BUDGET``; 0), allocated when the pipeline is created (memory
+        stays fixed whatever the model); a ``CudaDevice`` takes a GPU memory budget of its
+        own. Each sub-group whose states fit in what is left
         stays resident from ``add_subgroup`` on (``resident(sg)``): it is updated in memory
         and only written to storage, never read; the others stream through the slots.
     commit_every
@@ -146,12 +148,14 @@ class Pipeline:
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
 
-    With several devices, sub-groups are placed by bytes (each new one on the device
-    holding the fewest params) and every device runs its own ring, in parallel. Each
+    With several devices, sub-groups fill the GPU memory budgets of ``CudaDevice``s first
+    (in device order; their update there is ~100x the host's), and the others are placed by
+    bytes (each new one on the device holding the fewest params outside GPU budgets); every
+    device runs its own ring, in parallel. Each
     directory records its place in the device list; reopening needs the same list.
     """
 
-    __slots__ = ("_native", "_devices", "optimizer", "settings", "_param_dtype", "_inflight",
+    __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
                  "_final_stats", "_final_device_stats", "_resumed", "io_schedules")
 
     def __init__(
@@ -179,6 +183,7 @@ class Pipeline:
         self._native = None
         self._devices = resolve(devices)
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
+        self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
             raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...), "
@@ -286,7 +291,10 @@ class Pipeline:
         CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
         tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
         clipping coefficient) before use. ``out`` receives the updated params
-        (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry).
+        On a ``CudaDevice`` (``gpu_of(sg)``) ``grad``, and ``out`` but with a split master,
+        may be CUDA tensors on its GPU: read and written there, nothing crosses PCIe (what the
+        caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
         for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
         schedulers, param groups). Each sub-group is updated at most once per step; the
         step becomes durable with ``commit()`` (or ``with pipe.step():``).
@@ -299,7 +307,9 @@ class Pipeline:
         numel = native.numel(sg)
         allowed = [self._param_dtype] if self._param_dtype is not None else \
             [buffers.F32, buffers.F16, buffers.BF16]
-        o = buffers.host_buffer("out", out, numel, allowed, writable=True)
+        gpu = self.gpu_of(sg)
+        o = buffers.host_buffer("out", out, numel, allowed, writable=True,
+                                gpu=None if self.settings.master == "split" else gpu)
         if isinstance(grad, Compressed):
             if grad.numel != numel:
                 raise ValueError(f"the compressed gradient is of {grad.numel} params, "
@@ -312,7 +322,7 @@ class Pipeline:
             spans = [(g, nnz), (index, nnz)]
         else:
             g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
-                                    writable=False)
+                                    writable=False, gpu=gpu)
             index, nnz, keep, spans = None, 0, (g.owner, o.owner), [(g, numel)]
         if any(_overlaps(b, n, o, numel) for b, n in spans):
             raise ValueError("grad and out overlap; give out its own memory")
@@ -321,12 +331,20 @@ class Pipeline:
             raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
         # maximize: torch negates the gradient first; a negated scale is the same, exactly
         hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
+        on_gpu = [b.owner for b in (g, o) if isinstance(b.owner, torch.Tensor) and b.owner.is_cuda]
+        if on_gpu:  # the device's own stream reads them: what the caller's queued must land
+            torch.cuda.current_stream(on_gpu[0].device).synchronize()
         done = native.update(sg, g.address, g.dtype, index is not None,
                              index.address if index else 0, nnz, o.address, o.dtype, hyper,
                              bool(speculative))
         future = UpdateFuture(done, keep)
         self._inflight.append(future)
         return future
+
+    def gpu_of(self, sg: int) -> Optional[int]:
+        """The CUDA ordinal of the GPU sub-group ``sg`` is updated on (its gradient and
+        params may be CUDA tensors there), or None: a CPU or SmartSSD device."""
+        return self._gpus[self._open().device_of(self._subgroup(sg))]
 
     def retractable(self, sg: int) -> bool:
         """Whether ``sg`` can be updated speculatively now: its update would leave the states

@@ -145,7 +145,7 @@ class CpuDevice final : public Device {
   }
 
   bool host_memory() const override { return true; }
-  void bind_host(size_t i, const void* grad, void* out) override {
+  void bind_caller(size_t i, const void* grad, void* out) override {
     slots_[i].grad = grad ? const_cast<void*>(grad) : own_[i].grad;
     slots_[i].out = out ? out : own_[i].out;
   }
@@ -255,7 +255,7 @@ class CpuDevice final : public Device {
   SlotGeometry geometry_;
   std::shared_ptr<ComputePool> pool_;
   HostSlots slots_;
-  // Each slot's own buffers, while others are bound (bind_states, bind_host).
+  // Each slot's own buffers, while others are bound (bind_states, bind_caller).
   std::vector<Slot> own_;
   uint64_t resident_bytes_ = 0;
   std::unique_ptr<void, FreeDeleter> resident_;

@@ -20,11 +20,17 @@ void check(cudaError_t e, const std::string& what) {
     throw std::runtime_error("CUDA device: " + what + ": " + cudaGetErrorString(e));
 }
 
-// One slot's GPU side: its states, gradient and params, and the stream its chunk runs on.
+// One slot's GPU side: its states (its own, or resident ones bound for a job), gradient
+// and params (its own, or the caller's where they are in this GPU's memory), and the
+// stream its chunk runs on.
 struct Mirror {
+  void* own_states = nullptr;
+  void* own_grad = nullptr;
+  void* own_out = nullptr;
   void* states = nullptr;
-  void* grad = nullptr;
+  const void* grad = nullptr;
   void* out = nullptr;
+  bool resident = false;  // states bound to resident memory
   cudaStream_t stream = nullptr;
 };
 
@@ -44,6 +50,10 @@ class CudaDevice final : public Device {
     if (gpu_ < 0 || gpu_ >= count)
       throw std::invalid_argument("no CUDA GPU " + std::to_string(gpu_) + " (this machine has " +
                                   std::to_string(count) + ")");
+    if (o.resident_bytes && g.layout.split())
+      throw std::invalid_argument("a split master's states stay in host memory or storage so "
+                                  "far: give the CUDA device no memory budget with "
+                                  "master='split'");
     check(cudaSetDevice(gpu_), "selecting GPU " + std::to_string(gpu_));
     // The host slots page-locked, so the copies to the GPU run at the link's speed.
     const size_t io = store::align_up(g.chunk * 4);
@@ -53,11 +63,14 @@ class CudaDevice final : public Device {
               "page-locking a slot");
         registered_ = i + 1;
         Mirror& m = mirrors_.emplace_back();
-        check(cudaMalloc(&m.states, g.states_bytes()), "allocating a slot's states on the GPU");
-        check(cudaMalloc(&m.grad, io), "allocating a slot's gradient on the GPU");
-        check(cudaMalloc(&m.out, io), "allocating a slot's params on the GPU");
+        check(cudaMalloc(&m.own_states, g.states_bytes()), "allocating a slot's states on the GPU");
+        check(cudaMalloc(&m.own_grad, io), "allocating a slot's gradient on the GPU");
+        check(cudaMalloc(&m.own_out, io), "allocating a slot's params on the GPU");
+        m.states = m.own_states, m.grad = m.own_grad, m.out = m.own_out;
         check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
       }
+      check(cudaStreamCreateWithFlags(&persist_stream_, cudaStreamNonBlocking), "creating a stream");
+      allocate_resident(store::align_up(o.resident_bytes));
     } catch (...) {  // no destructor runs for a constructor that throws
       release();
       throw;
@@ -73,19 +86,64 @@ class CudaDevice final : public Device {
   size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   bool registrable() const override { return true; }
 
-  // The host's side of the slots is the cpu device's (HostSlots).
-  void copy_in(size_t i, const void* grad, size_t bytes) override { slots_.copy_in(i, grad, bytes); }
+  // Resident states in GPU memory (the budget, allocated at creation).
+  uint64_t resident_bytes() const override { return resident_bytes_; }
+  bool host_visible_resident() const override { return false; }
+  bool placed_first() const override { return true; }
+  void bind_states(size_t i, uint64_t at) override {
+    Mirror& m = mirrors_[i];
+    m.resident = at != kOwnStates;
+    m.states = m.resident ? resident(at) : m.own_states;
+  }
+  void copy_states(size_t i, uint64_t from, size_t bytes) override {
+    const Mirror& m = mirrors_[i];
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpyAsync(m.states, resident(from), bytes, cudaMemcpyDeviceToDevice, m.stream),
+          "copying resident states");
+    check(cudaStreamSynchronize(m.stream), "copying resident states");
+  }
+  void resident_loaded(size_t i, size_t bytes) override { states_to_gpu(i, bytes); }
+  void resident_to_host(uint64_t at, void* dst, size_t bytes) const override {
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpyAsync(dst, resident(at), bytes, cudaMemcpyDeviceToHost, persist_stream_),
+          "resident states to the host");
+    check(cudaStreamSynchronize(persist_stream_), "resident states to the host");
+  }
+
+  // This GPU's memory: a gradient there is read and params written where they are.
+  bool reaches(const void* p) const override {
+    cudaPointerAttributes a{};
+    if (!p || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();  // a pointer CUDA does not know: host memory, not an error
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice && a.device == gpu_;
+  }
+  void bind_caller(size_t i, const void* grad, void* out) override {
+    Mirror& m = mirrors_[i];
+    m.grad = grad ? grad : m.own_grad;
+    m.out = out ? out : m.own_out;
+  }
+
+  // The host's side of the slots is the cpu device's (HostSlots); the caller's buffers may
+  // be in any memory CUDA knows (cudaMemcpyDefault), another GPU's included.
+  void copy_in(size_t i, const void* grad, size_t bytes) override {
+    copy(slots_[i].grad, grad, bytes, "a gradient in");
+  }
   void copy_in_params(size_t i, const void* params, size_t bytes) override {
-    slots_.copy_in_params(i, params, bytes);
+    copy(slots_[i].out, params, bytes, "params in");
   }
   void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
                           size_t value_bytes) override {
     slots_.copy_in_compressed(i, index, values, nnz, value_bytes);
   }
-  void copy_out(size_t i, void* dst, size_t bytes) override { slots_.copy_out(i, dst, bytes); }
+  void copy_out(size_t i, void* dst, size_t bytes) override {
+    copy(dst, slots_[i].out, bytes, "params out");
+  }
 
-  // The chunk's states and gradient (and a split master's params) to the GPU, the kernel,
-  // states and params back; the slot's host memory holds the result when this returns.
+  // The kernel on the GPU: streamed states cross PCIe to it and back (the slot's host
+  // memory holds the result when this returns), resident ones are updated where they are;
+  // so are the caller's gradient and params where they are in this GPU's memory.
   void compute(size_t i, const Kernel& k, size_t numel) override {
     if (k.compressed)
       throw std::invalid_argument("top-k gradients run on cpu devices; " + describe() +
@@ -96,41 +154,103 @@ class CudaDevice final : public Device {
     const size_t states = layout.bytes(numel), gsize = kernels::dtype_size(k.grad),
                  psize = kernels::dtype_size(k.param);
     check(cudaSetDevice(gpu_), "selecting the GPU");
-    check(cudaMemcpyAsync(m.states, s.states, states, cudaMemcpyHostToDevice, m.stream), "states in");
-    check(cudaMemcpyAsync(m.grad, s.grad, numel * gsize, cudaMemcpyHostToDevice, m.stream), "gradient in");
+    if (k.copy_from != kOwnStates)  // a resident chunk's first update from its twin
+      check(cudaMemcpyAsync(m.states, resident(k.copy_from), states, cudaMemcpyDeviceToDevice,
+                            m.stream), "states from the twin");
+    else if (!m.resident)
+      check(cudaMemcpyAsync(m.states, s.states, states, cudaMemcpyHostToDevice, m.stream), "states in");
+    if (m.grad == m.own_grad)
+      check(cudaMemcpyAsync(m.own_grad, s.grad, numel * gsize, cudaMemcpyHostToDevice, m.stream),
+            "gradient in");
     float* arrays[kMaxStateArrays] = {};
     for (unsigned a = 0; a < layout.arrays; ++a) arrays[a] = layout.array(m.states, numel, a);
     if (layout.split()) {
       if (k.param != DType::bf16) throw std::logic_error("a split master needs bfloat16 params");
-      check(cudaMemcpyAsync(m.out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream), "params in");
+      if (m.out == m.own_out)
+        check(cudaMemcpyAsync(m.own_out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream),
+              "params in");
       cuda::update_split(k.step, k.grad, numel, arrays, layout.split_at(m.states, numel).low,
                          m.grad, static_cast<kernels::bf16*>(m.out), k.adopt, m.stream);
     } else {
       cuda::update(k.step, k.grad, k.param, numel, arrays, m.grad, m.out, m.stream);
     }
-    check(cudaMemcpyAsync(s.states, m.states, states, cudaMemcpyDeviceToHost, m.stream), "states out");
-    check(cudaMemcpyAsync(s.out, m.out, numel * psize, cudaMemcpyDeviceToHost, m.stream), "params out");
+    if (!m.resident)
+      check(cudaMemcpyAsync(s.states, m.states, states, cudaMemcpyDeviceToHost, m.stream), "states out");
+    if (m.out == m.own_out)
+      check(cudaMemcpyAsync(s.out, m.own_out, numel * psize, cudaMemcpyDeviceToHost, m.stream),
+            "params out");
     check(cudaStreamSynchronize(m.stream), "the update of a chunk");
   }
 
+  // In the slot's host memory, then to the resident states the slot is bound to.
   void init_states(size_t i, const float* const* arrays, const float* fill, size_t numel) override {
     slots_.init_states(i, arrays, fill, numel);
+    if (mirrors_[i].resident) states_to_gpu(i, geometry_.layout.bytes(numel));
   }
 
+  // Resident states come to the slot's host memory first.
   void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
+    const Mirror& m = mirrors_[i];
+    if (m.resident) {
+      check(cudaSetDevice(gpu_), "selecting the GPU");
+      check(cudaMemcpyAsync(slots_[i].states, m.states, geometry_.layout.bytes(numel),
+                            cudaMemcpyDeviceToHost, m.stream), "resident states out");
+      check(cudaStreamSynchronize(m.stream), "resident states out");
+    }
     slots_.export_states(i, arrays, numel, adopt);
   }
 
  private:
+  // The slot's host states to the GPU states it is bound to.
+  void states_to_gpu(size_t i, size_t bytes) {
+    const Mirror& m = mirrors_[i];
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpyAsync(m.states, slots_[i].states, bytes, cudaMemcpyHostToDevice, m.stream),
+          "resident states in");
+    check(cudaStreamSynchronize(m.stream), "resident states in");
+  }
+
+  void copy(void* dst, const void* src, size_t bytes, const char* what) const {
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), what);
+  }
+
+  void* resident(uint64_t at) const {
+    if (at >= resident_bytes_ || at % store::kAlign != 0)
+      throw std::out_of_range("resident states at byte " + std::to_string(at) + " of " +
+                              std::to_string(resident_bytes_));
+    return static_cast<char*>(resident_) + at;
+  }
+
+  // The budget in GPU memory, zeroed now (held from creation, as the cpu device's RAM).
+  void allocate_resident(uint64_t bytes) {
+    if (!bytes) return;
+    size_t free = 0, total = 0;
+    check(cudaMemGetInfo(&free, &total), "reading the GPU's free memory");
+    if (bytes > free)
+      throw std::invalid_argument("a memory budget of " + std::to_string(bytes) + " bytes on GPU " +
+                                  std::to_string(gpu_) + " is more than its free memory (" +
+                                  std::to_string(free) + " of " + std::to_string(total) +
+                                  " bytes): give the CUDA device a budget that leaves room for "
+                                  "the model, its activations and the slots");
+    check(cudaMalloc(&resident_, bytes), "allocating the memory budget on the GPU");
+    resident_bytes_ = bytes;
+    check(cudaMemset(resident_, 0, bytes), "clearing the memory budget");
+  }
+
   void release() {  // what was made so far (cudaFree(nullptr) is a no-op)
     cudaSetDevice(gpu_);
     for (Mirror& m : mirrors_) {
       if (m.stream) cudaStreamDestroy(m.stream);
-      cudaFree(m.states);
-      cudaFree(m.grad);
-      cudaFree(m.out);
+      cudaFree(m.own_states);
+      cudaFree(m.own_grad);
+      cudaFree(m.own_out);
     }
     mirrors_.clear();
+    if (persist_stream_) cudaStreamDestroy(persist_stream_);
+    persist_stream_ = nullptr;
+    cudaFree(resident_);
+    resident_ = nullptr;
     for (size_t i = 0; i < registered_; ++i) cudaHostUnregister(slots_.memory(i));
     registered_ = 0;
   }
@@ -141,6 +261,9 @@ class CudaDevice final : public Device {
   HostSlots slots_;
   size_t registered_ = 0;  // slots page-locked so far (a failed constructor unlocks them)
   std::vector<Mirror> mirrors_;
+  void* resident_ = nullptr;
+  uint64_t resident_bytes_ = 0;
+  cudaStream_t persist_stream_ = nullptr;  // the background lane's copies to the host
 };
 
 }  // namespace

@@ -9,11 +9,14 @@
 namespace smartinf::device {
 
 // Slots in page-locked host memory (the storage engine reads and writes them as on the cpu
-// device), mirrored in GPU memory for the kernel (device/cuda_update.h): each chunk's states
-// and gradient cross PCIe to the GPU and its states and params back. fp32 states with an
-// fp32 or a split master; no resident states yet (a memory budget is refused), no top-k.
+// device), mirrored in GPU memory for the kernel (device/cuda_update.h): a streamed chunk's
+// states cross PCIe to the GPU and back. `resident_bytes` of GPU memory (allocated at
+// creation) hold resident states, updated where they are; a gradient and params in this
+// GPU's memory are read and written where they are. fp32 states with an fp32 or a split
+// master (not resident), dense gradients.
 struct CudaOptions {
   int gpu = 0;  // CUDA device ordinal
+  uint64_t resident_bytes = 0;  // the memory budget, GPU memory
 };
 std::unique_ptr<Device> make_cuda_device(const std::string& dir, const SlotGeometry& geometry,
                                          const CudaOptions& options);

@@ -84,12 +84,29 @@ class Device {
   // `slot` is bound to: a resident chunk's first update after its copy was pinned by a
   // background commit (the pinned copy is being written; the update goes to the other).
   virtual void copy_states(size_t slot, uint64_t from, size_t bytes);
-  // Whether the device computes in host memory (the cpu device): the ring then points a
-  // slot's gradient and params at the caller's buffers (bind_host) instead of copying them
-  // in and out, the copies a real device's link needs; the bytes still count as crossing it.
+  // Whether sub-groups fill this device's resident memory before any are balanced over the
+  // devices (Pipeline::place): its update of resident states is far the fastest (a GPU).
+  virtual bool placed_first() const { return false; }
+  // Whether resident states are in host memory (resident_at works). Elsewhere (a GPU's
+  // memory) the host reaches them through the slot's host states: a resident chunk's
+  // states read from storage land there first (resident_loaded), and the background lane
+  // writes them from a host copy (resident_to_host).
+  virtual bool host_visible_resident() const { return true; }
+  // The states of slot `slot` (bound to resident memory) were read from storage into the
+  // slot's host states: to the device's memory. Host-visible: already there.
+  virtual void resident_loaded(size_t slot, size_t bytes);
+  // `bytes` at byte `at` of resident memory into host memory `dst`.
+  virtual void resident_to_host(uint64_t at, void* dst, size_t bytes) const;
+  // Whether the device computes in host memory (the cpu device): it reaches every host
+  // buffer, and the bytes it reads and writes there still count as crossing its link.
   virtual bool host_memory() const { return false; }
+  // Whether the update can read a caller's buffer at `p` where it is (host memory for the
+  // cpu device; its own GPU's memory for the cuda device): the ring then points a slot's
+  // gradient and params at the caller's buffers (bind_caller) instead of copying them in
+  // and out.
+  virtual bool reaches(const void*) const { return host_memory(); }
   // Slot `slot`'s dense gradient and params for one job (null: the slot's own buffers).
-  virtual void bind_host(size_t slot, const void* grad, void* out);
+  virtual void bind_caller(size_t slot, const void* grad, void* out);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: the bf16 params a split master is rebuilt from, into the slot's `out`.
   virtual void copy_in_params(size_t slot, const void* params, size_t bytes) = 0;
@@ -112,8 +129,14 @@ inline void Device::bind_states(size_t, uint64_t at) {
     throw std::invalid_argument(describe() + " has no memory for resident states");
 }
 
-inline void Device::bind_host(size_t, const void* grad, void* out) {
-  if (grad || out) throw std::logic_error(describe() + " computes in its own memory");
+inline void Device::bind_caller(size_t, const void* grad, void* out) {
+  if (grad || out) throw std::logic_error(describe() + " reaches no caller's buffer");
+}
+
+inline void Device::resident_loaded(size_t, size_t) {}
+
+inline void Device::resident_to_host(uint64_t, void*, size_t) const {
+  throw std::logic_error(describe() + "'s resident states are in host memory: resident_at");
 }
 
 inline const void* Device::resident_at(uint64_t) const {

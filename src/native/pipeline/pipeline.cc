@@ -104,6 +104,13 @@ Pipeline::Pipeline(const PipelineOptions& options)
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
       options.compute_threads ? options.compute_threads : device::default_compute_threads())};
+  const bool any_cpu = std::any_of(options.devices.begin(), options.devices.end(),
+                                   [](const DeviceSpec& d) { return d.kind == "cpu"; });
+  if (options.memory_budget && !any_cpu)
+    throw std::invalid_argument("memory_budget is host memory for cpu devices, and this pipeline "
+                                "has none: a CUDA device takes a GPU memory budget of its own "
+                                "(CudaDevice(path, memory_budget=...)); xrt devices keep no "
+                                "resident states");
   for (const DeviceSpec& spec : options.devices) {
     if (spec.kind != "cpu" && spec.kind != "xrt" && spec.kind != "cuda")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
@@ -113,10 +120,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
       throw std::invalid_argument(std::string(layout.split() ? "a split master" : "int8/int4 states") +
                                   " runs on cpu devices; the SmartSSD device (xrt_device.cc) "
                                   "drives the fp32-state kernels only so far");
-    if (spec.kind != "cpu" && options.memory_budget)
-      throw std::invalid_argument("a memory budget is for cpu devices: " + spec.kind +
-                                  " devices keep no resident states yet (device memory beyond "
-                                  "the slots); pass memory_budget=0 for " + spec.dir);
+    if (spec.kind != "cuda" && spec.cuda.resident_bytes)
+      throw std::invalid_argument("a GPU memory budget is for cuda devices, not " + spec.dir);
     if (spec.io_schedule != "mixed" && spec.io_schedule != "phased")
       throw std::invalid_argument("io_schedule must be 'mixed' or 'phased', got '" +
                                   spec.io_schedule + "' for " + spec.dir);
@@ -251,6 +256,8 @@ uint64_t Pipeline::numel(size_t sg) const {
   return devices_[p.unit].store->record(p.local).numel;
 }
 
+size_t Pipeline::device_of(size_t sg) const { return placed(sg).unit; }
+
 uint64_t Pipeline::current_steps(const Placement& p) const {
   return p.dirty ? p.steps : devices_[p.unit].store->record(p.local).steps;
 }
@@ -283,23 +290,37 @@ void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
   if (!jobs.empty()) jobs.front().completion->wait();
 }
 
+// Where sub-group `id` (`bytes` of states) goes: the device whose directory holds it
+// (reopened: membership fixed the device list); else the first device placed first
+// (a GPU: its resident update is ~100x the host's, so its budget fills first) whose
+// resident memory holds it; else balanced by params (the device with the fewest so far
+// outside such budgets) over the other devices, or over all when every one is placed
+// first. Deterministic, so a reopened pipeline places new sub-groups as the first run did.
+size_t Pipeline::place(int64_t id, uint64_t bytes) const {
+  for (size_t u = 0; u < devices_.size(); ++u)
+    if (devices_[u].store->holds(id)) return u;
+  for (size_t u = 0; u < devices_.size(); ++u) {
+    const Unit& d = devices_[u];
+    if (d.device->placed_first() && d.resident_used + bytes <= d.device->resident_bytes()) return u;
+  }
+  const bool others = std::any_of(devices_.begin(), devices_.end(),
+                                  [](const Unit& d) { return !d.device->placed_first(); });
+  size_t unit = devices_.size();
+  for (size_t u = 0; u < devices_.size(); ++u) {
+    if (others && devices_[u].device->placed_first()) continue;
+    if (unit == devices_.size() || devices_[u].balanced_numel < devices_[unit].balanced_numel) unit = u;
+  }
+  return unit;
+}
+
 size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint,
                               bool& resumed) {
   std::lock_guard lock(mu_);
   require_open();
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   const auto id = static_cast<int64_t>(placement_.size());
-  // Balanced by bytes: the device with the fewest params so far (a deterministic choice,
-  // so reopening with the same devices places every sub-group where it was).
-  size_t unit = 0;
-  for (size_t u = 1; u < devices_.size(); ++u)
-    if (devices_[u].numel < devices_[unit].numel) unit = u;
-  for (size_t u = 0; u < devices_.size(); ++u)
-    if (u != unit && devices_[u].store->holds(id))
-      throw std::invalid_argument(
-          devices_[u].store->dir() + " holds sub-group " + std::to_string(id) +
-          " but this pipeline places it on " + devices_[unit].store->dir() +
-          "; pass the same devices in the same order as when the directories were made");
+  const uint64_t bytes = store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2;
+  const size_t unit = place(id, bytes);
   const size_t multiple = devices_[unit].device->param_multiple();
   if (numel % multiple != 0)
     throw std::invalid_argument("a sub-group of " + std::to_string(numel) + " params on " +
@@ -310,7 +331,6 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   bool created = false;
   Placement p{unit, store.attach(id, numel, fingerprint, created)};
   // Resident if its states fit in what is left of the budget: decided here, once.
-  const uint64_t bytes = store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2;
   if (u.resident_used + bytes <= u.device->resident_bytes()) p.resident = u.resident_used;
   try {
     if (created) {
@@ -333,6 +353,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   if (p.resident != device::kOwnStates) u.resident_used += bytes;
   resumed = !created;
   u.numel += numel;
+  if (p.resident == device::kOwnStates || !u.device->placed_first()) u.balanced_numel += numel;
   placement_.push_back(p);
   updated_.push_back(false);
   return static_cast<size_t>(id);

@@ -38,8 +38,9 @@ struct PipelineOptions {
   double host_link_bps = 0;         // shared host link, each direction; 0: no cap
   bool verify = false;              // checksum every extent loaded (always on resume)
   std::string if_exists = "resume";  // directories holding a run: resume | overwrite | error
-  // The memory tier: bytes of states per device kept resident in device memory (cpu: host
-  // RAM, held from creation); sub-groups that fit stay there, the rest stream. 0: none.
+  // The memory tier: bytes of states per cpu device kept resident in host RAM, held from
+  // creation (a cuda device's GPU budget is its own: CudaOptions); sub-groups that fit stay
+  // there, the rest stream. 0: none.
   uint64_t memory_budget = 0;
   // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
   // others keep the step in resident memory and the working copies. 1: every step.
@@ -122,6 +123,7 @@ class Pipeline {
   bool resident(size_t sg) const { return placed(sg).resident != device::kOwnStates; }
   size_t subgroup_count() const { return placement_.size(); }
   uint64_t numel(size_t sg) const;
+  size_t device_of(size_t sg) const;  // the index of the device sub-group sg is placed on
   uint64_t subgroup_steps(size_t sg) const;
   bool pending() const { return !completions_.empty(); }
   std::map<std::string, double> stats() const;  // all devices together
@@ -137,7 +139,8 @@ class Pipeline {
     std::unique_ptr<device::Device> device;
     std::unique_ptr<store::StateStore> store;
     std::unique_ptr<Ring> ring;
-    uint64_t numel = 0;           // placed so far, for balancing
+    uint64_t numel = 0;           // placed so far
+    uint64_t balanced_numel = 0;  // of those, the ones placement balances (Pipeline::place)
     uint64_t resident_used = 0;   // bytes of the device's resident memory given out
   };
   struct Placement {
@@ -165,6 +168,7 @@ class Pipeline {
     std::map<std::string, double> hyper;
   };
   const Placement& placed(size_t sg) const;
+  size_t place(int64_t id, uint64_t bytes) const;
   uint64_t current_steps(const Placement& p) const;  // ahead of the store's record while dirty
   void check_membership();
   void require_open() const;

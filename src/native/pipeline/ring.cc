@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <stdexcept>
 #include <utility>
@@ -55,12 +56,20 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   host_memory_ = device.host_memory();
   if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
+  // Resident states outside host memory are written from host copies: fixed, made now.
+  if (device.resident_bytes() && !device.host_visible_resident())
+    for (size_t i = 0; i < kPersistInFlight; ++i) {
+      void* mem = std::aligned_alloc(store::kAlign, store::align_up(device.slot_states_bytes()));
+      if (!mem) throw std::bad_alloc();
+      bounce_.emplace_back(mem);
+    }
   // Named for top -H / perf: one thread per stage.
   loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
   computer_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
   writer_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-write"); write_loop(); });
   if (device.resident_bytes()) {  // the background lane writes resident memory only
     io_options.fixed_buffers.clear();
+
     persister_ = io::make_engine(reader_->name(), io_options, notes);
     persister_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-persist"); persist_loop(); });
   }
@@ -164,7 +173,7 @@ void Ring::persist(Job job) {
 // writes ignore the I/O schedule's turns: while a background commit is pending the
 // pipeline streams nothing (a streamed sub-group's update waits for the commit to land).
 void Ring::persist_loop() {
-  constexpr size_t kInFlight = 8;
+  size_t next_bounce = 0;
   struct Write {
     Job job;
     io::Ticket ticket;
@@ -174,11 +183,18 @@ void Ring::persist_loop() {
   std::chrono::steady_clock::time_point busy_since;  // the first of the writes in flight
   for (;;) {
     std::optional<Job> job;
-    if (writing.size() < kInFlight) job = writing.empty() ? persisting_.pop() : persisting_.try_pop();
+    if (writing.size() < kPersistInFlight) job = writing.empty() ? persisting_.pop() : persisting_.try_pop();
     if (job) {
       Write w{std::move(*job), 0, std::nullopt};
       try {
-        void* states = const_cast<void*>(device_.resident_at(w.job.resident));
+        void* states;
+        if (bounce_.empty()) {
+          states = const_cast<void*>(device_.resident_at(w.job.resident));
+        } else {  // FIFO: this buffer's last write, kPersistInFlight back, is done
+          states = bounce_[next_bounce].get();
+          next_bounce = (next_bounce + 1) % bounce_.size();
+          device_.resident_to_host(w.job.resident, states, w.job.dst.bytes);
+        }
         *w.job.dst.sum = checksums_ ? store::extent_checksum(states, w.job.dst.bytes) : 0;
         w.storage = reserve_storage(w.job.dst.bytes);
         const io::Op op = storage_op(true, w.job.dst, states, -1);
@@ -305,16 +321,22 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       const io::Op op = state_io(false, job.src, slot, resident);
       l.read = reader_->submit({&op, 1});
     }
-    // A device in host memory works on the caller's buffers: nothing to copy in or out.
+    // Caller's buffers the device reaches are worked on where they are: nothing to copy
+    // in or out (the bytes count as crossing the link only for the cpu device's host).
     const bool dense = job.kind == JobKind::update && !job.kernel.compressed;
-    if (host_memory_) device_.bind_host(slot, dense ? job.input : nullptr, job.output);
+    const bool grad_there = dense && device_.reaches(job.input);
+    const bool out_there = job.output && device_.reaches(job.output);
+    device_.bind_caller(slot, grad_there ? job.input : nullptr, out_there ? job.output : nullptr);
     l.send_params = split_ && job.output && (job.kind == JobKind::update || job.kind == JobKind::read);
+    if (l.send_params && out_there && !host_memory_)
+      throw std::invalid_argument("a split master's params are checksummed on the host: pass "
+                                  "them in host memory, not in " + device_.describe() + "'s");
     if (l.send_params) {  // a split master's upper halves: the caller's bf16 params
       Timer h(counters_.busy_ns[kHostToDevice]);
       const uint64_t bytes = job.src.numel * 2;
       const Deadline link = reserve_host(true, bytes);
       l.sent = store::params_checksum(job.output, job.src.numel);
-      if (!host_memory_) device_.copy_in_params(slot, job.output, bytes);
+      if (!out_there) device_.copy_in_params(slot, job.output, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
     }
@@ -323,13 +345,14 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       const device::Kernel& k = job.kernel;
       const size_t size = kernels::dtype_size(k.grad);
       const uint64_t bytes = k.compressed ? k.nnz * (4 + size) : job.src.numel * size;
-      const Deadline link = reserve_host(true, bytes);
+      const bool crosses = !grad_there || host_memory_;
+      const Deadline link = reserve_host(true, crosses ? bytes : 0);
       if (k.compressed)
         device_.copy_in_compressed(slot, static_cast<const int32_t*>(job.input), job.values,
                                    k.nnz, size);
-      else if (!host_memory_)
+      else if (!grad_there)
         device_.copy_in(slot, job.input, bytes);
-      counters_.host_to_device += bytes;
+      if (crosses) counters_.host_to_device += bytes;
       finish_host(link);
     }
     return true;
@@ -361,7 +384,10 @@ void Ring::finish_load(Loading& l) {
     }
     finish_storage(l.storage);
     if (l.send_params) check_params(job, slot, l.sent);
-    if (job.kind == JobKind::verify) check_sum(job, slot);
+    if (job.kind == JobKind::verify) {
+      check_sum(job, slot);
+      if (job.resident != device::kOwnStates) device_.resident_loaded(slot, job.src.bytes);
+    }
   } catch (...) {
     release(job, slot, std::current_exception());
     return;
@@ -401,9 +427,11 @@ void Ring::compute_loop() {
         }
         Timer t(counters_.busy_ns[kDeviceToHost]);
         const size_t bytes = numel * kernels::dtype_size(job.kernel.param);
-        const Deadline link = reserve_host(false, bytes);
-        if (!host_memory_) device_.copy_out(item->slot, job.output, bytes);
-        counters_.device_to_host += bytes;
+        const bool out_there = device_.reaches(job.output);  // written in place by compute
+        const bool crosses = !out_there || host_memory_;
+        const Deadline link = reserve_host(false, crosses ? bytes : 0);
+        if (!out_there) device_.copy_out(item->slot, job.output, bytes);
+        if (crosses) counters_.device_to_host += bytes;
         finish_host(link);
         if (split_)  // stored with the states: the params that must come back
           *store_.layout().split_at(device_.slot(item->slot).states, numel).params_sum =

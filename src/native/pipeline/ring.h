@@ -15,9 +15,11 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "device/device.h"
 #include "io/engine.h"
@@ -178,6 +180,13 @@ class Ring {
   device::Device& device_;
   store::StateStore& store_;
   std::unique_ptr<io::Engine> reader_, writer_, persister_;
+  static constexpr size_t kPersistInFlight = 8;  // the background lane's writes in flight
+  struct FreeDeleter {
+    void operator()(void* p) const { std::free(p); }
+  };
+  // Host copies the background lane writes from (devices whose resident states are not
+  // host-visible: host_visible_resident), one per write in flight.
+  std::vector<std::unique_ptr<void, FreeDeleter>> bounce_;
   const char* engine_name_ = "";
   std::shared_ptr<HostLink> host_link_;
   std::unique_ptr<RateLimiter> storage_limit_;

@@ -59,6 +59,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 from .. import defaults, update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
+from ..devices import with_gpu
 from ..driver import Driver, overrides, rule_for, stored_rule
 from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
@@ -83,8 +84,9 @@ class Settings:
     """The ``"smartinf"`` block of a DeepSpeed config."""
 
     devices: list
-    pipeline: PipelineSettings  # the rest of the block but compress, checked
+    pipeline: PipelineSettings  # the rest of the block but compress and gpu, checked
     compress: Optional[dict] = None
+    gpu_memory_budget: int = 0  # "gpu": {"memory_budget": ...}: the rank's GPU as a device
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -93,7 +95,7 @@ class Settings:
             raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
                              f'least "devices": [directories]), got {block!r}')
         pipeline_keys = set(PIPELINE_KEYWORDS)
-        known = {"devices", "compress"} | pipeline_keys
+        known = {"devices", "compress", "gpu"} | pipeline_keys
         unknown = sorted(set(block) - known)
         if unknown:
             raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
@@ -111,16 +113,27 @@ class Settings:
                                                                        "error_feedback"}:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
+        gpu = block.get("gpu")
+        if gpu is not None and (not isinstance(gpu, dict) or set(gpu) != {"memory_budget"}):
+            raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
+                             f'the rank\'s GPU memory for states, e.g. "8GiB"); got {gpu!r}')
+        try:
+            gpu_budget = defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         given = {k: block[k] for k in pipeline_keys if k in block}
         try:
             pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
-        return cls(devices=devices, pipeline=pipeline, compress=compress)
+        return cls(devices=devices, pipeline=pipeline, compress=compress,
+                   gpu_memory_budget=gpu_budget)
 
-    def rank_dirs(self, rank: int) -> list[str]:
-        """Each rank keeps its partition's states in its own sub-directory."""
-        return [os.path.join(d, f"rank{rank:05d}") for d in self.devices]
+    def rank_devices(self, rank: int, gpu: int) -> list:
+        """Each rank keeps its partition's states in its own sub-directories; with a GPU
+        budget its GPU (``gpu``) is a device in front of them."""
+        dirs = [os.path.join(d, f"rank{rank:05d}") for d in self.devices]
+        return with_gpu(dirs, self.gpu_memory_budget, gpu) if self.gpu_memory_budget else dirs
 
     def top_k(self) -> Optional[TopK]:
         if self.compress is None:
@@ -352,7 +365,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if any(flat is None for flat in self.fp16_partitioned_groups_flat):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self._dirs = self.settings.rank_dirs(dist.get_rank())
+        self._devices = self.settings.rank_devices(dist.get_rank(), self.device.index or 0)
+        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
         self._split = self.settings.pipeline.master == "split"
         if self._split and any(f.dtype != torch.bfloat16 for f in self.fp16_partitioned_groups_flat):
             raise ValueError("master='split' keeps the low halves of the fp32 masters of bf16 "
@@ -371,7 +385,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
 
     def _open_pipeline(self, if_exists: str) -> Pipeline:
         rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
-        return Pipeline(self._dirs, rule,
+        return Pipeline(self._devices, rule,
                         settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists))
 
     def _all_ranks(self, action: Any) -> Any:
@@ -526,13 +540,20 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _send(self, i: int, buffer: int, scale: float, hyper: dict) -> Any:
         flat = self.fp16_partitioned_groups_flat[i]
         return self._driver.send(i, self._grad_partition(i), buffer, scale, hyper,
-                                 out=flat if flat.is_cpu else None, out_dtype=flat.dtype,
+                                 out=flat if self._in_place(i) else None, out_dtype=flat.dtype,
                                  params=flat if self._split else None)
+
+    def _in_place(self, i: int) -> bool:
+        """Whether the device writes sub-group ``i``'s params into its partition itself: one
+        in host memory, or in the memory of the GPU that updates it (but a split master's,
+        which are checksummed on the host)."""
+        flat = self.fp16_partitioned_groups_flat[i]
+        return flat.is_cpu or (not self._split and self.pipeline.gpu_of(i) == flat.device.index)
 
     def _finish(self, i: int, future: Any, buffer: int) -> None:
         future.wait()
         flat = self.fp16_partitioned_groups_flat[i]
-        if flat.is_cpu:
+        if self._in_place(i):
             self._unflatten_partitioned_parameters(i)
         else:
             self._put_params(i, self._driver.out(buffer, flat.dtype, flat.numel()))
