@@ -172,13 +172,14 @@ def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir
     mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
     one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
                          torch.bfloat16, sizes=sizes)
-    # 12,345 + 7,001 params' states fit in 300 KiB, then 9,000 do not: balanced on the cpu
+    # 12,345 + 7,001 params' states fit in 300 KiB, then 9,000 do not (streamed on the cpu
+    # device), and 4,000 do
     pipe = smartinf.Pipeline(devices, smartinf.AdamW(), chunk=CHUNK)
     for n in sizes:
         pipe.add_subgroup(n, None)
-    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, None]
+    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, 0]
     pipe.close()
-    assert mixed[2] == [[True, True, False, False]] * 2
+    assert mixed[2] == [[True, True, False, True]] * 2
     for a, b in zip(mixed[0], one[0]):
         assert np.array_equal(bits(a), bits(b))
 

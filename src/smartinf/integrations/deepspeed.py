@@ -365,7 +365,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if any(flat is None for flat in self.fp16_partitioned_groups_flat):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self._devices = self.settings.rank_devices(dist.get_rank(), self.device.index or 0)
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
         self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
         self._split = self.settings.pipeline.master == "split"
         if self._split and any(f.dtype != torch.bfloat16 for f in self.fp16_partitioned_groups_flat):
