@@ -32,6 +32,7 @@ flags() {  # mode name -> train.py flags
     # resident in host RAM; -sync: overlap off
     fp32-gpu-q-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10" ;;
     fp32-gpu-h-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10" ;;
+    fp32-gpu-q-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-gpu-h-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-none) echo "--mode smartinf" ;;
     fp32-none-sync) echo "--mode smartinf --no-overlap" ;;

@@ -235,6 +235,8 @@ class ParamHooks:
     def _start(self, sg: Any) -> None:
         if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id):
             return
+        if self.speculation.pipeline.gpu_of(sg.id) is not None:
+            return  # updated on the GPU at step(), where its gradient is: milliseconds
         grads = []
         for p in self._params[sg.id]:
             g = p.grad

@@ -504,8 +504,14 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             kept = self._take_speculated(scale, hyper)
             for i, out in kept.items():
                 self._put_params(i, out)
-            for i in range(len(self.fp16_groups)):
-                if i not in kept:
+            # Sub-groups on this GPU are updated where they are, now (milliseconds); the
+            # others through the host buffers, while the forward runs.
+            rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
+            here = [i for i in rest if self._in_place(i) and not self.fp16_partitioned_groups_flat[i].is_cpu]
+            self._driver.run(here, lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
+                             self._finish)
+            for i in rest:
+                if i not in here:
                     send, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
                                                     speculative=False)
                     self._tail.start(i, self._speculation.launch(partial(send, scale), ready))
