@@ -119,6 +119,16 @@ def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_
     return [p.cpu() for p in params], states, resident, stats
 
 
+def assert_same_bits(a, b):
+    """Two runs' params and every state, bit for bit."""
+    for x, y in zip(a[0], b[0]):
+        assert np.array_equal(bits(x), bits(y))
+    for sa, sb in zip(a[1], b[1]):
+        assert sa.keys() == sb.keys()
+        for name in sa:
+            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+
+
 # Both sub-groups resident with room for their twins (a durable commit written in the
 # background while the next steps update the second copy), or only the first, without.
 BUDGETS = {"all": 8 << 20, "first": 200 << 10}
@@ -140,11 +150,7 @@ def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir
     assert gpu[2] == cpu[2]
     if rule == "adamw":  # 12 B/param: the second sub-group's states do not fit in "first"
         assert cpu[2] == [[True, budget == "all"]] * 2
-    for a, b in zip(gpu[0], cpu[0]):
-        assert np.array_equal(bits(a), bits(b))
-    for sa, sb in zip(gpu[1], cpu[1]):
-        for name in sa:
-            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+    assert_same_bits(gpu, cpu)
 
 
 @needs_gpu
@@ -157,11 +163,7 @@ def test_cuda_tensors_are_read_and_written_in_place(disk_dir):
                          torch.bfloat16)
     assert gpu[3]["host_to_device"] == gpu[3]["device_to_host"] == 0
     assert cpu[3]["host_to_device"] > 0
-    for a, b in zip(gpu[0], cpu[0]):
-        assert np.array_equal(bits(a), bits(b))
-    for sa, sb in zip(gpu[1], cpu[1]):
-        for name in sa:
-            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+    assert_same_bits(gpu, cpu)
 
 
 @needs_gpu
