@@ -1,6 +1,6 @@
 """The CUDA device (smartinf.CudaDevice): the update on a GPU, bit for bit the cpu device's
-for every rule, fp32 and split masters, over several steps and chunks (params and every
-state compared). Needs smartinf built with CUDA and a GPU (the lent GPU machine:
+for every rule, fp32 and split masters, fp32, int8 and int4 moments, over several steps and
+chunks (params and every state compared). Needs smartinf built with CUDA and a GPU (the lent GPU machine:
 bench/gpu_kit.sh rebuild); the argument checks and the clear error of a build without CUDA
 run everywhere."""
 from __future__ import annotations
@@ -30,10 +30,21 @@ def bits(x) -> np.ndarray:
     return np.ascontiguousarray(x).view(np.uint32 if x.dtype == np.float32 else np.uint16)
 
 
-def train(device, rule, master: str, dtype: torch.dtype, steps: int = 5, sizes=(12_345, 7_001)):
+def assert_same_bits(a, b):
+    """Two runs' params and every state, bit for bit."""
+    for x, y in zip(a[0], b[0]):
+        assert np.array_equal(bits(x), bits(y))
+    for sa, sb in zip(a[1], b[1]):
+        assert sa.keys() == sb.keys()
+        for name in sa:
+            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+
+
+def train(device, rule, master: str, dtype: torch.dtype, steps: int = 5, sizes=(12_345, 7_001),
+          state_dtype: str = "fp32", chunk: int = CHUNK):
     """Sub-groups trained from the same init and gradients; their params and states."""
     rng = np.random.default_rng(0)
-    pipe = smartinf.Pipeline(device, rule, chunk=CHUNK, master=master)
+    pipe = smartinf.Pipeline(device, rule, chunk=chunk, master=master, state_dtype=state_dtype)
     params = []
     for n in sizes:
         init = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -68,13 +79,29 @@ RULES = {
 def test_gpu_updates_match_the_cpu_device_bit_for_bit(disk_dir, rule, master, dtype):
     gpu = train(smartinf.CudaDevice(os.path.join(disk_dir, "gpu")), RULES[rule](), master, dtype)
     cpu = train(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES[rule](), master, dtype)
-    for a, b in zip(gpu[0], cpu[0]):
-        assert np.array_equal(bits(a), bits(b))
-    for sa, sb in zip(gpu[1], cpu[1]):
-        assert sa.keys() == sb.keys()
-        for name in sa:
-            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
+    assert_same_bits(gpu, cpu)
     assert any(np.any(bits(v) != 0) for v in gpu[1][0].values())  # states were written
+
+
+@needs_gpu
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("rule", ["adamw", "adam", "lion"])
+@pytest.mark.parametrize("master,dtype", [("fp32", torch.float32), ("fp32", torch.float16),
+                                          ("split", torch.bfloat16)])
+def test_quantized_moments_on_the_gpu_match_the_cpu_device_bit_for_bit(disk_dir, state_dtype,
+                                                                       rule, master, dtype):
+    """Blocks and tiles cut by chunk ends (a chunk of 40 000: int4's third tile partial, and
+    the sub-groups' last chunks partial rows and blocks), 8 steps: the block maxima and the
+    codes written from them are the cpu device's."""
+    rules = {"adamw": lambda: smartinf.AdamW(lr=1e-2, weight_decay=0.1),
+             "adam": lambda: smartinf.Adam(lr=1e-2, weight_decay=0.01, betas=(0.5, 0.99)),
+             "lion": lambda: smartinf.Lion(lr=1e-3, weight_decay=0.1)}
+    sizes = (100_003, 7_001)
+    gpu, cpu = (train(device(os.path.join(disk_dir, name)), rules[rule](), master, dtype, steps=8,
+                      sizes=sizes, state_dtype=state_dtype, chunk=40_000)
+                for name, device in (("gpu", smartinf.CudaDevice), ("cpu", smartinf.CpuDevice)))
+    assert_same_bits(gpu, cpu)
+    assert np.any(bits(gpu[1][0]["exp_avg"]) != 0)
 
 
 def run_steps(pipe, params, rng, sizes, steps, ons):
@@ -119,16 +146,6 @@ def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_
     return [p.cpu() for p in params], states, resident, stats
 
 
-def assert_same_bits(a, b):
-    """Two runs' params and every state, bit for bit."""
-    for x, y in zip(a[0], b[0]):
-        assert np.array_equal(bits(x), bits(y))
-    for sa, sb in zip(a[1], b[1]):
-        assert sa.keys() == sb.keys()
-        for name in sa:
-            assert np.array_equal(bits(sa[name]), bits(sb[name])), name
-
-
 # Both sub-groups resident with room for their twins (a durable commit written in the
 # background while the next steps update the second copy), or only the first, without.
 BUDGETS = {"all": 8 << 20, "first": 200 << 10}
@@ -150,6 +167,21 @@ def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir
     assert gpu[2] == cpu[2]
     if rule == "adamw":  # 12 B/param: the second sub-group's states do not fit in "first"
         assert cpu[2] == [[True, budget == "all"]] * 2
+    assert_same_bits(gpu, cpu)
+
+
+@needs_gpu
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("rule", ["adamw", "lion"])
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_quantized_states_resident_in_gpu_memory_match_the_cpu_device(disk_dir, state_dtype, rule,
+                                                                      budget):
+    gpu = train_resident(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"),
+                                             memory_budget=BUDGETS[budget]), RULES[rule],
+                         torch.bfloat16, state_dtype=state_dtype)
+    cpu = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES[rule],
+                         torch.bfloat16, memory_budget=BUDGETS[budget], state_dtype=state_dtype)
+    assert gpu[2] == cpu[2] and cpu[2][0][0]
     assert_same_bits(gpu, cpu)
 
 
@@ -219,7 +251,6 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
 
 @needs_gpu
 @pytest.mark.parametrize("settings,message", [
-    ({"state_dtype": "int8"}, "int8 states run on cpu devices"),
     ({"master": "split", "devices": lambda d: smartinf.CudaDevice(d, memory_budget=1 << 20)},
      "a split master's states stay in host memory"),
 ])

@@ -239,3 +239,57 @@ def test_command_line_tiers(tmp_path, capsys):
     assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
                        "--memory-gbps", "10", "--step-time", "0.5"]) == 0
     assert "more than all the states" in capsys.readouterr().out
+
+
+def test_sub_groups_fill_the_gpu_budget_then_host_memory_then_stream():
+    """Whole sub-groups, in order: 10 of 1e8 params at 12 B; a GPU budget of 2.5 sub-groups'
+    states takes 2, host memory of 4.5 takes the next 4 (the third does not fit the GPU's
+    half left), the last 4 stream; a short last sub-group fits what is left."""
+    got = model.place(1e9, 12, 2.5 * 12e8, 4.5 * 12e8, subgroup=1e8)
+    assert (got.gpu, got.ram, got.streamed) == (2e8, 4e8, 4e8)
+    got = model.place(1.05e9, 12, 0, 10.6 * 12e8, subgroup=1e8)
+    assert (got.gpu, got.ram, got.streamed) == (0, 1.05e9, 0)
+    with pytest.raises(ValueError, match="positive"):
+        model.place(1e9, 12, -1, 0)
+
+
+def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
+    """The GPU's part at its rate beside the host's tiered step and the PCIe copies of its
+    sub-groups' gradients and params; the balance point equalises the two."""
+    P, gpu_pps, host_pps, mem = 1e9, 50e9, 1e9, 1e12  # memory fast: the host's kernel bounds
+    placement = model.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
+    p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 1e9, 20e9, 10e9)
+    assert p.gpu_s == pytest.approx(0.25 * P / gpu_pps)
+    # the host's part all resident with a durable commit every step: its write-back bounds
+    assert p.host_s == pytest.approx(0.75 * P * 12 / 1e9) and p.bound == "host"
+    p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 100e9, 20e9, 10e9,
+                             commit_every=10)
+    assert p.step_s == pytest.approx(0.75) and p.bound == "host"
+    assert p.link_s == pytest.approx(0.75 * P * 2 / 10e9)
+    assert p.balance_gpu_params == pytest.approx(P * gpu_pps / (gpu_pps + host_pps))
+    alone = model.predict_placed(model.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
+                                 1e9, 20e9, 10e9)
+    assert alone.step_s == pytest.approx(P / gpu_pps) and alone.host_s == 0 and alone.bound == "gpu"
+
+
+def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
+    probe = tmp_path / "probe.json"
+    figures = {"storage": [{"read_bps": 2e9, "write_bps": 1e9}], "triad": {"bps": 1e12},
+               "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
+                           "threads": 14, "master": "fp32", "params_per_s": 1e9}]}
+    probe.write_text(json.dumps(figures))
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB"]) == 2
+    assert "measured a GPU" in capsys.readouterr().err
+    figures["gpu"] = {"update_pps": {"fp32": 50e9}, "host_to_gpu_bps": 20e9,
+                      "gpu_to_host_bps": 10e9}
+    probe.write_text(json.dumps(figures))
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+                       "--memory-budget", "9.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
+                       "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"] == {"gpu": 2.5e8, "ram": 7.5e8, "streamed": 0.0}
+    # the host's 9 GB written once per 10 steps at 1 GB/s outlast its kernel (0.75 s)
+    assert out["step_s"] == pytest.approx(0.9) and out["bound"] == "host"
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+                       "--subgroup", "2.5e8"]) == 0
+    assert "GPU 2.5e+08 params, host memory 0, streamed 7.5e+08" in capsys.readouterr().out

@@ -11,9 +11,12 @@
   probe JSON or explicit bandwidths), against ZeRO-Infinity on a RAID0 of the same drives.
 - ``predict_tiered`` / ``budget_for``: one device's step with a memory budget (a fraction
   of the states resident in memory) and a commit interval, and the budget a step time needs.
+- ``place`` / ``predict_placed``: sub-groups on a GPU's memory budget, a host memory budget
+  and storage (the pipeline's placement), and the step that placement gives.
 
 ``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
-prints the table and draws it; with ``--tiers`` (and ``--memory-gbps`` or a probe with a
+prints the table and draws it; with ``--gpu-budget BYTES --memory-budget BYTES`` and a probe
+that measured a GPU, the placement and its step; with ``--tiers`` (and ``--memory-gbps`` or a probe with a
 triad), one device's step per resident fraction, and with ``--step-time S`` the budget S needs. Bandwidths are bytes per second, times are seconds.
 """
 from __future__ import annotations
@@ -374,6 +377,86 @@ def budget_for(step_s: float, params: float, read_bps: float, write_bps: float,
     return (none - step_s) / (none - full) * params * state_bytes
 
 
+# -- a GPU, host memory and storage --------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Params per place: states resident in the GPU's memory, resident in host memory
+    (the cpu device's budget), and streamed from storage through the host."""
+
+    gpu: float
+    ram: float
+    streamed: float
+
+
+def place(params: float, state_bytes: float, gpu_budget: float, ram_budget: float,
+          subgroup: float = 1e8) -> Placement:
+    """Where ``Pipeline.add_subgroup`` puts sub-groups of ``subgroup`` params (the last one
+    shorter): each in the GPU's budget while its states fit there (a GPU updates resident
+    states ~50x faster than the host's cores: with a budget below the balance point that
+    ``predict_placed`` reports, every param moved there shortens the step), then in host
+    memory while they fit, then streamed."""
+    if params <= 0 or subgroup <= 0 or state_bytes <= 0 or gpu_budget < 0 or ram_budget < 0:
+        raise ValueError("params, subgroup and state_bytes must be positive, budgets >= 0")
+    left = {"gpu": float(gpu_budget), "ram": float(ram_budget)}
+    placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
+    done = 0.0
+    while done < params:
+        n = min(subgroup, params - done)
+        where = next((k for k in ("gpu", "ram") if n * state_bytes <= left[k]), "streamed")
+        if where != "streamed":
+            left[where] -= n * state_bytes
+        placed[where] += n
+        done += n
+    return Placement(**placed)
+
+
+@dataclass(frozen=True)
+class PlacedPrediction:
+    """One step of ``placement``: the GPU's part and the host's run at once (their own
+    rings), so the step is the longer. ``host_s``: the host's kernel, memory and storage
+    (``predict_tiered``); ``link_s``: its sub-groups' gradients to the host and params back
+    over PCIe (full duplex: the busier direction), overlapped with its updates.
+    ``balance_gpu_params``: the GPU's share at which both parts take as long (a budget
+    beyond it would gain from leaving the rest on the host)."""
+
+    placement: Placement
+    step_s: float
+    gpu_s: float
+    host_s: float
+    link_s: float
+    balance_gpu_params: float
+
+    @property
+    def bound(self) -> str:
+        return max((self.gpu_s, "gpu"), (self.host_s, "host"), (self.link_s, "pcie"))[1]
+
+
+def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory_bps: float,
+                   read_bps: float, write_bps: float, host_to_gpu_bps: float,
+                   gpu_to_host_bps: float, state_bytes: float = STATE_BYTES,
+                   commit_every: int = 1, grad_bytes: int = 2,
+                   param_bytes: int = 2) -> PlacedPrediction:
+    """The step of ``placement`` (``place``) with the GPU's update rate ``gpu_pps`` and
+    PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
+    cores, its memory's triad, its storage)."""
+    host_params = placement.ram + placement.streamed
+    host_s = link_s = 0.0
+    if host_params:
+        host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
+                              memory_bps, commit_every, state_bytes, grad_bytes, param_bytes,
+                              host_pps)
+        host_s = host.step_s
+        link_s = max(host_params * grad_bytes / gpu_to_host_bps,
+                     host_params * param_bytes / host_to_gpu_bps)
+    gpu_s = placement.gpu / gpu_pps
+    total = placement.gpu + host_params
+    host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
+                                           commit_every, state_bytes, grad_bytes, param_bytes,
+                                           host_pps).step_s, 1e-12)
+    return PlacedPrediction(placement, max(gpu_s, host_s, link_s), gpu_s, host_s, link_s,
+                            total * gpu_pps / (gpu_pps + host_rate))
+
+
 # -- command line ----------------------------------------------------------------------
 def parse_devices(text: str) -> list[int]:
     """``"1-10"``, ``"4"`` or ``"1,2,4,8"`` -> device counts."""
@@ -462,6 +545,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="host memory bandwidth, GB/s (default: the probe's STREAM triad)")
     parser.add_argument("--commit-every", type=int, default=1, help="steps per durable commit (1)")
     parser.add_argument("--step-time", type=float, help="--tiers: the memory budget this step time needs")
+    parser.add_argument("--gpu-budget",
+                        help="the GPU's memory budget for states (bytes, or e.g. 8GiB): print "
+                             "where sub-groups go and the step (needs a probe that measured a GPU)")
+    parser.add_argument("--memory-budget", default="0",
+                        help="--gpu-budget: host memory for states (bytes or e.g. 40GiB; 0)")
+    parser.add_argument("--subgroup", type=float, default=1e8,
+                        help="--gpu-budget: params per sub-group (1e8)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", help="write a PNG of step time and speedup per device count")
     args = parser.parse_args(argv)
@@ -485,6 +575,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "or both --read-gbps and --write-gbps")
         if args.tiers:
             return _print_tiers(args, hw, probe_triad)
+        if args.gpu_budget is not None:
+            return _print_placed(args, hw, result if args.probe else {})
         rows = scaling_table(args.params, parse_devices(args.devices), hw, args.grad_bytes,
                              args.param_bytes, args.ratio, args.state_dtype, args.master)
         if args.plot:
@@ -524,6 +616,48 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
         print(f"a {args.step_time:g} s step needs a memory budget of " +
               ("more than all the states (the durable commit alone is longer)" if math.isinf(budget)
                else f"{budget / 2**30:.1f} GiB"))
+    return 0
+
+
+def host_update_pps(result: dict, state_dtype: str, master: str) -> float:
+    """The probe's host kernel rate on the usable cores for bf16 gradients and params in
+    ``state_dtype`` states (its nearest measured format: int4 and split masters were timed
+    together)."""
+    kernels = [k for k in result.get("kernel", []) if k.get("threads", 1) > 1
+               and k["grad"] == k["param"] == "bfloat16"]
+    def distance(k: dict) -> tuple:
+        return (k["state_dtype"] != state_dtype, k.get("master", "fp32") != master)
+    if not kernels:
+        raise ValueError("the probe has no kernel timed on the usable cores: rerun "
+                         "`python -m smartinf.probe DIR --json`")
+    return min(kernels, key=distance)["params_per_s"]
+
+
+def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
+    from . import defaults  # noqa: PLC0415
+    gpu = result.get("gpu")
+    triad = (result.get("triad") or {}).get("bps")
+    if not gpu or not triad:
+        raise ValueError("--gpu-budget needs a probe JSON that measured a GPU and the host "
+                         "(python -m smartinf.probe DIR --json on the GPU's machine)")
+    state = state_bytes_per_param(args.state_dtype, args.master)
+    placement = place(args.params, state, defaults.parse_bytes(args.gpu_budget, "--gpu-budget"),
+                      defaults.parse_bytes(args.memory_budget, "--memory-budget"), args.subgroup)
+    p = predict_placed(placement, gpu["update_pps"][args.state_dtype],
+                       host_update_pps(result, args.state_dtype, args.master), triad,
+                       hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"],
+                       state, args.commit_every, args.grad_bytes, args.param_bytes)
+    if args.json:
+        print(json.dumps(dict(dataclasses.asdict(p), bound=p.bound), indent=1))
+        return 0
+    print(f"{args.params:.3g} params, {args.state_dtype} moments, {args.master} masters "
+          f"({state:.2f} B/param), sub-groups of {args.subgroup:.3g}: GPU {placement.gpu:.3g} "
+          f"params, host memory {placement.ram:.3g}, streamed {placement.streamed:.3g}")
+    print(f"step {p.step_s:.3f} s ({p.bound}): GPU {p.gpu_s:.3f} s, host {p.host_s:.3f} s, "
+          f"PCIe {p.link_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
+                                      f"; the GPU's budget is past the balance point "
+                                      f"({p.balance_gpu_params:.3g} params): a smaller one "
+                                      f"would leave the host its share"))
     return 0
 
 

@@ -9,7 +9,10 @@ with both directions in flight, and in bursts of one direction (``--record`` kee
 the directory for ``io_schedule="auto"``). Then host memory copy bandwidth and the Adam
 kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
 a STREAM triad over the same threads (what memory gives the parallel update, whose limit
-it is when states are resident). The functions return dataclasses (the
+it is when states are resident). Where smartinf has CUDA and torch sees a GPU: the GPU's
+update rate over states resident in its memory (the CudaDevice's kernels, gradients and
+params in place) per state format, and PCIe's host <-> GPU copy rates (what
+``smartinf.model`` places sub-groups with). The functions return dataclasses (the
 demo and the benchmarks divide by them); only ``main`` prints.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ DEPTH = 16  # the pipeline's default queue depth
 KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
 TRIAD_BYTES = 768 * MiB
+GPU_NUMEL = 64 * MiB
 #: Burst lengths of one direction the mix curve tries (those up to half the probe file).
 MIX_BURSTS = (64 * MiB, 256 * MiB, GiB)
 #: (grad, param) dtype pairs the kernel is timed for (fp32 states; int8 states once, f32/f16).
@@ -250,6 +254,69 @@ def measure_kernel(numel: int = KERNEL_NUMEL, grad: str = "float32",
                             numel / seconds, state_dtype, threads, master)
 
 
+@dataclass(frozen=True)
+class GpuRates:
+    """A CUDA GPU as an update device: params per second its update runs over states
+    resident in its memory (bf16 gradients and params in its memory, AdamW), per state
+    format, best of ``repeats`` steps of ``numel`` params; pinned host <-> GPU copies
+    (``host_to_gpu_bps``, ``gpu_to_host_bps``) of ``copy_bytes``."""
+
+    name: str
+    numel: int
+    update_pps: dict
+    host_to_gpu_bps: float
+    gpu_to_host_bps: float
+    copy_bytes: int
+    repeats: int
+
+
+def measure_gpu(numel: int = GPU_NUMEL, copy_bytes: int = HOST_COPY_BYTES,
+                repeats: int = 3) -> Optional[GpuRates]:
+    """The current CUDA GPU's update and PCIe rates (``GpuRates``), or None where smartinf
+    has no CUDA or torch sees no GPU."""
+    import torch  # noqa: PLC0415  (the probe runs without torch's CUDA elsewhere)
+    if not (build_info()["cuda"] and torch.cuda.is_available()):
+        return None
+    from .devices import CudaDevice  # noqa: PLC0415
+    from .pipeline import Pipeline  # noqa: PLC0415
+    from .update_rules import AdamW  # noqa: PLC0415
+
+    def best(run) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
+    to_gpu = best(lambda: gpu.copy_(host, non_blocking=True))
+    to_host = best(lambda: host.copy_(gpu, non_blocking=True))
+    del host, gpu
+    rates = {}
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device="cuda")
+    params = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
+    for state_dtype in ("fp32", "int8", "int4"):
+        budget = int(numel * model.state_bytes_per_param(state_dtype) * 1.05) + 64 * MiB
+        with tempfile.TemporaryDirectory(prefix="smartinf-probe-gpu-") as d:
+            pipe = Pipeline(CudaDevice(d, memory_budget=budget), AdamW(), state_dtype=state_dtype,
+                            commit_every=1 << 20, if_exists="overwrite")
+            try:
+                pipe.add_subgroup(numel, None)
+
+                def step() -> None:
+                    with pipe.step():
+                        pipe.update(0, grad, params).wait()
+                rates[state_dtype] = numel / best(step)
+            finally:
+                pipe.close()
+    return GpuRates(torch.cuda.get_device_name(), numel, rates, copy_bytes / to_gpu,
+                    copy_bytes / to_host, copy_bytes, repeats)
+
+
 def usable_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0))
@@ -290,6 +357,7 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
     """Everything ``python -m smartinf.probe`` reports, as a JSON-ready dict."""
     dirs = [tempfile.gettempdir()] if not dirs else list(dirs)
     storage = [measure_storage(d, nbytes, engine, repeats) for d in dirs]
+    gpu = measure_gpu()
     return {
         "build": build_info(),
         "engine_requested": engine,
@@ -305,6 +373,7 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
                              measure_kernel(kernel_numel, "bfloat16", "bfloat16", "int4", 0, "split")]],
         "triad": dataclasses.asdict(measure_triad()),
         "smartssd": smartssds(),
+        "gpu": gpu and dataclasses.asdict(gpu),
     }
 
 
@@ -339,6 +408,12 @@ def format_report(result: dict) -> str:
         lines.append(f"STREAM triad, {t['threads']} threads: {t['bps'] / 1e9:.2f} GB/s")
     lines.append("(state GB/s: states read+written per param, 24 B fp32, ~12 B int8, ~8 B int8 + split "
                  "master, ~6 B int4 + split; vs storage above)")
+    gpu = result.get("gpu")
+    if gpu:
+        rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in gpu["update_pps"].items())
+        lines += ["", f"GPU {gpu['name']}: AdamW on states in its memory, G params/s: {rates}; "
+                      f"PCIe host->GPU {gpu['host_to_gpu_bps'] / 1e9:.1f} GB/s, GPU->host "
+                      f"{gpu['gpu_to_host_bps'] / 1e9:.1f} GB/s"]
     cards = result.get("smartssd", [])
     lines += ["", "SmartSSDs: " + ("none found (XRT build, XILINX_XRT set, FPGA and NVMe behind "
                                    "one switch, drive mounted)" if not cards else "")]

@@ -38,9 +38,6 @@ class CudaDevice final : public Device {
  public:
   CudaDevice(std::string dir, const SlotGeometry& g, const CudaOptions& o)
       : dir_(std::move(dir)), geometry_(g), gpu_(o.gpu), slots_(g) {
-    if (g.layout.moments != store::Moments::fp32)
-      throw std::invalid_argument(std::string(g.layout.dtype()) + " states run on cpu devices; "
-                                  "the CUDA device has the fp32-state kernels only so far");
     int count = 0;
     const cudaError_t found = cudaGetDeviceCount(&count);
     if (found != cudaSuccess || count == 0)
@@ -162,18 +159,10 @@ class CudaDevice final : public Device {
     if (m.grad == m.own_grad)
       check(cudaMemcpyAsync(m.own_grad, s.grad, numel * gsize, cudaMemcpyHostToDevice, m.stream),
             "gradient in");
-    float* arrays[kMaxStateArrays] = {};
-    for (unsigned a = 0; a < layout.arrays; ++a) arrays[a] = layout.array(m.states, numel, a);
-    if (layout.split()) {
-      if (k.param != DType::bf16) throw std::logic_error("a split master needs bfloat16 params");
-      if (m.out == m.own_out)
-        check(cudaMemcpyAsync(m.own_out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream),
-              "params in");
-      cuda::update_split(k.step, k.grad, numel, arrays, layout.split_at(m.states, numel).low,
-                         m.grad, static_cast<kernels::bf16*>(m.out), k.adopt, m.stream);
-    } else {
-      cuda::update(k.step, k.grad, k.param, numel, arrays, m.grad, m.out, m.stream);
-    }
+    if (layout.split() && m.out == m.own_out)  // the params the masters are rebuilt from
+      check(cudaMemcpyAsync(m.own_out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream),
+            "params in");
+    cuda::update(k.step, layout, m.states, numel, k.grad, k.param, m.grad, m.out, k.adopt, m.stream);
     if (!m.resident)
       check(cudaMemcpyAsync(s.states, m.states, states, cudaMemcpyDeviceToHost, m.stream), "states out");
     if (m.out == m.own_out)

@@ -12,8 +12,8 @@ namespace smartinf::device {
 // device), mirrored in GPU memory for the kernel (device/cuda_update.h): a streamed chunk's
 // states cross PCIe to the GPU and back. `resident_bytes` of GPU memory (allocated at
 // creation) hold resident states, updated where they are; a gradient and params in this
-// GPU's memory are read and written where they are. fp32 states with an fp32 or a split
-// master (not resident), dense gradients.
+// GPU's memory are read and written where they are. fp32, int8 and int4 moments with an
+// fp32 master, or a split one (not resident); dense gradients.
 struct CudaOptions {
   int gpu = 0;  // CUDA device ordinal
   uint64_t resident_bytes = 0;  // the memory budget, GPU memory

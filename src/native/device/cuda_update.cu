@@ -1,7 +1,9 @@
 #include "device/cuda_update.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/split_master.h"
 
@@ -9,47 +11,257 @@ namespace smartinf::device::cuda {
 
 namespace {
 
+using kernels::AdamResult;
+using kernels::AdamStep;
 using kernels::kMaxStateArrays;
+using kernels::LionStep;
+using store::Int4States;
+using store::Int8States;
+using store::kQuant4Block;
+using store::kQuant4Tile;
+using store::kQuantBlock;
 
+// kernels/quant4.h's maps, where the GPU reads them (a host constexpr array is not
+// addressable in device code); the same float values.
+__constant__ float kDynamic[16] = {
+    kernels::q4::kDynamic[0],  kernels::q4::kDynamic[1],  kernels::q4::kDynamic[2],
+    kernels::q4::kDynamic[3],  kernels::q4::kDynamic[4],  kernels::q4::kDynamic[5],
+    kernels::q4::kDynamic[6],  kernels::q4::kDynamic[7],  kernels::q4::kDynamic[8],
+    kernels::q4::kDynamic[9],  kernels::q4::kDynamic[10], kernels::q4::kDynamic[11],
+    kernels::q4::kDynamic[12], kernels::q4::kDynamic[13], kernels::q4::kDynamic[14],
+    kernels::q4::kDynamic[15]};
+__constant__ float kDynamicMid[15] = {
+    kernels::q4::kDynamicMid[0],  kernels::q4::kDynamicMid[1],  kernels::q4::kDynamicMid[2],
+    kernels::q4::kDynamicMid[3],  kernels::q4::kDynamicMid[4],  kernels::q4::kDynamicMid[5],
+    kernels::q4::kDynamicMid[6],  kernels::q4::kDynamicMid[7],  kernels::q4::kDynamicMid[8],
+    kernels::q4::kDynamicMid[9],  kernels::q4::kDynamicMid[10], kernels::q4::kDynamicMid[11],
+    kernels::q4::kDynamicMid[12], kernels::q4::kDynamicMid[13], kernels::q4::kDynamicMid[14]};
+__constant__ float kPow2Mid[15] = {
+    kernels::q4::kPow2Mid[0],  kernels::q4::kPow2Mid[1],  kernels::q4::kPow2Mid[2],
+    kernels::q4::kPow2Mid[3],  kernels::q4::kPow2Mid[4],  kernels::q4::kPow2Mid[5],
+    kernels::q4::kPow2Mid[6],  kernels::q4::kPow2Mid[7],  kernels::q4::kPow2Mid[8],
+    kernels::q4::kPow2Mid[9],  kernels::q4::kPow2Mid[10], kernels::q4::kPow2Mid[11],
+    kernels::q4::kPow2Mid[12], kernels::q4::kPow2Mid[13], kernels::q4::kPow2Mid[14]};
+
+constexpr unsigned kThreads = 256;
+
+// Where a param's fp32 master is: in the states, or (split: `fp32` null) rebuilt from the
+// bf16 param sent in and its low half, split again after the update.
+struct Master {
+  float* fp32;
+  uint16_t* low;
+  bool adopt;
+
+  template <class P>
+  __device__ float load(std::size_t i, const P* out) const {
+    if constexpr (std::is_same_v<P, kernels::bf16>) {
+      if (!fp32) {
+        float m;
+        kernels::rebuild_masters(1, out + i, low + i, adopt, &m);
+        return m;
+      }
+    }
+    return fp32[i];
+  }
+
+  // The updated master, after the param emitted for it is in out[i].
+  template <class P>
+  __device__ void keep(std::size_t i, float m, P* out) const {
+    if constexpr (std::is_same_v<P, kernels::bf16>) {
+      if (!fp32) return kernels::split_masters(1, &m, out + i, low + i);
+    }
+    fp32[i] = m;
+  }
+
+  template <class P>
+  __device__ void store(std::size_t i, float m, P* out) const {
+    out[i] = kernels::from_float<P>(m);
+    keep(i, m, out);
+  }
+};
+
+// A rule's fp32 moment arrays (index 0, the master, is Master's), as one kernel argument.
 struct Arrays {
   float* at[kMaxStateArrays];
 };
 
-constexpr unsigned kThreads = 256;
-
-// Each param's arrays, one past another: the kernel functions take a range, here of one.
-__device__ inline void arrays_of(const Arrays& a, std::size_t i, float** mine) {
-  for (unsigned k = 0; k < kMaxStateArrays; ++k) mine[k] = a.at[k] ? a.at[k] + i : nullptr;
+// The largest of the block's values (integer: the bits of non-negative floats), in every
+// thread. `shared` holds a value per warp; the first barrier lets a second call reuse it,
+// and orders every read the threads made before it ahead of writes after it.
+template <unsigned Threads>
+__device__ int32_t block_max(int32_t v, int32_t* shared) {
+  for (unsigned o = 16; o > 0; o >>= 1) {
+    const int32_t w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = shared[0];
+  for (unsigned w = 1; w < Threads / 32; ++w) v = shared[w] > v ? shared[w] : v;
+  return v;
 }
 
+// Two neighbouring params' 4-bit codes in one byte (the even one's in the low nibble),
+// written by the even thread; a thread without a param gives 0.
+__device__ void store_nibbles(uint8_t* byte, uint32_t code, bool here) {
+  const uint32_t high = __shfl_down_sync(0xffffffffu, code, 1);
+  if (here && threadIdx.x % 2 == 0) *byte = static_cast<uint8_t>(code | (high << 4));
+}
+
+__device__ uint32_t nibble(const uint8_t* codes, std::size_t i) {
+  return i % 2 ? codes[i / 2] >> 4 : codes[i / 2] & 15u;
+}
+
+// fp32 moments: one thread per param (the kernels' range functions over one param).
 template <class G, class P>
-__global__ void update_kernel(kernels::Step step, std::size_t n, Arrays a, const G* grad, P* out) {
+__global__ void fp32_kernel(kernels::Step step, std::size_t n, const Master ms, const Arrays a,
+                            const G* grad, P* out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x) {
-    float* mine[kMaxStateArrays];
-    arrays_of(a, i, mine);
+    float master = ms.load(i, out);
+    float* mine[kMaxStateArrays] = {&master};
+    for (unsigned k = 1; k < kMaxStateArrays; ++k) mine[k] = a.at[k] ? a.at[k] + i : nullptr;
     kernels::run_rule(step, 1, mine, grad + i, out + i);
+    ms.keep(i, master, out);
   }
 }
 
-// As the cpu device's run_update on a split master: the master rebuilt from the param sent
-// in and its low half, updated, split again.
-template <class G>
-__global__ void update_split_kernel(kernels::Step step, std::size_t n, Arrays a, uint16_t* low,
-                                    const G* grad, kernels::bf16* out, bool adopt) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    float* mine[kMaxStateArrays];
-    arrays_of(a, i, mine);
-    float master;
-    kernels::rebuild_masters(1, out + i, low + i, adopt, &master);
-    mine[0] = &master;
-    kernels::run_rule(step, 1, mine, grad + i, out + i);
-    kernels::split_masters(1, &master, out + i, low + i);
+// Adam on int8 states (kernels::adam8_range): a block of kQuantBlock params per thread block.
+template <bool Decoupled, bool Small, class G, class P>
+__global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms, const G* grad,
+                             P* out, const AdamStep k) {
+  __shared__ int32_t shared[kQuantBlock / 32];
+  const std::size_t b = blockIdx.x, i = b * kQuantBlock + threadIdx.x;
+  const bool here = i < n;
+  float m = 0.0f, root = 0.0f;
+  if (here) {
+    const float w_old = kernels::decode_unsigned(s.code[1][i], s.scale[1][b]);
+    const AdamResult r = kernels::adam_element<Decoupled, Small>(
+        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
+        kernels::decode_signed(s.code[0][i], s.scale[0][b]), w_old * w_old, k);
+    ms.store(i, r.p, out);
+    m = r.m;
+    root = r.root;
+  }
+  const float m_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(m), shared));
+  const float w_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(root), shared));
+  if (threadIdx.x == 0) s.scale[0][b] = m_max, s.scale[1][b] = w_max;
+  if (!here) return;
+  s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
+  s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(root, 1.0f / w_max) : 0;
+}
+
+// Lion on int8 states (kernels::lion8).
+template <class G, class P>
+__global__ void lion8_kernel(std::size_t n, const Int8States s, const Master ms, const G* grad,
+                             P* out, const LionStep k) {
+  __shared__ int32_t shared[kQuantBlock / 32];
+  const std::size_t b = blockIdx.x, i = b * kQuantBlock + threadIdx.x;
+  const bool here = i < n;
+  float m = 0.0f;
+  if (here) {
+    const kernels::LionResult r = kernels::lion_element(
+        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
+        kernels::decode_signed(s.code[0][i], s.scale[0][b]), k);
+    ms.store(i, r.p, out);
+    m = r.m;
+  }
+  const float m_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(m), shared));
+  if (threadIdx.x == 0) s.scale[0][b] = m_max;
+  if (here) s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
+}
+
+// A first-moment block's signed extreme (kernels::q4::Extreme) across the thread block.
+__device__ float block_extreme(float m, bool here, int32_t* shared) {
+  kernels::q4::Extreme e;
+  if (here) e.add(m);
+  e.pos = block_max<kQuant4Block>(e.pos, shared);
+  e.neg = block_max<kQuant4Block>(e.neg, shared);
+  return e.scale();
+}
+
+__device__ uint32_t code_first(float m, float scale) {
+  return kernels::q4::nearest(m / kernels::q4::divisor(scale), kDynamicMid);
+}
+
+// Adam on int4 states (kernels::adam4_range): a tile per thread block, thread j its column
+// j, row by row; a row is a first-moment block, coded once its extreme is known; the second
+// moment is coded after the tile, when its column maxima are.
+template <bool Decoupled, bool Small, class G, class P>
+__global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
+                             P* out, const AdamStep k) {
+  constexpr std::size_t B = kQuant4Block;
+  __shared__ int32_t shared[B / 32];
+  const std::size_t t = blockIdx.x, lo = t * kQuant4Tile, j = threadIdx.x;
+  const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
+  const std::size_t rows = kernels::q4::tile_rows(len);
+  float* mscale = s.scale[0] + lo / B;
+  float* rmax = s.scale[1] + t * 2 * B;
+  float* cmax = rmax + B;
+  uint8_t* mq = s.code[0] + lo / 2;
+  uint8_t* vq = s.code[1] + lo / 2;
+  const float c_old = cmax[j];
+  float v_new[B];  // this column's new second moments, coded after the tile
+  int32_t c_bits = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t at = r * B + j;
+    const bool here = j < kernels::q4::row_len(len, r);
+    float m = 0.0f, v = 0.0f;
+    if (here) {
+      const float m_old = kDynamic[nibble(mq, at)] * mscale[r];
+      const float v_old = kernels::q4::pow2_value(nibble(vq, at)) * kernels::q4::min(rmax[r], c_old);
+      const AdamResult res = kernels::adam_element<Decoupled, Small>(
+          kernels::to_float(grad[lo + at]) * k.grad_scale, ms.load(lo + at, out), m_old, v_old, k);
+      ms.store(lo + at, res.p, out);
+      m = res.m;
+      v = res.v;
+    }
+    v_new[r] = v;
+    const int32_t v_bits = kernels::q4::magnitude(v);
+    c_bits = v_bits > c_bits ? v_bits : c_bits;
+    const float m_scale = block_extreme(m, here, shared);
+    const int32_t r_bits = block_max<B>(v_bits, shared);
+    if (j == 0) mscale[r] = m_scale, rmax[r] = kernels::float_of(static_cast<uint32_t>(r_bits));
+    store_nibbles(mq + at / 2, here ? code_first(m, m_scale) : 0, here);
+  }
+  if (j >= rows) rmax[j] = 0.0f;
+  const float c_max = kernels::float_of(static_cast<uint32_t>(c_bits));
+  cmax[j] = c_max;
+  __syncthreads();  // the new row maxima
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t at = r * B + j;
+    const bool here = j < kernels::q4::row_len(len, r);
+    const float d = kernels::q4::divisor(kernels::q4::min(rmax[r], c_max));
+    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[r] / d, kPow2Mid) : 0, here);
   }
 }
 
-unsigned blocks_for(std::size_t n) {
+// Lion on int4 states (kernels::lion4): a first-moment block of kQuant4Block per thread block.
+template <class G, class P>
+__global__ void lion4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
+                             P* out, const LionStep k) {
+  __shared__ int32_t shared[kQuant4Block / 32];
+  const std::size_t b = blockIdx.x, i = b * kQuant4Block + threadIdx.x;
+  const bool here = i < n;
+  float m = 0.0f;
+  if (here) {
+    const kernels::LionResult r = kernels::lion_element(
+        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
+        kDynamic[nibble(s.code[0], i)] * s.scale[0][b], k);
+    ms.store(i, r.p, out);
+    m = r.m;
+  }
+  const float m_scale = block_extreme(m, here, shared);
+  if (threadIdx.x == 0) s.scale[0][b] = m_scale;
+  store_nibbles(s.code[0] + i / 2, here ? code_first(m, m_scale) : 0, here);
+}
+
+unsigned blocks_for(std::size_t n, std::size_t per_block) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+unsigned grid_for(std::size_t n) {
   const std::size_t b = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(b < 65535 * 32 ? (b ? b : 1) : 65535 * 32);
 }
@@ -59,34 +271,72 @@ void check(cudaError_t e, const char* what) {
     throw std::runtime_error(std::string("CUDA update: ") + what + ": " + cudaGetErrorString(e));
 }
 
-Arrays arrays_from(float* const* arrays, unsigned count) {
-  Arrays a{};
-  for (unsigned k = 0; k < count && k < kMaxStateArrays; ++k) a.at[k] = arrays[k];
-  return a;
+// Calls f with Adam's two compile-time choices (kernels::adam8's dispatch).
+template <class F>
+void with_adam_flags(const AdamStep& k, F&& f) {
+  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
+  if (k.decoupled && small)
+    f(std::true_type{}, std::true_type{});
+  else if (k.decoupled)
+    f(std::true_type{}, std::false_type{});
+  else if (small)
+    f(std::false_type{}, std::true_type{});
+  else
+    f(std::false_type{}, std::false_type{});
+}
+
+template <class G, class P>
+void launch(const kernels::Step& step, const store::StateLayout& layout, void* states,
+            std::size_t n, const Master& ms, const G* grad, P* out, cudaStream_t stream) {
+  const bool adam = step.rule == kernels::Rule::adam || step.rule == kernels::Rule::adamw;
+  switch (layout.moments) {
+    case store::Moments::fp32: {
+      Arrays arrays{};
+      for (unsigned a = 1; a < layout.arrays; ++a) arrays.at[a] = layout.array(states, n, a);
+      fp32_kernel<G, P><<<grid_for(n), kThreads, 0, stream>>>(step, n, ms, arrays, grad, out);
+      return;
+    }
+    case store::Moments::int8: {
+      const Int8States s = layout.int8_at(states, n);
+      const unsigned blocks = blocks_for(n, kQuantBlock);
+      if (adam)
+        return with_adam_flags(step.adam, [&](auto decoupled, auto small) {
+          adam8_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
+              <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.adam);
+        });
+      lion8_kernel<G, P><<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.lion);
+      return;
+    }
+    case store::Moments::int4: {
+      const Int4States s = layout.int4_at(states, n);
+      if (adam)
+        return with_adam_flags(step.adam, [&](auto decoupled, auto small) {
+          adam4_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
+              <<<blocks_for(n, kQuant4Tile), kQuant4Block, 0, stream>>>(n, s, ms, grad, out, step.adam);
+        });
+      lion4_kernel<G, P><<<blocks_for(n, kQuant4Block), kQuant4Block, 0, stream>>>(
+          n, s, ms, grad, out, step.lion);
+      return;
+    }
+  }
 }
 
 }  // namespace
 
-void update(const kernels::Step& step, kernels::DType grad_dtype, kernels::DType param_dtype,
-            std::size_t n, float* const* arrays, const void* grad, void* out, cudaStream_t stream) {
-  const Arrays a = arrays_from(arrays, kernels::rule_row(step.rule).arrays);
+void update(const kernels::Step& step, const store::StateLayout& layout, void* states,
+            std::size_t n, kernels::DType grad_dtype, kernels::DType param_dtype, const void* grad,
+            void* out, bool adopt, cudaStream_t stream) {
+  const kernels::RuleRow& row = kernels::rule_row(step.rule);
+  if (!kernels::row_allows(row, layout.moments))  // the pipeline refuses these first
+    throw std::logic_error(std::string("no ") + layout.dtype() + " kernel for " + row.name);
+  if (layout.split() && param_dtype != kernels::DType::bf16)
+    throw std::logic_error("a split master needs bfloat16 params");
+  const Master ms{layout.fp32_master(states),
+                  layout.split() ? layout.split_at(states, n).low : nullptr, adopt};
   kernels::dispatch(grad_dtype, param_dtype, [&](auto g, auto p) {
     using G = decltype(g);
     using P = decltype(p);
-    update_kernel<G, P><<<blocks_for(n), kThreads, 0, stream>>>(
-        step, n, a, static_cast<const G*>(grad), static_cast<P*>(out));
-  });
-  check(cudaGetLastError(), "launch");
-}
-
-void update_split(const kernels::Step& step, kernels::DType grad_dtype, std::size_t n,
-                  float* const* arrays, uint16_t* low, const void* grad, kernels::bf16* out,
-                  bool adopt, cudaStream_t stream) {
-  const Arrays a = arrays_from(arrays, kernels::rule_row(step.rule).arrays);
-  kernels::dispatch(grad_dtype, kernels::DType::bf16, [&](auto g, auto) {
-    using G = decltype(g);
-    update_split_kernel<G><<<blocks_for(n), kThreads, 0, stream>>>(
-        step, n, a, low, static_cast<const G*>(grad), out, adopt);
+    launch(step, layout, states, n, ms, static_cast<const G*>(grad), static_cast<P*>(out), stream);
   });
   check(cudaGetLastError(), "launch");
 }

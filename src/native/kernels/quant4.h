@@ -94,7 +94,7 @@ inline constexpr float kPow2Mid[15] = {
     0x1.8p-7f,  0x1.8p-6f,  0x1.8p-5f,  0x1.8p-4f,  0x1.8p-3f,  0x1.8p-2f,  0x1.8p-1f};
 
 // The nearest map value's code: how many midpoints lie strictly below x (ties go down).
-__attribute__((always_inline)) inline uint32_t nearest(float x, const float* mid) {
+__attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest(float x, const float* mid) {
   uint32_t c = 0;
 #pragma GCC unroll 15
   for (int i = 0; i < 15; ++i) c += static_cast<uint32_t>(x > mid[i]);
@@ -111,13 +111,13 @@ __attribute__((always_inline)) inline float dynamic_value(uint32_t code) {
 }
 
 // 2^(code - 15), built from its exponent bits (exact, branch-free).
-__attribute__((always_inline)) inline float pow2_value(uint32_t code) {
+__attribute__((always_inline)) SMARTINF_HD inline float pow2_value(uint32_t code) {
   return float_of((code + 112u) << 23);
 }
 
 // Largest magnitude as the bits of a non-negative float (they order like the values; an
 // integer max reduction vectorises where a float one needs -ffast-math).
-__attribute__((always_inline)) inline int32_t magnitude(float x) {
+__attribute__((always_inline)) SMARTINF_HD inline int32_t magnitude(float x) {
   return static_cast<int32_t>(bits_of(x) & 0x7fffffffu);
 }
 
@@ -125,7 +125,7 @@ __attribute__((always_inline)) inline int32_t magnitude(float x) {
 // the sign bit clear and among those with it set (as float bits, integer maxima).
 struct Extreme {
   int32_t pos = 0, neg = 0;
-  __attribute__((always_inline)) void add(float x) {
+  __attribute__((always_inline)) SMARTINF_HD void add(float x) {
     const int32_t b = static_cast<int32_t>(bits_of(x));
     const int32_t a = b & 0x7fffffff, negative = b >> 31;  // all ones for a set sign bit
     const int32_t p = a & ~negative, q = a & negative;
@@ -133,17 +133,17 @@ struct Extreme {
     neg = q > neg ? q : neg;
   }
   // The scale: the largest magnitude with its sign, the positive one on a tie.
-  float scale() const {
+  SMARTINF_HD float scale() const {
     return neg > pos ? -float_of(static_cast<uint32_t>(neg)) : float_of(static_cast<uint32_t>(pos));
   }
 };
 
-__attribute__((always_inline)) inline float min(float a, float b) { return a < b ? a : b; }
+__attribute__((always_inline)) SMARTINF_HD inline float min(float a, float b) { return a < b ? a : b; }
 
 // A divisor for values whose scale is `s`: s itself, or 1 where s is 0 (its values are 0).
 // Selected by masks: written as `s != 0 ? s : 1`, GCC moves the division into the branches
 // (x / 1 = x), and a conditional division stops the loop from vectorising.
-__attribute__((always_inline)) inline float divisor(float s) {
+__attribute__((always_inline)) SMARTINF_HD inline float divisor(float s) {
   const uint32_t take = 0u - static_cast<uint32_t>(s != 0.0f);
   return float_of((bits_of(s) & take) | (bits_of(1.0f) & ~take));
 }
@@ -195,8 +195,8 @@ inline void encode_second(std::size_t len, const float* __restrict x, float rmax
 }
 
 // The rows of a tile of `len` params.
-inline std::size_t tile_rows(std::size_t len) { return (len + kQuant4Block - 1) / kQuant4Block; }
-inline std::size_t row_len(std::size_t len, std::size_t r) {
+SMARTINF_HD inline std::size_t tile_rows(std::size_t len) { return (len + kQuant4Block - 1) / kQuant4Block; }
+SMARTINF_HD inline std::size_t row_len(std::size_t len, std::size_t r) {
   const std::size_t left = len - r * kQuant4Block;
   return left < kQuant4Block ? left : kQuant4Block;
 }

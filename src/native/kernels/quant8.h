@@ -38,20 +38,20 @@ using store::Int8States;
 using store::kQuantBlock;
 using store::quant_blocks;
 
-inline uint32_t float_bits(float x) {
+SMARTINF_HD inline uint32_t float_bits(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
   return b;
 }
 
-inline float bits_float(uint32_t b) {
+SMARTINF_HD inline float bits_float(uint32_t b) {
   float x;
   std::memcpy(&x, &b, 4);
   return x;
 }
 
 // Branch-free (selects by masks) so GCC vectorises the loops that call these.
-inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
+SMARTINF_HD inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(take_a);
   return (a & mask) | (b & ~mask);
 }
@@ -60,7 +60,7 @@ inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
 // the subnormal multiples of 2^(-Bias-2). Round to nearest-even; a mantissa rounding up
 // to 8 carries into the exponent, which is the right code.
 template <int Bias>
-inline uint32_t encode_magnitude(float a) {
+SMARTINF_HD inline uint32_t encode_magnitude(float a) {
   constexpr float kSubScale = float(uint64_t(1) << (Bias + 2));  // one subnormal step -> 1
   const uint32_t b = float_bits(a);
   const bool subnormal = a < 1.0f / float(uint64_t(1) << (Bias - 1));
@@ -76,7 +76,7 @@ inline uint32_t encode_magnitude(float a) {
 
 // Code -> the float bits of its magnitude.
 template <int Bias>
-inline uint32_t decode_magnitude_bits(uint32_t code) {
+SMARTINF_HD inline uint32_t decode_magnitude_bits(uint32_t code) {
   const uint32_t e = code >> 3, f = code & 7u;
   const float sub = static_cast<float>(static_cast<int32_t>(f)) * (1.0f / float(uint64_t(1) << (Bias + 2)));
   const uint32_t normal = ((e - Bias + 127u) << 23) | (f << 20);
@@ -84,7 +84,7 @@ inline uint32_t decode_magnitude_bits(uint32_t code) {
 }
 
 template <int Bias>
-inline float decode_magnitude(uint32_t code) {
+SMARTINF_HD inline float decode_magnitude(uint32_t code) {
   return bits_float(decode_magnitude_bits<Bias>(code));
 }
 
@@ -93,28 +93,28 @@ inline constexpr int kUnsignedBias = 31;  // sqrt(exp_avg_sq): 5 exponent bits
 
 // `inv_scale` is 1 / (block maximum), rounded to float: one division per block instead of
 // one per value. |x| * inv_scale may then exceed 1 by an ulp, which codes as 1.
-inline uint8_t encode_signed(float x, float inv_scale) {
+SMARTINF_HD inline uint8_t encode_signed(float x, float inv_scale) {
   const uint32_t sign = (float_bits(x) >> 24) & 0x80u;
   return static_cast<uint8_t>(sign | encode_magnitude<kSignedBias>(std::fabs(x) * inv_scale));
 }
 
-inline float decode_signed(uint8_t c, float scale) {
+SMARTINF_HD inline float decode_signed(uint8_t c, float scale) {
   const float a = decode_magnitude<kSignedBias>(c & 0x7fu) * scale;
   return bits_float(float_bits(a) | (uint32_t(c & 0x80u) << 24));
 }
 
-inline uint8_t encode_unsigned(float x, float inv_scale) {
+SMARTINF_HD inline uint8_t encode_unsigned(float x, float inv_scale) {
   const uint32_t c = encode_magnitude<kUnsignedBias>(x * inv_scale);
   return static_cast<uint8_t>(c + static_cast<uint32_t>((c == 0) & (x > 0.0f)));
 }
 
-inline float decode_unsigned(uint8_t c, float scale) {
+SMARTINF_HD inline float decode_unsigned(uint8_t c, float scale) {
   return decode_magnitude<kUnsignedBias>(c) * scale;
 }
 
 // Largest magnitude, as the bits of a non-negative float: their bit patterns order like
 // their values, and an integer max reduction vectorises where a float one needs -ffast-math.
-inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(float_bits(x) & 0x7fffffffu); }
+SMARTINF_HD inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(float_bits(x) & 0x7fffffffu); }
 
 // Codes `n` <= kQuantBlock values of a signed moment against their block maximum.
 inline void encode_signed_block(std::size_t n, const float* x, float max, uint8_t* q) {
