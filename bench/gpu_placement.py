@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -76,6 +77,7 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, steps: 
         stats = pipe.stats
     finally:
         pipe.close()
+        shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)  # ~2 x 12 B/param
     expected = model.place(params, state, gpu_budget, ram_budget, subgroup)
     gpu = figures["gpu"]
     storage = figures["storage"][0]
