@@ -85,21 +85,24 @@ struct Arrays {
   float* at[kMaxStateArrays];
 };
 
-// The largest of the block's values (integer: the bits of non-negative floats), in every
-// thread. `shared` holds a value per warp; the first barrier lets a second call reuse it,
-// and orders every read the threads made before it ahead of writes after it.
-template <unsigned Threads>
-__device__ int32_t block_max(int32_t v, int32_t* shared) {
-  for (unsigned o = 16; o > 0; o >>= 1) {
-    const int32_t w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = w > v ? w : v;
+// The largest of the block's values, N at once (integers: the bits of non-negative floats),
+// in every thread. `shared` holds N values per warp; the first barrier lets a second call
+// reuse it, and orders every read the threads made before it ahead of writes after it.
+template <unsigned Threads, unsigned N>
+__device__ void block_max(int32_t (&v)[N], int32_t* shared) {
+  for (unsigned o = 16; o > 0; o >>= 1)
+    for (unsigned k = 0; k < N; ++k) {
+      const int32_t w = __shfl_xor_sync(0xffffffffu, v[k], o);
+      v[k] = w > v[k] ? w : v[k];
+    }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0)
+    for (unsigned k = 0; k < N; ++k) shared[threadIdx.x / 32 * N + k] = v[k];
+  __syncthreads();
+  for (unsigned k = 0; k < N; ++k) {
+    v[k] = shared[k];
+    for (unsigned w = 1; w < Threads / 32; ++w) v[k] = shared[w * N + k] > v[k] ? shared[w * N + k] : v[k];
   }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = shared[0];
-  for (unsigned w = 1; w < Threads / 32; ++w) v = shared[w] > v ? shared[w] : v;
-  return v;
 }
 
 // Two neighbouring params' 4-bit codes in one byte (the even one's in the low nibble),
@@ -131,7 +134,7 @@ __global__ void fp32_kernel(kernels::Step step, std::size_t n, const Master ms, 
 template <bool Decoupled, bool Small, class G, class P>
 __global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms, const G* grad,
                              P* out, const AdamStep k) {
-  __shared__ int32_t shared[kQuantBlock / 32];
+  __shared__ int32_t shared[kQuantBlock / 32 * 2];
   const std::size_t b = blockIdx.x, i = b * kQuantBlock + threadIdx.x;
   const bool here = i < n;
   float m = 0.0f, root = 0.0f;
@@ -144,8 +147,9 @@ __global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms,
     m = r.m;
     root = r.root;
   }
-  const float m_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(m), shared));
-  const float w_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(root), shared));
+  int32_t maxima[2] = {kernels::magnitude_bits(m), kernels::magnitude_bits(root)};
+  block_max<kQuantBlock>(maxima, shared);
+  const float m_max = kernels::bits_float(maxima[0]), w_max = kernels::bits_float(maxima[1]);
   if (threadIdx.x == 0) s.scale[0][b] = m_max, s.scale[1][b] = w_max;
   if (!here) return;
   s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
@@ -167,17 +171,21 @@ __global__ void lion8_kernel(std::size_t n, const Int8States s, const Master ms,
     ms.store(i, r.p, out);
     m = r.m;
   }
-  const float m_max = kernels::bits_float(block_max<kQuantBlock>(kernels::magnitude_bits(m), shared));
+  int32_t maxima[1] = {kernels::magnitude_bits(m)};
+  block_max<kQuantBlock>(maxima, shared);
+  const float m_max = kernels::bits_float(maxima[0]);
   if (threadIdx.x == 0) s.scale[0][b] = m_max;
   if (here) s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
 }
 
-// A first-moment block's signed extreme (kernels::q4::Extreme) across the thread block.
-__device__ float block_extreme(float m, bool here, int32_t* shared) {
+// A first-moment block's signed extreme (kernels::q4::Extreme) across the thread block, and
+// the largest of `also` (a second moment's row maximum: 0 where none).
+__device__ float block_extreme(float m, bool here, int32_t& also, int32_t* shared) {
   kernels::q4::Extreme e;
   if (here) e.add(m);
-  e.pos = block_max<kQuant4Block>(e.pos, shared);
-  e.neg = block_max<kQuant4Block>(e.neg, shared);
+  int32_t maxima[3] = {e.pos, e.neg, also};
+  block_max<kQuant4Block>(maxima, shared);
+  e.pos = maxima[0], e.neg = maxima[1], also = maxima[2];
   return e.scale();
 }
 
@@ -192,7 +200,7 @@ template <bool Decoupled, bool Small, class G, class P>
 __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
                              P* out, const AdamStep k) {
   constexpr std::size_t B = kQuant4Block;
-  __shared__ int32_t shared[B / 32];
+  __shared__ int32_t shared[B / 32 * 3];
   const std::size_t t = blockIdx.x, lo = t * kQuant4Tile, j = threadIdx.x;
   const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
   const std::size_t rows = kernels::q4::tile_rows(len);
@@ -220,8 +228,8 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
     v_new[r] = v;
     const int32_t v_bits = kernels::q4::magnitude(v);
     c_bits = v_bits > c_bits ? v_bits : c_bits;
-    const float m_scale = block_extreme(m, here, shared);
-    const int32_t r_bits = block_max<B>(v_bits, shared);
+    int32_t r_bits = v_bits;
+    const float m_scale = block_extreme(m, here, r_bits, shared);
     if (j == 0) mscale[r] = m_scale, rmax[r] = kernels::float_of(static_cast<uint32_t>(r_bits));
     store_nibbles(mq + at / 2, here ? code_first(m, m_scale) : 0, here);
   }
@@ -241,7 +249,7 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
 template <class G, class P>
 __global__ void lion4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
                              P* out, const LionStep k) {
-  __shared__ int32_t shared[kQuant4Block / 32];
+  __shared__ int32_t shared[kQuant4Block / 32 * 3];
   const std::size_t b = blockIdx.x, i = b * kQuant4Block + threadIdx.x;
   const bool here = i < n;
   float m = 0.0f;
@@ -252,7 +260,8 @@ __global__ void lion4_kernel(std::size_t n, const Int4States s, const Master ms,
     ms.store(i, r.p, out);
     m = r.m;
   }
-  const float m_scale = block_extreme(m, here, shared);
+  int32_t unused = 0;
+  const float m_scale = block_extreme(m, here, unused, shared);
   if (threadIdx.x == 0) s.scale[0][b] = m_scale;
   store_nibbles(s.code[0] + i / 2, here ? code_first(m, m_scale) : 0, here);
 }

@@ -163,7 +163,17 @@ double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType para
   const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry, options);
   const float* none[device::kMaxStateArrays] = {};
   const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
-  cpu->init_states(0, none, fill, numel);  // the slot's gradient memory starts zeroed
+  cpu->init_states(0, none, fill, numel);
+  // Gradients of both signs over three orders of magnitude: zeros would leave the moments 0,
+  // and quantized moments of 0 skip their coding (a block's maximum of 0), which real ones
+  // do not.
+  std::vector<float> grad_values(numel);
+  for (uint64_t i = 0; i < numel; ++i) grad_values[i] = 1e-3f * (float(i % 251) - 125.5f) / 125.5f;
+  kernels::dispatch(grad, param, [&](auto g, auto) {
+    using G = decltype(g);
+    auto* to = static_cast<G*>(cpu->slot(0).grad);
+    for (uint64_t i = 0; i < numel; ++i) to[i] = kernels::from_float<G>(grad_values[i]);
+  });
   device::Kernel kernel;
   kernel.step = kernels::make_step(kernels::Rule::adamw, kernels::Hyper{1e-3, 0.01}, 1);
   kernel.grad = grad;
