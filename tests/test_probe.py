@@ -31,19 +31,25 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
     bf16 = ("bfloat16", "bfloat16")
     assert kinds == [(g, p, "fp32", "fp32") for g, p in probe.KERNEL_DTYPES] + [
         ("float32", "float16", "int8", "fp32"), (*bf16, "fp32", "fp32"), (*bf16, "int8", "fp32"),
-        (*bf16, "int8", "split"), (*bf16, "int4", "split")]
+        (*bf16, "int8", "split"), (*bf16, "int4", "fp32"), (*bf16, "int4", "split")]
     # the pipeline's default threads: the usable cores, less two from 8 on
     cores = probe.usable_cores()
-    assert [k["threads"] for k in result["kernel"][-4:]] == [cores - 2 if cores >= 8 else cores] * 4
+    assert [k["threads"] for k in result["kernel"][-5:]] == [cores - 2 if cores >= 8 else cores] * 5
     assert result["triad"]["threads"] == probe.usable_cores() and result["triad"]["bps"] > 0
     for k in result["kernel"]:
         assert k["params_per_s"] == pytest.approx(k["numel"] / k["seconds"])
         per_param = 2 * {("fp32", "fp32"): 12, ("int8", "fp32"): 6.03125,  # read + written
-                         ("int8", "split"): 4.03125, ("int4", "split"): 3.09375}[
+                         ("int8", "split"): 4.03125, ("int4", "fp32"): 5.09375,
+                         ("int4", "split"): 3.09375}[
             (k["state_dtype"], k["master"])]
         assert k["state_bps"] == pytest.approx(per_param * k["params_per_s"], rel=1e-5)
     assert result["host_copy"]["bps"] > 0
     assert set(result["build"]) >= {"io_uring", "xrt"}
+    if result["gpu"] is not None:  # smartinf with CUDA, and a GPU
+        gpu = result["gpu"]
+        assert set(gpu["update_pps"]) == {"fp32", "int8", "int4"}
+        assert all(v > 0 for v in gpu["update_pps"].values())
+        assert gpu["host_to_gpu_bps"] > 0 and gpu["gpu_to_host_bps"] > 0
 
 
 def test_mix_curve_half_read_half_written(disk_dir):

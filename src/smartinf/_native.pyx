@@ -29,7 +29,7 @@ cdef extern from "io/bandwidth.h" namespace "smartinf::io":
                    unsigned) except +raise_py_error nogil
     double time_mixed_io(const string&, uint64_t, const string&, uint64_t, unsigned,
                          uint64_t) except +raise_py_error nogil
-    double time_adam_kernel(uint64_t, DType, DType, const StateLayout&, unsigned) except +raise_py_error nogil
+    double time_adam_kernel(uint64_t, DType, DType, const StateLayout&, unsigned, unsigned) except +raise_py_error nogil
     double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
 
@@ -255,11 +255,11 @@ def time_xrt_bandwidth(unsigned index, str bdf, str directory, uint64_t nbytes) 
 
 
 def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, str state_dtype,
-                unsigned threads, str master="fp32") -> float:
+                unsigned threads, str master="fp32", unsigned repeats=3) -> float:
     cdef double seconds
     cdef StateLayout layout = adam_layout(state_dtype, master)
     with nogil:
-        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, layout, threads)
+        seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, layout, threads, repeats)
     return seconds
 
 

@@ -621,8 +621,7 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
 
 def host_update_pps(result: dict, state_dtype: str, master: str) -> float:
     """The probe's host kernel rate on the usable cores for bf16 gradients and params in
-    ``state_dtype`` states (its nearest measured format: int4 and split masters were timed
-    together)."""
+    ``state_dtype`` states with ``master`` masters (or the nearest format it timed)."""
     kernels = [k for k in result.get("kernel", []) if k.get("threads", 1) > 1
                and k["grad"] == k["param"] == "bfloat16"]
     def distance(k: dict) -> tuple:

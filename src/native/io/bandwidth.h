@@ -25,9 +25,10 @@ double time_mixed_io(const std::string& path, uint64_t bytes, const std::string&
                      uint64_t block, unsigned depth, uint64_t burst);
 
 // Seconds for one Adam(W) update over `numel` in-memory params on `threads` threads, with
-// states in `layout` (its moments and master format; 3 arrays).
+// states in `layout` (its moments and master format; 3 arrays): the best of `repeats`
+// after one to warm up.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
-                        const store::StateLayout& layout, unsigned threads);
+                        const store::StateLayout& layout, unsigned threads, unsigned repeats);
 
 // Seconds for one STREAM triad pass over `bytes` (three fp32 arrays) on `threads` threads:
 // what host memory gives a memory-bound kernel (it moves `bytes`).
