@@ -72,7 +72,8 @@ void Pipeline::settle() {
 // each ring's background lane, and every device's store commits once they are (land()). In
 // the background, later steps update resident states meanwhile: a resident sub-group's
 // first update after this copies it into its twin (given now from what is left of the
-// budget) and works there; one without a twin, and any streamed one, waits for the commit.
+// budget) and works there; one without a twin waits for its own states' write, and a
+// streamed one for the commit.
 void Pipeline::make_durable(uint64_t step) {
   land();  // one pending commit at a time, landed in order
   PendingCommit c;
@@ -87,6 +88,7 @@ void Pipeline::make_durable(uint64_t step) {
     if (options_.background_commit) give_twin(p);
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
+    p.written = jobs.front().completion;
     for (Job& job : jobs) u.ring->persist(job);
     p.pinned = true;
   }
@@ -97,6 +99,24 @@ void Pipeline::make_durable(uint64_t step) {
     ++background_commits_;
   else
     land();
+}
+
+// A resident sub-group without a twin is updated in place once its own states are on
+// storage: the commit's other writes (other sub-groups', other devices') go on. A failed
+// write is the commit's: land() reports it.
+void Pipeline::wait_written(size_t sg) {
+  Placement& p = placement_[sg];
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    p.written->wait();
+  } catch (...) {
+    land();
+    throw;
+  }
+  commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - start).count();
+  p.pinned = false;
+  p.written.reset();
 }
 
 void Pipeline::land_if_written() {
@@ -122,7 +142,10 @@ void Pipeline::land() {
     }
     commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - start).count();
-    for (const auto& [sg, steps] : c.subgroups) placement_[sg].pinned = false;  // written
+    for (const auto& [sg, steps] : c.subgroups) {  // written
+      placement_[sg].pinned = false;
+      placement_[sg].written.reset();
+    }
     if (error) std::rethrow_exception(error);
     std::vector<std::vector<store::Written>> written(devices_.size());
     for (const auto& [sg, steps] : c.subgroups)

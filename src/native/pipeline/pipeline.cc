@@ -465,9 +465,13 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
     throw std::invalid_argument("compressed gradient values must be fp16 or bf16");
   const std::vector<uint64_t> first =
       compressed ? split_pairs(g.index, g.nnz, r.numel, options_.chunk) : std::vector<uint64_t>{};
-  // A pending commit holds a streamed sub-group's extents, and a resident one's copy when it
-  // has no twin to update instead: the update waits for the commit to land.
-  if (p.resident == device::kOwnStates || (p.pinned && p.twin == device::kOwnStates)) land();
+  // A pending commit holds a streamed sub-group's extents (the update waits for the commit
+  // to land), and a resident one's copy while it writes it, when it has no twin to update
+  // instead (the update waits for that write).
+  if (p.resident == device::kOwnStates)
+    land();
+  else if (p.pinned && p.twin == device::kOwnStates)
+    wait_written(sg);
   const Placement before = p;  // after land(), which changes it
   std::vector<Job> jobs = chunk_jobs(p, JobKind::update);  // reads the copy current now
   // Its copy is being written, or must survive a retract: the update goes to the twin, then

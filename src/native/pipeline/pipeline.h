@@ -159,6 +159,9 @@ class Pipeline {
     // update copies it here and the two swap (pinned until then).
     uint64_t twin = device::kOwnStates;
     bool pinned = false;
+    // The pending commit's write of its resident states: an update without a twin waits
+    // for this one, not for the whole commit (wait_written).
+    std::shared_ptr<Completion> written;
   };
   // A durable commit whose resident states are being written in the background.
   struct PendingCommit {
@@ -173,6 +176,7 @@ class Pipeline {
   void check_membership();
   void require_open() const;
   void wait_step();  // waits for the step's work; rethrows its first error
+  void wait_written(size_t sg);  // its resident states written by the pending commit
   void submit_and_wait(size_t unit, std::vector<Job>& jobs);
   // One job per chunk of a sub-group, sharing one completion, with the chunk's identity,
   // where its states are held, and its extents: src the current copy, dst the working one.
