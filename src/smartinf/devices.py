@@ -127,8 +127,8 @@ class CudaDevice:
     ``path`` at durable commits. The rest stream: the storage engine reads each chunk into
     page-locked host memory, it crosses PCIe to the GPU and its states come back. Gradients
     and params in this GPU's memory are read and written where they are (``Pipeline.update``
-    takes CUDA tensors for its sub-groups); others cross PCIe. fp32 states, with an fp32
-    master or a split one (streamed, params in host memory); dense gradients."""
+    takes CUDA tensors for its sub-groups); others cross PCIe. fp32, int8 and int4 moments,
+    with an fp32 master or a split one (streamed, params in host memory); dense gradients."""
 
     path: str
     gpu: Optional[int] = None  # None: torch's current CUDA device when the pipeline opens
