@@ -22,26 +22,22 @@ using store::kQuant4Tile;
 using store::kQuantBlock;
 
 // kernels/quant4.h's maps, where the GPU reads them (a host constexpr array is not
-// addressable in device code); the same float values.
-__constant__ float kDynamic[16] = {
-    kernels::q4::kDynamic[0],  kernels::q4::kDynamic[1],  kernels::q4::kDynamic[2],
-    kernels::q4::kDynamic[3],  kernels::q4::kDynamic[4],  kernels::q4::kDynamic[5],
-    kernels::q4::kDynamic[6],  kernels::q4::kDynamic[7],  kernels::q4::kDynamic[8],
-    kernels::q4::kDynamic[9],  kernels::q4::kDynamic[10], kernels::q4::kDynamic[11],
-    kernels::q4::kDynamic[12], kernels::q4::kDynamic[13], kernels::q4::kDynamic[14],
-    kernels::q4::kDynamic[15]};
-__constant__ float kDynamicMid[15] = {
-    kernels::q4::kDynamicMid[0],  kernels::q4::kDynamicMid[1],  kernels::q4::kDynamicMid[2],
-    kernels::q4::kDynamicMid[3],  kernels::q4::kDynamicMid[4],  kernels::q4::kDynamicMid[5],
-    kernels::q4::kDynamicMid[6],  kernels::q4::kDynamicMid[7],  kernels::q4::kDynamicMid[8],
-    kernels::q4::kDynamicMid[9],  kernels::q4::kDynamicMid[10], kernels::q4::kDynamicMid[11],
-    kernels::q4::kDynamicMid[12], kernels::q4::kDynamicMid[13], kernels::q4::kDynamicMid[14]};
-__constant__ float kPow2Mid[15] = {
-    kernels::q4::kPow2Mid[0],  kernels::q4::kPow2Mid[1],  kernels::q4::kPow2Mid[2],
-    kernels::q4::kPow2Mid[3],  kernels::q4::kPow2Mid[4],  kernels::q4::kPow2Mid[5],
-    kernels::q4::kPow2Mid[6],  kernels::q4::kPow2Mid[7],  kernels::q4::kPow2Mid[8],
-    kernels::q4::kPow2Mid[9],  kernels::q4::kPow2Mid[10], kernels::q4::kPow2Mid[11],
-    kernels::q4::kPow2Mid[12], kernels::q4::kPow2Mid[13], kernels::q4::kPow2Mid[14]};
+// addressable in device code): the same float values, copied at compile time.
+template <std::size_t N>
+struct Map {
+  float at[N];
+};
+
+template <std::size_t N>
+constexpr Map<N> map_of(const float (&values)[N]) {
+  Map<N> m{};
+  for (std::size_t i = 0; i < N; ++i) m.at[i] = values[i];
+  return m;
+}
+
+__constant__ Map<16> kDynamic = map_of(kernels::q4::kDynamic);
+__constant__ Map<15> kDynamicMid = map_of(kernels::q4::kDynamicMid);
+__constant__ Map<15> kPow2Mid = map_of(kernels::q4::kPow2Mid);
 
 constexpr unsigned kThreads = 256;
 
@@ -190,7 +186,7 @@ __device__ float block_extreme(float m, bool here, int32_t& also, int32_t* share
 }
 
 __device__ uint32_t code_first(float m, float scale) {
-  return kernels::q4::nearest(m / kernels::q4::divisor(scale), kDynamicMid);
+  return kernels::q4::nearest(m / kernels::q4::divisor(scale), kDynamicMid.at);
 }
 
 // Adam on int4 states (kernels::adam4_range): a tile per thread block, thread j its column
@@ -217,7 +213,7 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
     const bool here = j < kernels::q4::row_len(len, r);
     float m = 0.0f, v = 0.0f;
     if (here) {
-      const float m_old = kDynamic[nibble(mq, at)] * mscale[r];
+      const float m_old = kDynamic.at[nibble(mq, at)] * mscale[r];
       const float v_old = kernels::q4::pow2_value(nibble(vq, at)) * kernels::q4::min(rmax[r], c_old);
       const AdamResult res = kernels::adam_element<Decoupled, Small>(
           kernels::to_float(grad[lo + at]) * k.grad_scale, ms.load(lo + at, out), m_old, v_old, k);
@@ -241,7 +237,7 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
     const std::size_t at = r * B + j;
     const bool here = j < kernels::q4::row_len(len, r);
     const float d = kernels::q4::divisor(kernels::q4::min(rmax[r], c_max));
-    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[r] / d, kPow2Mid) : 0, here);
+    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[r] / d, kPow2Mid.at) : 0, here);
   }
 }
 
@@ -256,7 +252,7 @@ __global__ void lion4_kernel(std::size_t n, const Int4States s, const Master ms,
   if (here) {
     const kernels::LionResult r = kernels::lion_element(
         kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
-        kDynamic[nibble(s.code[0], i)] * s.scale[0][b], k);
+        kDynamic.at[nibble(s.code[0], i)] * s.scale[0][b], k);
     ms.store(i, r.p, out);
     m = r.m;
   }
