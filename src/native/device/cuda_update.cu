@@ -81,11 +81,13 @@ struct Arrays {
   float* at[kMaxStateArrays];
 };
 
-// The largest of the block's values, N at once (integers: the bits of non-negative floats),
-// in every thread. `shared` holds N values per warp; the first barrier lets a second call
-// reuse it, and orders every read the threads made before it ahead of writes after it.
-template <unsigned Threads, unsigned N>
-__device__ void block_max(int32_t (&v)[N], int32_t* shared) {
+// The largest of N values over each group of `Group` consecutive threads (the whole block,
+// or one row of a tile), in every thread of the group: integers, the bits of non-negative
+// floats, so the result is exact whatever the order. `shared` holds N values per warp; the
+// first barrier lets a second call reuse it and orders every read the threads made before
+// it ahead of writes after it.
+template <unsigned Group, unsigned N>
+__device__ void group_max(int32_t (&v)[N], int32_t* shared) {
   for (unsigned o = 16; o > 0; o >>= 1)
     for (unsigned k = 0; k < N; ++k) {
       const int32_t w = __shfl_xor_sync(0xffffffffu, v[k], o);
@@ -95,9 +97,10 @@ __device__ void block_max(int32_t (&v)[N], int32_t* shared) {
   if (threadIdx.x % 32 == 0)
     for (unsigned k = 0; k < N; ++k) shared[threadIdx.x / 32 * N + k] = v[k];
   __syncthreads();
+  const int32_t* mine = shared + threadIdx.x / Group * (Group / 32) * N;
   for (unsigned k = 0; k < N; ++k) {
-    v[k] = shared[k];
-    for (unsigned w = 1; w < Threads / 32; ++w) v[k] = shared[w * N + k] > v[k] ? shared[w * N + k] : v[k];
+    v[k] = mine[k];
+    for (unsigned w = 1; w < Group / 32; ++w) v[k] = mine[w * N + k] > v[k] ? mine[w * N + k] : v[k];
   }
 }
 
@@ -144,7 +147,7 @@ __global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms,
     root = r.root;
   }
   int32_t maxima[2] = {kernels::magnitude_bits(m), kernels::magnitude_bits(root)};
-  block_max<kQuantBlock>(maxima, shared);
+  group_max<kQuantBlock>(maxima, shared);
   const float m_max = kernels::bits_float(maxima[0]), w_max = kernels::bits_float(maxima[1]);
   if (threadIdx.x == 0) s.scale[0][b] = m_max, s.scale[1][b] = w_max;
   if (!here) return;
@@ -168,19 +171,19 @@ __global__ void lion8_kernel(std::size_t n, const Int8States s, const Master ms,
     m = r.m;
   }
   int32_t maxima[1] = {kernels::magnitude_bits(m)};
-  block_max<kQuantBlock>(maxima, shared);
+  group_max<kQuantBlock>(maxima, shared);
   const float m_max = kernels::bits_float(maxima[0]);
   if (threadIdx.x == 0) s.scale[0][b] = m_max;
   if (here) s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
 }
 
-// A first-moment block's signed extreme (kernels::q4::Extreme) across the thread block, and
-// the largest of `also` (a second moment's row maximum: 0 where none).
+// A first-moment block's signed extreme (kernels::q4::Extreme) across a row of kQuant4Block
+// threads, and the largest of `also` (a second moment's row maximum: 0 where none).
 __device__ float block_extreme(float m, bool here, int32_t& also, int32_t* shared) {
   kernels::q4::Extreme e;
   if (here) e.add(m);
   int32_t maxima[3] = {e.pos, e.neg, also};
-  block_max<kQuant4Block>(maxima, shared);
+  group_max<kQuant4Block>(maxima, shared);
   e.pos = maxima[0], e.neg = maxima[1], also = maxima[2];
   return e.scale();
 }
@@ -189,15 +192,20 @@ __device__ uint32_t code_first(float m, float scale) {
   return kernels::q4::nearest(m / kernels::q4::divisor(scale), kDynamicMid.at);
 }
 
-// Adam on int4 states (kernels::adam4_range): a tile per thread block, thread j its column
-// j, row by row; a row is a first-moment block, coded once its extreme is known; the second
-// moment is coded after the tile, when its column maxima are.
+// Adam on int4 states (kernels::adam4_range): a tile per thread block of kTileRowsAtOnce rows
+// of threads, thread (g, j) column j of rows g, g + kTileRowsAtOnce, ...; a row is a
+// first-moment block, coded once its extreme is reduced; the second moment is coded after
+// the tile, when its column maxima (each thread's, then across its column's threads) are.
+constexpr unsigned kTileRowsAtOnce = 8;
+
 template <bool Decoupled, bool Small, class G, class P>
-__global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
+__global__ void __launch_bounds__(kQuant4Block * kTileRowsAtOnce) adam4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
                              P* out, const AdamStep k) {
-  constexpr std::size_t B = kQuant4Block;
-  __shared__ int32_t shared[B / 32 * 3];
-  const std::size_t t = blockIdx.x, lo = t * kQuant4Tile, j = threadIdx.x;
+  constexpr std::size_t B = kQuant4Block, kRowsEach = B / kTileRowsAtOnce;
+  __shared__ int32_t shared[kTileRowsAtOnce * B / 32 * 3];
+  __shared__ int32_t columns[kTileRowsAtOnce][B];
+  const std::size_t t = blockIdx.x, lo = t * kQuant4Tile;
+  const std::size_t j = threadIdx.x % B, g = threadIdx.x / B;
   const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
   const std::size_t rows = kernels::q4::tile_rows(len);
   float* mscale = s.scale[0] + lo / B;
@@ -206,11 +214,11 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
   uint8_t* mq = s.code[0] + lo / 2;
   uint8_t* vq = s.code[1] + lo / 2;
   const float c_old = cmax[j];
-  float v_new[B];  // this column's new second moments, coded after the tile
+  float v_new[kRowsEach];  // this thread's new second moments, coded after the tile
   int32_t c_bits = 0;
-  for (std::size_t r = 0; r < rows; ++r) {
-    const std::size_t at = r * B + j;
-    const bool here = j < kernels::q4::row_len(len, r);
+  for (std::size_t e = 0; e < kRowsEach; ++e) {  // every thread: the barriers are the block's
+    const std::size_t r = e * kTileRowsAtOnce + g, at = r * B + j;
+    const bool row = r < rows, here = row && j < kernels::q4::row_len(len, r);
     float m = 0.0f, v = 0.0f;
     if (here) {
       const float m_old = kDynamic.at[nibble(mq, at)] * mscale[r];
@@ -221,23 +229,27 @@ __global__ void adam4_kernel(std::size_t n, const Int4States s, const Master ms,
       m = res.m;
       v = res.v;
     }
-    v_new[r] = v;
+    v_new[e] = v;
     const int32_t v_bits = kernels::q4::magnitude(v);
     c_bits = v_bits > c_bits ? v_bits : c_bits;
     int32_t r_bits = v_bits;
     const float m_scale = block_extreme(m, here, r_bits, shared);
-    if (j == 0) mscale[r] = m_scale, rmax[r] = kernels::float_of(static_cast<uint32_t>(r_bits));
+    if (row && j == 0) mscale[r] = m_scale, rmax[r] = kernels::float_of(static_cast<uint32_t>(r_bits));
     store_nibbles(mq + at / 2, here ? code_first(m, m_scale) : 0, here);
   }
-  if (j >= rows) rmax[j] = 0.0f;
+  columns[g][j] = c_bits;
+  __syncthreads();  // the column maxima of every row group, and the new row maxima
+  for (std::size_t h = 0; h < kTileRowsAtOnce; ++h) c_bits = columns[h][j] > c_bits ? columns[h][j] : c_bits;
   const float c_max = kernels::float_of(static_cast<uint32_t>(c_bits));
-  cmax[j] = c_max;
-  __syncthreads();  // the new row maxima
-  for (std::size_t r = 0; r < rows; ++r) {
-    const std::size_t at = r * B + j;
-    const bool here = j < kernels::q4::row_len(len, r);
-    const float d = kernels::q4::divisor(kernels::q4::min(rmax[r], c_max));
-    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[r] / d, kPow2Mid.at) : 0, here);
+  if (g == 0) {
+    cmax[j] = c_max;
+    if (j >= rows) rmax[j] = 0.0f;
+  }
+  for (std::size_t e = 0; e < kRowsEach; ++e) {
+    const std::size_t r = e * kTileRowsAtOnce + g, at = r * B + j;
+    const bool here = r < rows && j < kernels::q4::row_len(len, r);
+    const float d = here ? kernels::q4::divisor(kernels::q4::min(rmax[r], c_max)) : 1.0f;
+    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[e] / d, kPow2Mid.at) : 0, here);
   }
 }
 
@@ -317,7 +329,8 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
       if (adam)
         return with_adam_flags(step.adam, [&](auto decoupled, auto small) {
           adam4_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
-              <<<blocks_for(n, kQuant4Tile), kQuant4Block, 0, stream>>>(n, s, ms, grad, out, step.adam);
+              <<<blocks_for(n, kQuant4Tile), kQuant4Block * kTileRowsAtOnce, 0, stream>>>(
+                  n, s, ms, grad, out, step.adam);
         });
       lion4_kernel<G, P><<<blocks_for(n, kQuant4Block), kQuant4Block, 0, stream>>>(
           n, s, ms, grad, out, step.lion);
