@@ -148,7 +148,8 @@ __global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms,
   }
   int32_t maxima[2] = {kernels::magnitude_bits(m), kernels::magnitude_bits(root)};
   group_max<kQuantBlock>(maxima, shared);
-  const float m_max = kernels::bits_float(maxima[0]), w_max = kernels::bits_float(maxima[1]);
+  const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
+  const float w_max = kernels::float_of(static_cast<uint32_t>(maxima[1]));
   if (threadIdx.x == 0) s.scale[0][b] = m_max, s.scale[1][b] = w_max;
   if (!here) return;
   s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
@@ -172,7 +173,7 @@ __global__ void lion8_kernel(std::size_t n, const Int8States s, const Master ms,
   }
   int32_t maxima[1] = {kernels::magnitude_bits(m)};
   group_max<kQuantBlock>(maxima, shared);
-  const float m_max = kernels::bits_float(maxima[0]);
+  const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
   if (threadIdx.x == 0) s.scale[0][b] = m_max;
   if (here) s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
 }

@@ -3,10 +3,9 @@
 // make_durable, land), flush, settle, going back to the durable commit after a failure
 // (back_to_durable, discard) and close. Placement, membership and the updates are in
 // pipeline.cc.
-#include <chrono>
-
 #include "fault.h"
 #include "pipeline/pipeline.h"
+#include "pipeline/timer.h"
 
 namespace smartinf::pipeline {
 
@@ -106,15 +105,13 @@ void Pipeline::make_durable(uint64_t step) {
 // write is the commit's: land() reports it.
 void Pipeline::wait_written(size_t sg) {
   Placement& p = placement_[sg];
-  const auto start = std::chrono::steady_clock::now();
   try {
+    Timer waited(commit_wait_ns_);
     p.written->wait();
   } catch (...) {
     land();
     throw;
   }
-  commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - start).count();
   p.pinned = false;
   p.written.reset();
 }
@@ -131,17 +128,17 @@ void Pipeline::land() {
   PendingCommit c = std::move(*pending_);
   pending_.reset();
   try {
-    const auto start = std::chrono::steady_clock::now();
     std::exception_ptr error;
-    for (const auto& w : c.writes) {
-      try {
-        w->wait();
-      } catch (...) {
-        if (!error) error = std::current_exception();
+    {
+      Timer waited(commit_wait_ns_);
+      for (const auto& w : c.writes) {
+        try {
+          w->wait();
+        } catch (...) {
+          if (!error) error = std::current_exception();
+        }
       }
     }
-    commit_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - start).count();
     for (const auto& [sg, steps] : c.subgroups) {  // written
       placement_[sg].pinned = false;
       placement_[sg].written.reset();

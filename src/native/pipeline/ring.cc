@@ -10,27 +10,10 @@
 
 #include "error.h"
 #include "kernels/numeric.h"
+#include "pipeline/timer.h"
 #include "store/checksum.h"
 
 namespace smartinf::pipeline {
-namespace {
-
-class Timer {
- public:
-  explicit Timer(std::atomic<uint64_t>& sink)
-      : sink_(sink), start_(std::chrono::steady_clock::now()) {}
-  ~Timer() {
-    sink_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now() - start_)
-                 .count();
-  }
-
- private:
-  std::atomic<uint64_t>& sink_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-}  // namespace
 
 Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& options,
            std::vector<std::string>& notes)
