@@ -293,3 +293,17 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
     assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
                        "--subgroup", "2.5e8"]) == 0
     assert "GPU 2.5e+08 params, host memory 0, streamed 7.5e+08" in capsys.readouterr().out
+
+
+def test_command_line_placement_rejects_bad_budgets_and_sub_groups(tmp_path, capsys):
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({
+        "storage": [{"read_bps": 2e9, "write_bps": 1e9}], "triad": {"bps": 1e12},
+        "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
+                    "threads": 14, "master": "fp32", "params_per_s": 1e9}],
+        "gpu": {"update_pps": {"fp32": 50e9}, "host_to_gpu_bps": 20e9, "gpu_to_host_bps": 10e9}}))
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "lots"]) == 2
+    assert "--gpu-budget='lots': expected bytes" in capsys.readouterr().err
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB",
+                       "--subgroup", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
