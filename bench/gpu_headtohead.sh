@@ -28,10 +28,13 @@ flags() {  # mode name -> train.py flags
     # ZeRO-Offload++: a quarter / half of the states updated on the GPU, the rest on the CPU
     zero-offload-pp-q) echo "--mode deepspeed-cpu --offload-ratio 0.75" ;;
     zero-offload-pp-h) echo "--mode deepspeed-cpu --offload-ratio 0.5" ;;
-    # the same GPU memory for smartinf's states (sub-groups that fit: whole ones), the rest
-    # resident in host RAM; -sync: overlap off
+    # the same GPU memory for smartinf's states (sub-groups that fit: whole ones; with
+    # twins where the model says so, smartinf.twins), the rest resident in host RAM; -sync:
+    # overlap off; -notwins: the GPU's budget filled with sub-groups, no room for twins
     fp32-gpu-q-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10" ;;
     fp32-gpu-h-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10" ;;
+    fp32-gpu-q-k10-notwins) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10 --gpu-twins off" ;;
+    fp32-gpu-h-k10-notwins) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --gpu-twins off" ;;
     fp32-gpu-q-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-gpu-h-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-none) echo "--mode smartinf" ;;

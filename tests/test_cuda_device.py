@@ -147,8 +147,16 @@ def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_
 
 
 # Both sub-groups resident with room for their twins (a durable commit written in the
-# background while the next steps update the second copy), or only the first, without.
-BUDGETS = {"all": 8 << 20, "first": 200 << 10}
+# background while the next steps update the second copy), or only the first, without;
+# or placed with their twins (twins=True): only the first.
+BUDGETS = {"all": (8 << 20, False), "first": (200 << 10, False), "reserved": (400 << 10, True)}
+
+
+def budget_devices(disk_dir, budget):
+    """The GPU with the budget, and the cpu device whose pipeline gets it, alike in twins."""
+    size, twins = BUDGETS[budget]
+    return (smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=size, twins=twins),
+            smartinf.CpuDevice(os.path.join(disk_dir, "cpu"), twins=twins), size)
 
 
 @needs_gpu
@@ -160,12 +168,11 @@ def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir
     """Commits every 3 steps (the resident states written at 3 and 6, the run closed at 7
     and reopened: the states of step 7 come from the working copies written at close),
     resumed from storage into GPU memory."""
-    gpu = train_resident(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"),
-                                             memory_budget=BUDGETS[budget]), RULES[rule], dtype)
-    cpu = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES[rule], dtype,
-                         memory_budget=BUDGETS[budget])
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+    gpu = train_resident(gpu_device, RULES[rule], dtype)
+    cpu = train_resident(cpu_device, RULES[rule], dtype, memory_budget=size)
     assert gpu[2] == cpu[2]
-    if rule == "adamw":  # 12 B/param: the second sub-group's states do not fit in "first"
+    if rule == "adamw":  # 12 B/param: the second sub-group's states (or twins) do not fit
         assert cpu[2] == [[True, budget == "all"]] * 2
     assert_same_bits(gpu, cpu)
 
@@ -176,11 +183,10 @@ def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 def test_quantized_states_resident_in_gpu_memory_match_the_cpu_device(disk_dir, state_dtype, rule,
                                                                       budget):
-    gpu = train_resident(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"),
-                                             memory_budget=BUDGETS[budget]), RULES[rule],
-                         torch.bfloat16, state_dtype=state_dtype)
-    cpu = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), RULES[rule],
-                         torch.bfloat16, memory_budget=BUDGETS[budget], state_dtype=state_dtype)
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+    gpu = train_resident(gpu_device, RULES[rule], torch.bfloat16, state_dtype=state_dtype)
+    cpu = train_resident(cpu_device, RULES[rule], torch.bfloat16, memory_budget=size,
+                         state_dtype=state_dtype)
     assert gpu[2] == cpu[2] and cpu[2][0][0]
     assert_same_bits(gpu, cpu)
 
@@ -202,7 +208,8 @@ def test_cuda_tensors_are_read_and_written_in_place(disk_dir):
 def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir):
     sizes = (12_345, 7_001, 9_000, 4_000)
     gpu_dir, cpu_dir = os.path.join(disk_dir, "gpu"), os.path.join(disk_dir, "cpu")
-    devices = [smartinf.CudaDevice(gpu_dir, memory_budget=300 << 10), smartinf.CpuDevice(cpu_dir)]
+    devices = [smartinf.CudaDevice(gpu_dir, memory_budget=300 << 10, twins=False),
+               smartinf.CpuDevice(cpu_dir)]
     mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
     one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
                          torch.bfloat16, sizes=sizes)
@@ -302,3 +309,10 @@ def test_without_a_gpu_a_gpu_device_is_a_clear_error(disk_dir):
 def test_without_cuda_a_gpu_device_is_a_clear_error(tmp_path):
     with pytest.raises(OSError, match="built without CUDA"):
         smartinf.Pipeline(smartinf.CudaDevice(tmp_path), smartinf.AdamW())
+
+
+def test_gpu_twins_need_a_gpu_budget(tmp_path):
+    with pytest.raises(ValueError, match="gpu_twins is for the states a gpu_memory_budget keeps"):
+        so.AdamW(torch.nn.Linear(4, 4).parameters(), devices=str(tmp_path), gpu_twins=True)
+    with pytest.raises(TypeError, match="CudaDevice twins must be True or False or None"):
+        smartinf.CudaDevice(tmp_path, twins="yes")

@@ -441,7 +441,11 @@ def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
     devices = s.rank_devices(3, gpu=1)
     assert devices[0] == smartinf.CudaDevice("/a/rank00003/gpu", 1, 2 << 30)
     assert devices[1:] == ["/a/rank00003", "/b/rank00003"]
-    for bad in ({"memory_budget": "lots"}, {"budget": 1}, 5):
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+        "memory_budget": "2GiB", "twins": False}}})
+    assert s.rank_devices(0, gpu=0)[0].twins is False
+    for bad in ({"memory_budget": "lots"}, {"budget": 1}, 5, {"twins": True},
+                {"memory_budget": 1, "twins": "yes"}):
         with pytest.raises(ValueError, match="gpu"):
             sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": bad}})
 

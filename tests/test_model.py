@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+import smartinf
 from smartinf import model
 
 
@@ -264,12 +265,64 @@ def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
     assert p.host_s == pytest.approx(0.75 * P * 12 / 1e9) and p.bound == "host"
     p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 100e9, 20e9, 10e9,
                              commit_every=10)
-    assert p.step_s == pytest.approx(0.75) and p.bound == "host"
+    # ... and the GPU's first updates after a commit wait for its 3 GB written at 100 GB/s
+    assert p.commit_s == pytest.approx(0.25 * P * 12 / 100e9 / 10)
+    assert p.step_s == pytest.approx(0.75 + p.commit_s) and p.bound == "host"
     assert p.link_s == pytest.approx(0.75 * P * 2 / 10e9)
     assert p.balance_gpu_params == pytest.approx(P * gpu_pps / (gpu_pps + host_pps))
     alone = model.predict_placed(model.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
-                                 1e9, 20e9, 10e9)
+                                 1e9, 20e9, 10e9, commit_every=1 << 40)
     assert alone.step_s == pytest.approx(P / gpu_pps) and alone.host_s == 0 and alone.bound == "gpu"
+    # a durable commit every step: the GPU's 12 GB written at 1 GB/s, waited for
+    alone = model.predict_placed(model.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
+                                 1e9, 20e9, 10e9)
+    assert alone.step_s == pytest.approx(P / gpu_pps + 12)
+
+
+def test_twins_pay_where_the_hosts_update_of_half_a_budget_beats_waiting_for_its_write():
+    """Per byte of a GPU budget over a commit interval of k steps: twins cost k / (2 s H)
+    (half its params updated by the host), none costs 1 / W (the write waited for)."""
+    s, host, write = 12, 4e9, 2e9  # 2 s H / W = 48
+    assert model.twins_pay(s, 47, host, write) and not model.twins_pay(s, 49, host, write)
+    assert model.twins_pay(6, 10, 2.3e9, 2e9) and not model.twins_pay(5, 10, 1.2e9, 2e9)
+    with pytest.raises(ValueError, match="commit_every"):
+        model.twins_pay(s, 0, host, write)
+    # with twins a sub-group takes twice its bytes of the GPU's budget, and the GPU's
+    # resident states are written in the background (the disk's traffic, not a wait)
+    P = 1e9
+    plain, twin = (model.place(P, 12, 0.5 * P * 12, P * 12, subgroup=1e8, twins=t)
+                   for t in (False, True))
+    assert (plain.gpu, twin.gpu, twin.ram) == (5e8, 2e8, 8e8)
+    p = model.predict_placed(twin, 50e9, 1e9, 1e12, 2e9, 1e9, 20e9, 10e9, commit_every=10,
+                             twins=True)
+    assert p.commit_s == 0 and p.twins
+    assert p.host_s == pytest.approx(max(0.8, (8e8 + 2e8) * 12 / 10 / 1e9))
+
+
+def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path):
+    """CudaDevice(twins=None): twins where the directory's probe record (or none) says so;
+    as given otherwise; none without a budget or with overlap off."""
+    from smartinf import io_schedule, twins
+    (tmp_path / "run" / "gpu").mkdir(parents=True)
+    gpu = smartinf.CudaDevice(str(tmp_path / "run" / "gpu"), memory_budget="1GB")
+    choice = twins.choose(gpu, "fp32", "fp32", 10, True)
+    assert choice.twins and "no probe record" in choice.reason
+    kernel = {"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32", "threads": 14,
+              "master": "fp32", "params_per_s": 4e9}
+    io_schedule.record(str(tmp_path), {"write_bps": 2e9, "kernel": [kernel]})
+    assert twins.choose(gpu, "fp32", "fp32", 10, True).twins  # 2 x 12 x 4 / 2 = 48 > 10
+    choice = twins.choose(gpu, "fp32", "fp32", 100, True)
+    assert not choice.twins and "2.00 GB/s" in choice.reason
+    assert not twins.choose(gpu, "fp32", "fp32", 10, False).twins
+    assert not twins.choose(smartinf.CudaDevice(gpu.path), "fp32", "fp32", 10, True).twins
+    assert twins.choose(smartinf.CudaDevice(gpu.path, memory_budget=1, twins=True), "fp32",
+                        "fp32", 100, True).reason == "as requested"
+    assert not twins.choose(smartinf.CpuDevice(gpu.path), "fp32", "fp32", 10, True).twins
+    with pytest.raises(TypeError, match="twins must be True or False"):
+        smartinf.CpuDevice(gpu.path, twins=None)
+    (tmp_path / io_schedule.RECORD).write_text("{")
+    with pytest.raises(ValueError, match="not a probe record"):
+        twins.choose(gpu, "fp32", "fp32", 10, True)
 
 
 def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
@@ -285,14 +338,25 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
     probe.write_text(json.dumps(figures))
     assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
                        "--memory-budget", "9.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
-                       "--json"]) == 0
+                       "--twins", "off", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["placement"] == {"gpu": 2.5e8, "ram": 7.5e8, "streamed": 0.0}
-    # the host's 9 GB written once per 10 steps at 1 GB/s outlast its kernel (0.75 s)
-    assert out["step_s"] == pytest.approx(0.9) and out["bound"] == "host"
+    # the host's 9 GB written once per 10 steps at 1 GB/s outlast its kernel (0.75 s), and
+    # the GPU's updates wait for its 3 GB written once per 10 steps
+    assert out["commit_s"] == pytest.approx(0.3) and not out["twins"]
+    assert out["step_s"] == pytest.approx(0.9 + 0.3) and out["bound"] == "host"
+    # auto: twins pay (10 / (2 x 12 B x 1 G params/s) < 1 / 1 GB/s), and the budget then
+    # takes no sub-group with its twin: all on the host, and no wait
     assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
-                       "--subgroup", "2.5e8"]) == 0
-    assert "GPU 2.5e+08 params, host memory 0, streamed 7.5e+08" in capsys.readouterr().out
+                       "--memory-budget", "12.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
+                       "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["twins"] and out["placement"]["gpu"] == 0 and out["commit_s"] == 0
+    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+                       "--subgroup", "2.5e8", "--twins", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 2.5e+08 params (without twins), host memory 0, streamed 7.5e+08" in out
+    assert "the GPU's wait for its commit 3.000 s" in out
 
 
 def test_command_line_placement_rejects_bad_budgets_and_sub_groups(tmp_path, capsys):

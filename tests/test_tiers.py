@@ -88,18 +88,22 @@ def test_background_commits_give_the_plain_pipelines_bits(tmp_path, state_dtype,
     all_states = sum(FP32_BYTES.values())
     for name, budget, overlap in [("twins", 2 * all_states, True),
                                   ("one-twin", all_states + FP32_BYTES[0], True),
-                                  ("no-twin", all_states, True), ("off", 2 * all_states, False)]:
-        d = str(tmp_path / name)
+                                  ("no-twin", all_states, True), ("off", 2 * all_states, False),
+                                  ("reserved", all_states, True)]:
+        # reserved: the device places sub-groups resident only with their twin (0 and 2)
+        d = smartinf.CpuDevice(str(tmp_path / name), twins=name == "reserved")
         with open_pipe(d, memory_budget=budget, commit_every=every, state_dtype=state_dtype,
                        overlap=overlap) as pipe:
+            if name == "reserved" and state_dtype == "fp32":
+                assert [pipe.resident(i) for i in range(len(SIZES))] == [True, False, True, False]
             for step in range(steps):
                 assert_same(run_step(pipe, step), plain[step][0])
             assert_same(states(pipe), plain[-1][1])
             stats = pipe.stats
         assert stats["background_commits"] == (steps // every if overlap else 0), name
         if name in ("twins", "off") or state_dtype == "fp32":  # int8 states leave room for more twins
-            assert (stats["twin_copies"] > 0) == (name in ("twins", "one-twin")), name
-        with open_pipe(d, state_dtype=state_dtype) as pipe:
+            assert (stats["twin_copies"] > 0) == (name in ("twins", "one-twin", "reserved")), name
+        with open_pipe(d.path, state_dtype=state_dtype) as pipe:
             assert pipe.step_count == steps
             assert_same(states(pipe), plain[-1][1])
 

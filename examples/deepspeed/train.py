@@ -91,6 +91,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["smartinf"]["overlap"] = False
         if args.gpu_memory_budget:
             config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
+            if args.gpu_twins != "auto":
+                config["smartinf"]["gpu"]["twins"] = args.gpu_twins == "on"
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if args.offload_ratio is not None:
@@ -135,6 +137,9 @@ def main() -> None:
                    "per device (e.g. 24GiB)")
     p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
                    "updated there (the \"gpu\" block)")
+    p.add_argument("--gpu-twins", choices=("auto", "on", "off"), default="auto",
+                   help="smartinf: the GPU's sub-groups with room for their twin (auto: the "
+                        "model chooses)")
     p.add_argument("--offload-ratio", type=float, help="deepspeed-cpu: the share of the optimizer "
                    "states offloaded to the CPU, the rest updated on the GPU (ZeRO-Offload++)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")

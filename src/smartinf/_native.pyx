@@ -108,6 +108,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         double storage_bps
         string io_schedule
         uint64_t io_burst
+        bint twins
 
     cdef cppclass RingOptions:
         string io
@@ -303,6 +304,7 @@ cdef class NativePipeline:
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst
+            spec.twins = d.twins
             options.devices.push_back(spec)
         options.optimizer = optimizer.encode()
         options.initial_state = initial_state

@@ -23,6 +23,7 @@ class NativeDeviceSpec(NamedTuple):
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
     gpu: int = 0  # cuda: the CUDA device ordinal
     gpu_memory_budget: int = 0  # cuda: bytes of GPU memory for resident states
+    twins: bool = False  # resident sub-groups placed with their twin (smartinf.twins)
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
@@ -53,17 +54,21 @@ class CpuDevice:
 
     ``storage_gbps`` caps the device's storage traffic (reads and writes together, in
     GB/s = 1e9 bytes/s) to model a CSD's internal SSD, e.g. several emulated CSDs on one
-    fast disk; ``None`` (the default) runs at the disk's speed.
+    fast disk; ``None`` (the default) runs at the disk's speed. ``twins``: its share of the
+    pipeline's ``memory_budget`` holds each resident sub-group with room for a second copy
+    (``smartinf.twins``; default False).
     """
 
     path: str
     storage_gbps: Optional[float] = None
+    twins: bool = False
     kind = "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", _abspath(self.path, "CpuDevice"))
         if self.storage_gbps is not None:
             object.__setattr__(self, "storage_gbps", positive_gbps(self.storage_gbps, "storage_gbps"))
+        _check_twins(self.twins, "CpuDevice", allow_none=False)
 
     def native_spec(self) -> NativeDeviceSpec:
         return NativeDeviceSpec("cpu", self.path, storage_bps=(self.storage_gbps or 0.0) * 1e9)
@@ -128,11 +133,15 @@ class CudaDevice:
     page-locked host memory, it crosses PCIe to the GPU and its states come back. Gradients
     and params in this GPU's memory are read and written where they are (``Pipeline.update``
     takes CUDA tensors for its sub-groups); others cross PCIe. fp32, int8 and int4 moments,
-    with an fp32 master or a split one (streamed, params in host memory); dense gradients."""
+    with an fp32 master or a split one (streamed, params in host memory); dense gradients.
+    ``twins``: the budget holds each resident sub-group with room for a second copy, so a
+    durable commit's write never holds its updates (True), or holds twice as many
+    sub-groups (False); None (the default): ``smartinf.twins`` chooses by the model."""
 
     path: str
     gpu: Optional[int] = None  # None: torch's current CUDA device when the pipeline opens
     memory_budget: Union[int, str, None] = None
+    twins: Optional[bool] = None
     kind = "cuda"
 
     def __post_init__(self) -> None:
@@ -143,6 +152,7 @@ class CudaDevice:
         budget = 0 if self.memory_budget is None else \
             defaults.parse_bytes(self.memory_budget, "CudaDevice memory_budget")
         object.__setattr__(self, "memory_budget", budget)
+        _check_twins(self.twins, "CudaDevice", allow_none=True)
 
     def native_spec(self) -> NativeDeviceSpec:
         if not _build_info.CUDA:
@@ -159,13 +169,19 @@ class CudaDevice:
         return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
+def _check_twins(twins: object, what: str, allow_none: bool) -> None:
+    if not isinstance(twins, bool) and not (allow_none and twins is None):
+        raise TypeError(f"{what} twins must be True or False" + (" or None (the model "
+                        "chooses)" if allow_none else "") + f", got {twins!r}")
+
+
 def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str],
-             gpu: int) -> list:
+             gpu: int, twins: Optional[bool] = None) -> list:
     """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``
-    of states in its memory, its directory ``gpu/`` in the first device's: what
-    ``smartinf.optim``'s ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
+    of states in its memory (with ``twins``), its directory ``gpu/`` in the first device's:
+    what ``smartinf.optim``'s ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
     first = devices[0] if isinstance(devices[0], (str, os.PathLike)) else devices[0].path
-    return [CudaDevice(os.path.join(os.fspath(first), "gpu"), gpu, memory_budget), *devices]
+    return [CudaDevice(os.path.join(os.fspath(first), "gpu"), gpu, memory_budget, twins), *devices]
 
 
 Device = Union[CpuDevice, XrtDevice, CudaDevice]

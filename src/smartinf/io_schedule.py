@@ -31,8 +31,9 @@ class Choice:
 
 
 def record(directory: str, storage: dict) -> str:
-    """Writes the probe's storage figures of ``directory`` (``StorageLimit`` as a dict) to
-    its record, atomically; returns the record's path."""
+    """Writes the probe's storage figures of ``directory`` (``StorageLimit`` as a dict, and
+    the host's figures ``smartinf.twins`` reads) to its record, atomically; returns the
+    record's path."""
     path = os.path.join(directory, RECORD)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:

@@ -12,7 +12,8 @@
 - ``predict_tiered`` / ``budget_for``: one device's step with a memory budget (a fraction
   of the states resident in memory) and a commit interval, and the budget a step time needs.
 - ``place`` / ``predict_placed``: sub-groups on a GPU's memory budget, a host memory budget
-  and storage (the pipeline's placement), and the step that placement gives.
+  and storage (the pipeline's placement), and the step that placement gives; ``twins_pay``:
+  whether the GPU's budget should hold its sub-groups with twins (``smartinf.twins``).
 
 ``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
 prints the table and draws it; with ``--gpu-budget BYTES --memory-budget BYTES`` and a probe
@@ -389,25 +390,42 @@ class Placement:
 
 
 def place(params: float, state_bytes: float, gpu_budget: float, ram_budget: float,
-          subgroup: float = 1e8) -> Placement:
+          subgroup: float = 1e8, twins: bool = False) -> Placement:
     """Where ``Pipeline.add_subgroup`` puts sub-groups of ``subgroup`` params (the last one
-    shorter): each in the GPU's budget while its states fit there (a GPU updates resident
-    states ~50x faster than the host's cores: with a budget below the balance point that
-    ``predict_placed`` reports, every param moved there shortens the step), then in host
-    memory while they fit, then streamed."""
+    shorter): each in the GPU's budget while its states (and with ``twins`` their twin) fit
+    there (a GPU updates resident states ~50x faster than the host's cores: with a budget
+    below the balance point that ``predict_placed`` reports, every param moved there
+    shortens the step), then in host memory while they fit, then streamed."""
     if params <= 0 or subgroup <= 0 or state_bytes <= 0 or gpu_budget < 0 or ram_budget < 0:
         raise ValueError("params, subgroup and state_bytes must be positive, budgets >= 0")
     left = {"gpu": float(gpu_budget), "ram": float(ram_budget)}
+    copies = {"gpu": 2 if twins else 1, "ram": 1}
     placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
     done = 0.0
     while done < params:
         n = min(subgroup, params - done)
-        where = next((k for k in ("gpu", "ram") if n * state_bytes <= left[k]), "streamed")
+        where = next((k for k in ("gpu", "ram") if n * state_bytes * copies[k] <= left[k]),
+                     "streamed")
         if where != "streamed":
-            left[where] -= n * state_bytes
+            left[where] -= n * state_bytes * copies[where]
         placed[where] += n
         done += n
     return Placement(**placed)
+
+
+def twins_pay(state_bytes: float, commit_every: int, host_pps: float, write_bps: float) -> bool:
+    """Whether a GPU budget should hold its sub-groups with their twins (``smartinf.twins``),
+    where the sub-groups it then cannot take are updated in host memory. Per byte of the
+    budget, over a commit interval of ``commit_every`` steps: without twins it holds
+    1 / ``state_bytes`` params, whose first updates after a durable commit wait for their
+    states' write, 1 / ``write_bps`` s (at least: the host's resident writes share the disk);
+    with twins half of them are updated by the host instead, 1 / (2 ``state_bytes``
+    ``host_pps``) s per step (at most: the host's part of a step may hide behind backward)."""
+    if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+        raise ValueError(f"commit_every must be a positive int, got {commit_every!r}")
+    if state_bytes <= 0 or host_pps <= 0 or write_bps <= 0:
+        raise ValueError("state_bytes, host_pps and write_bps must be positive")
+    return commit_every / (2 * state_bytes * host_pps) < 1 / write_bps
 
 
 @dataclass(frozen=True)
@@ -417,7 +435,10 @@ class PlacedPrediction:
     (``predict_tiered``); ``link_s``: its sub-groups' gradients to the host and params back
     over PCIe (full duplex: the busier direction), overlapped with its updates.
     ``balance_gpu_params``: the GPU's share at which both parts take as long (a budget
-    beyond it would gain from leaving the rest on the host)."""
+    beyond it would gain from leaving the rest on the host). ``step_s`` is the mean over a
+    commit interval: the GPU's resident states are written once per interval, in the
+    background with ``twins`` (the disk's traffic, in ``host_s``), else its first updates
+    after the commit wait for the write (``commit_s``)."""
 
     placement: Placement
     step_s: float
@@ -425,6 +446,8 @@ class PlacedPrediction:
     host_s: float
     link_s: float
     balance_gpu_params: float
+    commit_s: float = 0.0  # the GPU's wait for its states' write at a durable commit, per step
+    twins: bool = False
 
     @property
     def bound(self) -> str:
@@ -435,11 +458,12 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
                    read_bps: float, write_bps: float, host_to_gpu_bps: float,
                    gpu_to_host_bps: float, state_bytes: float = STATE_BYTES,
                    commit_every: int = 1, grad_bytes: int = 2,
-                   param_bytes: int = 2) -> PlacedPrediction:
+                   param_bytes: int = 2, twins: bool = False) -> PlacedPrediction:
     """The step of ``placement`` (``place``) with the GPU's update rate ``gpu_pps`` and
     PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
     cores, its memory's triad, its storage)."""
     host_params = placement.ram + placement.streamed
+    gpu_write_s = placement.gpu * state_bytes / write_bps / commit_every
     host_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
@@ -448,13 +472,18 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
         host_s = host.step_s
         link_s = max(host_params * grad_bytes / gpu_to_host_bps,
                      host_params * param_bytes / host_to_gpu_bps)
+        if twins:
+            host_s = max(host_s, host.storage_s + gpu_write_s)
+    elif twins:
+        host_s = gpu_write_s
+    commit_s = 0.0 if twins else gpu_write_s
     gpu_s = placement.gpu / gpu_pps
     total = placement.gpu + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
                                            host_pps).step_s, 1e-12)
-    return PlacedPrediction(placement, max(gpu_s, host_s, link_s), gpu_s, host_s, link_s,
-                            total * gpu_pps / (gpu_pps + host_rate))
+    return PlacedPrediction(placement, max(gpu_s, host_s, link_s) + commit_s, gpu_s, host_s,
+                            link_s, total * gpu_pps / (gpu_pps + host_rate), commit_s, twins)
 
 
 # -- command line ----------------------------------------------------------------------
@@ -552,6 +581,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="--gpu-budget: host memory for states (bytes or e.g. 40GiB; 0)")
     parser.add_argument("--subgroup", type=float, default=1e8,
                         help="--gpu-budget: params per sub-group (1e8)")
+    parser.add_argument("--twins", choices=("auto", "on", "off"), default="auto",
+                        help="--gpu-budget: the GPU's sub-groups placed with room for their "
+                             "twin (auto: where twins_pay says so, as CudaDevice(twins=None))")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", help="write a PNG of step time and speedup per device count")
     args = parser.parse_args(argv)
@@ -640,20 +672,24 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
         raise ValueError("--gpu-budget needs a probe JSON that measured a GPU and the host "
                          "(python -m smartinf.probe DIR --json on the GPU's machine)")
     state = state_bytes_per_param(args.state_dtype, args.master)
+    host_pps = host_update_pps(result, args.state_dtype, args.master)
+    twins = args.twins == "on" or (args.twins == "auto" and twins_pay(
+        state, args.commit_every, host_pps, hw.write_bps))
     placement = place(args.params, state, defaults.parse_bytes(args.gpu_budget, "--gpu-budget"),
-                      defaults.parse_bytes(args.memory_budget, "--memory-budget"), args.subgroup)
-    p = predict_placed(placement, gpu["update_pps"][args.state_dtype],
-                       host_update_pps(result, args.state_dtype, args.master), triad,
+                      defaults.parse_bytes(args.memory_budget, "--memory-budget"), args.subgroup,
+                      twins)
+    p = predict_placed(placement, gpu["update_pps"][args.state_dtype], host_pps, triad,
                        hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"],
-                       state, args.commit_every, args.grad_bytes, args.param_bytes)
+                       state, args.commit_every, args.grad_bytes, args.param_bytes, twins)
     if args.json:
         print(json.dumps(dict(dataclasses.asdict(p), bound=p.bound), indent=1))
         return 0
     print(f"{args.params:.3g} params, {args.state_dtype} moments, {args.master} masters "
           f"({state:.2f} B/param), sub-groups of {args.subgroup:.3g}: GPU {placement.gpu:.3g} "
-          f"params, host memory {placement.ram:.3g}, streamed {placement.streamed:.3g}")
+          f"params ({'with' if twins else 'without'} twins), host memory {placement.ram:.3g}, "
+          f"streamed {placement.streamed:.3g}")
     print(f"step {p.step_s:.3f} s ({p.bound}): GPU {p.gpu_s:.3f} s, host {p.host_s:.3f} s, "
-          f"PCIe {p.link_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
+          f"PCIe {p.link_s:.3f} s, the GPU's wait for its commit {p.commit_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
                                       f"; the GPU's budget is past the balance point "
                                       f"({p.balance_gpu_params:.3g} params): a smaller one "
                                       f"would leave the host its share"))

@@ -61,7 +61,8 @@ class StorageOptions(TypedDict, total=False):
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
-    directory ``gpu/`` in the first one's; none by default).
+    directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
+    (None: the model chooses, ``smartinf.twins``).
     """
 
     subgroup_size: int
@@ -204,7 +205,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
-                 gpu_memory_budget: "int | str | None" = None, **options: Any) -> None:
+                 gpu_memory_budget: "int | str | None" = None,
+                 gpu_twins: Optional[bool] = None, **options: Any) -> None:
         # The pipeline's settings (PIPELINE_KEYWORDS) and torch's own options, apart.
         storage = {k: options.pop(k) for k in PIPELINE_KEYWORDS if k in options}
         torch_options = options
@@ -241,7 +243,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         self._split = settings.master == "split"
         self._refuse_split_of_other_dtypes(self._plan)
-        pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget),
+        pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
+                                                   gpu_twins),
                             self._rule(self.param_groups[0]), settings=settings)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
@@ -262,16 +265,20 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                      self._gather_grad)
             self._hooks.register(self._plan)
 
-    def _devices_with_gpu(self, devices: list, budget: "int | str | None") -> list:
+    def _devices_with_gpu(self, devices: list, budget: "int | str | None",
+                          twins: Optional[bool]) -> list:
         """``devices``, with the GPU the params are on in front when given a budget."""
         if budget is None:
+            if twins is not None:
+                raise ValueError("gpu_twins is for the states a gpu_memory_budget keeps in the "
+                                 "GPU's memory: give a budget, or leave gpu_twins out")
             return devices
         gpus = {sg.device for sg in self._plan if sg.device.type == "cuda"}
         if len(gpus) != 1:
             raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
                              f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
                              f": move the model to one GPU, or leave gpu_memory_budget out")
-        return with_gpu(devices, budget, gpus.pop().index)
+        return with_gpu(devices, budget, gpus.pop().index, twins)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _check_group(self, group: dict) -> None:

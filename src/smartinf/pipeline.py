@@ -19,6 +19,7 @@ import torch
 
 from . import _native, buffers
 from . import io_schedule as schedules
+from . import twins
 from .compress import Compressed
 from .devices import DeviceLike, resolve
 from .settings import PipelineSettings
@@ -141,9 +142,10 @@ class Pipeline:
         commit writes the resident states in the background while later steps run, and is
         durable (``durable_step_count``) once they are written; a resident sub-group updated
         meanwhile works on a second copy when what is left of ``memory_budget`` holds one
-        (else its update waits, as a streamed one's does). The same bits either way; a crash
-        reopens at the last commit that was durable. ``False``: ``commit()`` waits for the
-        writes.
+        (else its update waits, as a streamed one's does; a device's ``twins`` places its
+        resident sub-groups with room for both, ``twins`` here lists each device's choice
+        and why). The same bits either way; a crash reopens at the last commit that was
+        durable. ``False``: ``commit()`` waits for the writes.
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
@@ -156,7 +158,7 @@ class Pipeline:
     """
 
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
-                 "_final_stats", "_final_device_stats", "_resumed", "io_schedules")
+                 "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins")
 
     def __init__(
         self,
@@ -209,8 +211,10 @@ class Pipeline:
         self._resumed: set[int] = set()
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
-        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst)
-                 for s, c in zip(specs, self.io_schedules)]
+        self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
+                                   settings.overlap) for d in self._devices]
+        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
+                 for s, c, t in zip(specs, self.io_schedules, self.twins)]
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings)
         for note in self._native.notes():

@@ -6,7 +6,8 @@ For each directory: sequential ``O_DIRECT`` write then read bandwidth through th
 project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 in
 flight; the page cache is not involved), and the mix curve: half read and half written
 with both directions in flight, and in bursts of one direction (``--record`` keeps it in
-the directory for ``io_schedule="auto"``). Then host memory copy bandwidth and the Adam
+the directory, with the host's kernel rates, for ``io_schedule="auto"`` and
+``smartinf.twins``). Then host memory copy bandwidth and the Adam
 kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
 a STREAM triad over the same threads (what memory gives the parallel update, whose limit
 it is when states are resident). Where smartinf has CUDA and torch sees a GPU: the GPU's
@@ -442,8 +443,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--engine", choices=defaults.IO_ENGINES, default="auto",
                         help="storage engine (default: %(default)s)")
     parser.add_argument("--record", action="store_true",
-                        help="record each directory's storage figures in DIR/"
-                             f"{io_schedule.RECORD}, where io_schedule='auto' reads them")
+                        help="record each directory's storage figures, with the host's "
+                             f"kernel rates, in DIR/{io_schedule.RECORD}, where "
+                             "io_schedule='auto' and a CudaDevice's twins=None read them")
     parser.add_argument("--repeats", type=int, default=1, metavar="R",
                         help="repeat the storage write+read R times, keep the best "
                              "(default: %(default)s)")
@@ -458,8 +460,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     if args.record:
+        host = {k: result[k] for k in ("kernel", "triad", "gpu") if k in result}
         for storage in result["storage"]:
-            path = io_schedule.record(storage["directory"], storage)
+            path = io_schedule.record(storage["directory"], {**storage, **host})
             choice = io_schedule.from_figures(storage)
             print(f"recorded {path}: io_schedule='auto' runs {choice.schedule} there ({choice.reason})",
                   file=sys.stderr)

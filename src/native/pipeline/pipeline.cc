@@ -130,6 +130,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
                                   " for " + spec.dir);
     Unit unit;
+    unit.twins = spec.twins;
     unit.device = spec.kind == "xrt"    ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
                   : spec.kind == "cuda" ? device::make_cuda_device(spec.dir, geometry, spec.cuda)
                                         : device::make_cpu_device(spec.dir, geometry, cpu);
@@ -272,6 +273,10 @@ bool Pipeline::twin_fits(const Placement& p) const {
          (p.twin != device::kOwnStates || u.resident_used + resident_size(p) <= u.device->resident_bytes());
 }
 
+bool Pipeline::fits_resident(const Unit& u, uint64_t bytes) {
+  return u.resident_used + (u.twins ? 2 * bytes : bytes) <= u.device->resident_bytes();
+}
+
 bool Pipeline::give_twin(Placement& p) {
   if (p.twin != device::kOwnStates || !twin_fits(p)) return p.twin != device::kOwnStates;
   Unit& u = devices_[p.unit];
@@ -301,7 +306,7 @@ size_t Pipeline::place(int64_t id, uint64_t bytes) const {
     if (devices_[u].store->holds(id)) return u;
   for (size_t u = 0; u < devices_.size(); ++u) {
     const Unit& d = devices_[u];
-    if (d.device->placed_first() && d.resident_used + bytes <= d.device->resident_bytes()) return u;
+    if (d.device->placed_first() && fits_resident(d, bytes)) return u;
   }
   const bool others = std::any_of(devices_.begin(), devices_.end(),
                                   [](const Unit& d) { return !d.device->placed_first(); });
@@ -330,8 +335,12 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   Unit& u = devices_[unit];
   bool created = false;
   Placement p{unit, store.attach(id, numel, fingerprint, created)};
-  // Resident if its states fit in what is left of the budget: decided here, once.
-  if (u.resident_used + bytes <= u.device->resident_bytes()) p.resident = u.resident_used;
+  // Resident if its states (and its twin, where the device keeps twins) fit in what is
+  // left of the budget: decided here, once.
+  if (fits_resident(u, bytes)) {
+    p.resident = u.resident_used;
+    if (u.twins) p.twin = u.resident_used + bytes;
+  }
   try {
     if (created) {
       const float* arrays[device::kMaxStateArrays] = {init};
@@ -350,7 +359,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
     if (created) store.detach_last();
     throw;
   }
-  if (p.resident != device::kOwnStates) u.resident_used += bytes;
+  if (p.resident != device::kOwnStates) u.resident_used += u.twins ? 2 * bytes : bytes;
   resumed = !created;
   u.numel += numel;
   if (p.resident == device::kOwnStates || !u.device->placed_first()) u.balanced_numel += numel;

@@ -25,6 +25,11 @@ struct DeviceSpec {
   double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
   std::string io_schedule = "mixed";  // mixed | phased: see RingOptions
   uint64_t io_burst = 0;     // phased: bytes of one direction per turn; 0: RingOptions' default
+  // Resident sub-groups are placed with their twin (twice their bytes of the budget): a
+  // durable commit's write never holds their next update, at the price of half the
+  // resident capacity (smartinf.model weighs the two for a GPU). false: twins only from
+  // what is left of the budget at a commit.
+  bool twins = false;
 };
 
 struct PipelineOptions {
@@ -142,6 +147,7 @@ class Pipeline {
     uint64_t numel = 0;           // placed so far
     uint64_t balanced_numel = 0;  // of those, the ones placement balances (Pipeline::place)
     uint64_t resident_used = 0;   // bytes of the device's resident memory given out
+    bool twins = false;           // DeviceSpec::twins
   };
   struct Placement {
     size_t unit;
@@ -194,6 +200,9 @@ class Pipeline {
   // A resident sub-group's twin, from what is left of its device's budget, if it has none
   // and one fits (kept from then on); whether it has one.
   bool twin_fits(const Placement& p) const;
+  // A new sub-group's `bytes` of states, with its twin where `u` keeps twins, fit in what
+  // is left of u's budget.
+  static bool fits_resident(const Unit& u, uint64_t bytes);
   bool give_twin(Placement& p);
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();

@@ -87,6 +87,7 @@ class Settings:
     pipeline: PipelineSettings  # the rest of the block but compress and gpu, checked
     compress: Optional[dict] = None
     gpu_memory_budget: int = 0  # "gpu": {"memory_budget": ...}: the rank's GPU as a device
+    gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -114,9 +115,12 @@ class Settings:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         gpu = block.get("gpu")
-        if gpu is not None and (not isinstance(gpu, dict) or set(gpu) != {"memory_budget"}):
+        if gpu is not None and (not isinstance(gpu, dict) or "memory_budget" not in gpu
+                                or not set(gpu) <= {"memory_budget", "twins"}
+                                or gpu.get("twins") not in (None, True, False)):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
-                             f'the rank\'s GPU memory for states, e.g. "8GiB"); got {gpu!r}')
+                             f'the rank\'s GPU memory for states, e.g. "8GiB") and optionally '
+                             f'"twins" (true, false or null: the model chooses); got {gpu!r}')
         try:
             gpu_budget = defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
         except (TypeError, ValueError) as e:
@@ -127,13 +131,14 @@ class Settings:
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
-                   gpu_memory_budget=gpu_budget)
+                   gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"))
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
         budget its GPU (``gpu``) is a device in front of them."""
         dirs = [os.path.join(d, f"rank{rank:05d}") for d in self.devices]
-        return with_gpu(dirs, self.gpu_memory_budget, gpu) if self.gpu_memory_budget else dirs
+        return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins) \
+            if self.gpu_memory_budget else dirs
 
     def top_k(self) -> Optional[TopK]:
         if self.compress is None:
