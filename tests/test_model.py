@@ -265,8 +265,9 @@ def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
     assert p.host_s == pytest.approx(0.75 * P * 12 / 1e9) and p.bound == "host"
     p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 100e9, 20e9, 10e9,
                              commit_every=10)
-    # ... and the GPU's first updates after a commit wait for its 3 GB written at 100 GB/s
-    assert p.commit_s == pytest.approx(0.25 * P * 12 / 100e9 / 10)
+    # ... and the GPU's first updates after a commit wait for its 3 GB written at 100 GB/s,
+    # beside as many of the host's
+    assert p.commit_s == pytest.approx(2 * 0.25 * P * 12 / 100e9 / 10)
     assert p.step_s == pytest.approx(0.75 + p.commit_s) and p.bound == "host"
     assert p.link_s == pytest.approx(0.75 * P * 2 / 10e9)
     assert p.balance_gpu_params == pytest.approx(P * gpu_pps / (gpu_pps + host_pps))
@@ -342,9 +343,9 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["placement"] == {"gpu": 2.5e8, "ram": 7.5e8, "streamed": 0.0}
     # the host's 9 GB written once per 10 steps at 1 GB/s outlast its kernel (0.75 s), and
-    # the GPU's updates wait for its 3 GB written once per 10 steps
-    assert out["commit_s"] == pytest.approx(0.3) and not out["twins"]
-    assert out["step_s"] == pytest.approx(0.9 + 0.3) and out["bound"] == "host"
+    # the GPU's updates wait for its 3 GB written once per 10 steps beside 3 GB of the host's
+    assert out["commit_s"] == pytest.approx(0.6) and not out["twins"]
+    assert out["step_s"] == pytest.approx(0.9 + 0.6) and out["bound"] == "host"
     # auto: twins pay (10 / (2 x 12 B x 1 G params/s) < 1 / 1 GB/s), and the budget then
     # takes no sub-group with its twin: all on the host, and no wait
     assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",

@@ -463,7 +463,11 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
     PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
     cores, its memory's triad, its storage)."""
     host_params = placement.ram + placement.streamed
-    gpu_write_s = placement.gpu * state_bytes / write_bps / commit_every
+    gpu_bytes = placement.gpu * state_bytes
+    gpu_write_s = gpu_bytes / write_bps / commit_every
+    # Without twins the GPU's updates wait for its own writes, which share the disk with
+    # the host's resident ones (written at once, at equal rates: measured on the H100 host).
+    gpu_wait_s = (gpu_bytes + min(gpu_bytes, placement.ram * state_bytes)) / write_bps / commit_every
     host_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
@@ -476,7 +480,7 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
             host_s = max(host_s, host.storage_s + gpu_write_s)
     elif twins:
         host_s = gpu_write_s
-    commit_s = 0.0 if twins else gpu_write_s
+    commit_s = 0.0 if twins else gpu_wait_s
     gpu_s = placement.gpu / gpu_pps
     total = placement.gpu + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,

@@ -302,7 +302,8 @@ def measure_gpu(numel: int = GPU_NUMEL, copy_bytes: int = HOST_COPY_BYTES,
     for state_dtype in ("fp32", "int8", "int4"):
         budget = int(numel * model.state_bytes_per_param(state_dtype) * 1.05) + 64 * MiB
         with tempfile.TemporaryDirectory(prefix="smartinf-probe-gpu-") as d:
-            pipe = Pipeline(CudaDevice(d, memory_budget=budget), AdamW(), state_dtype=state_dtype,
+            pipe = Pipeline(CudaDevice(d, memory_budget=budget, twins=False), AdamW(),
+                            state_dtype=state_dtype,
                             commit_every=1 << 20, if_exists="overwrite")
             try:
                 pipe.add_subgroup(numel, None)
