@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from . import io_schedule, model
+from . import io_schedule
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
         return Choice(True, f"no probe record with the host's update rate in {device.path} or "
                             f"above it (python -m smartinf.probe DIR --record): twins, so that "
                             f"a durable commit's write never holds the GPU's updates")
+    from . import model  # not at import: `python -m smartinf.model` runs it as __main__
     host_pps, write_bps = model.host_update_pps(figures, state_dtype, master), figures["write_bps"]
     state = model.state_bytes_per_param(state_dtype, master)
     pays = model.twins_pay(state, commit_every, host_pps, write_bps)
