@@ -445,7 +445,7 @@ def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
         "memory_budget": "2GiB", "twins": False}}})
     assert s.rank_devices(0, gpu=0)[0].twins is False
     for bad in ({"memory_budget": "lots"}, {"budget": 1}, 5, {"twins": True},
-                {"memory_budget": 1, "twins": "yes"}):
+                {"memory_budget": 1, "twins": "yes"}, {"memory_budget": 1, "twins": 1}):
         with pytest.raises(ValueError, match="gpu"):
             sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": bad}})
 

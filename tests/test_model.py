@@ -321,9 +321,19 @@ def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path):
     assert not twins.choose(smartinf.CpuDevice(gpu.path), "fp32", "fp32", 10, True).twins
     with pytest.raises(TypeError, match="twins must be True or False"):
         smartinf.CpuDevice(gpu.path, twins=None)
-    (tmp_path / io_schedule.RECORD).write_text("{")
-    with pytest.raises(ValueError, match="not a probe record"):
-        twins.choose(gpu, "fp32", "fp32", 10, True)
+    # records the probe wrote before it kept kernel rates: the default
+    io_schedule.record(str(tmp_path), {"write_bps": 2e9})
+    assert "no probe record with the host's update rate" in twins.choose(
+        gpu, "fp32", "fp32", 100, True).reason
+    for bad in ({"write_bps": "fast", "kernel": [kernel]}, {"kernel": [kernel]},
+                {"write_bps": 2e9, "kernel": [{"threads": 14}]}):
+        io_schedule.record(str(tmp_path), bad)
+        with pytest.raises(ValueError, match="is not a probe record"):
+            twins.choose(gpu, "fp32", "fp32", 10, True)
+    for bad in ("{", "[]"):
+        (tmp_path / io_schedule.RECORD).write_text(bad)
+        with pytest.raises(ValueError, match="is not a probe record.*pass twins=True or False"):
+            twins.choose(gpu, "fp32", "fp32", 10, True)
 
 
 def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):

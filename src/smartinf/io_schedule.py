@@ -82,9 +82,27 @@ def choose(setting: str, directory: str) -> Choice:
     if path is None:
         return Choice("mixed", f"no probe record in {directory} or above it (python -m "
                                f"smartinf.probe {directory} --record measures one)")
+    instead = "pass io_schedule='mixed' or 'phased'"
+    figures = load_record(path, instead)
+    try:
+        return from_figures(figures)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise not_a_record(path, e, instead) from e
+
+
+def load_record(path: str, instead: str) -> dict:
+    """The figures of the record at ``path``; where it is not one, a ValueError naming it
+    and what to do (``instead``: how to go without it)."""
     try:
         with open(path) as f:
-            return from_figures(json.load(f))
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a probe record ({e}): run python -m smartinf.probe "
-                         f"{directory} --record again, or pass io_schedule='mixed' or 'phased'") from e
+            figures = json.load(f)
+    except (OSError, ValueError) as e:
+        raise not_a_record(path, e, instead) from e
+    if not isinstance(figures, dict):
+        raise not_a_record(path, f"a JSON {type(figures).__name__}, not an object", instead)
+    return figures
+
+
+def not_a_record(path: str, why: object, instead: str) -> ValueError:
+    return ValueError(f"{path} is not a probe record ({why}): run python -m smartinf.probe "
+                      f"{os.path.dirname(path)} --record again, or {instead}")

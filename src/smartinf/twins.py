@@ -18,7 +18,7 @@ waits for a write.
 """
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 
 from . import io_schedule
@@ -42,13 +42,13 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
     if not overlap:
         return Choice(False, "overlap=False: a durable commit is written before commit() returns")
     path = io_schedule.find_record(device.path)
-    figures = _figures(path) if path else None
-    if figures is None:
+    rates = _recorded_rates(path, state_dtype, master) if path else None
+    if rates is None:
         return Choice(True, f"no probe record with the host's update rate in {device.path} or "
                             f"above it (python -m smartinf.probe DIR --record): twins, so that "
                             f"a durable commit's write never holds the GPU's updates")
     from . import model  # not at import: `python -m smartinf.model` runs it as __main__
-    host_pps, write_bps = model.host_update_pps(figures, state_dtype, master), figures["write_bps"]
+    host_pps, write_bps = rates
     state = model.state_bytes_per_param(state_dtype, master)
     pays = model.twins_pay(state, commit_every, host_pps, write_bps)
     return Choice(pays, f"{path}: the host updates {host_pps / 1e9:.2f} G params/s, the disk "
@@ -57,14 +57,20 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
                            else "a sub-group's wait for its write costs less than its twin"))
 
 
-def _figures(path: str) -> dict | None:
-    """The record's figures, if it holds the host's kernel rates (probes before these
-    were recorded did not)."""
+def _recorded_rates(path: str, state_dtype: str, master: str) -> tuple[float, float] | None:
+    """The host's update rate on its usable cores and the disk's write rate from the record
+    at ``path``; None where it holds no kernel rates (probes before they were recorded)."""
+    from . import model
+    instead = "pass twins=True or False"
+    figures = io_schedule.load_record(path, instead)
     try:
-        with open(path) as f:
-            figures = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a probe record ({e}): run python -m smartinf.probe "
-                         f"DIR --record again, or pass twins=True or False") from e
-    kernels = [k for k in figures.get("kernel", ()) if k.get("threads", 1) > 1]
-    return figures if kernels and figures.get("write_bps") else None
+        host_pps = model.host_update_pps(figures, state_dtype, master)
+    except ValueError:  # no kernel timed on the usable cores
+        return None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise io_schedule.not_a_record(path, f"its kernel rates: {e!r}", instead) from e
+    write_bps = figures.get("write_bps")
+    for name, rate in (("params_per_s", host_pps), ("write_bps", write_bps)):
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise io_schedule.not_a_record(path, f"{name} {rate!r} is not a positive rate", instead)
+    return float(host_pps), float(write_bps)

@@ -117,7 +117,7 @@ class Settings:
         gpu = block.get("gpu")
         if gpu is not None and (not isinstance(gpu, dict) or "memory_budget" not in gpu
                                 or not set(gpu) <= {"memory_budget", "twins"}
-                                or gpu.get("twins") not in (None, True, False)):
+                                or not isinstance(gpu.get("twins", False), (bool, type(None)))):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
                              f'the rank\'s GPU memory for states, e.g. "8GiB") and optionally '
                              f'"twins" (true, false or null: the model chooses); got {gpu!r}')
