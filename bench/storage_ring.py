@@ -2,7 +2,7 @@
 directory in the same run: the ring alone (no framework), as DeepSpeed drives it.
 
     python bench/storage_ring.py DIR [--params 1557611200] [--formats int8_split,int4_split]
-        [--schedules mixed,phased] [--steps 4] [--probe-mib 8192] [--out F.json]
+        [--schedules mixed,phased,auto] [--slots 0,16] [--steps 4] [--probe-mib 8192] [--out F.json]
 
 Each format and schedule gets its own Pipeline on DIR (states streamed, bf16 params); the
 sub-groups (``--subgroup``, DeepSpeed's 100 M by default) go in two at a time, as the
@@ -37,9 +37,11 @@ FORMATS = {"fp32": {}, "int8": {"state_dtype": "int8"},
 class Run:
     """One pipeline over ``params`` bf16 params in sub-groups of ``subgroup``."""
 
-    def __init__(self, directory: str, params: int, subgroup: int, fmt: str, schedule: str):
+    def __init__(self, directory: str, params: int, subgroup: int, fmt: str, schedule: str,
+                 slots: int):
         self.pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4, weight_decay=0.01),
-                                      io_schedule=schedule, if_exists="overwrite", **FORMATS[fmt])
+                                      io_schedule=schedule, slots=slots or None,
+                                      if_exists="overwrite", **FORMATS[fmt])
         self.sizes = [min(subgroup, params - lo) for lo in range(0, params, subgroup)]
         for n in self.sizes:
             self.pipe.add_subgroup(n)
@@ -67,7 +69,7 @@ class Run:
         moved = median["storage_read"] + median["storage_write"]
         return {"step_s": step, "steps_s": [s["step_s"] for s in self.steps],
                 "disk_bps": moved / median["step_s"], "bytes_moved": moved,
-                "io_turns": median.get("io_turns", 0),
+                "io_turns": median.get("io_turns", 0), "slots": self.pipe.stats["slots"],
                 "busy_s": {k[5:]: v for k, v in median.items() if k.startswith("busy_")},
                 "schedule": dataclasses.asdict(self.pipe.io_schedules[0]),
                 "probe_bps": probe_figure(storage, self.pipe.io_schedules[0])}
@@ -89,6 +91,7 @@ def main() -> None:
     p.add_argument("--subgroup", type=int, default=100_000_000)
     p.add_argument("--formats", default="int8_split,int4_split")
     p.add_argument("--schedules", default="mixed,phased,auto")
+    p.add_argument("--slots", default="0", help="ring slots to try (0: the pipeline's choice)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--probe-mib", type=int, default=8192, help="0: use the directory's record")
     p.add_argument("--out")
@@ -107,8 +110,10 @@ def main() -> None:
     try:
         for fmt in args.formats.split(","):
             for schedule in args.schedules.split(","):
-                runs[f"{fmt}-{schedule}"] = Run(os.path.join(args.dir, f"{fmt}-{schedule}"),
-                                                args.params, args.subgroup, fmt, schedule)
+                for slots in map(int, args.slots.split(",")):
+                    name = f"{fmt}-{schedule}" + (f"-slots{slots}" if slots else "")
+                    runs[name] = Run(os.path.join(args.dir, name), args.params, args.subgroup,
+                                     fmt, schedule, slots)
         for _ in range(args.steps):
             for name, run in runs.items():
                 run.step()
