@@ -3,11 +3,14 @@
 
     python bench/gpt_int8_accuracy.py [--steps 300] [--out bench/results/gpt_int8]
     python bench/gpt_int8_accuracy.py --state-dtype int8 --state-dtype int4 \\
-        [--out bench/results/gpt_int4]
+        [--noise 1e-3] [--out bench/results/gpt_int4]
 
 Same weights, same batches, same seed for every run; writes ``OUT.json`` and the loss
 curves ``OUT.png``. The goal: the int8 (int4) final loss within 2 % of the fp32 one. With the
 default ``--state-dtype int8`` the runs and the JSON are those of bench/measured/cpu-gpt-int8.
+``--noise R`` adds fp32 states with the learning rate times 1 + R: how far apart two runs
+whose arithmetic differs by that much drift (the per-step gap a quantized run is judged
+against).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def main() -> None:
                    help="quantized state dtypes to compare with fp32 (repeatable; default int8)")
     p.add_argument("--out", help="output path without extension (default "
                                  "bench/results/gpt_<dtypes>)")
+    p.add_argument("--noise", type=float, action="append", default=[], metavar="R",
+                   help="also fp32 states at lr x (1 + R), the noise floor (repeatable)")
     compute_dtype.add_argument(p)
     args = p.parse_args()
     dtypes = args.state_dtype or ["int8"]
@@ -59,13 +64,22 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as d:
         runs = optimizers(5e-4, 0.1, d)
-        for name in ["torch", "smartinf"] + [f"smartinf-{t}" for t in dtypes]:
+        for r in args.noise:
+            runs[f"smartinf-lr+{r:g}"] = optimizers(5e-4 * (1 + r), 0.1,
+                                                    os.path.join(d, f"lr+{r:g}"))["smartinf"]
+        for name in ["torch", "smartinf"] + [f"smartinf-{t}" for t in dtypes] + \
+                [f"smartinf-lr+{r:g}" for r in args.noise]:
             r = train(runs[name], args.steps, TrainConfig(), seed=0, device=device,
                       dtype=dtype, progress_desc=name)
             results[name] = dict(summarize(r), losses=r["losses"])
             print(f"{name:<14} final loss {results[name]['final_loss']:.4f}", flush=True)
     fp32 = results["smartinf"]["final_loss"]
     report = {"device": device, "dtype": str(dtype), "steps": args.steps}
+    for r in args.noise:
+        report[f"lr+{r:g}_vs_fp32_per_step"] = gaps = deviations(
+            results[f"smartinf-lr+{r:g}"]["losses"], results["smartinf"]["losses"])
+        print(f"fp32 states at lr x (1 + {r:g}): {gaps['max']:.2%} at most per step (step "
+              f"{gaps['max_step']}), within 1 % up to step {gaps['within_1pct_until']}")
     for t in dtypes:
         rel = results[f"smartinf-{t}"]["final_loss"] / fp32 - 1
         report[f"{t}_vs_fp32"] = rel

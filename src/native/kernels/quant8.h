@@ -38,18 +38,6 @@ using store::Int8States;
 using store::kQuantBlock;
 using store::quant_blocks;
 
-SMARTINF_HD inline uint32_t float_bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-
-SMARTINF_HD inline float bits_float(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
-
 // Branch-free (selects by masks) so GCC vectorises the loops that call these.
 SMARTINF_HD inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(take_a);
@@ -62,11 +50,11 @@ SMARTINF_HD inline uint32_t select(bool take_a, uint32_t a, uint32_t b) {
 template <int Bias>
 SMARTINF_HD inline uint32_t encode_magnitude(float a) {
   constexpr float kSubScale = float(uint64_t(1) << (Bias + 2));  // one subnormal step -> 1
-  const uint32_t b = float_bits(a);
+  const uint32_t b = bits_of(a);
   const bool subnormal = a < 1.0f / float(uint64_t(1) << (Bias - 1));
   // Below the smallest normal a * 2^(Bias+2) < 8, so adding 2^23 rounds it to an integer,
   // nearest-even. Both paths are computed; the subnormal one sees 0 when unused.
-  const float as = bits_float(select(subnormal, b, 0u));
+  const float as = float_of(select(subnormal, b, 0u));
   const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>((as * kSubScale + 8388608.0f) - 8388608.0f));
   const uint32_t mant = b & 0x7fffffu;
   const uint32_t rounded = (mant + 0x7ffffu + ((mant >> 20) & 1u)) >> 20;
@@ -80,12 +68,12 @@ SMARTINF_HD inline uint32_t decode_magnitude_bits(uint32_t code) {
   const uint32_t e = code >> 3, f = code & 7u;
   const float sub = static_cast<float>(static_cast<int32_t>(f)) * (1.0f / float(uint64_t(1) << (Bias + 2)));
   const uint32_t normal = ((e - Bias + 127u) << 23) | (f << 20);
-  return select(e == 0, float_bits(sub), normal);
+  return select(e == 0, bits_of(sub), normal);
 }
 
 template <int Bias>
 SMARTINF_HD inline float decode_magnitude(uint32_t code) {
-  return bits_float(decode_magnitude_bits<Bias>(code));
+  return float_of(decode_magnitude_bits<Bias>(code));
 }
 
 inline constexpr int kSignedBias = 15;    // exp_avg: 4 exponent bits
@@ -94,13 +82,13 @@ inline constexpr int kUnsignedBias = 31;  // sqrt(exp_avg_sq): 5 exponent bits
 // `inv_scale` is 1 / (block maximum), rounded to float: one division per block instead of
 // one per value. |x| * inv_scale may then exceed 1 by an ulp, which codes as 1.
 SMARTINF_HD inline uint8_t encode_signed(float x, float inv_scale) {
-  const uint32_t sign = (float_bits(x) >> 24) & 0x80u;
+  const uint32_t sign = (bits_of(x) >> 24) & 0x80u;
   return static_cast<uint8_t>(sign | encode_magnitude<kSignedBias>(std::fabs(x) * inv_scale));
 }
 
 SMARTINF_HD inline float decode_signed(uint8_t c, float scale) {
   const float a = decode_magnitude<kSignedBias>(c & 0x7fu) * scale;
-  return bits_float(float_bits(a) | (uint32_t(c & 0x80u) << 24));
+  return float_of(bits_of(a) | (uint32_t(c & 0x80u) << 24));
 }
 
 SMARTINF_HD inline uint8_t encode_unsigned(float x, float inv_scale) {
@@ -114,7 +102,7 @@ SMARTINF_HD inline float decode_unsigned(uint8_t c, float scale) {
 
 // Largest magnitude, as the bits of a non-negative float: their bit patterns order like
 // their values, and an integer max reduction vectorises where a float one needs -ffast-math.
-SMARTINF_HD inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(float_bits(x) & 0x7fffffffu); }
+SMARTINF_HD inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(bits_of(x) & 0x7fffffffu); }
 
 // Codes `n` <= kQuantBlock values of a signed moment against their block maximum.
 inline void encode_signed_block(std::size_t n, const float* x, float max, uint8_t* q) {
@@ -143,7 +131,7 @@ inline void quantize_block(unsigned k, std::size_t n, const float* x, uint8_t* q
     const int32_t a = magnitude_bits(x[i]);
     bits = a > bits ? a : bits;
   }
-  *scale = bits_float(static_cast<uint32_t>(bits));
+  *scale = float_of(static_cast<uint32_t>(bits));
   if (k == 0)
     encode_signed_block(n, x, *scale, q);
   else
@@ -178,8 +166,8 @@ inline void adam8_range(std::size_t n, const Int8States& s, const G* __restrict 
       m_bits = a > m_bits ? a : m_bits;
       w_bits = c > w_bits ? c : w_bits;
     }
-    s.scale[0][b] = bits_float(static_cast<uint32_t>(m_bits));
-    s.scale[1][b] = bits_float(static_cast<uint32_t>(w_bits));
+    s.scale[0][b] = float_of(static_cast<uint32_t>(m_bits));
+    s.scale[1][b] = float_of(static_cast<uint32_t>(w_bits));
     encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
     encode_unsigned_block(len, w, s.scale[1][b], s.code[1] + lo);
   }
@@ -221,7 +209,7 @@ inline void lion8(std::size_t n, const Int8States& s, const G* __restrict grad,
       const int32_t a = magnitude_bits(r.m);
       m_bits = a > m_bits ? a : m_bits;
     }
-    s.scale[0][b] = bits_float(static_cast<uint32_t>(m_bits));
+    s.scale[0][b] = float_of(static_cast<uint32_t>(m_bits));
     encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
   }
 }
