@@ -437,8 +437,8 @@ class PlacedPrediction:
     ``balance_gpu_params``: the GPU's share at which both parts take as long (a budget
     beyond it would gain from leaving the rest on the host). ``step_s`` is the mean over a
     commit interval: the GPU's resident states are written once per interval, in the
-    background with ``twins`` (the disk's traffic, in ``host_s``), else its first updates
-    after the commit wait for the write (``commit_s``)."""
+    background with ``twins``, else its first updates after the commit wait for the write;
+    either way the disk writes them (``disk_s``: all its traffic, per step)."""
 
     placement: Placement
     step_s: float
@@ -446,12 +446,14 @@ class PlacedPrediction:
     host_s: float
     link_s: float
     balance_gpu_params: float
-    commit_s: float = 0.0  # the GPU's wait for its states' write at a durable commit, per step
+    commit_s: float = 0.0  # what the GPU's wait for its states' write adds to the mean
     twins: bool = False
+    disk_s: float = 0.0
 
     @property
     def bound(self) -> str:
-        return max((self.gpu_s, "gpu"), (self.host_s, "host"), (self.link_s, "pcie"))[1]
+        return max((self.gpu_s, "gpu"), (self.host_s, "host"), (self.link_s, "pcie"),
+                   (self.disk_s, "storage"))[1]
 
 
 def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory_bps: float,
@@ -461,33 +463,39 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
                    param_bytes: int = 2, twins: bool = False) -> PlacedPrediction:
     """The step of ``placement`` (``place``) with the GPU's update rate ``gpu_pps`` and
     PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
-    cores, its memory's triad, its storage)."""
+    cores, its memory's triad, its storage), as the mean over a commit interval of k =
+    ``commit_every`` steps. Compute (the GPU's update, the host's kernel and memory, PCIe)
+    and the disk overlap: the interval takes the longer of k compute steps and the disk's
+    traffic (the host's streamed states every step, every resident state once). Without
+    twins the step after a durable commit also waits for the GPU's states to be written
+    (beside as many of the host's: written at once, at equal rates, as measured on the
+    H100 host) before the GPU updates them; the host's part of that step runs meanwhile,
+    and the disk is busy writing throughout, so the wait costs only what it adds to both."""
     host_params = placement.ram + placement.streamed
     gpu_bytes = placement.gpu * state_bytes
-    gpu_write_s = gpu_bytes / write_bps / commit_every
-    # Without twins the GPU's updates wait for its own writes, which share the disk with
-    # the host's resident ones (written at once, at equal rates: measured on the H100 host).
-    gpu_wait_s = (gpu_bytes + min(gpu_bytes, placement.ram * state_bytes)) / write_bps / commit_every
-    host_s = link_s = 0.0
+    host_storage_s = host_compute_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
                               memory_bps, commit_every, state_bytes, grad_bytes, param_bytes,
                               host_pps)
-        host_s = host.step_s
+        host_storage_s, host_compute_s = host.storage_s, max(host.memory_s, host.update_s)
         link_s = max(host_params * grad_bytes / gpu_to_host_bps,
                      host_params * param_bytes / host_to_gpu_bps)
-        if twins:
-            host_s = max(host_s, host.storage_s + gpu_write_s)
-    elif twins:
-        host_s = gpu_write_s
-    commit_s = 0.0 if twins else gpu_wait_s
     gpu_s = placement.gpu / gpu_pps
+    compute_s = max(gpu_s, host_compute_s, link_s)
+    disk_s = host_storage_s + gpu_bytes / write_bps / commit_every
+    step_s = max(compute_s, disk_s)
+    if not twins and gpu_bytes:
+        wait_s = (gpu_bytes + min(gpu_bytes, placement.ram * state_bytes)) / write_bps
+        first_s = max(host_compute_s, link_s, wait_s + gpu_s)
+        step_s = max(step_s, (first_s + (commit_every - 1) * compute_s) / commit_every)
     total = placement.gpu + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
                                            host_pps).step_s, 1e-12)
-    return PlacedPrediction(placement, max(gpu_s, host_s, link_s) + commit_s, gpu_s, host_s,
-                            link_s, total * gpu_pps / (gpu_pps + host_rate), commit_s, twins)
+    return PlacedPrediction(placement, step_s, gpu_s, max(host_compute_s, host_storage_s),
+                            link_s, total * gpu_pps / (gpu_pps + host_rate),
+                            step_s - max(compute_s, disk_s), twins, disk_s)
 
 
 # -- command line ----------------------------------------------------------------------
@@ -677,14 +685,21 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
                          "(python -m smartinf.probe DIR --json on the GPU's machine)")
     state = state_bytes_per_param(args.state_dtype, args.master)
     host_pps = host_update_pps(result, args.state_dtype, args.master)
-    twins = args.twins == "on" or (args.twins == "auto" and twins_pay(
-        state, args.commit_every, host_pps, hw.write_bps))
-    placement = place(args.params, state, defaults.parse_bytes(args.gpu_budget, "--gpu-budget"),
-                      defaults.parse_bytes(args.memory_budget, "--memory-budget"), args.subgroup,
-                      twins)
-    p = predict_placed(placement, gpu["update_pps"][args.state_dtype], host_pps, triad,
-                       hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"],
-                       state, args.commit_every, args.grad_bytes, args.param_bytes, twins)
+    def predicted(twins: bool) -> PlacedPrediction:
+        placement = place(args.params, state, defaults.parse_bytes(args.gpu_budget, "--gpu-budget"),
+                          defaults.parse_bytes(args.memory_budget, "--memory-budget"),
+                          args.subgroup, twins)
+        return predict_placed(placement, gpu["update_pps"][args.state_dtype], host_pps, triad,
+                              hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"],
+                              gpu["gpu_to_host_bps"], state, args.commit_every, args.grad_bytes,
+                              args.param_bytes, twins)
+
+    # auto: the whole placement with and without twins, twins only where strictly faster
+    # (a tie keeps the capacity); the runtime's CudaDevice(twins=None) weighs a byte of
+    # budget instead (twins_pay), as it opens before its sub-groups are known.
+    p = min((predicted(t) for t in {"on": [True], "off": [False]}.get(args.twins, [False, True])),
+            key=lambda p: p.step_s)
+    placement, twins = p.placement, p.twins
     if args.json:
         print(json.dumps(dict(dataclasses.asdict(p), bound=p.bound), indent=1))
         return 0
@@ -693,7 +708,7 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
           f"params ({'with' if twins else 'without'} twins), host memory {placement.ram:.3g}, "
           f"streamed {placement.streamed:.3g}")
     print(f"step {p.step_s:.3f} s ({p.bound}): GPU {p.gpu_s:.3f} s, host {p.host_s:.3f} s, "
-          f"PCIe {p.link_s:.3f} s, the GPU's wait for its commit {p.commit_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
+          f"PCIe {p.link_s:.3f} s, disk {p.disk_s:.3f} s, the GPU's wait for its commit adds {p.commit_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
                                       f"; the GPU's budget is past the balance point "
                                       f"({p.balance_gpu_params:.3g} params): a smaller one "
                                       f"would leave the host its share"))
