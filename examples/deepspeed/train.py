@@ -187,6 +187,11 @@ def main() -> None:
         next(data)  # the batches the checkpointed steps consumed
 
     pipeline = getattr(engine.optimizer, "pipeline", None)
+    choices = None if pipeline is None else {  # each device's I/O schedule and twins, and why
+        "io_schedules": [f"{c.schedule}: {c.reason}" for c in pipeline.io_schedules],
+        "twins": [f"{c.twins}: {c.reason}" for c in pipeline.twins]}
+    if choices and rank == 0:
+        print(f"smartinf: {choices}", flush=True)
 
     def counters() -> dict:
         stats = {**pipeline.stats, **engine.optimizer.overlap_stats} if pipeline is not None else {}
@@ -248,6 +253,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
             "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
+            "choices": choices,
             "steps": records,
             "after_steps": {"storage_read": io_settled[0] - io_end[0],
                             "storage_written": io_settled[1] - io_end[1]}}, indent=1))

@@ -392,24 +392,34 @@ class Placement:
 def place(params: float, state_bytes: float, gpu_budget: float, ram_budget: float,
           subgroup: float = 1e8, twins: bool = False) -> Placement:
     """Where ``Pipeline.add_subgroup`` puts sub-groups of ``subgroup`` params (the last one
-    shorter): each in the GPU's budget while its states (and with ``twins`` their twin) fit
-    there (a GPU updates resident states ~50x faster than the host's cores: with a budget
-    below the balance point that ``predict_placed`` reports, every param moved there
-    shortens the step), then in host memory while they fit, then streamed."""
-    if params <= 0 or subgroup <= 0 or state_bytes <= 0 or gpu_budget < 0 or ram_budget < 0:
+    shorter): ``place_sizes`` of those sizes."""
+    if params <= 0 or subgroup <= 0:
+        raise ValueError("params, subgroup and state_bytes must be positive, budgets >= 0")
+    sizes, done = [], 0.0
+    while done < params:
+        sizes.append(min(subgroup, params - done))
+        done += sizes[-1]
+    return place_sizes(sizes, state_bytes, gpu_budget, ram_budget, twins)
+
+
+def place_sizes(sizes, state_bytes: float, gpu_budget: float, ram_budget: float,
+                twins: bool = False) -> Placement:
+    """Where ``Pipeline.add_subgroup`` puts sub-groups of these ``sizes``, in order: each in
+    the GPU's budget while its states (and with ``twins`` their twin) fit there (a GPU
+    updates resident states ~50x faster than the host's cores: with a budget below the
+    balance point that ``predict_placed`` reports, every param moved there shortens the
+    step), then in host memory while they fit, then streamed."""
+    if state_bytes <= 0 or gpu_budget < 0 or ram_budget < 0 or any(n <= 0 for n in sizes):
         raise ValueError("params, subgroup and state_bytes must be positive, budgets >= 0")
     left = {"gpu": float(gpu_budget), "ram": float(ram_budget)}
     copies = {"gpu": 2 if twins else 1, "ram": 1}
     placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
-    done = 0.0
-    while done < params:
-        n = min(subgroup, params - done)
+    for n in sizes:
         where = next((k for k in ("gpu", "ram") if n * state_bytes * copies[k] <= left[k]),
                      "streamed")
         if where != "streamed":
             left[where] -= n * state_bytes * copies[where]
         placed[where] += n
-        done += n
     return Placement(**placed)
 
 

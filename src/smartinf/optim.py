@@ -245,7 +245,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._refuse_split_of_other_dtypes(self._plan)
         pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
                                                    gpu_twins),
-                            self._rule(self.param_groups[0]), settings=settings)
+                            self._rule(self.param_groups[0]), settings=settings,
+                            subgroup_sizes=[sg.numel for sg in self._plan])
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)

@@ -149,6 +149,11 @@ class Pipeline:
     settings
         All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
         ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
+    subgroup_sizes
+        The sizes of the sub-groups the caller will add, in order, where it knows them (the
+        front-ends do): a ``CudaDevice(twins=None)`` then takes twins by the model's
+        prediction of the whole placement with and without (``smartinf.twins``). Placement
+        itself is by ``add_subgroup``, as always.
 
     With several devices, sub-groups fill the GPU memory budgets of ``CudaDevice``s first
     (in device order; their update there is ~100x the host's), and the others are placed by
@@ -181,6 +186,7 @@ class Pipeline:
         io_schedule: Optional[str] = None,
         overlap: Optional[bool] = None,
         settings: Optional[PipelineSettings] = None,
+        subgroup_sizes: Sequence[int] = (),
     ) -> None:
         self._native = None
         self._devices = resolve(devices)
@@ -211,8 +217,10 @@ class Pipeline:
         self._resumed: set[int] = set()
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
+        host_memory = settings.memory_budget * sum(s.kind == "cpu" for s in specs)
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
-                                   settings.overlap) for d in self._devices]
+                                   settings.overlap, subgroup_sizes, host_memory)
+                      for d in self._devices]
         specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
         self._native = _native.NativePipeline(specs, self.optimizer.name,

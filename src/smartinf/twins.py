@@ -8,9 +8,14 @@ twins (``twins=True``) places a sub-group resident only with room for both, so n
 ever holds an update, at the price of half the resident capacity.
 
 For a GPU the price is small: a sub-group its budget cannot take is updated in host memory
-instead. ``twins=None`` (a ``CudaDevice``'s default) lets ``smartinf.model.twins_pay``
-weigh the two with the probe's figures (the host's update rate and the disk's write rate,
-``python -m smartinf.probe DIR --record``), and keeps twins where there is no record.
+instead. ``twins=None`` (a ``CudaDevice``'s default) lets the model weigh the two with the
+probe's figures (``python -m smartinf.probe DIR --record`` on the GPU's machine): where the
+caller says which sub-groups will come (``Pipeline(subgroup_sizes=...)``, as the front-ends
+do) and the record has the GPU's and the host's figures, by ``model.predict_placed`` of the
+whole placement with twins and without (twins only where strictly faster: where the disk
+bounds the interval anyway, a wait costs nothing and twins only capacity); else per byte
+of budget by ``model.twins_pay`` (the host's update rate against the disk's write rate).
+It keeps twins where there is no record.
 Host memory (a ``CpuDevice``) keeps no twins by default: a sub-group its budget cannot take
 streams from storage every step, which costs more than one write per commit interval.
 Neither choice changes a bit of the results, only where states are held and when a step
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from . import io_schedule
 
@@ -30,9 +36,11 @@ class Choice:
     reason: str
 
 
-def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bool) -> Choice:
+def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bool,
+           subgroup_sizes: Sequence[int] = (), ram_budget: float = 0) -> Choice:
     """The choice for ``device`` (a CpuDevice, XrtDevice or CudaDevice) in a pipeline of
-    these settings."""
+    these settings; ``subgroup_sizes``: the sub-groups to come, in order, where known, and
+    ``ram_budget`` the host memory that takes those the device does not."""
     asked = getattr(device, "twins", False)
     if asked is not None:
         return Choice(bool(asked), "as requested" if asked else "the default: twins from what "
@@ -42,6 +50,11 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
     if not overlap:
         return Choice(False, "overlap=False: a durable commit is written before commit() returns")
     path = io_schedule.find_record(device.path)
+    if path and subgroup_sizes:
+        whole = _by_placement(path, device.memory_budget, subgroup_sizes, ram_budget,
+                              state_dtype, master, commit_every)
+        if whole is not None:
+            return whole
     rates = _recorded_rates(path, state_dtype, master) if path else None
     if rates is None:
         return Choice(True, f"no probe record with the host's update rate in {device.path} or "
@@ -55,6 +68,32 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
                         f"writes {write_bps / 1e9:.2f} GB/s; with commit_every={commit_every} "
                         + ("a twin costs less than its sub-group's wait for its write" if pays
                            else "a sub-group's wait for its write costs less than its twin"))
+
+
+def _by_placement(path: str, gpu_budget: int, sizes: Sequence[int], ram_budget: float,
+                  state_dtype: str, master: str, commit_every: int) -> Choice | None:
+    """The faster whole placement by the model, from the record at ``path``; None where the
+    record lacks the GPU's, the host's or the disk's figures."""
+    from . import model
+    figures = io_schedule.load_record(path, "pass twins=True or False")
+    gpu, triad = figures.get("gpu"), (figures.get("triad") or {}).get("bps")
+    try:
+        host_pps = model.host_update_pps(figures, state_dtype, master)
+        state = model.state_bytes_per_param(state_dtype, master)
+        rates = (gpu["update_pps"][state_dtype], host_pps, triad, figures["read_bps"],
+                 figures["write_bps"], gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"])
+    except (ValueError, KeyError, TypeError):  # a record without them: the rule per byte
+        return None
+    if not all(isinstance(r, (int, float)) and 0 < r < math.inf for r in rates):
+        raise io_schedule.not_a_record(path, f"a rate out of range in {rates}",
+                                       "pass twins=True or False")
+    step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
+                                    *rates, state_bytes=state, commit_every=commit_every,
+                                    twins=t).step_s
+            for t in (False, True)}
+    return Choice(step[True] < step[False],
+                  f"{path}: over its {len(sizes)} sub-groups the model's mean step with twins "
+                  f"{step[True]:.3f} s, without {step[False]:.3f} s (commit_every={commit_every})")
 
 
 def _recorded_rates(path: str, state_dtype: str, master: str) -> tuple[float, float] | None:

@@ -392,7 +392,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _open_pipeline(self, if_exists: str) -> Pipeline:
         rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
         return Pipeline(self._devices, rule,
-                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists))
+                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
+                        subgroup_sizes=[int(n) for n in self.fp16_partitioned_groups_flat_numel])
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
