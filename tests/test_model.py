@@ -383,9 +383,12 @@ def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path):
     assert "G params/s" in choice(1.2e9, 1e9, sizes=()).reason
     del figures["gpu"]
     assert "G params/s" in choice(1.2e9, 1e9).reason
-    figures["gpu"] = {"update_pps": {"fp32": -1.0}, "host_to_gpu_bps": 1, "gpu_to_host_bps": 1}
-    with pytest.raises(ValueError, match="is not a probe record"):
-        choice(1.2e9, 1e9)
+    for bad in ({"update_pps": {"fp32": -1.0}, "host_to_gpu_bps": 1, "gpu_to_host_bps": 1},
+                {"update_pps": {"fp32": True}, "host_to_gpu_bps": 1, "gpu_to_host_bps": 1},
+                {"update_pps": {"int8": 1e9}, "host_to_gpu_bps": 1, "gpu_to_host_bps": 1}):
+        figures["gpu"] = bad
+        with pytest.raises(ValueError, match="is not a probe record"):
+            choice(1.2e9, 1e9)
 
 
 def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):

@@ -14,9 +14,8 @@ caller says which sub-groups will come (``Pipeline(subgroup_sizes=...)``, as the
 do) and the record has the GPU's and the host's figures, by ``model.predict_placed`` of the
 whole placement with twins and without (none only where faster by more than ``TIE``: where
 the host's part or the disk bounds the step after a commit anyway, the GPU's wait costs
-nothing and twins only capacity); else per byte
-of budget by ``model.twins_pay`` (the host's update rate against the disk's write rate).
-It keeps twins where there is no record.
+nothing and twins only capacity); else per byte of budget by ``model.twins_pay`` (the
+host's update rate against the disk's write rate). It keeps twins where there is no record.
 Host memory (a ``CpuDevice``) keeps no twins by default: a sub-group its budget cannot take
 streams from storage every step, which costs more than one write per commit interval.
 Neither choice changes a bit of the results, only where states are held and when a step
@@ -84,14 +83,20 @@ def _by_placement(path: str, gpu_budget: int, sizes: Sequence[int], ram_budget: 
     from . import model
     figures = io_schedule.load_record(path, "pass twins=True or False")
     gpu, triad = figures.get("gpu"), (figures.get("triad") or {}).get("bps")
+    if gpu is None or triad is None:  # a record without them: the rule per byte
+        return None
     try:
         host_pps = model.host_update_pps(figures, state_dtype, master)
         state = model.state_bytes_per_param(state_dtype, master)
         rates = (gpu["update_pps"][state_dtype], host_pps, triad, figures["read_bps"],
                  figures["write_bps"], gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"])
-    except (ValueError, KeyError, TypeError):  # a record without them: the rule per byte
+    except ValueError:  # no kernel timed on the usable cores: the rule per byte
         return None
-    if not all(isinstance(r, (int, float)) and 0 < r < math.inf for r in rates):
+    except (KeyError, TypeError, AttributeError) as e:
+        raise io_schedule.not_a_record(path, f"its GPU figures: {e!r}",
+                                       "pass twins=True or False") from e
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf
+               for r in rates):
         raise io_schedule.not_a_record(path, f"a rate out of range in {rates}",
                                        "pass twins=True or False")
     step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
