@@ -379,6 +379,15 @@ def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path):
     assert model.twins_pay(12, 10, 1e9, 2e9)
     got = choice(1.2e9, 1e9)
     assert not got.twins and "with twins 1.000 s, without 0.930 s" in got.reason
+    # the margin: without twins only where more than 1 % shorter
+    assert model.twins_win(1.0, 0.991) and not model.twins_win(1.0, 0.989)
+    with pytest.raises(ValueError, match="a sub-group of 0"):
+        choice(1.2e9, 1e9, sizes=[int(1e8), 0])
+    with pytest.raises(ValueError, match=r"subgroup_sizes must be positive ints .*got -5 among them"):
+        smartinf.Pipeline(str(tmp_path / "cpu"), subgroup_sizes=[10, -5])
+    with pytest.raises(ValueError, match="got 1.5"):
+        smartinf.Pipeline(str(tmp_path / "cpu"), subgroup_sizes=[1.5])
+    assert not (tmp_path / "cpu").exists()  # refused before anything is created
     # no sizes, or a record without the GPU's figures: the rule per byte
     assert "G params/s" in choice(1.2e9, 1e9, sizes=()).reason
     del figures["gpu"]

@@ -410,7 +410,10 @@ def place_sizes(sizes, state_bytes: float, gpu_budget: float, ram_budget: float,
     balance point that ``predict_placed`` reports, every param moved there shortens the
     step), then in host memory while they fit, then streamed."""
     if state_bytes <= 0 or gpu_budget < 0 or ram_budget < 0 or any(n <= 0 for n in sizes):
-        raise ValueError("params, subgroup and state_bytes must be positive, budgets >= 0")
+        bad = next((n for n in sizes if n <= 0), None)
+        raise ValueError(f"sub-group sizes and state_bytes must be positive, budgets >= 0; got "
+                         f"state_bytes {state_bytes}, budgets {gpu_budget} and {ram_budget}"
+                         + ("" if bad is None else f", a sub-group of {bad}"))
     left = {"gpu": float(gpu_budget), "ram": float(ram_budget)}
     copies = {"gpu": 2 if twins else 1, "ram": 1}
     placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
@@ -421,6 +424,18 @@ def place_sizes(sizes, state_bytes: float, gpu_budget: float, ram_budget: float,
             left[where] -= n * state_bytes * copies[where]
         placed[where] += n
     return Placement(**placed)
+
+
+# Twins unless the mean without them is shorter by more than this: what the model cannot
+# tell apart is a tie, and a tie keeps twins, so no durable commit holds an update (on the
+# H100 at a quarter budget, where it predicted one, the mean over iterations 3-12 was 20 %
+# shorter with twins on one host and 8 % longer on another).
+TWINS_TIE = 0.01
+
+
+def twins_win(with_twins_s: float, without_s: float) -> bool:
+    """The choice between two whole placements' predicted steps (``predict_placed``)."""
+    return not without_s < (1 - TWINS_TIE) * with_twins_s
 
 
 def twins_pay(state_bytes: float, commit_every: int, host_pps: float, write_bps: float) -> bool:
@@ -704,11 +719,13 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
                               gpu["gpu_to_host_bps"], state, args.commit_every, args.grad_bytes,
                               args.param_bytes, twins)
 
-    # auto: the whole placement with and without twins, twins only where strictly faster
-    # (a tie keeps the capacity); the runtime's CudaDevice(twins=None) weighs a byte of
-    # budget instead (twins_pay), as it opens before its sub-groups are known.
-    p = min((predicted(t) for t in {"on": [True], "off": [False]}.get(args.twins, [False, True])),
-            key=lambda p: p.step_s)
+    # auto: the whole placement with and without twins, as smartinf.twins chooses where the
+    # sub-groups are known
+    if args.twins == "auto":
+        with_twins, without = predicted(True), predicted(False)
+        p = with_twins if twins_win(with_twins.step_s, without.step_s) else without
+    else:
+        p = predicted(args.twins == "on")
     placement, twins = p.placement, p.twins
     if args.json:
         print(json.dumps(dict(dataclasses.asdict(p), bound=p.bound), indent=1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import os
 import warnings
 from typing import Any, Iterator, Optional, Sequence
@@ -189,6 +190,11 @@ class Pipeline:
         subgroup_sizes: Sequence[int] = (),
     ) -> None:
         self._native = None
+        bad = [n for n in subgroup_sizes
+               if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
+        if bad:
+            raise ValueError(f"subgroup_sizes must be positive ints (the params of each "
+                             f"sub-group to come), got {bad[0]!r} among them")
         self._devices = resolve(devices)
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
         self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]

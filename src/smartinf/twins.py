@@ -12,9 +12,9 @@ instead. ``twins=None`` (a ``CudaDevice``'s default) lets the model weigh the tw
 probe's figures (``python -m smartinf.probe DIR --record`` on the GPU's machine): where the
 caller says which sub-groups will come (``Pipeline(subgroup_sizes=...)``, as the front-ends
 do) and the record has the GPU's and the host's figures, by ``model.predict_placed`` of the
-whole placement with twins and without (none only where faster by more than ``TIE``: where
-the host's part or the disk bounds the step after a commit anyway, the GPU's wait costs
-nothing and twins only capacity); else per byte of budget by ``model.twins_pay`` (the
+whole placement with twins and without (``model.twins_win``: none only where faster by
+more than ``model.TWINS_TIE``; where the host's part or the disk bounds the step after a
+commit anyway, the GPU's wait costs nothing and twins only capacity); else per byte of budget by ``model.twins_pay`` (the
 host's update rate against the disk's write rate). It keeps twins where there is no record.
 Host memory (a ``CpuDevice``) keeps no twins by default: a sub-group its budget cannot take
 streams from storage every step, which costs more than one write per commit interval.
@@ -30,10 +30,8 @@ from typing import Sequence
 from . import io_schedule
 
 
-# What the model cannot tell apart is a tie, and a tie keeps twins: no durable commit holds
-# an update (measured on the H100 at a quarter budget, where the model predicted one: the mean
-# over iterations 3-12 20 % shorter with twins on one host, 8 % longer on another).
-TIE = 0.01
+# How to go without a record that is not one.
+INSTEAD = "pass twins=True or False"
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,13 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
     if not overlap:
         return Choice(False, "overlap=False: a durable commit is written before commit() returns")
     path = io_schedule.find_record(device.path)
-    if path and subgroup_sizes:
-        whole = _by_placement(path, device.memory_budget, subgroup_sizes, ram_budget,
+    figures = io_schedule.load_record(path, INSTEAD) if path else None
+    if figures is not None and subgroup_sizes:
+        whole = _by_placement(path, figures, device.memory_budget, subgroup_sizes, ram_budget,
                               state_dtype, master, commit_every)
         if whole is not None:
             return whole
-    rates = _recorded_rates(path, state_dtype, master) if path else None
+    rates = _recorded_rates(path, figures, state_dtype, master) if figures is not None else None
     if rates is None:
         return Choice(True, f"no probe record with the host's update rate in {device.path} or "
                             f"above it (python -m smartinf.probe DIR --record): twins, so that "
@@ -76,53 +75,55 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
                            else "a sub-group's wait for its write costs less than its twin"))
 
 
-def _by_placement(path: str, gpu_budget: int, sizes: Sequence[int], ram_budget: float,
-                  state_dtype: str, master: str, commit_every: int) -> Choice | None:
-    """The faster whole placement by the model, from the record at ``path``; None where the
-    record lacks the GPU's, the host's or the disk's figures."""
+def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int],
+                  ram_budget: float, state_dtype: str, master: str,
+                  commit_every: int) -> Choice | None:
+    """The whole placement the model prefers (``model.twins_win``), from the record's
+    ``figures``; None where it lacks the GPU's, the host's or the disk's figures."""
     from . import model
-    figures = io_schedule.load_record(path, "pass twins=True or False")
     gpu, triad = figures.get("gpu"), (figures.get("triad") or {}).get("bps")
     if gpu is None or triad is None:  # a record without them: the rule per byte
         return None
     try:
         host_pps = model.host_update_pps(figures, state_dtype, master)
-        state = model.state_bytes_per_param(state_dtype, master)
-        rates = (gpu["update_pps"][state_dtype], host_pps, triad, figures["read_bps"],
-                 figures["write_bps"], gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"])
+        rates = {"gpu update_pps": gpu["update_pps"][state_dtype], "params_per_s": host_pps,
+                 "triad bps": triad, "read_bps": figures["read_bps"],
+                 "write_bps": figures["write_bps"], "host_to_gpu_bps": gpu["host_to_gpu_bps"],
+                 "gpu_to_host_bps": gpu["gpu_to_host_bps"]}
     except ValueError:  # no kernel timed on the usable cores: the rule per byte
         return None
     except (KeyError, TypeError, AttributeError) as e:
-        raise io_schedule.not_a_record(path, f"its GPU figures: {e!r}",
-                                       "pass twins=True or False") from e
-    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf
-               for r in rates):
-        raise io_schedule.not_a_record(path, f"a rate out of range in {rates}",
-                                       "pass twins=True or False")
+        raise io_schedule.not_a_record(path, f"its GPU figures: {e!r}", INSTEAD) from e
+    _check_rates(path, rates)
+    state = model.state_bytes_per_param(state_dtype, master)
     step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
-                                    *rates, state_bytes=state, commit_every=commit_every,
-                                    twins=t).step_s
+                                    *rates.values(), state_bytes=state,
+                                    commit_every=commit_every, twins=t).step_s
             for t in (False, True)}
-    return Choice(not step[False] < (1 - TIE) * step[True],
+    return Choice(model.twins_win(step[True], step[False]),
                   f"{path}: over its {len(sizes)} sub-groups the model's mean step with twins "
                   f"{step[True]:.3f} s, without {step[False]:.3f} s (commit_every={commit_every}; "
-                  f"without only where more than {TIE:.0%} shorter)")
+                  f"without only where more than {model.TWINS_TIE:.0%} shorter)")
 
 
-def _recorded_rates(path: str, state_dtype: str, master: str) -> tuple[float, float] | None:
-    """The host's update rate on its usable cores and the disk's write rate from the record
-    at ``path``; None where it holds no kernel rates (probes before they were recorded)."""
+def _recorded_rates(path: str, figures: dict, state_dtype: str,
+                    master: str) -> tuple[float, float] | None:
+    """The host's update rate on its usable cores and the disk's write rate from the record's
+    ``figures``; None where it holds no kernel rates (probes before they were recorded)."""
     from . import model
-    instead = "pass twins=True or False"
-    figures = io_schedule.load_record(path, instead)
     try:
         host_pps = model.host_update_pps(figures, state_dtype, master)
     except ValueError:  # no kernel timed on the usable cores
         return None
     except (KeyError, TypeError, AttributeError) as e:
-        raise io_schedule.not_a_record(path, f"its kernel rates: {e!r}", instead) from e
+        raise io_schedule.not_a_record(path, f"its kernel rates: {e!r}", INSTEAD) from e
     write_bps = figures.get("write_bps")
-    for name, rate in (("params_per_s", host_pps), ("write_bps", write_bps)):
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-            raise io_schedule.not_a_record(path, f"{name} {rate!r} is not a positive rate", instead)
+    _check_rates(path, {"params_per_s": host_pps, "write_bps": write_bps})
     return float(host_pps), float(write_bps)
+
+
+def _check_rates(path: str, rates: dict) -> None:
+    """Each named rate a positive finite number, else the record is refused naming it."""
+    for name, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise io_schedule.not_a_record(path, f"{name} {rate!r} is not a positive rate", INSTEAD)
