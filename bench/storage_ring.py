@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 
 import torch
 
@@ -51,16 +50,7 @@ class Run:
         self.steps: list[dict] = []
 
     def step(self) -> None:
-        before, start = self.pipe.stats, time.perf_counter()
-        pending = [None, None]
-        with self.pipe.step():
-            for sg, n in enumerate(self.sizes):
-                if pending[sg % 2] is not None:
-                    pending[sg % 2].wait()
-                pending[sg % 2] = self.pipe.update(sg, self.grads[sg % 2][:n], self.params[sg])
-        seconds = time.perf_counter() - start
-        after = self.pipe.stats
-        self.steps.append(dict({k: after[k] - before.get(k, 0) for k in after}, step_s=seconds))
+        self.steps.append(probe.ring_step(self.pipe, self.sizes, self.grads, self.params))
 
     def summary(self, storage: dict) -> dict:
         timed = self.steps[1:] or self.steps

@@ -136,8 +136,38 @@ def test_the_setting_and_its_environment_default_are_checked(tmp_path, monkeypat
 
 
 def test_the_probe_records_its_mix_curve_where_auto_reads_it(capsys, disk_dir):
+    """--record: the curve and what the ring drew under each schedule (8 MiB: no bursts,
+    so the ring's phased turns are its default), the choice from the ring's figures, and
+    nothing left behind but the record."""
     assert probe.main([disk_dir, "--size-mib", "8", "--record"]) == 0
     recorded = json.loads(open(os.path.join(disk_dir, io_schedule.RECORD)).read())
     assert recorded["directory"] == disk_dir and recorded["mixed_bps"] > 0
-    assert "io_schedule='auto' runs mixed there" in capsys.readouterr().err  # 8 MiB: no bursts
+    assert recorded["phased_bps"] == []
+    # bytes over seconds: positive, finite, below 1 TB/s from one directory
+    assert all(0 < recorded[k] < 1e12 for k in ("ring_mixed_bps", "ring_phased_bps"))
+    choice = io_schedule.from_figures(recorded)
+    assert choice.reason.startswith("the ring drew phased")
+    assert choice.bps == recorded[f"ring_{choice.schedule}_bps"] and choice.burst == 0
+    assert f"io_schedule='auto' runs {choice.schedule} there ({choice.reason})" in capsys.readouterr().err
     assert os.listdir(disk_dir) == [io_schedule.RECORD]
+
+
+def test_auto_follows_what_the_ring_drew_where_the_record_has_it(tmp_path):
+    """The ring's figures outrank the probe's curve, both ways; phased keeps the curve's
+    best burst; figures out of range name the record."""
+    curve = {"read_bps": 2e9, "write_bps": 2e9, "mixed_bps": 1.87e9,
+             "phased_bps": [[64 << 20, 1.9e9], [256 << 20, 2.08e9]]}  # the H100's, lease C
+    cases = [(dict(ring_mixed_bps=1.9e9, ring_phased_bps=1.7e9), "mixed", 1.9e9, 0),
+             (dict(ring_mixed_bps=1.2e9, ring_phased_bps=1.5e9), "phased", 1.5e9, 256 << 20),
+             (dict(ring_mixed_bps=1.5e9, ring_phased_bps=1.55e9), "mixed", 1.5e9, 0)]  # < MARGIN
+    for i, (ring, schedule, bps, burst) in enumerate(cases):
+        d = str(tmp_path / str(i))
+        os.makedirs(d)
+        io_schedule.record(d, dict(curve, **ring))
+        with smartinf.Pipeline(d) as pipe:
+            choice = pipe.io_schedules[0]
+        assert (choice.schedule, choice.bps, choice.burst) == (schedule, bps, burst), ring
+        assert choice.reason.startswith("the ring drew phased") and "in 256 MiB turns" in choice.reason
+    io_schedule.record(str(tmp_path / "0"), dict(curve, ring_mixed_bps=-1.0, ring_phased_bps=1e9))
+    with pytest.raises(ValueError, match="is not a probe record.*ring's figures are out of range"):
+        smartinf.Pipeline(str(tmp_path / "0"))

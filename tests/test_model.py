@@ -159,6 +159,9 @@ def test_the_prediction_uses_the_probes_mix_curve():
     # and the prediction takes that burst's figure.
     phased = dict(storage, phased_bps=[[64 << 20, 1.3e9], [256 << 20, 1.9e9]])
     assert model.Hardware.from_probe({"storage": [phased]}).mix_bps == 1.9e9
+    # Where the record holds what the ring drew, the schedule and the figure are the ring's.
+    ring = dict(phased, ring_mixed_bps=1.6e9, ring_phased_bps=1.4e9)
+    assert model.Hardware.from_probe({"storage": [ring]}).mix_bps == 1.6e9
 
 
 def test_command_line(tmp_path, capsys):

@@ -4,9 +4,10 @@ A step reads every streamed state and writes it back. The ring can keep reads an
 write-backs in flight together (``mixed``) or let them take turns in bursts of one
 direction (``phased``, ``pipeline/io_phases.h``). Many NVMe drives (and virtual disks)
 lose bandwidth on a mixed stream; others do not, so the right choice is a property of the
-device: ``python -m smartinf.probe DIR --record`` measures the mix curve there and records
-it in ``DIR/.smartinf-probe.json``; ``io_schedule="auto"`` (the default) reads the record of
-a device's directory or of the nearest directory above it on the same file system (a run's
+device: ``python -m smartinf.probe DIR --record`` measures the mix curve there and what
+the ring itself draws under each schedule, and records them in
+``DIR/.smartinf-probe.json``; ``io_schedule="auto"`` (the default) reads the record of a
+device's directory or of the nearest directory above it on the same file system (a run's
 ``rank<R>`` directories share the record of the directory the probe measured).
 Neither schedule changes a bit of the results, only the order of the requests.
 """
@@ -25,8 +26,8 @@ MARGIN = 1.05
 class Choice:
     schedule: str  # mixed | phased
     reason: str
-    bps: float = 0.0  # the probe's aggregate for a step's half-read, half-written traffic
-                      # under this schedule (0: not measured)
+    bps: float = 0.0  # the record's aggregate for a step's half-read, half-written traffic
+                      # under this schedule: the ring's where measured (0: not measured)
     burst: int = 0  # phased: bytes of one direction per turn, the probe's best (0: default)
 
 
@@ -43,13 +44,25 @@ def record(directory: str, storage: dict) -> str:
 
 
 def from_figures(storage: dict) -> Choice:
-    """The schedule the mix curve favours: phased where a burst length beats reads and
-    writes together by more than ``MARGIN``."""
+    """The schedule the record favours: where it holds what the ring drew under each
+    (``probe --record``), phased where its turns beat the mix by more than ``MARGIN``;
+    else the same test on the probe's mix curve (its best burst against both directions
+    at once). Phased runs in the curve's best burst either way."""
     mixed = storage.get("mixed_bps") or 0.0
     curve = [(int(b), float(bps)) for b, bps in storage.get("phased_bps") or ()]
     if any(b <= 0 or bps < 0 for b, bps in curve):
         raise ValueError(f"phased_bps holds a burst or a bandwidth out of range: {curve}")
     burst, phased = max(curve, key=lambda figure: figure[1], default=(0, 0.0))
+    ring_mixed, ring_phased = (float(storage.get(k) or 0.0) for k in ("ring_mixed_bps", "ring_phased_bps"))
+    if ring_mixed < 0 or ring_phased < 0:
+        raise ValueError(f"the ring's figures are out of range: mixed {ring_mixed}, phased {ring_phased}")
+    if ring_mixed and ring_phased:
+        figures = (f"the ring drew phased {ring_phased / 1e9:.2f} GB/s"
+                   + (f" in {burst >> 20} MiB turns" if burst else "")
+                   + f", mixed {ring_mixed / 1e9:.2f} GB/s")
+        if ring_phased > MARGIN * ring_mixed:
+            return Choice("phased", figures, ring_phased, burst)
+        return Choice("mixed", figures, ring_mixed)
     if not mixed or not phased:
         return Choice("mixed", "the record has no mix curve", mixed)
     figures = (f"phased {phased / 1e9:.2f} GB/s in {burst >> 20} MiB turns, "

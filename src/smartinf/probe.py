@@ -32,8 +32,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from . import _native, buffers, build_info, defaults, io_schedule, model
+from .pipeline import Pipeline
+from .update_rules import AdamW
 
 logger = logging.getLogger("smartinf")
 
@@ -45,6 +48,8 @@ KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
 TRIAD_BYTES = 768 * MiB
 GPU_NUMEL = 64 * MiB
+#: Timed steps of the ring under each schedule (``measure_ring``), after one to warm up.
+RING_STEPS = 2
 #: Burst lengths of one direction the mix curve tries (those up to half the probe file).
 MIX_BURSTS = (64 * MiB, 256 * MiB, GiB)
 #: (grad, param) dtype pairs the kernel is timed for (fp32 states; int8 states once, f32/f16).
@@ -72,6 +77,12 @@ class StorageLimit:
     # when not measured.
     mixed_bps: float = 0.0
     phased_bps: tuple = ()
+    # What the ring itself drew (bytes read + written per second of a streamed step of fp32
+    # states) under each schedule, phased in the curve's best turns: a disk may favour a
+    # schedule for the probe's two streams and the other for the ring's requests (the H100's
+    # NVMe: the probe's turns 1.1x its mix, the ring's 0.9x). 0 when not measured.
+    ring_mixed_bps: float = 0.0
+    ring_phased_bps: float = 0.0
 
     @property
     def sequential_bps(self) -> float:
@@ -175,14 +186,15 @@ def _check_directory(directory: str, nbytes: int) -> str:
 
 def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                     repeats: int = 1, mix: bool = True,
-                    mix_bursts: Sequence[int] = MIX_BURSTS) -> StorageLimit:
+                    mix_bursts: Sequence[int] = MIX_BURSTS, ring: bool = False) -> StorageLimit:
     """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
     through the storage engine (1 MiB requests, queue depth 16); the file is removed after.
     With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
     (the highest bandwidth gives the smallest limit, so a ratio to it is never flattered).
     With ``mix``, also the mix curve over the same file (half read, half written): both
     directions at once, and bursts of one direction (``mix_bursts``, whole blocks, those up
-    to half the file).
+    to half the file). With ``ring`` (and ``mix``), also what the ring draws under each
+    schedule (``measure_ring``: ``nbytes`` of states, twice that free).
 
     Raises ``OSError`` naming the directory when it is missing, not writable or too full.
     """
@@ -195,7 +207,7 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
     if any(b <= 0 or b % BLOCK for b in mix_bursts):
         raise ValueError(f"mix_bursts must be positive multiples of {BLOCK}, got {list(mix_bursts)}")
     nbytes = -(-int(nbytes) // BLOCK) * BLOCK  # whole blocks: O_DIRECT needs aligned lengths
-    directory = _check_directory(directory, nbytes)
+    directory = _check_directory(directory, nbytes * (2 if ring and mix else 1))
     used = engine_in_use(directory, engine)
     path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
     try:
@@ -219,12 +231,71 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                          write_s, read_s, used, supports_direct_io(directory),
                          mixed_bps=nbytes / mixed_s if mix else 0.0,
                          phased_bps=tuple((b, nbytes / t) for b, t in phased_s.items()) if mix else ())
+    if ring and mix:
+        limit = dataclasses.replace(limit, **measure_ring(directory, nbytes, limit))
     if not limit.direct:
         logger.warning("%s has no O_DIRECT (tmpfs?): measured buffered I/O, i.e. memory "
                        "speed, not a storage limit", directory)
     logger.info("storage %s: write %.2f GB/s, read %.2f GB/s (%s, %d MiB)", directory,
                 limit.write_bps / 1e9, limit.read_bps / 1e9, used, nbytes // MiB)
     return limit
+
+
+def measure_ring(directory: str, nbytes: int, curve: StorageLimit,
+                 steps: int = RING_STEPS) -> dict:
+    """What the ring draws from ``directory`` under each schedule: a Pipeline streaming
+    ``nbytes`` of fp32 AdamW states (bf16 params) in 8 sub-groups sent two at a time (as
+    the DeepSpeed front-end does), the schedules' steps alternating (the disk drifts),
+    after one step each to warm up; the best of ``steps``, as bytes read + written over the
+    step. Phased runs in the turns of the curve's best burst, which auto would choose.
+    Returns ``ring_mixed_bps`` and ``ring_phased_bps``."""
+    burst, _ = curve.best_phased
+    params = max(1, nbytes // 12)
+    sizes = [len(part) for part in np.array_split(np.arange(params), min(8, params))]
+    grads = [torch.full((max(sizes),), 1e-3, dtype=torch.bfloat16) for _ in range(2)]
+    outs = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    root = tempfile.mkdtemp(prefix=".smartinf-ring-", dir=directory)
+    pipes = {}
+    try:
+        # auto in a directory whose record holds the one burst: the ring takes the turns
+        # auto takes where the record favours them (no burst measured: the ring's default).
+        if burst:
+            io_schedule.record(root, {"mixed_bps": 1.0, "phased_bps": [[burst, 2.0]]})
+        for schedule, setting in (("mixed", "mixed"), ("phased", "auto" if burst else "phased")):
+            pipes[schedule] = Pipeline(os.path.join(root, schedule), AdamW(lr=1e-4),
+                                       io_schedule=setting, if_exists="overwrite")
+            for n in sizes:
+                pipes[schedule].add_subgroup(n)
+        best = {schedule: 0.0 for schedule in pipes}
+        for step in range(1 + steps):
+            for schedule, pipe in pipes.items():
+                bps = ring_step(pipe, sizes, grads, outs)["disk_bps"]
+                if step:
+                    best[schedule] = max(best[schedule], bps)
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"ring_mixed_bps": best["mixed"], "ring_phased_bps": best["phased"]}
+
+
+def ring_step(pipe: Pipeline, sizes: Sequence[int], grads: Sequence[torch.Tensor],
+              outs: Sequence[torch.Tensor]) -> dict:
+    """One step of ``pipe`` over its sub-groups of ``sizes``, two in flight as the DeepSpeed
+    front-end sends them (each of the two gradient buffers reused when its last update is
+    done): the step's ``pipe.stats`` counters, ``step_s`` and ``disk_bps`` (bytes read +
+    written per second)."""
+    before, start = pipe.stats, time.perf_counter()
+    pending = [None, None]
+    with pipe.step():
+        for sg, n in enumerate(sizes):
+            if pending[sg % 2] is not None:
+                pending[sg % 2].wait()
+            pending[sg % 2] = pipe.update(sg, grads[sg % 2][:n], outs[sg])
+    seconds = time.perf_counter() - start
+    after = pipe.stats
+    step = {k: after[k] - before.get(k, 0) for k in after}
+    return dict(step, step_s=seconds, disk_bps=(step["storage_read"] + step["storage_write"]) / seconds)
 
 
 def measure_host_copy(nbytes: int = HOST_COPY_BYTES, repeats: int = 3) -> HostCopy:
@@ -354,10 +425,11 @@ def smartssds() -> list:
 
 def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str = "auto",
           repeats: int = 1, kernel_numel: int = KERNEL_NUMEL,
-          host_copy_bytes: int = HOST_COPY_BYTES) -> dict:
-    """Everything ``python -m smartinf.probe`` reports, as a JSON-ready dict."""
+          host_copy_bytes: int = HOST_COPY_BYTES, ring: bool = False) -> dict:
+    """Everything ``python -m smartinf.probe`` reports, as a JSON-ready dict (with
+    ``ring``, what the ring draws from each directory under each schedule)."""
     dirs = [tempfile.gettempdir()] if not dirs else list(dirs)
-    storage = [measure_storage(d, nbytes, engine, repeats) for d in dirs]
+    storage = [measure_storage(d, nbytes, engine, repeats, ring=ring) for d in dirs]
     gpu = measure_gpu()
     # On the usable cores, each thread's part far beyond the caches: a step's states are
     # (16 Mi params on 14 threads of the H100 host, in its L3 in part, read 1.5-1.7x fast).
@@ -398,6 +470,9 @@ def format_report(result: dict) -> str:
             bursts = ", ".join(f"{b // MiB} MiB bursts {bps / 1e9:.2f}" for b, bps in s["phased_bps"])
             lines.append(f"  half read + half written, GB/s: together {s['mixed_bps'] / 1e9:.2f}, "
                          f"{bursts}")
+        if s.get("ring_mixed_bps"):
+            lines.append(f"  the ring's streamed step, GB/s: mixed {s['ring_mixed_bps'] / 1e9:.2f}, "
+                         f"phased {s['ring_phased_bps'] / 1e9:.2f}")
     hc = result["host_copy"]
     lines += ["", f"host memory copy: {hc['bps'] / 1e9:.2f} GB/s "
                   f"(np.copyto {hc['nbytes'] // MiB} MiB, best of {hc['repeats']})", "",
@@ -444,8 +519,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--engine", choices=defaults.IO_ENGINES, default="auto",
                         help="storage engine (default: %(default)s)")
     parser.add_argument("--record", action="store_true",
-                        help="record each directory's storage figures, with the host's "
-                             f"kernel rates, in DIR/{io_schedule.RECORD}, where "
+                        help="record each directory's storage figures (with what the ring "
+                             "draws there under each schedule, which takes --size-mib of "
+                             "states and twice that free) and the host's "
+                             f"kernel rates in DIR/{io_schedule.RECORD}, where "
                              "io_schedule='auto' and a CudaDevice's twins=None read them")
     parser.add_argument("--repeats", type=int, default=1, metavar="R",
                         help="repeat the storage write+read R times, keep the best "
@@ -455,7 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--size-mib and --repeats must be positive")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        result = probe(args.dirs, args.size_mib * MiB, args.engine, args.repeats)
+        result = probe(args.dirs, args.size_mib * MiB, args.engine, args.repeats, ring=args.record)
     except (OSError, ValueError) as e:
         print(f"smartinf.probe: error: {e}", file=sys.stderr)
         return 1
