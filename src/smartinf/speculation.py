@@ -103,10 +103,19 @@ class Speculation:
     def flying(self, sg: int) -> bool:
         return sg in self._flights
 
-    def take(self, scale: Optional[float], hyper_of: Callable[[int], dict]) -> dict[int, torch.Tensor]:
+    def unfinished(self) -> int:
+        """Speculative updates not done yet (launched or waiting for their inputs)."""
+        with self._lock:
+            flights = list(self._flights.values())
+        return sum(not (f.launched.done() and f.launched.result().done()) for f in flights)
+
+    def take(self, scale: Optional[float], hyper_of: Callable[[int], dict],
+             later: Optional[Callable[[int, concurrent.futures.Future], None]] = None
+             ) -> dict[int, torch.Tensor]:
         """At ``step()``, with the step's true gradient scale (None: skipped) and each
         sub-group's hyper-parameters: the ``out`` buffer of every speculative update that
-        holds (done), by sub-group; the others are retracted."""
+        holds, by sub-group (done; or, with ``later``, handed to ``later(sg, launched)``
+        as it is, to be waited for there); the others are retracted."""
         with self._lock:
             flights, self._flights = self._flights, {}
         kept: dict[int, torch.Tensor] = {}
@@ -114,12 +123,15 @@ class Speculation:
         for sg, f in flights.items():
             reason = self._why_not(f, scale, hyper_of(sg))
             try:
-                future = f.future()
                 if reason is None:
-                    future.wait()
+                    if later is None:
+                        f.future().wait()
+                    else:
+                        later(sg, f.launched)
                     kept[sg] = f.out
                     self.counts.kept += 1
                     continue
+                f.future()  # launched (its inputs on the host), so it can be retracted
                 self.pipeline.retract(sg)
             except BaseException as e:  # the rest are still waited for or retracted
                 error = error or e

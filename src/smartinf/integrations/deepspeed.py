@@ -77,6 +77,9 @@ _deepspeed_initialize = deepspeed_hook.original_initialize(deepspeed)
 __all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings"]
 
 CONFIG_KEY = "smartinf"
+#: Updates started during backward while fewer than this are unfinished: one running and
+#: one queued keep the devices busy; the rest wait for the tail, in the forward's order.
+UNFINISHED_SPECULATIONS = 2
 
 
 @dataclass
@@ -315,10 +318,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         return buffers
 
     def _speculate(self, i: int) -> None:
-        # A resident sub-group is left to the tail: its speculative update works on a second
-        # copy of its states (twice the memory traffic), while the tail updates it in place,
-        # hidden by the next forward (H100 host, GPT-2 XL: 1.5 s of update against 0.55).
-        if self.pipeline.resident(i) or not self._speculation.may_start(i):
+        # Only while the devices keep up (UNFINISHED_SPECULATIONS): backward reduces the last
+        # sub-groups first and the next forward gathers the first ones first, so the rest
+        # goes to the tail, in the forward's order. A sub-group on this GPU is updated
+        # where it is at step() (milliseconds).
+        if self.pipeline.gpu_of(i) is not None or not self._speculation.may_start(i) or \
+                self._speculation.unfinished() >= UNFINISHED_SPECULATIONS:
             return
         hyper = overrides(_rule(self._rule_class, self.optimizer.param_groups[self.sub_group_to_group_id[i]]))
         send, ready = self._host_update(i, hyper, speculative=True)
@@ -343,13 +348,13 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         return (lambda scale: self._driver.send(i, grad, 0, scale, hyper, out=out, out_dtype=flat.dtype,
                                                 speculative=speculative)), ready
 
-    def _take_speculated(self, scale: Optional[float], hyper: list) -> dict:
-        """The speculative updates that hold (the others retracted); the next step's
-        bookkeeping begins."""
+    def _take_speculated(self, scale: Optional[float], hyper: list, later: Any = None) -> dict:
+        """The speculative updates that hold (the others retracted; with ``later``, those
+        that hold are handed to it unfinished); the next step's bookkeeping begins."""
         if self._speculation is None:
             return {}
         self._reduced = [0] * len(self._reduced)
-        return self._speculation.take(scale, lambda i: hyper[self.sub_group_to_group_id[i]])
+        return self._speculation.take(scale, lambda i: hyper[self.sub_group_to_group_id[i]], later)
 
     def settle(self) -> None:
         """Finishes the last step now (with ``overlap`` its updates may still run after
@@ -507,9 +512,9 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         the tail drains."""
         self._tail.begin()
         try:
-            kept = self._take_speculated(scale, hyper)
-            for i, out in kept.items():
-                self._put_params(i, out)
+            # those that held finish in the tail too (their params put when the forward
+            # gathers them), in the speculation's buffers, where the others' go
+            kept = self._take_speculated(scale, hyper, later=self._tail.start)
             # Sub-groups on this GPU are updated where they are, now (milliseconds); the
             # others through the host buffers, while the forward runs.
             rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
