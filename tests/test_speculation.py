@@ -4,10 +4,13 @@ speculation assumed (an overflow, a loss scale or clipping that changed, another
 gradients edited between backward and step), and the updates that assumed rightly kept."""
 import logging
 
+import numpy as np
 import pytest
 import torch
 
+import smartinf
 import smartinf.optim as so
+from smartinf.speculation import Speculation
 
 SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks
 
@@ -209,3 +212,38 @@ def test_not_on_cpu_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "yes")
     with pytest.raises(ValueError, match="SMARTINF_SPECULATE_ON_CPU"):
         so.AdamW(make_model().parameters(), devices=[str(tmp_path / "refused")])
+
+
+def test_kept_updates_are_handed_on_unfinished(tmp_path):
+    """take(later=): each update that held goes to ``later`` as it is, not waited for (the
+    DeepSpeed tail waits for it when the forward gathers its params), one that did not is
+    retracted; ``unfinished`` counts those not done. The params are those of an update made
+    after backward."""
+    sizes = (3000, 2000)
+    grads = [np.linspace(-1, 1, n, dtype=np.float32) for n in sizes]
+    def run(speculate):
+        with smartinf.Pipeline(str(tmp_path / str(speculate)), smartinf.AdamW(lr=1e-2)) as pipe:
+            for n in sizes:
+                pipe.add_subgroup(n, torch.full((n,), 0.5))
+            outs = [torch.empty(n) for n in sizes]
+            spec, handed = Speculation(pipe), {}
+            spec.predict(1.0)
+            with pipe.step():
+                if speculate:
+                    for sg in range(len(sizes)):
+                        spec.start(sg, {}, outs[sg], lambda scale, sg=sg: pipe.update(
+                            sg, grads[sg], outs[sg], grad_scale=scale, speculative=True))
+                    assert 0 <= spec.unfinished() <= len(sizes)
+                    # sub-group 1's gradient turned out scaled differently: retracted, redone
+                    kept = spec.take(1.0, lambda sg: {} if sg == 0 else {"lr": 2e-2},
+                                     later=lambda sg, launched: handed.update({sg: launched}))
+                    assert list(kept) == list(handed) == [0] and kept[0] is outs[0]
+                    assert spec.counts.retracted == 1 and spec.unfinished() == 0
+                    handed[0].result().wait()
+                    pipe.update(1, grads[1], outs[1], lr=2e-2).wait()
+                else:
+                    pipe.update(0, grads[0], outs[0]).wait()
+                    pipe.update(1, grads[1], outs[1], lr=2e-2).wait()
+            return outs
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
