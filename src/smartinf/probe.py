@@ -5,9 +5,9 @@
 For each directory: sequential ``O_DIRECT`` write then read bandwidth through the
 project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 in
 flight; the page cache is not involved), and the mix curve: half read and half written
-with both directions in flight, and in bursts of one direction (``--record`` keeps it in
-the directory, with the host's kernel rates, for ``io_schedule="auto"`` and
-``smartinf.twins``). Then host memory copy bandwidth and the Adam
+with both directions in flight, and in bursts of one direction (``--record`` also times the
+ring itself streaming states under each schedule, and keeps it all in the directory, with
+the host's kernel rates, for ``io_schedule="auto"`` and ``smartinf.twins``). Then host memory copy bandwidth and the Adam
 kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
 a STREAM triad over the same threads (what memory gives the parallel update, whose limit
 it is when states are resident). Where smartinf has CUDA and torch sees a GPU: the GPU's
