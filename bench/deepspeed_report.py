@@ -41,6 +41,10 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             "storage_bytes_per_param": (median["storage_read"] + median["storage_written"]) / n,
             # what the step draws from the disk: bytes read + written over the step's seconds
             "disk_bps": (median["storage_read"] + median["storage_written"]) / (median["step_s"] + waits),
+            # the same over backward too: ZeRO-Infinity writes its fp32 gradients during
+            # backward, so over its step alone it seems to draw more than it does
+            "disk_bps_with_backward": (median["storage_read"] + median["storage_written"])
+            / (median["bwd_s"] + median["step_s"] + waits),
             "gather_wait_s": waits,
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
 
