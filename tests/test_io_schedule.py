@@ -168,6 +168,7 @@ def test_auto_follows_what_the_ring_drew_where_the_record_has_it(tmp_path):
             choice = pipe.io_schedules[0]
         assert (choice.schedule, choice.bps, choice.burst) == (schedule, bps, burst), ring
         assert choice.reason.startswith("the ring drew phased") and "in 256 MiB turns" in choice.reason
-    io_schedule.record(str(tmp_path / "0"), dict(curve, ring_mixed_bps=-1.0, ring_phased_bps=1e9))
-    with pytest.raises(ValueError, match="is not a probe record.*ring's figures are out of range"):
-        smartinf.Pipeline(str(tmp_path / "0"))
+    for bad in (-1.0, float("nan")):
+        io_schedule.record(str(tmp_path / "0"), dict(curve, ring_mixed_bps=bad, ring_phased_bps=1e9))
+        with pytest.raises(ValueError, match="is not a probe record.*ring's figures are out of range"):
+            smartinf.Pipeline(str(tmp_path / "0"))

@@ -234,7 +234,7 @@ def test_kept_updates_are_handed_on_unfinished(tmp_path):
                         spec.start(sg, {}, outs[sg], lambda scale, sg=sg: pipe.update(
                             sg, grads[sg], outs[sg], grad_scale=scale, speculative=True))
                     assert 0 <= spec.unfinished() <= len(sizes)
-                    # sub-group 1's gradient turned out scaled differently: retracted, redone
+                    # sub-group 1's learning rate changed before step(): retracted, redone
                     kept = spec.take(1.0, lambda sg: {} if sg == 0 else {"lr": 2e-2},
                                      later=lambda sg, launched: handed.update({sg: launched}))
                     assert list(kept) == list(handed) == [0] and kept[0] is outs[0]
@@ -247,3 +247,17 @@ def test_kept_updates_are_handed_on_unfinished(tmp_path):
             return outs
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def test_a_launch_that_failed_is_not_unfinished(tmp_path):
+    """An update whose launch raised counts as done (asked from backward's hooks, which must
+    go on), and take() raises its error."""
+    with smartinf.Pipeline(str(tmp_path), smartinf.AdamW()) as pipe:
+        spec = Speculation(pipe)
+        spec.predict(1.0)
+        def launch(scale):
+            raise RuntimeError("no room for the update")
+        spec.start(0, {}, torch.empty(1), launch)
+        assert spec.unfinished() == 0
+        with pytest.raises(RuntimeError, match="no room"):
+            spec.take(1.0, lambda sg: {})

@@ -54,7 +54,7 @@ def from_figures(storage: dict) -> Choice:
         raise ValueError(f"phased_bps holds a burst or a bandwidth out of range: {curve}")
     burst, phased = max(curve, key=lambda figure: figure[1], default=(0, 0.0))
     ring_mixed, ring_phased = (float(storage.get(k) or 0.0) for k in ("ring_mixed_bps", "ring_phased_bps"))
-    if ring_mixed < 0 or ring_phased < 0:
+    if not (ring_mixed >= 0 and ring_phased >= 0):  # NaN too
         raise ValueError(f"the ring's figures are out of range: mixed {ring_mixed}, phased {ring_phased}")
     if ring_mixed and ring_phased:
         figures = (f"the ring drew phased {ring_phased / 1e9:.2f} GB/s"

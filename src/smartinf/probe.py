@@ -19,6 +19,7 @@ demo and the benchmarks divide by them); only ``main`` prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -250,31 +251,32 @@ def measure_ring(directory: str, nbytes: int, curve: StorageLimit,
     step. Phased runs in the turns of the curve's best burst, which auto would choose.
     Returns ``ring_mixed_bps`` and ``ring_phased_bps``."""
     burst, _ = curve.best_phased
-    params = max(1, nbytes // 12)
-    sizes = [len(part) for part in np.array_split(np.arange(params), min(8, params))]
+    params = max(1, nbytes // model.STATE_BYTES)
+    subgroups = min(8, params)
+    sizes = [params // subgroups + (i < params % subgroups) for i in range(subgroups)]
     grads = [torch.full((max(sizes),), 1e-3, dtype=torch.bfloat16) for _ in range(2)]
     outs = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
     root = tempfile.mkdtemp(prefix=".smartinf-ring-", dir=directory)
-    pipes = {}
     try:
         # auto in a directory whose record holds the one burst: the ring takes the turns
         # auto takes where the record favours them (no burst measured: the ring's default).
         if burst:
             io_schedule.record(root, {"mixed_bps": 1.0, "phased_bps": [[burst, 2.0]]})
-        for schedule, setting in (("mixed", "mixed"), ("phased", "auto" if burst else "phased")):
-            pipes[schedule] = Pipeline(os.path.join(root, schedule), AdamW(lr=1e-4),
-                                       io_schedule=setting, if_exists="overwrite")
-            for n in sizes:
-                pipes[schedule].add_subgroup(n)
-        best = {schedule: 0.0 for schedule in pipes}
-        for step in range(1 + steps):
-            for schedule, pipe in pipes.items():
-                bps = ring_step(pipe, sizes, grads, outs)["disk_bps"]
-                if step:
-                    best[schedule] = max(best[schedule], bps)
+        with contextlib.ExitStack() as pipelines:
+            pipes = {}
+            for schedule, setting in (("mixed", "mixed"), ("phased", "auto" if burst else "phased")):
+                pipes[schedule] = pipelines.enter_context(Pipeline(
+                    os.path.join(root, schedule), AdamW(lr=1e-4), io_schedule=setting,
+                    if_exists="overwrite"))
+                for n in sizes:
+                    pipes[schedule].add_subgroup(n)
+            best = {schedule: 0.0 for schedule in pipes}
+            for step in range(1 + steps):
+                for schedule, pipe in pipes.items():
+                    bps = ring_step(pipe, sizes, grads, outs)["disk_bps"]
+                    if step:
+                        best[schedule] = max(best[schedule], bps)
     finally:
-        for pipe in pipes.values():
-            pipe.close()
         shutil.rmtree(root, ignore_errors=True)
     return {"ring_mixed_bps": best["mixed"], "ring_phased_bps": best["phased"]}
 

@@ -107,7 +107,9 @@ class Speculation:
         """Speculative updates not done yet (launched or waiting for their inputs)."""
         with self._lock:
             flights = list(self._flights.values())
-        return sum(not (f.launched.done() and f.launched.result().done()) for f in flights)
+        # one whose launch failed is done: take() raises its error
+        return sum(not (f.launched.done() and (f.launched.exception() is not None
+                                               or f.launched.result().done())) for f in flights)
 
     def take(self, scale: Optional[float], hyper_of: Callable[[int], dict],
              later: Optional[Callable[[int, concurrent.futures.Future], None]] = None

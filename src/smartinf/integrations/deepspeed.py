@@ -320,8 +320,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def _speculate(self, i: int) -> None:
         # Only while the devices keep up (UNFINISHED_SPECULATIONS): backward reduces the last
         # sub-groups first and the next forward gathers the first ones first, so the rest
-        # goes to the tail, in the forward's order. A sub-group on this GPU is updated
-        # where it is at step() (milliseconds). A resident one is left to the tail, which
+        # goes to the tail, in the forward's order. A sub-group a GPU updates takes its
+        # gradient where it is, at step() (as smartinf.optim's). A resident one is left to the tail, which
         # updates it in place: its speculative update works on a second copy of its states,
         # and on the H100 hosts that was no faster (GPT-2 XL, clip off: 1.08 / 1.42 / 1.49
         # s an iteration with, 1.66 / 1.13 without, alternated; an earlier host 2.12 / 1.15).
