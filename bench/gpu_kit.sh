@@ -9,6 +9,8 @@
 #   OUT=$OUT bash bench/gpu_kit.sh pack               # there: the built kit, to carry later
 #   bash bench/gpu_kit.sh unpack && source bench/gpu_kit.sh env  # there, carrying .kitcache
 #   bash bench/gpu_kit.sh rebuild                     # there, after unpack + env: a changed core
+#   bash bench/gpu_kit.sh core && source bench/gpu_kit.sh env    # there: smartinf alone, for
+#                                                     # the host's figures (no CUDA device, no DeepSpeed)
 #
 # `setup` also installs DeepSpeed (its sdist and the wheels the machine lacks) and compiles
 # its async_io and cpu_adam ops into $TORCH_EXTENSIONS_DIR while smartinf builds, for the
@@ -47,6 +49,18 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     python3 -c "import smartinf; print('smartinf built with', smartinf.build_info())"
     wait; tail -3 /tmp/kit-ds-ops.log
     ;;
+  core)
+    # smartinf without its CUDA device or DeepSpeed: the probe's storage and host figures
+    # in about a minute of a call instead of ~6.
+    mkdir -p "$PREFIX/root" "$PREFIX/site"
+    for f in "$KIT"/debs/*.deb; do dpkg -x "$f" "$PREFIX/root"; done
+    source "$0" env
+    [ -e "$LIB/libz.so" ] || ln -sf "$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)" "$LIB/libz.so"
+    python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS
+    CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation \
+      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build -Ccmake.define.SMARTINF_WITH_CUDA=OFF .
+    python3 -c "import smartinf; print('smartinf built with', smartinf.build_info())"
+    ;;
   pack)
     # The built kit into $OUT in pieces the device tool brings back (16 MiB a file); put them
     # in .kitcache/ here and carry that: `unpack` then replaces `setup` (minutes saved a call).
@@ -81,5 +95,5 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
     export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's op builder cannot parse the machine's "9.0a"
     ;;
-  *) echo "usage: bash bench/gpu_kit.sh fetch|setup|pack|unpack|rebuild; source bench/gpu_kit.sh env" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_kit.sh fetch|setup|core|pack|unpack|rebuild; source bench/gpu_kit.sh env" >&2; exit 2 ;;
 esac

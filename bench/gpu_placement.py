@@ -90,7 +90,8 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_
     p = model.predict_placed(placed, gpu["update_pps"][state_dtype], host_pps,
                              figures["triad"]["bps"], storage["read_bps"], storage["write_bps"],
                              gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"], state,
-                             commit_every=commit_every, twins=twins)
+                             commit_every=commit_every, twins=twins,
+                             commit_write_bps=storage.get("write_beside_update_bps"))
     # The second interval: its commit waits for the first's writes where they outlast it.
     interval = times[1 + commit_every:]
     measured = statistics.mean(interval)

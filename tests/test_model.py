@@ -292,6 +292,46 @@ def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
     assert alone.step_s == pytest.approx(P / gpu_pps + 12)
 
 
+def test_resident_writes_beside_the_hosts_update_take_the_probes_slower_rate():
+    """A durable commit's background write runs at the probe's write beside the host's
+    update (commit_write_bps) for as long as the update runs each step, at the plain write
+    rate after it; none given: the plain rate throughout, as before."""
+    P, mem, host_pps = 1e9, 1e12, 2e9  # the host's update 0.5 s a step over P
+    W, beside = 2e9, 1e9
+    # all resident in host memory, a durable commit every 4 steps: 3 GB written a step
+    plain = model.predict_tiered(P, 1.0, 4e9, W, mem, 4, update_pps=host_pps)
+    assert plain.storage_s == pytest.approx(3e9 / W)
+    slow = model.predict_tiered(P, 1.0, 4e9, W, mem, 4, update_pps=host_pps, commit_write_bps=beside)
+    # 0.5 s beside the update (0.5 GB), the other 2.5 GB at 2 GB/s
+    assert slow.storage_s == pytest.approx(0.5 + 2.5e9 / W) and slow.bound == "storage"
+    # a write shorter than the update runs beside it all along
+    short = model.predict_tiered(P, 1.0, 4e9, W, mem, 48, update_pps=host_pps, commit_write_bps=beside)
+    assert short.storage_s == pytest.approx(0.25e9 / beside) and short.bound == "update"
+    # streamed states are read and written at the plain rates either way
+    half = model.predict_tiered(P, 0.5, 4e9, W, mem, 4, update_pps=host_pps, commit_write_bps=beside)
+    assert half.storage_s == pytest.approx(6e9 / 4e9 + 6e9 / W + 0.5 + 1e9 / W)
+    # placed: a quarter on the GPU with twins, the rest in host memory; the GPU's states
+    # are written beside the host's update too (3 + 9 GB over 4 steps: 3 GB a step)
+    placement = model.place(P, 12, 2 * 0.25 * P * 12, P * 12, subgroup=1e7, twins=True)
+    args = (50e9, host_pps, mem, 4e9, W, 20e9, 20e9)
+    p = model.predict_placed(placement, *args, commit_every=4, twins=True)
+    assert p.disk_s == pytest.approx(3e9 / W) == p.step_s
+    q = model.predict_placed(placement, *args, commit_every=4, twins=True, commit_write_bps=beside)
+    assert q.disk_s == pytest.approx(0.375 + (3e9 - 0.375 * beside) / W) == q.step_s  # host 0.375 s
+    # without twins the GPU's wait for its 3 GB (beside 3 GB of the host's) is at that rate too
+    placement = model.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
+    r = model.predict_placed(placement, *args, commit_every=4, commit_write_bps=beside)
+    wait = 0.375 + (6e9 - 0.375 * beside) / W
+    assert r.step_s == pytest.approx(max(r.disk_s, (wait + r.gpu_s + 3 * 0.375) / 4))
+    with pytest.raises(ValueError, match="commit_write_bps"):
+        model.Hardware(read_bps=1e9, write_bps=1e9, commit_write_bps=0)
+    probe = {"storage": [{"read_bps": 2e9, "write_bps": 2e9, "write_beside_update_bps": 1.5e9},
+                         {"read_bps": 2e9, "write_bps": 2e9, "write_beside_update_bps": 1.2e9}]}
+    assert model.Hardware.from_probe(probe).commit_write_bps == 1.2e9
+    del probe["storage"][1]["write_beside_update_bps"]  # a directory probed before it
+    assert model.Hardware.from_probe(probe).commit_write_bps is None
+
+
 def test_twins_pay_where_the_hosts_update_of_half_a_budget_beats_waiting_for_its_write():
     """Per byte of a GPU budget over a commit interval of k steps: twins cost k / (2 s H)
     (half its params updated by the host), none costs 1 / W (the write waited for)."""

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from smartinf import probe
+from smartinf import _native, probe
 
 SMALL = ["--size-mib", "8"]
 
@@ -26,6 +26,7 @@ def test_json_reports_each_directory_and_leaves_nothing_behind(capsys, disk_dir,
         assert s["read_bps"] == pytest.approx(s["nbytes"] / s["read_s"])
         assert s["read_bps"] > 0 and s["write_bps"] > 0
         assert s["mixed_bps"] > 0 and s["phased_bps"] == []  # 8 MiB: no burst fits in half
+        assert 0 < s["write_beside_update_bps"] < 1e12  # bytes over seconds of one directory
     assert os.listdir(disk_dir) == [] and os.listdir(other) == []
     kinds = [(k["grad"], k["param"], k["state_dtype"], k["master"]) for k in result["kernel"]]
     bf16 = ("bfloat16", "bfloat16")
@@ -67,8 +68,21 @@ def test_mix_curve_half_read_half_written(disk_dir):
     assert os.listdir(disk_dir) == []
     without = probe.measure_storage(disk_dir, 16 * mib, mix=False)
     assert (without.mixed_bps, without.phased_bps, without.best_phased) == (0.0, (), (0, 0.0))
+    assert limit.write_beside_update_bps == without.write_beside_update_bps == 0.0  # not asked
     with pytest.raises(ValueError, match="multiples of"):
         probe.measure_storage(disk_dir, 16 * mib, mix_bursts=(mib + 1,))
+
+
+def test_the_write_beside_the_hosts_update(disk_dir):
+    """The write a background durable commit gets while the host's update runs back to back
+    (1 Mi params of fp32 states here): the same bytes as the plain write, a real transfer,
+    nothing left behind; a write that fails stops the update and raises."""
+    limit = probe.measure_storage(disk_dir, 16 * probe.BLOCK, mix=False, update_numel=1 << 20)
+    assert 0 < limit.write_beside_update_bps < 1e12
+    assert os.listdir(disk_dir) == []
+    with pytest.raises(OSError, match="missing"):
+        _native.time_storage_beside_update(os.path.join(disk_dir, "missing", "f"), probe.BLOCK,
+                                           "auto", probe.BLOCK, 4, 1 << 16, 0, 0, "fp32", 2)
 
 
 def test_engine_choice_is_reported(capsys, disk_dir):

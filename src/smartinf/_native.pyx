@@ -30,6 +30,9 @@ cdef extern from "io/bandwidth.h" namespace "smartinf::io":
     double time_mixed_io(const string&, uint64_t, const string&, uint64_t, unsigned,
                          uint64_t) except +raise_py_error nogil
     double time_adam_kernel(uint64_t, DType, DType, const StateLayout&, unsigned, unsigned) except +raise_py_error nogil
+    double time_write_beside_update(const string&, uint64_t, const string&, uint64_t, unsigned,
+                                    uint64_t, DType, DType, const StateLayout&,
+                                    unsigned) except +raise_py_error nogil
     double time_triad(uint64_t, unsigned) except +raise_py_error nogil
 
 
@@ -261,6 +264,18 @@ def time_kernel(uint64_t numel, int grad_dtype, int param_dtype, str state_dtype
     cdef StateLayout layout = adam_layout(state_dtype, master)
     with nogil:
         seconds = time_adam_kernel(numel, <DType>grad_dtype, <DType>param_dtype, layout, threads, repeats)
+    return seconds
+
+
+def time_storage_beside_update(str path, uint64_t nbytes, str engine, uint64_t block,
+                               unsigned depth, uint64_t numel, int grad_dtype, int param_dtype,
+                               str state_dtype, unsigned threads, str master="fp32") -> float:
+    cdef string p = path.encode(), e = engine.encode()
+    cdef StateLayout layout = adam_layout(state_dtype, master)
+    cdef double seconds
+    with nogil:
+        seconds = time_write_beside_update(p, nbytes, e, block, depth, numel, <DType>grad_dtype,
+                                           <DType>param_dtype, layout, threads)
     return seconds
 
 

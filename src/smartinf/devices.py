@@ -175,6 +175,12 @@ def _check_twins(twins: object, what: str, allow_none: bool) -> None:
                         "chooses)" if allow_none else "") + f", got {twins!r}")
 
 
+def rank_directory(path: str, rank: int) -> str:
+    """Where ``rank`` keeps its partition's states under a directory that several ranks
+    share (``smartinf.optim`` and the DeepSpeed integration, its checkpoints too)."""
+    return os.path.join(path, f"rank{rank:05d}")
+
+
 def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str],
              gpu: int, twins: Optional[bool] = None) -> list:
     """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``

@@ -180,6 +180,9 @@ class Hardware:
     traffic under the I/O schedule ``io_schedule="auto"`` picks from the probe's mix curve
     (both directions in flight, or bursts of one); ``None``: they take turns.
     ZeRO-Infinity's swapper reads, then writes: its storage time always takes turns.
+    ``commit_write_bps``: one device's write bandwidth while the host's update runs (the
+    probe's ``write_beside_update_bps``): a durable commit's background write beside the
+    next steps (``predict_tiered``, ``predict_placed``); ``None``: ``write_bps``.
 
     The host link is full duplex (PCIe): gradients in and params out each have
     ``host_link_bps``; a drive's reads and writes share its bandwidth, one after the other.
@@ -194,14 +197,15 @@ class Hardware:
     update_pps: float = math.inf
     host_update_pps: float = math.inf
     mix_bps: Optional[float] = None
+    commit_write_bps: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("read_bps", "write_bps", "host_link_bps", "device_link_bps",
                      "shared_read_bps", "shared_write_bps", "update_pps", "host_update_pps",
-                     "mix_bps"):
+                     "mix_bps", "commit_write_bps"):
             value = getattr(self, name)
             if value is None and name in ("device_link_bps", "shared_read_bps", "shared_write_bps",
-                                          "mix_bps"):
+                                          "mix_bps", "commit_write_bps"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
@@ -232,6 +236,8 @@ class Hardware:
                            write_bps=min(s["write_bps"] for s in storage))
             if all(s.get("mixed_bps") for s in storage):  # the probe measured the mix curve
                 figures["mix_bps"] = min(from_figures(s).bps for s in storage)
+            if all(s.get("write_beside_update_bps") for s in storage):
+                figures["commit_write_bps"] = min(s["write_beside_update_bps"] for s in storage)
         figures.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**figures)
 
@@ -335,16 +341,32 @@ class TieredPrediction:
         return max((self.storage_s, "storage"), (self.memory_s, "memory"), (self.update_s, "update"))[1]
 
 
+def _disk_s(streamed_bytes: float, resident_bytes: float, busy_s: float, read_bps: float,
+            write_bps: float, commit_write_bps: Optional[float] = None) -> float:
+    """Seconds of one step's storage traffic: the streamed states read and written back, and
+    ``resident_bytes`` of resident states written (a durable commit's share of the step),
+    in the background while the update runs: for ``busy_s`` at ``commit_write_bps`` (the
+    probe's write beside the host's update; None: ``write_bps``), the rest at ``write_bps``."""
+    beside = commit_write_bps or write_bps
+    if resident_bytes <= busy_s * beside:
+        resident_s = resident_bytes / beside
+    else:
+        resident_s = busy_s + (resident_bytes - busy_s * beside) / write_bps
+    return streamed_bytes / read_bps + streamed_bytes / write_bps + resident_s
+
+
 def _tier_storage_s(params: float, resident: float, commit_every: int, state_bytes: float,
-                    read_bps: float, write_bps: float) -> float:
-    streamed = params * (1 - resident) * state_bytes
-    return streamed / read_bps + (streamed + params * resident * state_bytes / commit_every) / write_bps
+                    read_bps: float, write_bps: float, busy_s: float = 0.0,
+                    commit_write_bps: Optional[float] = None) -> float:
+    return _disk_s(params * (1 - resident) * state_bytes, params * resident * state_bytes / commit_every,
+                   busy_s, read_bps, write_bps, commit_write_bps)
 
 
 def predict_tiered(params: float, resident: float, read_bps: float, write_bps: float,
                    memory_bps: float, commit_every: int = 1, state_bytes: float = STATE_BYTES,
                    grad_bytes: int = 2, param_bytes: int = 2,
-                   update_pps: float = math.inf) -> TieredPrediction:
+                   update_pps: float = math.inf,
+                   commit_write_bps: Optional[float] = None) -> TieredPrediction:
     """The step of one device whose budget holds ``resident`` (0..1) of the states: the
     streamed part is read and written every step, the resident part written once per
     ``commit_every`` steps (its durable commit) and never read; every param's states,
@@ -352,14 +374,18 @@ def predict_tiered(params: float, resident: float, read_bps: float, write_bps: f
     triad) once each way. Storage, memory and the kernel overlap: the step is the largest
     (the resident write runs in the background with ``overlap``, the default; without it
     the commit's step takes it whole, and with twin copies the first step after a commit
-    makes one more pass over the resident states: neither is in this mean)."""
+    makes one more pass over the resident states: neither is in this mean). The resident
+    write shares the disk with the streamed traffic and, while the kernel runs, the memory
+    and cores with it: ``commit_write_bps`` (the probe's write beside the update) for that
+    part."""
     if not 0 <= resident <= 1:
         raise ValueError(f"resident must be a fraction in [0, 1], got {resident!r}")
     if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
         raise ValueError(f"commit_every must be a positive int, got {commit_every!r}")
-    storage = _tier_storage_s(params, resident, commit_every, state_bytes, read_bps, write_bps)
     memory = params * (2 * state_bytes + grad_bytes + param_bytes) / memory_bps
     update = params / update_pps
+    storage = _tier_storage_s(params, resident, commit_every, state_bytes, read_bps, write_bps,
+                              max(memory, update), commit_write_bps)
     return TieredPrediction(params, resident, commit_every, max(storage, memory, update),
                             storage, memory, update)
 
@@ -485,39 +511,47 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
                    read_bps: float, write_bps: float, host_to_gpu_bps: float,
                    gpu_to_host_bps: float, state_bytes: float = STATE_BYTES,
                    commit_every: int = 1, grad_bytes: int = 2,
-                   param_bytes: int = 2, twins: bool = False) -> PlacedPrediction:
+                   param_bytes: int = 2, twins: bool = False,
+                   commit_write_bps: Optional[float] = None) -> PlacedPrediction:
     """The step of ``placement`` (``place``) with the GPU's update rate ``gpu_pps`` and
     PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
     cores, its memory's triad, its storage), as the mean over a commit interval of k =
     ``commit_every`` steps. Compute (the GPU's update, the host's kernel and memory, PCIe)
     and the disk overlap: the interval takes the longer of k compute steps and the disk's
-    traffic (the host's streamed states every step, every resident state once). Without
-    twins the step after a durable commit also waits for the GPU's states to be written
-    (beside as many of the host's: written at once, at equal rates, as measured on the
-    H100 host) before the GPU updates them; the host's part of that step runs meanwhile,
-    and the disk is busy writing throughout, so the wait costs only what it adds to both."""
+    traffic (the host's streamed states every step, every resident state once, written
+    while the host's update runs at ``commit_write_bps``, the probe's write beside it, and
+    at ``write_bps`` once it is done). Without twins the step after a durable commit also
+    waits for the GPU's states to be written (beside as many of the host's: written at
+    once, at equal rates, as measured on the H100 host) before the GPU updates them; the
+    host's part of that step runs meanwhile, and the disk is busy writing throughout, so
+    the wait costs only what it adds to both."""
     host_params = placement.ram + placement.streamed
     gpu_bytes = placement.gpu * state_bytes
     host_storage_s = host_compute_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
                               memory_bps, commit_every, state_bytes, grad_bytes, param_bytes,
-                              host_pps)
+                              host_pps, commit_write_bps)
         host_storage_s, host_compute_s = host.storage_s, max(host.memory_s, host.update_s)
         link_s = max(host_params * grad_bytes / gpu_to_host_bps,
                      host_params * param_bytes / host_to_gpu_bps)
     gpu_s = placement.gpu / gpu_pps
     compute_s = max(gpu_s, host_compute_s, link_s)
-    disk_s = host_storage_s + gpu_bytes / write_bps / commit_every
+    # the host's update is what slows the resident writes (the GPU's own update does not
+    # touch host memory)
+    disk_s = _disk_s(placement.streamed * state_bytes,
+                     (placement.ram * state_bytes + gpu_bytes) / commit_every, host_compute_s,
+                     read_bps, write_bps, commit_write_bps)
     step_s = max(compute_s, disk_s)
     if not twins and gpu_bytes:
-        wait_s = (gpu_bytes + min(gpu_bytes, placement.ram * state_bytes)) / write_bps
+        wait_s = _disk_s(0.0, gpu_bytes + min(gpu_bytes, placement.ram * state_bytes),
+                         host_compute_s, read_bps, write_bps, commit_write_bps)
         first_s = max(host_compute_s, link_s, wait_s + gpu_s)
         step_s = max(step_s, (first_s + (commit_every - 1) * compute_s) / commit_every)
     total = placement.gpu + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
-                                           host_pps).step_s, 1e-12)
+                                           host_pps, commit_write_bps).step_s, 1e-12)
     return PlacedPrediction(placement, step_s, gpu_s, max(host_compute_s, host_storage_s),
                             link_s, total * gpu_pps / (gpu_pps + host_rate),
                             step_s - max(compute_s, disk_s), twins, disk_s)
@@ -666,7 +700,7 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
     state = state_bytes_per_param(args.state_dtype, args.master)
     rows = [dataclasses.asdict(predict_tiered(args.params, f, hw.read_bps, hw.write_bps, memory,
                                               args.commit_every, state, args.grad_bytes,
-                                              args.param_bytes))
+                                              args.param_bytes, commit_write_bps=hw.commit_write_bps))
             for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
     budget = None if args.step_time is None else budget_for(
         args.step_time, args.params, hw.read_bps, hw.write_bps, args.commit_every, state)
@@ -676,8 +710,10 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
         return 0
     print(f"{args.params:.3g} params on one device, {args.state_dtype} moments, {args.master} "
           f"masters ({state:.2f} B/param), commit_every="
-          f"{args.commit_every}: storage {hw.read_bps / 1e9:.2f} / {hw.write_bps / 1e9:.2f} GB/s, "
-          f"memory {memory / 1e9:.1f} GB/s")
+          f"{args.commit_every}: storage {hw.read_bps / 1e9:.2f} / {hw.write_bps / 1e9:.2f} GB/s"
+          + ("" if hw.commit_write_bps is None else
+             f" ({hw.commit_write_bps / 1e9:.2f} written beside the update)")
+          + f", memory {memory / 1e9:.1f} GB/s")
     for r in rows:
         print(f"  {r['resident']:4.0%} resident: step {r['step_s']:8.2f} s  (storage "
               f"{r['storage_s']:.2f} s, memory {r['memory_s']:.2f} s)")
@@ -717,7 +753,7 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
         return predict_placed(placement, gpu["update_pps"][args.state_dtype], host_pps, triad,
                               hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"],
                               gpu["gpu_to_host_bps"], state, args.commit_every, args.grad_bytes,
-                              args.param_bytes, twins)
+                              args.param_bytes, twins, hw.commit_write_bps)
 
     # auto: the whole placement with and without twins, as smartinf.twins chooses where the
     # sub-groups are known

@@ -32,7 +32,7 @@ from . import _native, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import speculate_on_cpu
-from .devices import DEVICE_TYPES, DeviceLike, with_gpu
+from .devices import DEVICE_TYPES, DeviceLike, rank_directory, with_gpu
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .rounding import round_to
@@ -104,7 +104,7 @@ def resolve_devices(devices: Any) -> list:
     def for_rank(path: str) -> str:
         if "{rank}" in path:
             return path.replace("{rank}", str(rank))
-        return os.path.join(path, f"rank{rank:05d}") if split else path
+        return rank_directory(path, rank) if split else path
 
     return [replace(d, path=for_rank(d.path)) if isinstance(d, DEVICE_TYPES)
             else for_rank(os.fspath(d)) if isinstance(d, (str, os.PathLike)) else d

@@ -7,7 +7,9 @@ project's own storage engine, in the pipeline's I/O pattern (1 MiB requests, 16 
 flight; the page cache is not involved), and the mix curve: half read and half written
 with both directions in flight, and in bursts of one direction (``--record`` also times the
 ring itself streaming states under each schedule, and keeps it all in the directory, with
-the host's kernel rates, for ``io_schedule="auto"`` and ``smartinf.twins``). Then host memory copy bandwidth and the Adam
+the host's kernel rates, for ``io_schedule="auto"`` and ``smartinf.twins``), and the write
+while the host's update runs on the compute threads (a durable commit's background write
+beside the next steps). Then host memory copy bandwidth and the Adam
 kernel's throughput per grad/param dtype pair, on one thread and on the usable cores beside
 a STREAM triad over the same threads (what memory gives the parallel update, whose limit
 it is when states are resident). Where smartinf has CUDA and torch sees a GPU: the GPU's
@@ -84,6 +86,11 @@ class StorageLimit:
     # NVMe: the probe's turns 1.1x its mix, the ring's 0.9x). 0 when not measured.
     ring_mixed_bps: float = 0.0
     ring_phased_bps: float = 0.0
+    # The write bandwidth while the host's update runs back to back on the compute threads
+    # over resident fp32 states: what a durable commit's background write gets while the next
+    # steps update resident states (the H100 host's commits landed at ~0.85 of the plain
+    # write figure). 0 when not measured.
+    write_beside_update_bps: float = 0.0
 
     @property
     def sequential_bps(self) -> float:
@@ -187,7 +194,8 @@ def _check_directory(directory: str, nbytes: int) -> str:
 
 def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                     repeats: int = 1, mix: bool = True,
-                    mix_bursts: Sequence[int] = MIX_BURSTS, ring: bool = False) -> StorageLimit:
+                    mix_bursts: Sequence[int] = MIX_BURSTS, ring: bool = False,
+                    update_numel: int = 0) -> StorageLimit:
     """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
     through the storage engine (1 MiB requests, queue depth 16); the file is removed after.
     With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
@@ -195,7 +203,9 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
     With ``mix``, also the mix curve over the same file (half read, half written): both
     directions at once, and bursts of one direction (``mix_bursts``, whole blocks, those up
     to half the file). With ``ring`` (and ``mix``), also what the ring draws under each
-    schedule (``measure_ring``: ``nbytes`` of states, twice that free).
+    schedule (``measure_ring``: ``nbytes`` of states, twice that free). With
+    ``update_numel``, also the write while the host's update over that many resident
+    params runs on the compute threads (``write_beside_update_bps``; best of ``repeats``).
 
     Raises ``OSError`` naming the directory when it is missing, not writable or too full.
     """
@@ -213,7 +223,7 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
     path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
     try:
         write_s = read_s = float("inf")
-        mixed_s = float("inf")
+        mixed_s = beside_s = float("inf")
         phased_s = {b: float("inf") for b in mix_bursts if b <= nbytes // 2}
         for _ in range(repeats):
             write_s = min(write_s, _native.time_storage(path, nbytes, True, engine, BLOCK, DEPTH))
@@ -223,6 +233,10 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                 for burst in phased_s:
                     phased_s[burst] = min(phased_s[burst], _native.time_mixed_storage(
                         path, nbytes, engine, BLOCK, DEPTH, burst))
+            if update_numel:
+                beside_s = min(beside_s, _native.time_storage_beside_update(
+                    path, nbytes, engine, BLOCK, DEPTH, update_numel, buffers.dtype_code("bfloat16"),
+                    buffers.dtype_code("bfloat16"), "fp32", _native.default_compute_threads()))
     finally:
         try:
             os.remove(path)
@@ -231,7 +245,8 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
     limit = StorageLimit(directory, nbytes, nbytes / write_s, nbytes / read_s,
                          write_s, read_s, used, supports_direct_io(directory),
                          mixed_bps=nbytes / mixed_s if mix else 0.0,
-                         phased_bps=tuple((b, nbytes / t) for b, t in phased_s.items()) if mix else ())
+                         phased_bps=tuple((b, nbytes / t) for b, t in phased_s.items()) if mix else (),
+                         write_beside_update_bps=nbytes / beside_s if update_numel else 0.0)
     if ring and mix:
         limit = dataclasses.replace(limit, **measure_ring(directory, nbytes, limit))
     if not limit.direct:
@@ -431,11 +446,12 @@ def probe(dirs: Optional[Sequence[str]] = None, nbytes: int = GiB, engine: str =
     """Everything ``python -m smartinf.probe`` reports, as a JSON-ready dict (with
     ``ring``, what the ring draws from each directory under each schedule)."""
     dirs = [tempfile.gettempdir()] if not dirs else list(dirs)
-    storage = [measure_storage(d, nbytes, engine, repeats, ring=ring) for d in dirs]
-    gpu = measure_gpu()
     # On the usable cores, each thread's part far beyond the caches: a step's states are
     # (16 Mi params on 14 threads of the H100 host, in its L3 in part, read 1.5-1.7x fast).
     parallel_numel = kernel_numel * max(1, _native.default_compute_threads() // 2)
+    storage = [measure_storage(d, nbytes, engine, repeats, ring=ring, update_numel=parallel_numel)
+               for d in dirs]
+    gpu = measure_gpu()
     return {
         "build": build_info(),
         "engine_requested": engine,
@@ -472,6 +488,8 @@ def format_report(result: dict) -> str:
             bursts = ", ".join(f"{b // MiB} MiB bursts {bps / 1e9:.2f}" for b, bps in s["phased_bps"])
             lines.append(f"  half read + half written, GB/s: together {s['mixed_bps'] / 1e9:.2f}, "
                          f"{bursts}")
+        if s.get("write_beside_update_bps"):
+            lines.append(f"  written while the host's update runs: {s['write_beside_update_bps'] / 1e9:.2f} GB/s")
         if s.get("ring_mixed_bps"):
             lines.append(f"  the ring's streamed step, GB/s: mixed {s['ring_mixed_bps'] / 1e9:.2f}, "
                          f"phased {s['ring_phased_bps'] / 1e9:.2f}")

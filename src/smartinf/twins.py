@@ -95,10 +95,14 @@ def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int
     except (KeyError, TypeError, AttributeError) as e:
         raise io_schedule.not_a_record(path, f"its GPU figures: {e!r}", INSTEAD) from e
     _check_rates(path, rates)
+    beside = figures.get("write_beside_update_bps")  # probes before it: None, the plain write
+    if beside is not None:
+        _check_rates(path, {"write_beside_update_bps": beside})
     state = model.state_bytes_per_param(state_dtype, master)
     step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
                                     *rates.values(), state_bytes=state,
-                                    commit_every=commit_every, twins=t).step_s
+                                    commit_every=commit_every, twins=t,
+                                    commit_write_bps=beside).step_s
             for t in (False, True)}
     return Choice(model.twins_win(step[True], step[False]),
                   f"{path}: over its {len(sizes)} sub-groups the model's mean step with twins "

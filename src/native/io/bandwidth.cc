@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -156,38 +159,86 @@ double time_mixed_io(const std::string& path, uint64_t bytes, const std::string&
   return since(start);
 }
 
-// On one slot of a cpu device (the code and the ISA the pipeline runs), from states p = 0.5,
-// m = v = 0: a first update to warm up (threads woken, pages touched), then the best of
-// `repeats` more.
+namespace {
+
+// One slot of a cpu device (the code and the ISA the pipeline runs) holding `numel` params'
+// states from p = 0.5, m = v = 0, and their gradients, for AdamW updates on `threads`.
+class KernelBench {
+ public:
+  KernelBench(uint64_t numel, kernels::DType grad, kernels::DType param,
+              const store::StateLayout& layout, unsigned threads)
+      : numel_(numel),
+        cpu_(device::make_cpu_device("probe", device::SlotGeometry{1, numel, layout},
+                                     device::CpuOptions{0, std::make_shared<device::ComputePool>(threads)})) {
+    const float* none[device::kMaxStateArrays] = {};
+    const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
+    cpu_->init_states(0, none, fill, numel);
+    // Gradients of both signs over three orders of magnitude: zeros would leave the moments
+    // 0, and quantized moments of 0 skip their coding (a block's maximum of 0), which real
+    // ones do not.
+    kernels::dispatch(grad, param, [&](auto g, auto) {
+      using G = decltype(g);
+      auto* to = static_cast<G*>(cpu_->slot(0).grad);
+      for (uint64_t i = 0; i < numel; ++i)
+        to[i] = kernels::from_float<G>(1e-3f * (float(i % 251) - 125.5f) / 125.5f);
+    });
+    kernel_.step = kernels::make_step(kernels::Rule::adamw, kernels::Hyper{1e-3, 0.01}, 1);
+    kernel_.grad = grad;
+    kernel_.param = param;
+  }
+
+  // Seconds for one update.
+  double update() {
+    const auto start = Clock::now();
+    cpu_->compute(0, kernel_, numel_);
+    return since(start);
+  }
+
+ private:
+  uint64_t numel_;
+  std::unique_ptr<device::Device> cpu_;
+  device::Kernel kernel_;
+};
+
+}  // namespace
+
+// A first update to warm up (threads woken, pages touched), then the best of `repeats` more.
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
                         const store::StateLayout& layout, unsigned threads, unsigned repeats) {
-  const device::SlotGeometry geometry{1, numel, layout};
-  const device::CpuOptions options{0, std::make_shared<device::ComputePool>(threads)};
-  const std::unique_ptr<device::Device> cpu = device::make_cpu_device("probe", geometry, options);
-  const float* none[device::kMaxStateArrays] = {};
-  const float fill[device::kMaxStateArrays] = {0.5f, 0.0f, 0.0f};
-  cpu->init_states(0, none, fill, numel);
-  // Gradients of both signs over three orders of magnitude: zeros would leave the moments 0,
-  // and quantized moments of 0 skip their coding (a block's maximum of 0), which real ones
-  // do not.
-  std::vector<float> grad_values(numel);
-  for (uint64_t i = 0; i < numel; ++i) grad_values[i] = 1e-3f * (float(i % 251) - 125.5f) / 125.5f;
-  kernels::dispatch(grad, param, [&](auto g, auto) {
-    using G = decltype(g);
-    auto* to = static_cast<G*>(cpu->slot(0).grad);
-    for (uint64_t i = 0; i < numel; ++i) to[i] = kernels::from_float<G>(grad_values[i]);
-  });
-  device::Kernel kernel;
-  kernel.step = kernels::make_step(kernels::Rule::adamw, kernels::Hyper{1e-3, 0.01}, 1);
-  kernel.grad = grad;
-  kernel.param = param;
+  KernelBench bench(numel, grad, param, layout, threads);
+  bench.update();
   double best = std::numeric_limits<double>::infinity();
-  for (unsigned r = 0; r <= std::max(repeats, 1u); ++r) {
-    const auto start = Clock::now();
-    cpu->compute(0, kernel, numel);
-    if (r > 0) best = std::min(best, since(start));
-  }
+  for (unsigned r = 0; r < std::max(repeats, 1u); ++r) best = std::min(best, bench.update());
   return best;
+}
+
+double time_write_beside_update(const std::string& path, uint64_t bytes, const std::string& engine,
+                                uint64_t block, unsigned depth, uint64_t numel, kernels::DType grad,
+                                kernels::DType param, const store::StateLayout& layout,
+                                unsigned threads) {
+  KernelBench bench(numel, grad, param, layout, threads);
+  bench.update();  // warm, before the write starts
+  std::atomic<bool> stop{false};
+  std::exception_ptr failed;
+  std::thread loop([&] {
+    try {
+      while (!stop.load(std::memory_order_relaxed)) bench.update();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  double seconds = 0;
+  try {
+    seconds = time_io(path, bytes, true, engine, block, depth);
+  } catch (...) {
+    stop = true;
+    loop.join();
+    throw;
+  }
+  stop = true;
+  loop.join();
+  if (failed) std::rethrow_exception(failed);
+  return seconds;
 }
 
 // STREAM's triad a[i] = b[i] + q * c[i] over three arrays of `bytes` / 3, split over the

@@ -30,6 +30,15 @@ double time_mixed_io(const std::string& path, uint64_t bytes, const std::string&
 double time_adam_kernel(uint64_t numel, kernels::DType grad, kernels::DType param,
                         const store::StateLayout& layout, unsigned threads, unsigned repeats);
 
+// Seconds to write `bytes` of `path` as time_io does while Adam(W) updates over `numel`
+// in-memory params (time_adam_kernel's) run back to back on `threads` threads: what a
+// durable commit's background write gets from the disk while the next steps update resident
+// states (their memory traffic and cores shared with the write's).
+double time_write_beside_update(const std::string& path, uint64_t bytes, const std::string& engine,
+                                uint64_t block, unsigned depth, uint64_t numel, kernels::DType grad,
+                                kernels::DType param, const store::StateLayout& layout,
+                                unsigned threads);
+
 // Seconds for one STREAM triad pass over `bytes` (three fp32 arrays) on `threads` threads:
 // what host memory gives a memory-bound kernel (it moves `bytes`).
 double time_triad(uint64_t bytes, unsigned threads);

@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 from .. import defaults, update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
-from ..devices import with_gpu
+from ..devices import rank_directory, with_gpu
 from ..driver import Driver, overrides, rule_for, stored_rule
 from ..optim import _StorageOptimizer as StorageOptimizer
 from ..pipeline import Pipeline
@@ -76,7 +76,7 @@ _deepspeed_initialize = deepspeed_hook.original_initialize(deepspeed)
 
 __all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings"]
 
-CONFIG_KEY = "smartinf"
+CONFIG_KEY = deepspeed_hook.CONFIG_KEY
 #: Updates started during backward while fewer than this are unfinished: one running and
 #: one queued keep the devices busy; the rest wait for the tail, in the forward's order.
 UNFINISHED_SPECULATIONS = 2
@@ -139,7 +139,7 @@ class Settings:
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
         budget its GPU (``gpu``) is a device in front of them."""
-        dirs = [os.path.join(d, f"rank{rank:05d}") for d in self.devices]
+        dirs = [rank_directory(d, rank) for d in self.devices]
         return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins) \
             if self.gpu_memory_budget else dirs
 
@@ -756,7 +756,7 @@ class SmartInfEngine(DeepSpeedEngine):
         return path, client_state
 
     def _states_dir(self, root: str, tag: str) -> str:
-        return os.path.join(root, tag, "smartinf", f"rank{dist.get_rank():05d}")
+        return rank_directory(os.path.join(root, tag, "smartinf"), dist.get_rank())
 
 
 @contextlib.contextmanager
