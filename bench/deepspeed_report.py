@@ -33,6 +33,12 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     # of background durable commits (resident states) fall outside both: such modes overstate.
     waits = statistics.median(s.get("pipeline", {}).get("gather_wait_s", 0.0) for s in steps)
     n = record["num_params"]
+    # the model's step for the run's placement (examples/deepspeed/train.py records it where
+    # the states' directory has a probe record): the mean over a commit interval of what the
+    # pipeline leaves after backward, against the forward's waits + the step measured
+    predicted = (record.get("predicted") or {}).get("step_s")
+    measured_step = statistics.mean(s["step_s"] + s.get("pipeline", {}).get("gather_wait_s", 0.0)
+                                    for s in steps)
     limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
             "mean_step_s": mean_step,
@@ -46,6 +52,8 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             "disk_bps_with_backward": (median["storage_read"] + median["storage_written"])
             / (median["bwd_s"] + median["step_s"] + waits),
             "gather_wait_s": waits,
+            "model_step_s": predicted, "measured_step_with_waits_s": measured_step,
+            "model_over_measured": predicted / measured_step if predicted else None,
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
 
 

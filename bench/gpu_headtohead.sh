@@ -37,6 +37,10 @@ flags() {  # mode name -> train.py flags
     fp32-gpu-h-k10-notwins) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --gpu-twins off" ;;
     fp32-gpu-q-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
     fp32-gpu-h-k10-sync) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget 40GiB --commit-every 10 --no-overlap" ;;
+    # all three tiers (issue 27): a GPU budget, host memory for a quarter of the states'
+    # bytes, the rest streamed from the NVMe
+    fp32-gpu-q-tiers-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget $((FP32_STATES / 4)) --commit-every 10" ;;
+    fp32-gpu-h-tiers-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget $((FP32_STATES / 4)) --commit-every 10" ;;
     fp32-none) echo "--mode smartinf" ;;
     fp32-none-sync) echo "--mode smartinf --no-overlap" ;;
     int8-none) echo "--mode smartinf --state-dtype int8" ;;

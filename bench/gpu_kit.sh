@@ -50,8 +50,10 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     wait; tail -3 /tmp/kit-ds-ops.log
     ;;
   core)
-    # smartinf without its CUDA device or DeepSpeed: the probe's storage and host figures
-    # in about a minute of a call instead of ~6.
+    # smartinf without its CUDA device or DeepSpeed, for the probe's storage and host
+    # figures. Not much faster than `setup`: on the H100 machine it took 4m17s, user time as
+    # long as real (one translation unit, the Cython module, compiles alone); `pack` once
+    # and `unpack` after saves the device time.
     mkdir -p "$PREFIX/root" "$PREFIX/site"
     for f in "$KIT"/debs/*.deb; do dpkg -x "$f" "$PREFIX/root"; done
     source "$0" env

@@ -106,10 +106,25 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     """The block's memory_budget (all states resident, with room for their twins) and
     commit_every=3, two ranks: the same losses and params, bit for bit, as streaming every
     step; states are not read. Durable commits are written in the background (overlap, the
-    default) while the next steps update the twins (rank 0's pinned copies counted)."""
+    default) while the next steps update the twins (rank 0's pinned copies counted). Where
+    the states' directory has a probe record, the example records the model's step for rank
+    0's placement (all resident here); without one, none."""
+    from smartinf import io_schedule, model
     plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
-    tiered = train(work, os.path.join(disk_dir, "tiered"), "tiered-2", world=2,
+    figures = {"read_bps": 2e9, "write_bps": 1e9, "write_beside_update_bps": 0.5e9,
+               "triad": {"bps": 1e10},
+               "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
+                           "threads": 2, "master": "fp32", "params_per_s": 1e8}]}
+    os.makedirs(os.path.join(disk_dir, "probed"), exist_ok=True)
+    io_schedule.record(os.path.join(disk_dir, "probed"), figures)
+    tiered = train(work, os.path.join(disk_dir, "probed", "tiered"), "tiered-2", world=2,
                    extra=("--memory-budget", "8MiB", "--commit-every", "3", "--compute-threads", "2"))
+    assert plain["predicted"] is None
+    placed = tiered["predicted"]["placement"]
+    assert placed["gpu"] == placed["streamed"] == 0 and 0 < placed["ram"] <= tiered["num_params"]
+    want = model.predict_placed(model.Placement(**placed), **model.recorded_rates(figures, "fp32", "fp32"),
+                                commit_every=3)
+    assert tiered["predicted"]["step_s"] == pytest.approx(want.step_s)
     assert losses(tiered) == losses(plain)
     assert params_rel_diff(tiered, plain) == 0.0
     assert tiered["smartinf"]["commit_every"] == 3

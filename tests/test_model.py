@@ -493,3 +493,38 @@ def test_command_line_placement_rejects_bad_budgets_and_sub_groups(tmp_path, cap
     assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB",
                        "--subgroup", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+
+
+def test_the_model_predicts_a_pipelines_own_placement_from_its_directorys_record(tmp_path):
+    """predict_pipeline: the sub-groups where the pipeline put them (here 2 of 3 resident in
+    host memory, one streamed), its settings, and the probe's record of its directory (or
+    above it); without a record, or one without the host's figures, none."""
+    from smartinf import io_schedule
+    state = 12
+    sizes = (3000, 2000, 4000)
+    kernel = {"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32", "threads": 14,
+              "master": "fp32", "params_per_s": 1e6}
+    figures = {"read_bps": 2e6, "write_bps": 1e6, "write_beside_update_bps": 0.5e6,
+               "kernel": [kernel], "triad": {"bps": 1e9}}
+    with smartinf.Pipeline(str(tmp_path / "run"), memory_budget=5000 * state + 4096,
+                           commit_every=4) as pipe:
+        for n in sizes:
+            pipe.add_subgroup(n)
+        assert model.predict_pipeline(pipe) is None  # no record yet
+        io_schedule.record(str(tmp_path), {"read_bps": 2e6, "write_bps": 1e6})
+        assert model.predict_pipeline(pipe) is None  # no host figures in it
+        io_schedule.record(str(tmp_path), figures)
+        got = model.predict_pipeline(pipe)
+        resident = [pipe.resident(sg) for sg in range(3)]
+    assert resident == [True, True, False]
+    want = model.predict_placed(model.Placement(gpu=0, ram=5000, streamed=4000), math.inf, 1e6,
+                                1e9, 2e6, 1e6, math.inf, math.inf, state, commit_every=4,
+                                commit_write_bps=0.5e6)
+    assert got == want
+    # by hand: the host's update of 9000 params, 9 ms; its 4000 streamed read and written,
+    # 24 + 48 ms; 60 kB resident / 4 a step, 4.5 kB beside the update, 10.5 kB after it
+    assert got.step_s == pytest.approx(0.024 + 0.048 + 0.009 + 0.0105) and got.bound == "storage"
+    io_schedule.record(str(tmp_path), dict(figures, read_bps="fast"))
+    with smartinf.Pipeline(str(tmp_path / "run")) as pipe, \
+            pytest.raises(ValueError, match="is not a probe record"):
+        model.predict_pipeline(pipe)

@@ -17,6 +17,7 @@ Without a GPU, run with ``DS_ACCELERATOR=cpu`` (gloo; fp32 or bf16).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
+import smartinf.model  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 
@@ -192,6 +194,13 @@ def main() -> None:
         "twins": [f"{c.twins}: {c.reason}" for c in pipeline.twins]}
     if choices and rank == 0:
         print(f"smartinf: {choices}", flush=True)
+    # the model's step for this placement, from the probe's record of the states' directory
+    # (python -m smartinf.probe DIR --record): compare with the forward's waits + the step
+    prediction = None if pipeline is None else smartinf.model.predict_pipeline(pipeline)
+    predicted = prediction and dict(dataclasses.asdict(prediction), bound=prediction.bound)
+    if predicted and rank == 0:
+        print(f"smartinf.model: step {prediction.step_s:.3f} s ({prediction.bound}) for "
+              f"{prediction.placement}", flush=True)
 
     def counters() -> dict:
         stats = {**pipeline.stats, **engine.optimizer.overlap_stats} if pipeline is not None else {}
@@ -253,7 +262,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
             "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
-            "choices": choices,
+            "choices": choices, "predicted": predicted,
             "steps": records,
             "after_steps": {"storage_read": io_settled[0] - io_end[0],
                             "storage_written": io_settled[1] - io_end[1]}}, indent=1))

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .io_schedule import from_figures
+from .io_schedule import find_record, from_figures, load_record, not_a_record
 from .settings import MASTERS, STATE_DTYPES
 
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
@@ -552,9 +552,67 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
                                            host_pps, commit_write_bps).step_s, 1e-12)
+    balance = total if math.isinf(gpu_pps) else total * gpu_pps / (gpu_pps + host_rate)
     return PlacedPrediction(placement, step_s, gpu_s, max(host_compute_s, host_storage_s),
-                            link_s, total * gpu_pps / (gpu_pps + host_rate),
+                            link_s, balance,
                             step_s - max(compute_s, disk_s), twins, disk_s)
+
+
+def recorded_rates(figures: dict, state_dtype: str, master: str) -> Optional[dict]:
+    """``predict_placed``'s rates (by keyword) from a directory's probe record (``python -m
+    smartinf.probe DIR --record``: its storage figures, the host's kernel rates and triad,
+    and the GPU's where it measured one; without them the GPU's rates are ``inf``, which a
+    placement with nothing on a GPU never uses); None where it lacks the host's figures.
+    Figures of the wrong shape raise KeyError or TypeError, a rate that is not a positive
+    number ValueError: the caller names the record."""
+    triad = (figures.get("triad") or {}).get("bps")
+    if triad is None:
+        return None
+    try:
+        host_pps = host_update_pps(figures, state_dtype, master)
+    except ValueError:  # no kernel timed on the usable cores
+        return None
+    rates = {"host_pps": host_pps, "memory_bps": triad, "read_bps": figures["read_bps"],
+             "write_bps": figures["write_bps"]}
+    gpu = figures.get("gpu")
+    if gpu is not None:
+        rates.update(gpu_pps=gpu["update_pps"][state_dtype], host_to_gpu_bps=gpu["host_to_gpu_bps"],
+                     gpu_to_host_bps=gpu["gpu_to_host_bps"])
+    if figures.get("write_beside_update_bps") is not None:  # probes before it: the plain write
+        rates["commit_write_bps"] = figures["write_beside_update_bps"]
+    for name, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"{name} {rate!r} is not a positive rate")
+    return {"gpu_pps": math.inf, "host_to_gpu_bps": math.inf, "gpu_to_host_bps": math.inf,
+            "commit_write_bps": None, **rates}
+
+
+def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2) -> Optional[PlacedPrediction]:
+    """The model's step (the mean over a commit interval) for the sub-groups where the
+    ``smartinf.Pipeline`` ``pipe`` placed them, with its settings and its GPU's twins choice,
+    from the probe's record of its first device's directory or the nearest one above it;
+    None where there is no record or it lacks the host's figures (or a GPU's, where the
+    pipeline has sub-groups on one)."""
+    path = find_record(pipe.devices[0].path)
+    if path is None:
+        return None
+    settings = pipe.settings
+    figures = load_record(path, "move it away")
+    try:
+        rates = recorded_rates(figures, settings.state_dtype, settings.master)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise not_a_record(path, repr(e), "move it away") from e
+    placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
+    for sg in range(pipe.num_subgroups):
+        where = "gpu" if pipe.gpu_of(sg) is not None else "ram" if pipe.resident(sg) else "streamed"
+        placed[where] += pipe.numel(sg)
+    if rates is None or (placed["gpu"] and math.isinf(rates["gpu_pps"])):
+        return None
+    twins = any(c.twins for c, d in zip(pipe.twins, pipe.devices) if d.kind == "cuda")
+    state = state_bytes_per_param(settings.state_dtype, settings.master)
+    return predict_placed(Placement(**placed), **rates, state_bytes=state,
+                          commit_every=settings.commit_every, grad_bytes=grad_bytes,
+                          param_bytes=param_bytes, twins=twins)
 
 
 # -- command line ----------------------------------------------------------------------

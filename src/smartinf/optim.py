@@ -870,8 +870,9 @@ class Lion(_StorageOptimizer):
     torch_class = None
     rule_class = update_rules.Lion
 
-    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
-                 weight_decay: float = 0.0, *,
+    def __init__(self, params: Iterable, lr: float = update_rules.Lion.lr,
+                 betas: tuple = update_rules.Lion.betas,
+                 weight_decay: float = update_rules.Lion.weight_decay, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
                  **options: Unpack[StorageOptions]) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay,

@@ -81,28 +81,18 @@ def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int
     """The whole placement the model prefers (``model.twins_win``), from the record's
     ``figures``; None where it lacks the GPU's, the host's or the disk's figures."""
     from . import model
-    gpu, triad = figures.get("gpu"), (figures.get("triad") or {}).get("bps")
-    if gpu is None or triad is None:  # a record without them: the rule per byte
+    if figures.get("gpu") is None:  # a record without them: the rule per byte
         return None
     try:
-        host_pps = model.host_update_pps(figures, state_dtype, master)
-        rates = {"gpu update_pps": gpu["update_pps"][state_dtype], "params_per_s": host_pps,
-                 "triad bps": triad, "read_bps": figures["read_bps"],
-                 "write_bps": figures["write_bps"], "host_to_gpu_bps": gpu["host_to_gpu_bps"],
-                 "gpu_to_host_bps": gpu["gpu_to_host_bps"]}
-    except ValueError:  # no kernel timed on the usable cores: the rule per byte
+        rates = model.recorded_rates(figures, state_dtype, master)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise io_schedule.not_a_record(path, f"its figures: {e!r}", INSTEAD) from e
+    if rates is None:  # no triad or kernel timed on the usable cores: the rule per byte
         return None
-    except (KeyError, TypeError, AttributeError) as e:
-        raise io_schedule.not_a_record(path, f"its GPU figures: {e!r}", INSTEAD) from e
-    _check_rates(path, rates)
-    beside = figures.get("write_beside_update_bps")  # probes before it: None, the plain write
-    if beside is not None:
-        _check_rates(path, {"write_beside_update_bps": beside})
     state = model.state_bytes_per_param(state_dtype, master)
     step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
-                                    *rates.values(), state_bytes=state,
-                                    commit_every=commit_every, twins=t,
-                                    commit_write_bps=beside).step_s
+                                    **rates, state_bytes=state, commit_every=commit_every,
+                                    twins=t).step_s
             for t in (False, True)}
     return Choice(model.twins_win(step[True], step[False]),
                   f"{path}: over its {len(sizes)} sub-groups the model's mean step with twins "

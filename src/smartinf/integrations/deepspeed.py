@@ -812,8 +812,10 @@ class LionParams(torch.optim.Optimizer):
     hyper-parameters (the update runs on the devices), where DeepSpeed would build its
     FusedLion, a CUDA op (none on CPU)."""
 
-    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
-                 weight_decay: float = 0.0, maximize: bool = False) -> None:
+    def __init__(self, params: Any, lr: float = update_rules.Lion.lr,
+                 betas: tuple = update_rules.Lion.betas,
+                 weight_decay: float = update_rules.Lion.weight_decay,
+                 maximize: bool = False) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       maximize=maximize))
 
