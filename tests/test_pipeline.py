@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -294,6 +295,38 @@ def test_counters_match_traffic_model(disk_dir):
     assert delta["step"] == 1
     for stage in ("load", "compute", "device_to_host", "writeback", "host_to_device"):
         assert delta[f"busy_{stage}"] > 0
+
+
+def test_update_time_waited_for_and_hidden(disk_dir):
+    """update_s: wall time with an update in flight (two at once counted once);
+    update_wait_s: time a caller waited for one; update_hidden_s the rest. An update waited
+    for only once done adds no wait: all of it hidden; one waited for at once (commit, or
+    wait()) adds at most as much wait as it runs (waiting counts only while an update runs)."""
+    sizes = [1 << 16, 1 << 15]
+    grads = [np.full(n, 1e-3, np.float32) for n in sizes]
+    outs = [np.empty(n, np.float32) for n in sizes]
+    with smartinf.Pipeline(disk_dir, chunk=4096) as pipe:
+        for n in sizes:
+            pipe.add_subgroup(n)
+
+        def delta(run):
+            before = pipe.stats
+            run()
+            after = pipe.stats
+            return {k: after[k] - before[k] for k in ("update_s", "update_wait_s", "update_hidden_s")}
+
+        def not_waited():
+            with pipe.step():
+                futures = [pipe.update(i, g, o) for i, (g, o) in enumerate(zip(grads, outs))]
+                while not all(f.done() for f in futures):
+                    time.sleep(1e-3)
+        got = delta(not_waited)
+        assert got["update_s"] > 0 and got["update_wait_s"] == 0
+        assert got["update_hidden_s"] == pytest.approx(got["update_s"])
+        got = delta(lambda: [pipe.update(i, g, o).wait() for i, (g, o) in enumerate(zip(grads, outs))]
+                    and pipe.commit())
+        assert 0 < got["update_wait_s"] <= got["update_s"] and got["update_hidden_s"] >= 0
+        assert got["update_wait_s"] + got["update_hidden_s"] == pytest.approx(got["update_s"])
 
 
 @pytest.mark.parametrize("where", ["shm_dir", "no_direct_dir"])

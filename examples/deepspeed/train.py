@@ -44,6 +44,8 @@ MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
 PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
                      "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
                      "durable_step", "speculative_updates", "retracted_updates",
+                     # seconds with an update in flight, waited for, and hidden (the rest)
+                     "update_s", "update_wait_s", "update_hidden_s",
                      # the updates finished while the next forward ran (the optimizer's)
                      "deferred_updates", "gather_waits", "gather_wait_s")
 MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)

@@ -490,7 +490,11 @@ class Pipeline:
         """Bytes moved per link (``host_to_device``, ``device_to_host``, ``storage_read``,
         ``storage_write``), busy seconds per stage (``busy_*``), seconds spent waiting
         for a bandwidth cap (``wait_host_link``, ``wait_storage``), ``chunks`` and
-        ``step``: all devices together."""
+        ``step``: all devices together. ``update_s``: seconds with an update in flight;
+        ``update_wait_s``: seconds a caller waited for one (``UpdateFuture.wait``,
+        ``commit``); ``update_hidden_s``: the rest, the update time hidden behind the
+        caller's own work (with ``overlap``: backward, and under DeepSpeed the next
+        forward); ``speculative_updates`` and ``retracted_updates`` (the rollbacks)."""
         if self.closed:
             return dict(self._final_stats)
         return self._native.stats()

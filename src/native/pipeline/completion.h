@@ -2,7 +2,10 @@
 #pragma once
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
+
+#include "pipeline/activity.h"
 
 namespace smartinf::pipeline {
 
@@ -10,10 +13,20 @@ class Completion {
  public:
   explicit Completion(size_t chunks) : remaining_(chunks) {}
 
+  // An update's: in flight from now until its last chunk is done, and its callers' waits,
+  // counted in `activity` (before any chunk is submitted).
+  void track(std::shared_ptr<Activity> activity) {
+    activity_ = std::move(activity);
+    activity_->began();
+  }
+
   void chunk_done(std::exception_ptr error = nullptr) {
     std::lock_guard lock(mu_);
     if (error && !error_) error_ = error;
-    if (--remaining_ == 0) cv_.notify_all();
+    if (--remaining_ == 0) {
+      if (activity_) activity_->ended();
+      cv_.notify_all();
+    }
   }
 
   bool done() const {
@@ -24,6 +37,11 @@ class Completion {
   // Blocks until every chunk is done; rethrows the first chunk's error.
   void wait() const {
     std::unique_lock lock(mu_);
+    if (remaining_ != 0 && activity_) {
+      activity_->wait_began();
+      cv_.wait(lock, [&] { return remaining_ == 0; });
+      activity_->wait_ended();
+    }
     cv_.wait(lock, [&] { return remaining_ == 0; });
     if (error_) std::rethrow_exception(error_);
   }
@@ -33,6 +51,7 @@ class Completion {
   mutable std::condition_variable cv_;
   size_t remaining_;
   std::exception_ptr error_;
+  std::shared_ptr<Activity> activity_;
 };
 
 }  // namespace smartinf::pipeline

@@ -513,6 +513,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   if (kernels::rule_row(rule_).betas)
     last_hyper_.insert({{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}});
   const size_t gsize = kernels::dtype_size(g.dtype), osize = kernels::dtype_size(out_dtype);
+  done->track(updates_);
   for (Job& job : jobs) {
     const uint64_t c = job.chunk;
     job.output = static_cast<char*>(out) + c * options_.chunk * osize;
@@ -632,6 +633,12 @@ std::map<std::string, double> Pipeline::stats() const {
   s["wait_commit"] = commit_wait_ns_ * 1e-9;
   s["speculative_updates"] = static_cast<double>(speculative_updates_);
   s["retracted_updates"] = static_cast<double>(retracted_updates_);
+  // Seconds with an update in flight, seconds a caller waited for one, and the rest: the
+  // update time hidden behind the caller's work (overlap: backward, the next forward).
+  const double running = updates_->running_s(), waited = updates_->waited_s();
+  s["update_s"] = running;
+  s["update_wait_s"] = waited;
+  s["update_hidden_s"] = running - waited;
   return s;
 }
 

@@ -12,6 +12,7 @@
 #include "device/cuda_device.h"
 #include "device/device.h"
 #include "device/xrt_device.h"
+#include "pipeline/activity.h"
 #include "pipeline/ring.h"
 #include "store/state_store.h"
 
@@ -225,6 +226,7 @@ class Pipeline {
   std::map<size_t, std::pair<Placement, std::shared_ptr<Completion>>> speculative_;
   uint64_t speculative_updates_ = 0, retracted_updates_ = 0;
   uint64_t background_commits_ = 0, commit_wait_ns_ = 0;
+  std::shared_ptr<Activity> updates_ = std::make_shared<Activity>();  // the updates' wall time
   mutable std::mutex mu_;
 };
 
