@@ -367,6 +367,12 @@ def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path):
     assert twins.choose(gpu, "fp32", "fp32", 10, True).twins  # 2 x 12 x 4 / 2 = 48 > 10
     choice = twins.choose(gpu, "fp32", "fp32", 100, True)
     assert not choice.twins and "2.00 GB/s" in choice.reason
+    # the GPU's wait for its write runs beside the host's update: at that rate where measured
+    io_schedule.record(str(tmp_path), {"write_bps": 2e9, "write_beside_update_bps": 0.4e9,
+                                       "kernel": [kernel]})
+    choice = twins.choose(gpu, "fp32", "fp32", 100, True)
+    assert choice.twins and "0.40 GB/s" in choice.reason  # 100 / 96e9 s < 1 / 0.4e9 s
+    io_schedule.record(str(tmp_path), {"write_bps": 2e9, "kernel": [kernel]})
     assert not twins.choose(gpu, "fp32", "fp32", 10, False).twins
     assert not twins.choose(smartinf.CudaDevice(gpu.path), "fp32", "fp32", 10, True).twins
     assert twins.choose(smartinf.CudaDevice(gpu.path, memory_budget=1, twins=True), "fp32",

@@ -103,7 +103,9 @@ def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int
 def _recorded_rates(path: str, figures: dict, state_dtype: str,
                     master: str) -> tuple[float, float] | None:
     """The host's update rate on its usable cores and the disk's write rate from the record's
-    ``figures``; None where it holds no kernel rates (probes before they were recorded)."""
+    ``figures`` (beside the host's update where the probe measured it: the GPU's wait for its
+    write runs beside the host's part of the step); None where it holds no kernel rates
+    (probes before they were recorded)."""
     from . import model
     try:
         host_pps = model.host_update_pps(figures, state_dtype, master)
@@ -111,8 +113,9 @@ def _recorded_rates(path: str, figures: dict, state_dtype: str,
         return None
     except (KeyError, TypeError, AttributeError) as e:
         raise io_schedule.not_a_record(path, f"its kernel rates: {e!r}", INSTEAD) from e
-    write_bps = figures.get("write_bps")
-    _check_rates(path, {"params_per_s": host_pps, "write_bps": write_bps})
+    name = "write_beside_update_bps" if figures.get("write_beside_update_bps") is not None else "write_bps"
+    write_bps = figures.get(name)
+    _check_rates(path, {"params_per_s": host_pps, name: write_bps})
     return float(host_pps), float(write_bps)
 
 
