@@ -23,6 +23,16 @@ DEBS="liburing-dev liburing2 libxxhash-dev libxxhash0 zlib1g-dev libaio-dev liba
 DEEPSPEED=deepspeed==0.19.8
 DS_WHEELS="hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions msgpack einops psutil"
 
+# The Debian packages into $PREFIX/root, the paths set (env), the libraries' dev links.
+unpack_debs() {
+  mkdir -p "$PREFIX/root" "$PREFIX/site"
+  for f in "$KIT"/debs/*.deb; do dpkg -x "$f" "$PREFIX/root"; done
+  source "$0" env
+  # zlib1g-dev's libz.so points at Debian's libz.so.1.x: use the machine's own zlib.
+  [ -e "$LIB/libz.so" ] || ln -sf "$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)" "$LIB/libz.so"
+  [ -e "$LIB/libaio.so" ] || ln -sf "$(cd "$LIB" && ls libaio.so.1* | head -1)" "$LIB/libaio.so"
+}
+
 case ${1:-} in
   fetch)
     mkdir -p "$KIT/wheels" "$KIT/debs" "$KIT/sdist"
@@ -33,12 +43,7 @@ case ${1:-} in
     du -sh "$KIT"
     ;;
   setup)
-    mkdir -p "$PREFIX/root" "$PREFIX/site"
-    for f in "$KIT"/debs/*.deb; do dpkg -x "$f" "$PREFIX/root"; done
-    source "$0" env
-    # zlib1g-dev's libz.so points at Debian's libz.so.1.x: use the machine's own zlib.
-    [ -e "$LIB/libz.so" ] || ln -sf "$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)" "$LIB/libz.so"
-    [ -e "$LIB/libaio.so" ] || ln -sf "$(cd "$LIB" && ls libaio.so.1* | head -1)" "$LIB/libaio.so"
+    unpack_debs
     python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS $DS_WHEELS
     python3 -m pip install -q --no-deps --no-build-isolation --target "$PREFIX/site" "$KIT"/sdist/deepspeed-*.tar.gz
     # DeepSpeed's JIT ops compile while smartinf builds (each takes minutes).
@@ -54,10 +59,7 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     # figures. Not much faster than `setup`: on the H100 machine it took 4m17s, user time as
     # long as real (one translation unit, the Cython module, compiles alone); `pack` once
     # and `unpack` after saves the device time.
-    mkdir -p "$PREFIX/root" "$PREFIX/site"
-    for f in "$KIT"/debs/*.deb; do dpkg -x "$f" "$PREFIX/root"; done
-    source "$0" env
-    [ -e "$LIB/libz.so" ] || ln -sf "$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)" "$LIB/libz.so"
+    unpack_debs
     python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation \
       --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build -Ccmake.define.SMARTINF_WITH_CUDA=OFF .
