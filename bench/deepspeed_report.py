@@ -131,7 +131,9 @@ def main() -> None:
                  if "iteration_speedup_over_zero_infinity" in m else "")
               + (f"  / ZO {m['iteration_to_zero_offload']:4.2f} (mean {m['mean_iteration_to_zero_offload']:4.2f})"
                  f"  loss diff {m['max_loss_rel_diff_to_zero_offload']:.1e}"
-                 if "iteration_to_zero_offload" in m else ""))
+                 if "iteration_to_zero_offload" in m else "")
+              + (f"  model step {m['model_step_s']:5.2f} s ({m['model_over_measured']:4.2f}x)"
+                 if m["model_step_s"] else ""))
 
 
 if __name__ == "__main__":
