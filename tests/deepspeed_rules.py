@@ -21,7 +21,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
 

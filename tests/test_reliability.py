@@ -4,7 +4,6 @@ fault points (``smartinf._native.arm_fault``); the disk is full for real (a loop
 ext4 image)."""
 import errno
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -15,20 +15,19 @@ constructing the optimizer on them.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from . import _native, update_rules
+from . import _native, subgroups, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import speculate_on_cpu
@@ -38,6 +37,7 @@ from .pipeline import Pipeline
 from .rounding import round_to
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from .speculation import ParamHooks, Speculation
+from .subgroups import Slice, Subgroup
 
 logger = logging.getLogger("smartinf")
 
@@ -111,84 +111,6 @@ def resolve_devices(devices: Any) -> list:
             for d in devices]
 
 
-@dataclass
-class _Slice:
-    """Elements [start, stop) of a parameter's flat view, at ``offset`` in its sub-group."""
-
-    param: torch.Tensor
-    start: int
-    stop: int
-    offset: int
-
-
-@dataclass
-class _Subgroup:
-    id: int
-    group: int
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
-    slices: list
-
-
-def plan_subgroups(param_groups: Sequence[dict], size: int, first_group: int = 0,
-                   first_id: int = 0) -> list[_Subgroup]:
-    """Cuts the trainable params (``requires_grad``) of each group, in order, into flat
-    sub-groups of at most ``size`` elements; a sub-group holds one dtype and one device, a
-    param may span sub-groups. Frozen params get no states, as in torch. The plan is
-    deterministic, so reopening the devices finds every sub-group again."""
-    plan: list[_Subgroup] = []
-    for g, group in enumerate(param_groups, first_group):
-        current: Optional[_Subgroup] = None
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            start = 0
-            while start < p.numel():
-                if (current is None or current.numel == size or current.dtype != p.dtype
-                        or current.device != p.device):
-                    current = _Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [])
-                    plan.append(current)
-                stop = min(p.numel(), start + size - current.numel)
-                current.slices.append(_Slice(p, start, stop, current.numel))
-                current.numel += stop - start
-                start = stop
-    return plan
-
-
-def fingerprint(sg: _Subgroup) -> int:
-    """A 64-bit name of the sub-group's layout (dtype, shapes, slices): a directory made for
-    another model of the same size refuses to resume into this one."""
-    text = repr([str(sg.dtype)] + [(tuple(s.param.shape), s.start, s.stop) for s in sg.slices])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
-
-
-def _read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) of ``p`` in torch's logical (row-major) order, any strides."""
-    return p.detach().reshape(-1)[start:stop]
-
-
-def _write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
-    """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
-    transposed): a non-contiguous param is written whole."""
-    src = round_to(src, p.dtype)  # fp32 masters round as the devices round them
-    if p.is_contiguous():
-        p.detach().view(-1)[start:stop].copy_(src, non_blocking=True)
-        return
-    whole = p.detach().reshape(-1).clone()
-    whole[start:stop].copy_(src)
-    p.detach().copy_(whole.view(p.shape))
-
-
-def _param_ids(param_groups: Sequence[dict]) -> dict[int, int]:
-    """torch's state_dict numbering: params in order of first appearance."""
-    ids: dict[int, int] = {}
-    for group in param_groups:
-        for p in group["params"]:
-            ids.setdefault(id(p), len(ids))
-    return ids
-
-
 def _total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync)."""
     norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads]
@@ -238,7 +160,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             self._check_params(group)
         self._subgroup_size = subgroup_size
-        self._plan = plan_subgroups(self.param_groups, subgroup_size)
+        self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         self._split = settings.master == "split"
@@ -326,7 +248,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         try:
             self._check_group(group)
             self._check_params(group)
-            new = plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
+            new = subgroups.plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
                                  len(self._plan))
             self._refuse_split_of_other_dtypes(new)
             self._driver.grow(max((sg.numel for sg in new), default=0))
@@ -342,7 +264,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
 
-    def _refuse_split_of_other_dtypes(self, plan: Sequence[_Subgroup]) -> None:
+    def _refuse_split_of_other_dtypes(self, plan: Sequence[Subgroup]) -> None:
         other = sorted({str(sg.dtype) for sg in plan if sg.dtype != torch.bfloat16})
         if self._split and other:
             raise ValueError(f"master='split' keeps the low halves of the fp32 masters of "
@@ -351,12 +273,12 @@ class _StorageOptimizer(torch.optim.Optimizer):
                              f"model")
 
     # -- layout -----------------------------------------------------------------------
-    def _attach(self, pipeline: Pipeline, plan: Sequence[_Subgroup]) -> None:
+    def _attach(self, pipeline: Pipeline, plan: Sequence[Subgroup]) -> None:
         """Registers the sub-groups; new ones start from the model's params, resumed ones
         (reopened devices) put their stored master weights into the model."""
         for sg in plan:
             master = self._gather_params(sg)
-            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg))
+            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=subgroups.fingerprint(sg))
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
             if self._split:
@@ -379,17 +301,17 @@ class _StorageOptimizer(torch.optim.Optimizer):
                            "replaced the model's", resumed, len(plan), pipeline.step_count,
                            [d.path for d in pipeline.devices])
 
-    def _digest(self, sg: _Subgroup, master: torch.Tensor) -> int:
+    def _digest(self, sg: Subgroup, master: torch.Tensor) -> int:
         """A checksum of the sub-group's params as the model holds them (``master`` rounded
         to their dtype): a later step notices weights the caller loaded since."""
         held = round_to(master[:sg.numel], sg.dtype).contiguous()
         return _native.checksum(held.data_ptr(), held.numel() * held.element_size())
 
-    def _gather_params(self, sg: _Subgroup) -> torch.Tensor:
+    def _gather_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, fp32, in staging buffer 0."""
         flat = self._driver.staging.grad(0, torch.float32, sg.numel)
         for s in sg.slices:
-            flat[s.offset:s.offset + s.stop - s.start].copy_(_read(s.param, s.start, s.stop))
+            flat[s.offset:s.offset + s.stop - s.start].copy_(subgroups.read(s.param, s.start, s.stop))
         return flat
 
     def _adopt_loaded_weights(self) -> None:
@@ -405,14 +327,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 for sg in changed:
                     self.pipeline.write_master(sg.id, self._gather_params(sg))
 
-    def _flat_params(self, sg: _Subgroup) -> torch.Tensor:
+    def _flat_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, flat, on their device."""
-        parts = [_read(s.param, s.start, s.stop) for s in sg.slices]
+        parts = [subgroups.read(s.param, s.start, s.stop) for s in sg.slices]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _scatter(self, sg: _Subgroup, flat: torch.Tensor) -> None:
+    def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
         for s in sg.slices:
-            _write(s.param, s.start, s.stop, flat[s.offset:s.offset + s.stop - s.start])
+            subgroups.write(s.param, s.start, s.stop, flat[s.offset:s.offset + s.stop - s.start])
 
     def _grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
@@ -439,7 +361,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             g = g.to_dense()
         return g.detach()
 
-    def _gather_grad(self, sg: _Subgroup, grads: dict) -> torch.Tensor:
+    def _gather_grad(self, sg: Subgroup, grads: dict) -> torch.Tensor:
         """The sub-group's gradient as one flat tensor on its own device. A param without
         a gradient gets zeros when others in its sub-group have one (torch would skip it;
         here its states still decay: warned once); a sub-group without any gradient is not
@@ -451,7 +373,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                          if g is None else g.reshape(-1)[s.start:s.stop])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _warn_partial(self, active: Sequence[_Subgroup]) -> None:
+    def _warn_partial(self, active: Sequence[Subgroup]) -> None:
         partial = [sg.id for sg in active if any(s.param.grad is None for s in sg.slices)]
         if partial and not self._warned_partial:
             self._warned_partial = True
@@ -499,7 +421,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         grads = {id(p): g for group in self.param_groups for p in group["params"]
                  if (g := self._grad(p)) is not None}  # dense, checked: once per step
         scale = self._grad_scale(grad_scale, list(grads.values()))
-        scattered: list[_Subgroup] = []
+        scattered: list[Subgroup] = []
         before = self.pipeline.step_count
         try:
             # The updates started during backward that assumed rightly; the others retracted.
@@ -541,7 +463,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             raise
         return loss
 
-    def _send_speculative(self, sg: _Subgroup, grad: torch.Tensor, scale: float, hyper: dict,
+    def _send_speculative(self, sg: Subgroup, grad: torch.Tensor, scale: float, hyper: dict,
                           out: torch.Tensor) -> Any:
         return self._driver.send(sg.id, grad, 0, scale, hyper, out=out,
                                  params=self._flat_params(sg) if self._split else None,
@@ -562,7 +484,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             scattered[:] = self._plan
         self._restore(scattered)
 
-    def _finish(self, sg: _Subgroup, future: Any, buffer: int, scattered: list) -> None:
+    def _finish(self, sg: Subgroup, future: Any, buffer: int, scattered: list) -> None:
         future.wait()
         scattered.append(sg)
         self._scatter(sg, self._driver.out(buffer, sg.dtype, sg.numel))
@@ -588,7 +510,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 self._restore(self._plan)
             raise
 
-    def _restore(self, scattered: Sequence[_Subgroup]) -> None:
+    def _restore(self, scattered: Sequence[Subgroup]) -> None:
         """After a failed step (an I/O error, a failed commit) the devices are at the last
         durable commit: so are the model's params, rebuilt from its masters."""
         if self._split:
@@ -626,7 +548,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _stored_steps(self, state: dict, group: dict) -> int:
         return int(state["step"]) if "step" in state else 0
 
-    def _subgroup_steps(self, sg: _Subgroup, states: dict, ids: dict, group: dict) -> int:
+    def _subgroup_steps(self, sg: Subgroup, states: dict, ids: dict, group: dict) -> int:
         """The one step count a sub-group keeps, from its params' torch states."""
         steps = {self._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices}
         if len(steps) > 1:
@@ -663,7 +585,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         its fp32 master weights (``"fp32_master"``, ignored by torch), so loading it
         resumes exactly."""
         self._settle()
-        ids = _param_ids(self.param_groups)
+        ids = subgroups.param_ids(self.param_groups)
         per_param: dict[int, dict] = {}
         for sg in self._plan:
             steps = self.pipeline.subgroup_steps(sg.id)
@@ -778,11 +700,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             group.update(new)
 
     @staticmethod
-    def _master(s: _Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
+    def _master(s: Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
         """A slice's fp32 master weights on load: the state_dict's, where they round to the
         model's param (exact resume of fp16/bf16 params), else the param itself (weights
         the caller loaded win)."""
-        held = _read(s.param, s.start, s.stop)
+        held = subgroups.read(s.param, s.start, s.stop)
         if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
             master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
             if torch.equal(round_to(master, held.dtype).to(held.device), held):

@@ -362,12 +362,9 @@ def measure_gpu(numel: int = GPU_NUMEL, copy_bytes: int = HOST_COPY_BYTES,
                 repeats: int = 3) -> Optional[GpuRates]:
     """The current CUDA GPU's update and PCIe rates (``GpuRates``), or None where smartinf
     has no CUDA or torch sees no GPU."""
-    import torch  # noqa: PLC0415  (the probe runs without torch's CUDA elsewhere)
     if not (build_info()["cuda"] and torch.cuda.is_available()):
         return None
     from .devices import CudaDevice  # noqa: PLC0415
-    from .pipeline import Pipeline  # noqa: PLC0415
-    from .update_rules import AdamW  # noqa: PLC0415
 
     def best(run) -> float:
         times = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 class StepTail:

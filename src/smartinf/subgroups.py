@@ -1,0 +1,91 @@
+"""How ``smartinf.optim`` cuts a model's trainable params into flat sub-groups (one dtype
+and one device each, a param possibly spanning two), names each layout (so a directory
+made for another model refuses to resume), and reads and writes a param's slice in
+torch's logical order whatever its strides."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .rounding import round_to
+
+
+@dataclass
+class Slice:
+    """Elements [start, stop) of a parameter's flat view, at ``offset`` in its sub-group."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass
+class Subgroup:
+    id: int
+    group: int
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    slices: list
+
+
+def plan_subgroups(param_groups: Sequence[dict], size: int, first_group: int = 0,
+                   first_id: int = 0) -> list[Subgroup]:
+    """Cuts the trainable params (``requires_grad``) of each group, in order, into flat
+    sub-groups of at most ``size`` elements; a sub-group holds one dtype and one device, a
+    param may span sub-groups. Frozen params get no states, as in torch. The plan is
+    deterministic, so reopening the devices finds every sub-group again."""
+    plan: list[Subgroup] = []
+    for g, group in enumerate(param_groups, first_group):
+        current: Optional[Subgroup] = None
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            start = 0
+            while start < p.numel():
+                if (current is None or current.numel == size or current.dtype != p.dtype
+                        or current.device != p.device):
+                    current = Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [])
+                    plan.append(current)
+                stop = min(p.numel(), start + size - current.numel)
+                current.slices.append(Slice(p, start, stop, current.numel))
+                current.numel += stop - start
+                start = stop
+    return plan
+
+
+def fingerprint(sg: Subgroup) -> int:
+    """A 64-bit name of the sub-group's layout (dtype, shapes, slices): a directory made for
+    another model of the same size refuses to resume into this one."""
+    text = repr([str(sg.dtype)] + [(tuple(s.param.shape), s.start, s.stop) for s in sg.slices])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
+
+
+def read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of ``p`` in torch's logical (row-major) order, any strides."""
+    return p.detach().reshape(-1)[start:stop]
+
+
+def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
+    """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
+    transposed): a non-contiguous param is written whole."""
+    src = round_to(src, p.dtype)  # fp32 masters round as the devices round them
+    if p.is_contiguous():
+        p.detach().view(-1)[start:stop].copy_(src, non_blocking=True)
+        return
+    whole = p.detach().reshape(-1).clone()
+    whole[start:stop].copy_(src)
+    p.detach().copy_(whole.view(p.shape))
+
+
+def param_ids(param_groups: Sequence[dict]) -> dict[int, int]:
+    """torch's state_dict numbering: params in order of first appearance."""
+    ids: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            ids.setdefault(id(p), len(ids))
+    return ids
