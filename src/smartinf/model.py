@@ -1,4 +1,5 @@
-"""Traffic and scaling model of near-storage optimizer updates (pure Python, no I/O).
+"""Traffic and scaling model of near-storage optimizer updates (pure Python; no I/O but
+reading a probe record).
 
 - ``traffic_per_param``: bytes moved per parameter per optimizer step on each link, for
   ZeRO-Infinity, SmartUpdate and SmartComp (Table I of the Smart-Infinity paper).
@@ -13,7 +14,10 @@
   of the states resident in memory) and a commit interval, and the budget a step time needs.
 - ``place`` / ``predict_placed``: sub-groups on a GPU's memory budget, a host memory budget
   and storage (the pipeline's placement), and the step that placement gives; ``twins_pay``:
-  whether the GPU's budget should hold its sub-groups with twins (``smartinf.twins``).
+  whether the GPU's budget should hold its sub-groups with twins (``smartinf.twins``);
+  ``recorded_rates`` / ``predict_pipeline``: the rates from a directory's probe record, and
+  the step of the placement a ``smartinf.Pipeline`` made. A durable commit's resident
+  writes run at the probe's write beside the host's update while it runs (``_disk_s``).
 
 ``python -m smartinf.model --params 8e9 --devices 1-10 [--probe probe.json] [--plot out.png]``
 prints the table and draws it; with ``--gpu-budget BYTES --memory-budget BYTES`` and a probe
