@@ -4,14 +4,13 @@
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include <unistd.h>
 #include <xmmintrin.h>
 
 #include "device/compute_pool.h"
-#include "kernels/split_master.h"
 #include "device/cpu_device.h"
+#include "device/cpu_update.h"
 #include "device/host_states.h"
 #include "kernels/decompress.h"
 #include "store/state_store.h"
@@ -19,64 +18,6 @@
 namespace smartinf::device {
 
 namespace {
-
-// The rule's kernel on params [lo, lo + n) of a chunk of `numel` whose states are at
-// `states`, with their fp32 masters at `master` (lo's), in the layout's moments.
-template <class G, class P>
-void run_moments(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
-                 size_t lo, size_t n, float* master, const G* grad, P* out) {
-  switch (layout.moments) {
-    case store::Moments::int8: {
-      store::Int8States s = layout.int8_at(states, numel).from(lo);
-      s.param = master;
-      return kernels::run_rule_int8(k.step, n, s, grad, out);
-    }
-    case store::Moments::int4: {
-      store::Int4States s = layout.int4_at(states, numel).from(lo);
-      s.param = master;
-      return kernels::run_rule_int4(k.step, n, s, grad, out);
-    }
-    case store::Moments::fp32: {
-      float* arrays[kMaxStateArrays] = {master};  // the master, then the rule's states
-      for (unsigned a = 1; a < layout.arrays; ++a) arrays[a] = layout.array(states, numel, a) + lo;
-      return kernels::run_rule(k.step, n, arrays, grad, out);
-    }
-  }
-}
-
-// A split master is rebuilt piece by piece (whole int8 blocks and int4 tiles) from the
-// params sent in (in `out`) into an fp32 buffer, updated there, and split again.
-constexpr size_t kSplitPiece = store::kQuant4Tile;
-static_assert(kSplitPiece % store::kQuantBlock == 0);
-
-// The update kernels on one slot, compiled for the portable baseline and for AVX2 and
-// picked when the library loads (GCC function multi-versioning; `flatten` inlines every
-// kernel into each clone). The same IEEE operations (no FMA contraction), so both give
-// the same bits; AVX2 halves the time of the int8 kernel. `grad`: the dense gradient's dtype.
-__attribute__((target_clones("avx2", "default"), flatten))
-// Params [lo, lo + n) of a chunk of `numel`: `s.grad` and `s.out` already point at lo.
-void run_update(const Slot& s, const Kernel& k, DType grad, size_t n,
-                const store::StateLayout& layout, size_t numel, size_t lo) {
-  kernels::dispatch(grad, k.param, [&](auto g, auto p) {
-    using P = decltype(p);
-    const auto* gp = static_cast<const decltype(g)*>(s.grad);
-    auto* op = static_cast<P*>(s.out);
-    if (!layout.split())
-      return run_moments(k, layout, s.states, numel, lo, n, layout.fp32_master(s.states) + lo, gp, op);
-    if constexpr (std::is_same_v<P, kernels::bf16>) {
-      uint16_t* low = layout.split_at(s.states, numel).low + lo;
-      float master[kSplitPiece];
-      for (size_t at = 0; at < n; at += kSplitPiece) {
-        const size_t len = std::min(kSplitPiece, n - at);
-        kernels::rebuild_masters(len, op + at, low + at, k.adopt, master);
-        run_moments(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
-        kernels::split_masters(len, master, op + at, low + at);
-      }
-    } else {
-      throw std::logic_error("a split master needs bfloat16 params");
-    }
-  });
-}
 
 // dst[0, n) = src[0, n) with non-temporal stores where dst is 16-byte aligned.
 void stream_copy(float* dst, const float* src, size_t n) {

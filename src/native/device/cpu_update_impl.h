@@ -1,0 +1,71 @@
+// The body of cpu_update.h's entries, for moments format M: included by their units only.
+// Each entry is compiled for the portable baseline and for AVX2 and picked when the library
+// loads (GCC function multi-versioning; `flatten` inlines every kernel into each clone). The
+// same IEEE operations (no FMA contraction), so both give the same bits; AVX2 halves the
+// time of the int8 kernel.
+#pragma once
+#include <algorithm>
+#include <stdexcept>
+#include <type_traits>
+
+#include "device/cpu_update.h"
+#include "kernels/rules.h"
+#include "kernels/split_master.h"
+
+namespace smartinf::device {
+
+// The rule's kernel on params [lo, lo + n) of a chunk of `numel` whose states are at
+// `states`, with their fp32 masters at `master` (lo's), in moments format M.
+template <store::Moments M, class G, class P>
+void run_moments(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
+                 size_t lo, size_t n, float* master, const G* grad, P* out) {
+  if constexpr (M == store::Moments::int8) {
+    store::Int8States s = layout.int8_at(states, numel).from(lo);
+    s.param = master;
+    kernels::run_rule_int8(k.step, n, s, grad, out);
+  } else if constexpr (M == store::Moments::int4) {
+    store::Int4States s = layout.int4_at(states, numel).from(lo);
+    s.param = master;
+    kernels::run_rule_int4(k.step, n, s, grad, out);
+  } else {
+    float* arrays[kMaxStateArrays] = {master};  // the master, then the rule's states
+    for (unsigned a = 1; a < layout.arrays; ++a) arrays[a] = layout.array(states, numel, a) + lo;
+    kernels::run_rule(k.step, n, arrays, grad, out);
+  }
+}
+
+template <store::Moments M>
+inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
+                          const store::StateLayout& layout, size_t numel, size_t lo) {
+  kernels::dispatch(grad, k.param, [&](auto g, auto p) {
+    using P = decltype(p);
+    const auto* gp = static_cast<const decltype(g)*>(s.grad);
+    auto* op = static_cast<P*>(s.out);
+    if (!layout.split())
+      return run_moments<M>(k, layout, s.states, numel, lo, n, layout.fp32_master(s.states) + lo, gp, op);
+    if constexpr (std::is_same_v<P, kernels::bf16>) {
+      uint16_t* low = layout.split_at(s.states, numel).low + lo;
+      float master[kSplitPiece];
+      for (size_t at = 0; at < n; at += kSplitPiece) {
+        const size_t len = std::min(kSplitPiece, n - at);
+        kernels::rebuild_masters(len, op + at, low + at, k.adopt, master);
+        run_moments<M>(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
+        kernels::split_masters(len, master, op + at, low + at);
+      }
+    } else {
+      throw std::logic_error("a split master needs bfloat16 params");
+    }
+  });
+}
+
+}  // namespace smartinf::device
+
+// One entry of cpu_update.h: `name` runs moments format `moments`.
+#define SMARTINF_CPU_UPDATE(name, moments)                                                     \
+  namespace smartinf::device {                                                                 \
+  __attribute__((target_clones("avx2", "default"), flatten)) void name(                        \
+      const Slot& s, const Kernel& k, DType grad, size_t n, const store::StateLayout& layout,  \
+      size_t numel, size_t lo) {                                                               \
+    run_update_as<moments>(s, k, grad, n, layout, numel, lo);                                  \
+  }                                                                                            \
+  }
