@@ -56,9 +56,10 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     ;;
   core)
     # smartinf without its CUDA device or DeepSpeed, for the probe's storage and host
-    # figures. Not much faster than `setup`: on the H100 machine it took 4m17s, user time as
-    # long as real (one translation unit, the Cython module, compiles alone); `pack` once
-    # and `unpack` after saves the device time.
+    # figures. On the H100 machine it took 4m17s, user time as long as real: one unit,
+    # cpu_device.cc with every host kernel, compiled alone; those kernels are now three
+    # units compiled in parallel (115 s the longest here). `pack` once and `unpack` after
+    # saves the device time.
     unpack_debs
     python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation \
