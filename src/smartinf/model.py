@@ -562,6 +562,13 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
                             step_s - max(compute_s, disk_s), twins, disk_s)
 
 
+def check_rates(rates: dict) -> None:
+    """Each named rate a positive finite number (not a bool), else a ValueError naming it."""
+    for name, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"{name} {rate!r} is not a positive rate")
+
+
 def recorded_rates(figures: dict, state_dtype: str, master: str) -> Optional[dict]:
     """``predict_placed``'s rates (by keyword) from a directory's probe record (``python -m
     smartinf.probe DIR --record``: its storage figures, the host's kernel rates and triad,
@@ -584,9 +591,7 @@ def recorded_rates(figures: dict, state_dtype: str, master: str) -> Optional[dic
                      gpu_to_host_bps=gpu["gpu_to_host_bps"])
     if figures.get("write_beside_update_bps") is not None:  # probes before it: the plain write
         rates["commit_write_bps"] = figures["write_beside_update_bps"]
-    for name, rate in rates.items():
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-            raise ValueError(f"{name} {rate!r} is not a positive rate")
+    check_rates(rates)
     return {"gpu_pps": math.inf, "host_to_gpu_bps": math.inf, "gpu_to_host_bps": math.inf,
             "commit_write_bps": None, **rates}
 

@@ -23,7 +23,6 @@ waits for a write.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -120,7 +119,9 @@ def _recorded_rates(path: str, figures: dict, state_dtype: str,
 
 
 def _check_rates(path: str, rates: dict) -> None:
-    """Each named rate a positive finite number, else the record is refused naming it."""
-    for name, rate in rates.items():
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-            raise io_schedule.not_a_record(path, f"{name} {rate!r} is not a positive rate", INSTEAD)
+    """``model.check_rates``; a bad rate refuses the record, naming it."""
+    from . import model
+    try:
+        model.check_rates(rates)
+    except ValueError as e:
+        raise io_schedule.not_a_record(path, e, INSTEAD) from e

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -218,25 +217,18 @@ double time_write_beside_update(const std::string& path, uint64_t bytes, const s
                                 unsigned threads) {
   KernelBench bench(numel, grad, param, layout, threads);
   bench.update();  // warm, before the write starts
-  std::atomic<bool> stop{false};
   std::exception_ptr failed;
-  std::thread loop([&] {
-    try {
-      while (!stop.load(std::memory_order_relaxed)) bench.update();
-    } catch (...) {
-      failed = std::current_exception();
-    }
-  });
   double seconds = 0;
-  try {
+  {
+    std::jthread loop([&](std::stop_token stop) {
+      try {
+        while (!stop.stop_requested()) bench.update();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
     seconds = time_io(path, bytes, true, engine, block, depth);
-  } catch (...) {
-    stop = true;
-    loop.join();
-    throw;
-  }
-  stop = true;
-  loop.join();
+  }  // the loop asked to stop and joined, the write's error or not
   if (failed) std::rethrow_exception(failed);
   return seconds;
 }

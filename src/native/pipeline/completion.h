@@ -37,12 +37,10 @@ class Completion {
   // Blocks until every chunk is done; rethrows the first chunk's error.
   void wait() const {
     std::unique_lock lock(mu_);
-    if (remaining_ != 0 && activity_) {
-      activity_->wait_began();
-      cv_.wait(lock, [&] { return remaining_ == 0; });
-      activity_->wait_ended();
-    }
+    const bool counted = remaining_ != 0 && activity_;
+    if (counted) activity_->wait_began();
     cv_.wait(lock, [&] { return remaining_ == 0; });
+    if (counted) activity_->wait_ended();
     if (error_) std::rethrow_exception(error_);
   }
 
