@@ -14,6 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
+from smartinf import model
+
 TRAFFIC_BOUND = 32 / 24  # storage B/param per iteration: ZeRO-Infinity / smartinf
 
 
@@ -33,12 +35,19 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     # of background durable commits (resident states) fall outside both: such modes overstate.
     waits = statistics.median(s.get("pipeline", {}).get("gather_wait_s", 0.0) for s in steps)
     n = record["num_params"]
-    # the model's step for the run's placement (examples/deepspeed/train.py records it where
-    # the states' directory has a probe record): the mean over a commit interval of what the
-    # pipeline leaves after backward, against the forward's waits + the step measured
-    predicted = (record.get("predicted") or {}).get("step_s")
-    measured_step = statistics.mean(s["step_s"] + s.get("pipeline", {}).get("gather_wait_s", 0.0)
-                                    for s in steps)
+    # the model's iteration for the run's placement (examples/deepspeed/train.py records its
+    # prediction where the states' directory has a probe record), from the forward and
+    # backward measured without their waits for the pipeline, against the iteration
+    # measured: means over the second commit interval where the run has one (its first
+    # durable commit's writes and the next commit's wait for them), else over 2+
+    k = (record.get("smartinf") or {}).get("commit_every") or 1
+    window = record["steps"][k:2 * k] if k > 1 and len(record["steps"]) >= 2 * k else steps
+    predicted = record.get("predicted")
+    fwd_bwd = statistics.mean(s["fwd_s"] - s.get("pipeline", {}).get("gather_wait_s", 0.0)
+                              + s["bwd_s"] for s in window)
+    measured_iteration = statistics.mean(s["fwd_s"] + s["bwd_s"] + s["step_s"] for s in window)
+    model_iteration = predicted and model.iteration_s(predicted["step_s"], predicted["exposed_s"],
+                                                      fwd_bwd)
     limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
             "mean_step_s": mean_step,
@@ -52,8 +61,11 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             "disk_bps_with_backward": (median["storage_read"] + median["storage_written"])
             / (median["bwd_s"] + median["step_s"] + waits),
             "gather_wait_s": waits,
-            "model_step_s": predicted, "measured_step_with_waits_s": measured_step,
-            "model_over_measured": predicted / measured_step if predicted else None,
+            "model_step_s": predicted and predicted["step_s"],
+            "model_window": [window[0]["step"], window[-1]["step"]],
+            "fwd_bwd_without_waits_s": fwd_bwd, "measured_iteration_s": measured_iteration,
+            "model_iteration_s": model_iteration,
+            "model_over_measured": model_iteration / measured_iteration if predicted else None,
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
 
 
@@ -132,7 +144,8 @@ def main() -> None:
               + (f"  / ZO {m['iteration_to_zero_offload']:4.2f} (mean {m['mean_iteration_to_zero_offload']:4.2f})"
                  f"  loss diff {m['max_loss_rel_diff_to_zero_offload']:.1e}"
                  if "iteration_to_zero_offload" in m else "")
-              + (f"  model step {m['model_step_s']:5.2f} s ({m['model_over_measured']:4.2f}x)"
+              + (f"  model iteration {m['model_iteration_s']:5.2f} s vs {m['measured_iteration_s']:5.2f}"
+                 f" over {m['model_window'][0]}-{m['model_window'][1]} ({m['model_over_measured']:4.2f}x)"
                  if m["model_step_s"] else ""))
 
 

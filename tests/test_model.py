@@ -332,6 +332,51 @@ def test_resident_writes_beside_the_hosts_update_take_the_probes_slower_rate():
     assert model.Hardware.from_probe(probe).commit_write_bps is None
 
 
+def test_streamed_states_go_at_what_the_ring_draws_and_follow_backward():
+    """With the ring's figure for its I/O schedule (mix_bps) streamed states are read and
+    written back together at it, not one direction after the other; what follows backward
+    (exposed_s: the updates, the streamed traffic, a GPU's wait for its write) sets the
+    iteration with forward and backward, the disk's whole traffic where it is longer."""
+    P, mem, host_pps, R, W, M = 1e9, 1e12, 1e10, 1e9, 2e9, 3e9
+    streamed = model.predict_tiered(P, 0.0, R, W, mem, 10, update_pps=host_pps, mix_bps=M)
+    assert streamed.storage_s == pytest.approx(2 * 12 * P / M) and streamed.bound == "storage"
+    assert model.predict_tiered(P, 0.0, R, W, mem, 10, update_pps=host_pps).storage_s == \
+        pytest.approx(12 * P / R + 12 * P / W)
+    # a quarter on the GPU with twins, a quarter in host memory, half streamed
+    placement = model.Placement(gpu=0.25 * P, ram=0.25 * P, streamed=0.5 * P)
+    args = (50e9, host_pps, mem, R, W, 20e9, 20e9)
+    p = model.predict_placed(placement, *args, commit_every=10, twins=True, mix_bps=M)
+    streamed_s = 2 * 12 * 0.5 * P / M
+    assert p.disk_s == pytest.approx(streamed_s + 0.5 * P * 12 / 10 / W) == p.step_s
+    assert p.exposed_s == pytest.approx(streamed_s)
+    assert p.iteration_s(0.5) == pytest.approx(0.5 + streamed_s)  # the disk idles in forward
+    assert p.iteration_s(0.0) == pytest.approx(p.step_s)
+    # without twins the step after a commit waits for the GPU's 3 GB beside as many of the
+    # host's (3 s at W), and its streamed traffic comes after the wait
+    q = model.predict_placed(placement, *args, commit_every=10, mix_bps=M)
+    assert q.exposed_s == pytest.approx((3 + streamed_s + 9 * streamed_s) / 10)
+    assert q.step_s == pytest.approx(max(q.disk_s, q.exposed_s))
+    assert model.iteration_s(1.0, 0.25, 0.5) == 1.0 and model.iteration_s(1.0, 0.75, 0.5) == 1.25
+
+
+def test_recorded_rates_take_the_rings_figure_for_the_schedule():
+    """The record's aggregate for the pipeline's schedule: the ring's where the probe timed
+    it, else the mix curve's; the schedule auto picks where none is named; none at all
+    where the record has neither (one direction after the other)."""
+    host = {"triad": {"bps": 1e10}, "read_bps": 1e9, "write_bps": 2e9,
+            "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
+                        "threads": 2, "master": "fp32", "params_per_s": 1e8}]}
+    curve = {"mixed_bps": 1.5e9, "phased_bps": [[64 << 20, 1.6e9], [256 << 20, 1.8e9]]}
+    ring = {"ring_mixed_bps": 2.9e9, "ring_phased_bps": 2.2e9}
+    assert model.recorded_rates(host, "fp32", "fp32")["mix_bps"] is None
+    assert model.recorded_rates(host | curve, "fp32", "fp32")["mix_bps"] == 1.8e9  # auto: phased
+    assert model.recorded_rates(host | curve, "fp32", "fp32", "mixed")["mix_bps"] == 1.5e9
+    assert model.recorded_rates(host | curve | ring, "fp32", "fp32")["mix_bps"] == 2.9e9
+    assert model.recorded_rates(host | curve | ring, "fp32", "fp32", "phased")["mix_bps"] == 2.2e9
+    with pytest.raises(ValueError, match="ring"):
+        model.recorded_rates(host | {"ring_mixed_bps": -1.0}, "fp32", "fp32")
+
+
 def test_twins_pay_where_the_hosts_update_of_half_a_budget_beats_waiting_for_its_write():
     """Per byte of a GPU budget over a commit interval of k steps: twins cost k / (2 s H)
     (half its params updated by the host), none costs 1 / W (the write waited for)."""

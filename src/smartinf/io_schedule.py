@@ -49,13 +49,8 @@ def from_figures(storage: dict) -> Choice:
     else the same test on the probe's mix curve (its best burst against both directions
     at once). Phased runs in the curve's best burst either way."""
     mixed = storage.get("mixed_bps") or 0.0
-    curve = [(int(b), float(bps)) for b, bps in storage.get("phased_bps") or ()]
-    if any(b <= 0 or bps < 0 for b, bps in curve):
-        raise ValueError(f"phased_bps holds a burst or a bandwidth out of range: {curve}")
-    burst, phased = max(curve, key=lambda figure: figure[1], default=(0, 0.0))
-    ring_mixed, ring_phased = (float(storage.get(k) or 0.0) for k in ("ring_mixed_bps", "ring_phased_bps"))
-    if not (ring_mixed >= 0 and ring_phased >= 0):  # NaN too
-        raise ValueError(f"the ring's figures are out of range: mixed {ring_mixed}, phased {ring_phased}")
+    burst, phased = max(_curve(storage), key=lambda figure: figure[1], default=(0, 0.0))
+    ring_mixed, ring_phased = _ring(storage)
     if ring_mixed and ring_phased:
         figures = (f"the ring drew phased {ring_phased / 1e9:.2f} GB/s"
                    + (f" in {burst >> 20} MiB turns" if burst else "")
@@ -70,6 +65,34 @@ def from_figures(storage: dict) -> Choice:
     if phased > MARGIN * mixed:
         return Choice("phased", f"the probe measured {figures}", phased, burst)
     return Choice("mixed", f"the probe measured {figures}", mixed)
+
+
+def drawn_bps(storage: dict, schedule: str) -> float:
+    """The record's aggregate for a step's half-read, half-written traffic under
+    ``schedule``: what the ring drew where the probe timed it, else the mix curve's (its
+    best burst for phased); 0 where the record has neither."""
+    ring = dict(zip(("mixed", "phased"), _ring(storage)))[schedule]
+    if ring:
+        return ring
+    if schedule == "mixed":
+        return float(storage.get("mixed_bps") or 0.0)
+    return max((bps for _, bps in _curve(storage)), default=0.0)
+
+
+def _curve(storage: dict) -> list[tuple[int, float]]:
+    """The probe's phased curve: (burst bytes, aggregate bps) pairs."""
+    curve = [(int(b), float(bps)) for b, bps in storage.get("phased_bps") or ()]
+    if any(b <= 0 or bps < 0 for b, bps in curve):
+        raise ValueError(f"phased_bps holds a burst or a bandwidth out of range: {curve}")
+    return curve
+
+
+def _ring(storage: dict) -> tuple[float, float]:
+    """What the ring drew, mixed and phased (0: not timed)."""
+    ring_mixed, ring_phased = (float(storage.get(k) or 0.0) for k in ("ring_mixed_bps", "ring_phased_bps"))
+    if not (ring_mixed >= 0 and ring_phased >= 0):  # NaN too
+        raise ValueError(f"the ring's figures are out of range: mixed {ring_mixed}, phased {ring_phased}")
+    return ring_mixed, ring_phased
 
 
 def find_record(directory: str) -> str | None:

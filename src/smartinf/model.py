@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .io_schedule import find_record, from_figures, load_record, not_a_record
+from .io_schedule import drawn_bps, find_record, from_figures, load_record, not_a_record
 from .settings import MASTERS, STATE_DTYPES
 
 #: fp32 master weight + Adam exp_avg + exp_avg_sq, bytes per parameter on storage.
@@ -346,31 +346,37 @@ class TieredPrediction:
 
 
 def _disk_s(streamed_bytes: float, resident_bytes: float, busy_s: float, read_bps: float,
-            write_bps: float, commit_write_bps: Optional[float] = None) -> float:
-    """Seconds of one step's storage traffic: the streamed states read and written back, and
-    ``resident_bytes`` of resident states written (a durable commit's share of the step),
-    in the background while the update runs: for ``busy_s`` at ``commit_write_bps`` (the
-    probe's write beside the host's update; None: ``write_bps``), the rest at ``write_bps``."""
+            write_bps: float, commit_write_bps: Optional[float] = None,
+            mix_bps: Optional[float] = None) -> float:
+    """Seconds of one step's storage traffic: the streamed states read and written back (at
+    ``mix_bps``, what the ring draws under its I/O schedule, where known: else one direction
+    after the other), and ``resident_bytes`` of resident states written (a durable commit's
+    share of the step), in the background while the update runs: for ``busy_s`` at
+    ``commit_write_bps`` (the probe's write beside the host's update; None: ``write_bps``),
+    the rest at ``write_bps``."""
     beside = commit_write_bps or write_bps
     if resident_bytes <= busy_s * beside:
         resident_s = resident_bytes / beside
     else:
         resident_s = busy_s + (resident_bytes - busy_s * beside) / write_bps
-    return streamed_bytes / read_bps + streamed_bytes / write_bps + resident_s
+    return storage_bound_from_bytes(streamed_bytes, streamed_bytes, read_bps, write_bps,
+                                    mix_bps) + resident_s
 
 
 def _tier_storage_s(params: float, resident: float, commit_every: int, state_bytes: float,
                     read_bps: float, write_bps: float, busy_s: float = 0.0,
-                    commit_write_bps: Optional[float] = None) -> float:
+                    commit_write_bps: Optional[float] = None,
+                    mix_bps: Optional[float] = None) -> float:
     return _disk_s(params * (1 - resident) * state_bytes, params * resident * state_bytes / commit_every,
-                   busy_s, read_bps, write_bps, commit_write_bps)
+                   busy_s, read_bps, write_bps, commit_write_bps, mix_bps)
 
 
 def predict_tiered(params: float, resident: float, read_bps: float, write_bps: float,
                    memory_bps: float, commit_every: int = 1, state_bytes: float = STATE_BYTES,
                    grad_bytes: int = 2, param_bytes: int = 2,
                    update_pps: float = math.inf,
-                   commit_write_bps: Optional[float] = None) -> TieredPrediction:
+                   commit_write_bps: Optional[float] = None,
+                   mix_bps: Optional[float] = None) -> TieredPrediction:
     """The step of one device whose budget holds ``resident`` (0..1) of the states: the
     streamed part is read and written every step, the resident part written once per
     ``commit_every`` steps (its durable commit) and never read; every param's states,
@@ -381,7 +387,9 @@ def predict_tiered(params: float, resident: float, read_bps: float, write_bps: f
     makes one more pass over the resident states: neither is in this mean). The resident
     write shares the disk with the streamed traffic and, while the kernel runs, the memory
     and cores with it: ``commit_write_bps`` (the probe's write beside the update) for that
-    part."""
+    part. ``mix_bps``: what the ring draws from the disk for the streamed states' reads and
+    write-backs together under its I/O schedule (the probe's record); None: one direction
+    after the other at ``read_bps`` and ``write_bps``."""
     if not 0 <= resident <= 1:
         raise ValueError(f"resident must be a fraction in [0, 1], got {resident!r}")
     if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
@@ -389,7 +397,7 @@ def predict_tiered(params: float, resident: float, read_bps: float, write_bps: f
     memory = params * (2 * state_bytes + grad_bytes + param_bytes) / memory_bps
     update = params / update_pps
     storage = _tier_storage_s(params, resident, commit_every, state_bytes, read_bps, write_bps,
-                              max(memory, update), commit_write_bps)
+                              max(memory, update), commit_write_bps, mix_bps)
     return TieredPrediction(params, resident, commit_every, max(storage, memory, update),
                             storage, memory, update)
 
@@ -504,11 +512,25 @@ class PlacedPrediction:
     commit_s: float = 0.0  # what the GPU's wait for its states' write adds to the mean
     twins: bool = False
     disk_s: float = 0.0
+    exposed_s: float = 0.0  # what must follow backward each step (iteration_s)
 
     @property
     def bound(self) -> str:
         return max((self.gpu_s, "gpu"), (self.host_s, "host"), (self.link_s, "pcie"),
                    (self.disk_s, "storage"))[1]
+
+    def iteration_s(self, fwd_bwd_s: float) -> float:
+        return iteration_s(self.step_s, self.exposed_s, fwd_bwd_s)
+
+
+def iteration_s(step_s: float, exposed_s: float, fwd_bwd_s: float) -> float:
+    """The mean iteration over a commit interval of a pipeline whose step the model puts at
+    ``step_s`` (``PlacedPrediction``), where forward and backward take ``fwd_bwd_s`` on
+    their own: a step's updates and its streamed states' traffic follow its backward
+    (``exposed_s``: their gradients come last), while the resident states' background
+    writes also run beside forward and backward, so the disk bounds the iteration only
+    where its traffic takes longer than all of it."""
+    return max(fwd_bwd_s + exposed_s, step_s)
 
 
 def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory_bps: float,
@@ -516,7 +538,8 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
                    gpu_to_host_bps: float, state_bytes: float = STATE_BYTES,
                    commit_every: int = 1, grad_bytes: int = 2,
                    param_bytes: int = 2, twins: bool = False,
-                   commit_write_bps: Optional[float] = None) -> PlacedPrediction:
+                   commit_write_bps: Optional[float] = None,
+                   mix_bps: Optional[float] = None) -> PlacedPrediction:
     """The step of ``placement`` (``place``) with the GPU's update rate ``gpu_pps`` and
     PCIe's rates (the probe's ``gpu`` figures) and the host's (its kernel on the usable
     cores, its memory's triad, its storage), as the mean over a commit interval of k =
@@ -524,18 +547,20 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
     and the disk overlap: the interval takes the longer of k compute steps and the disk's
     traffic (the host's streamed states every step, every resident state once, written
     while the host's update runs at ``commit_write_bps``, the probe's write beside it, and
-    at ``write_bps`` once it is done). Without twins the step after a durable commit also
+    at ``write_bps`` once it is done; the streamed states at ``mix_bps``, what the ring
+    draws under its I/O schedule, where known). Without twins the step after a durable commit also
     waits for the GPU's states to be written (beside as many of the host's: written at
     once, at equal rates, as measured on the H100 host) before the GPU updates them; the
-    host's part of that step runs meanwhile, and the disk is busy writing throughout, so
-    the wait costs only what it adds to both."""
+    host's updates run meanwhile and its streamed states' traffic after it (the same disk),
+    so the wait costs only what it adds to both. ``exposed_s``: the mean of what follows
+    backward (the updates, the streamed traffic, the wait), for ``iteration_s``."""
     host_params = placement.ram + placement.streamed
     gpu_bytes = placement.gpu * state_bytes
     host_storage_s = host_compute_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
                               memory_bps, commit_every, state_bytes, grad_bytes, param_bytes,
-                              host_pps, commit_write_bps)
+                              host_pps, commit_write_bps, mix_bps)
         host_storage_s, host_compute_s = host.storage_s, max(host.memory_s, host.update_s)
         link_s = max(host_params * grad_bytes / gpu_to_host_bps,
                      host_params * param_bytes / host_to_gpu_bps)
@@ -545,21 +570,27 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
     # touch host memory)
     disk_s = _disk_s(placement.streamed * state_bytes,
                      (placement.ram * state_bytes + gpu_bytes) / commit_every, host_compute_s,
-                     read_bps, write_bps, commit_write_bps)
+                     read_bps, write_bps, commit_write_bps, mix_bps)
+    # what follows backward each step: the updates, and the streamed states' traffic
+    streamed_s = _disk_s(placement.streamed * state_bytes, 0.0, 0.0, read_bps, write_bps,
+                         mix_bps=mix_bps)
+    exposed_s = max(compute_s, streamed_s)
     step_s = max(compute_s, disk_s)
     if not twins and gpu_bytes:
         wait_s = _disk_s(0.0, gpu_bytes + min(gpu_bytes, placement.ram * state_bytes),
                          host_compute_s, read_bps, write_bps, commit_write_bps)
-        first_s = max(host_compute_s, link_s, wait_s + gpu_s)
-        step_s = max(step_s, (first_s + (commit_every - 1) * compute_s) / commit_every)
+        # the wait holds the disk: the streamed traffic comes after it, as the GPU's update
+        first_s = max(exposed_s, wait_s + max(gpu_s, streamed_s))
+        exposed_s = (first_s + (commit_every - 1) * exposed_s) / commit_every
+        step_s = max(step_s, exposed_s)
     total = placement.gpu + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
                                            host_pps, commit_write_bps).step_s, 1e-12)
     balance = total if math.isinf(gpu_pps) else total * gpu_pps / (gpu_pps + host_rate)
     return PlacedPrediction(placement, step_s, gpu_s, max(host_compute_s, host_storage_s),
-                            link_s, balance,
-                            step_s - max(compute_s, disk_s), twins, disk_s)
+                            link_s, balance, step_s - max(compute_s, disk_s), twins, disk_s,
+                            exposed_s)
 
 
 def check_rates(rates: dict) -> None:
@@ -569,11 +600,13 @@ def check_rates(rates: dict) -> None:
             raise ValueError(f"{name} {rate!r} is not a positive rate")
 
 
-def recorded_rates(figures: dict, state_dtype: str, master: str) -> Optional[dict]:
+def recorded_rates(figures: dict, state_dtype: str, master: str,
+                   schedule: Optional[str] = None) -> Optional[dict]:
     """``predict_placed``'s rates (by keyword) from a directory's probe record (``python -m
-    smartinf.probe DIR --record``: its storage figures, the host's kernel rates and triad,
-    and the GPU's where it measured one; without them the GPU's rates are ``inf``, which a
-    placement with nothing on a GPU never uses); None where it lacks the host's figures.
+    smartinf.probe DIR --record``: its storage figures, what the ring drew there under the
+    I/O ``schedule``, None: the one ``io_schedule="auto"`` picks, the host's kernel rates and
+    triad, and the GPU's where it measured one; without them the GPU's rates are ``inf``,
+    which a placement with nothing on a GPU never uses); None where it lacks the host's figures.
     Figures of the wrong shape raise KeyError or TypeError, a rate that is not a positive
     number ValueError: the caller names the record."""
     triad = (figures.get("triad") or {}).get("bps")
@@ -591,9 +624,12 @@ def recorded_rates(figures: dict, state_dtype: str, master: str) -> Optional[dic
                      gpu_to_host_bps=gpu["gpu_to_host_bps"])
     if figures.get("write_beside_update_bps") is not None:  # probes before it: the plain write
         rates["commit_write_bps"] = figures["write_beside_update_bps"]
+    mix = drawn_bps(figures, schedule or from_figures(figures).schedule)
+    if mix:  # records before the mix curve: one direction after the other
+        rates["mix_bps"] = mix
     check_rates(rates)
     return {"gpu_pps": math.inf, "host_to_gpu_bps": math.inf, "gpu_to_host_bps": math.inf,
-            "commit_write_bps": None, **rates}
+            "commit_write_bps": None, "mix_bps": None, **rates}
 
 
 def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2) -> Optional[PlacedPrediction]:
@@ -608,7 +644,8 @@ def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2) -> Op
     settings = pipe.settings
     figures = load_record(path, "move it away")
     try:
-        rates = recorded_rates(figures, settings.state_dtype, settings.master)
+        rates = recorded_rates(figures, settings.state_dtype, settings.master,
+                               pipe.io_schedules[0].schedule)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise not_a_record(path, repr(e), "move it away") from e
     placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}

@@ -225,8 +225,8 @@ class Pipeline:
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
         host_memory = settings.memory_budget * sum(s.kind == "cpu" for s in specs)
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
-                                   settings.overlap, subgroup_sizes, host_memory)
-                      for d in self._devices]
+                                   settings.overlap, subgroup_sizes, host_memory, c.schedule)
+                      for d, c in zip(self._devices, self.io_schedules)]
         specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
         self._native = _native.NativePipeline(specs, self.optimizer.name,

@@ -24,7 +24,7 @@ waits for a write.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from . import io_schedule
 
@@ -40,10 +40,12 @@ class Choice:
 
 
 def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bool,
-           subgroup_sizes: Sequence[int] = (), ram_budget: float = 0) -> Choice:
+           subgroup_sizes: Sequence[int] = (), ram_budget: float = 0,
+           schedule: Optional[str] = None) -> Choice:
     """The choice for ``device`` (a CpuDevice, XrtDevice or CudaDevice) in a pipeline of
-    these settings; ``subgroup_sizes``: the sub-groups to come, in order, where known, and
-    ``ram_budget`` the host memory that takes those the device does not."""
+    these settings; ``subgroup_sizes``: the sub-groups to come, in order, where known,
+    ``ram_budget`` the host memory that takes those the device does not, and ``schedule``
+    the I/O schedule its ring runs (None: the one the record favours)."""
     asked = getattr(device, "twins", False)
     if asked is not None:
         return Choice(bool(asked), "as requested" if asked else "the default: twins from what "
@@ -56,7 +58,7 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
     figures = io_schedule.load_record(path, INSTEAD) if path else None
     if figures is not None and subgroup_sizes:
         whole = _by_placement(path, figures, device.memory_budget, subgroup_sizes, ram_budget,
-                              state_dtype, master, commit_every)
+                              state_dtype, master, commit_every, schedule)
         if whole is not None:
             return whole
     rates = _recorded_rates(path, figures, state_dtype, master) if figures is not None else None
@@ -76,14 +78,14 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
 
 def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int],
                   ram_budget: float, state_dtype: str, master: str,
-                  commit_every: int) -> Choice | None:
+                  commit_every: int, schedule: Optional[str] = None) -> Choice | None:
     """The whole placement the model prefers (``model.twins_win``), from the record's
     ``figures``; None where it lacks the GPU's, the host's or the disk's figures."""
     from . import model
     if figures.get("gpu") is None:  # a record without them: the rule per byte
         return None
     try:
-        rates = model.recorded_rates(figures, state_dtype, master)
+        rates = model.recorded_rates(figures, state_dtype, master, schedule)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise io_schedule.not_a_record(path, f"its figures: {e!r}", INSTEAD) from e
     if rates is None:  # no triad or kernel timed on the usable cores: the rule per byte

@@ -14,6 +14,7 @@
 #include "device/cuda_update.h"
 #include "kernels/rules.h"
 #include "kernels/split_master.h"
+#include "store/layout.h"
 
 using namespace smartinf;
 using kernels::DType;
@@ -183,30 +184,36 @@ size_t run_case(const Case& c, DType grad, DType param, bool split, bool adopt, 
       kernels::split_masters(n, master.data(), op, host_low.data());
     }
   });
-  // GPU.
-  std::vector<float*> dev(arrays);
-  for (unsigned k = 0; k < arrays; ++k) dev[k] = to_device(in.arrays[k]);
+  // GPU: the states in the layout the devices hold them in (store/layout.h).
+  store::StateLayout layout;
+  layout.arrays = arrays;
+  layout.master = split ? store::Master::split : store::Master::fp32;
+  std::vector<char> packed(layout.bytes(n));
+  for (unsigned k = split ? 1 : 0; k < arrays; ++k)
+    std::memcpy(layout.array(packed.data(), n, k), in.arrays[k].data(), n * 4);
+  if (split) std::memcpy(layout.split_at(packed.data(), n).low, in.low.data(), n * 2);
+  char* dstates = to_device(packed);
   void* dgrad = grad == DType::f32 ? static_cast<void*>(to_device(in.grad32))
                                    : static_cast<void*>(to_device(in.grad16));
   char* dout = nullptr;
   check(cudaMalloc(&dout, n * psize));
-  uint16_t* dlow = to_device(in.low);
-  if (split) {
-    check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
-    device::cuda::update_split(step, grad, n, dev.data(), dlow, dgrad,
-                               reinterpret_cast<kernels::bf16*>(dout), adopt, nullptr);
-  } else {
-    device::cuda::update(step, grad, param, n, dev.data(), dgrad, dout, nullptr);
-  }
+  if (split) check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
+  device::cuda::update(step, layout, dstates, n, grad, param, dgrad, dout, adopt, nullptr);
   check(cudaDeviceSynchronize());
+  packed = to_host(dstates, packed.size());
   size_t diff = 0;
-  for (unsigned k = split ? 1 : 0; k < arrays; ++k) diff += differing(to_host(dev[k], n), host[k]);
+  for (unsigned k = split ? 1 : 0; k < arrays; ++k) {
+    const float* got = layout.array(packed.data(), n, k);
+    diff += differing(std::vector<float>(got, got + n), host[k]);
+  }
   diff += differing(to_host(dout, n * psize), host_out);
-  if (split) diff += differing(to_host(dlow, n), host_low);
-  for (float* d : dev) cudaFree(d);
+  if (split) {
+    const uint16_t* low = layout.split_at(packed.data(), n).low;
+    diff += differing(std::vector<uint16_t>(low, low + n), host_low);
+  }
+  cudaFree(dstates);
   cudaFree(dgrad);
   cudaFree(dout);
-  cudaFree(dlow);
   return diff;
 }
 
