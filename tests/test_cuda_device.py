@@ -316,3 +316,82 @@ def test_gpu_twins_need_a_gpu_budget(tmp_path):
         so.AdamW(torch.nn.Linear(4, 4).parameters(), devices=str(tmp_path), gpu_twins=True)
     with pytest.raises(TypeError, match="CudaDevice twins must be True or False or None"):
         smartinf.CudaDevice(tmp_path, twins="yes")
+
+
+# A child that trains sub-groups resident in GPU memory with their twins, a durable commit
+# every 3 steps written in the background, until killed (spawned afresh, not forked: CUDA
+# does not survive a fork).
+KILL_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import smartinf, smartinf._native as native
+from conftest import open_with_subgroups
+from test_crash import ALL_STATES, CHUNK, RULE, SIZES, train_step
+directory, point, after = sys.argv[2], sys.argv[3], int(sys.argv[4])
+if point != "none":
+    native.arm_fault(point, "kill", after=after)
+device = smartinf.CudaDevice(directory, memory_budget=2 * ALL_STATES, twins=True)
+with open_with_subgroups([device], RULE, SIZES, CHUNK, commit_every=3) as pipe:
+    assert all(pipe.gpu_of(sg) == 0 for sg in range(len(SIZES)))
+    print("training", flush=True)
+    for step in range(pipe.step_count, pipe.step_count + 300):
+        train_step(pipe, step)
+"""
+
+
+@needs_gpu
+def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp_path):
+    """Killed at random moments and in the writes of a durable commit (io.write: with every
+    state resident those are the commit's, written from the GPU's copy in the background),
+    a reopened GPU directory is at its last durable commit (a multiple of 3 steps), bit
+    for bit an uninterrupted cpu device's states there, and training goes on from it."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import open_with_subgroups
+    from test_crash import ALL_STATES, CHUNK, RULE, SIZES, snapshot, train_step
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    directory = str(tmp_path / "gpu")
+    rnd = random.Random(20261126)
+    trials = [("none", 0)] * 6 + [("io.write", k) for k in (0, 2, 5, 9, 14, 20)]
+    rnd.shuffle(trials)
+    reference = open_with_subgroups([str(tmp_path / "reference")], RULE, SIZES, CHUNK)
+    killed, base, by_point = 0, 0, {}
+    for point, after in trials:
+        child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, tests, directory, point,
+                                  str(after)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        started = child.stdout.readline()  # past imports and CUDA's start
+        if point == "none" and started == "training\n":
+            time.sleep(rnd.uniform(0, 0.3))
+            child.send_signal(signal.SIGKILL)
+        try:
+            child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        err = child.stderr.read()
+        assert started == "training\n" or child.returncode == -signal.SIGKILL, err
+        assert child.returncode in (0, -signal.SIGKILL), err
+        if child.returncode == -signal.SIGKILL:
+            killed += 1
+            by_point[point] = by_point.get(point, 0) + 1
+        device = smartinf.CudaDevice(directory, memory_budget=2 * ALL_STATES, twins=True)
+        with open_with_subgroups([device], RULE, SIZES, CHUNK, commit_every=3) as pipe:
+            step = pipe.step_count
+            assert child.returncode == 0 or (step - base) % 3 == 0, \
+                f"step {step} is not durable ({point}, {after})"
+            if child.returncode == 0:  # its close() made its last step durable
+                base = step
+            assert step >= reference.step_count, "a durable step was lost"
+            while reference.step_count < step:
+                train_step(reference, reference.step_count)
+            for sg, (got, want) in enumerate(zip(snapshot(pipe), snapshot(reference))):
+                assert np.array_equal(got, want), f"sub-group {sg} differs at step {step} ({point}, {after})"
+    reference.close()
+    print(f"\nGPU kills: {len(trials)} trials, {killed} killed ({by_point}); reached step {step}")
+    assert by_point.get("io.write", 0) >= 4 and step > 3 * len(trials)
