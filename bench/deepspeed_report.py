@@ -43,6 +43,8 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     k = (record.get("smartinf") or {}).get("commit_every") or 1
     window = record["steps"][k:2 * k] if k > 1 and len(record["steps"]) >= 2 * k else steps
     predicted = record.get("predicted")
+    if predicted and "exposed_s" not in predicted:  # recorded before the model's iteration
+        predicted = None
     fwd_bwd = statistics.mean(s["fwd_s"] - s.get("pipeline", {}).get("gather_wait_s", 0.0)
                               + s["bwd_s"] for s in window)
     measured_iteration = statistics.mean(s["fwd_s"] + s["bwd_s"] + s["step_s"] for s in window)
