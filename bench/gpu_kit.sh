@@ -10,7 +10,8 @@
 #   bash bench/gpu_kit.sh unpack && source bench/gpu_kit.sh env  # there, carrying .kitcache
 #   bash bench/gpu_kit.sh rebuild                     # there, after unpack + env: a changed core
 #   bash bench/gpu_kit.sh core && source bench/gpu_kit.sh env    # there: smartinf alone, for
-#                                                     # the host's figures (no CUDA device, no DeepSpeed)
+#                                                     # the host's figures (no CUDA device, no DeepSpeed;
+#                                                     # SMARTINF_WITH_CUDA=ON: with it, for the GPU tests)
 #
 # `setup` also installs DeepSpeed (its sdist and the wheels the machine lacks) and compiles
 # its async_io and cpu_adam ops into $TORCH_EXTENSIONS_DIR while smartinf builds, for the
@@ -63,7 +64,7 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     unpack_debs
     python3 -m pip install -q --no-index --find-links "$KIT/wheels" --target "$PREFIX/site" $WHEELS
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation \
-      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build -Ccmake.define.SMARTINF_WITH_CUDA=OFF .
+      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build -Ccmake.define.SMARTINF_WITH_CUDA="${SMARTINF_WITH_CUDA:-OFF}" .
     python3 -c "import smartinf; print('smartinf built with', smartinf.build_info())"
     ;;
   pack)
