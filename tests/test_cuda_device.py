@@ -141,7 +141,9 @@ def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_
     pipe = smartinf.Pipeline(device, rule(), chunk=CHUNK, **settings)
     for sg, n in enumerate(sizes):
         pipe.add_subgroup(n, None)
-    states = [pipe.read_states(sg) for sg in range(len(sizes))]
+    split = settings.get("master") == "split"  # its masters come back with their params
+    states = [pipe.read_states(sg, params=params[sg].cpu()) if split else pipe.read_states(sg)
+              for sg in range(len(sizes))]
     pipe.close()
     return [p.cpu() for p in params], states, resident, stats
 
@@ -257,14 +259,21 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
 
 
 @needs_gpu
-@pytest.mark.parametrize("settings,message", [
-    ({"master": "split", "devices": lambda d: smartinf.CudaDevice(d, memory_budget=1 << 20)},
-     "a split master's states stay in host memory"),
-])
-def test_what_the_gpu_device_does_not_do_yet_is_refused(disk_dir, settings, message):
-    device = settings.pop("devices", smartinf.CudaDevice)(disk_dir)
-    with pytest.raises(ValueError, match=message):
-        smartinf.Pipeline(device, smartinf.AdamW(), chunk=CHUNK, **settings)
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_a_split_master_resident_in_gpu_memory_matches_the_cpu_device(disk_dir, state_dtype,
+                                                                      budget):
+    """A split master's low halves and moments resident in GPU memory (with their params'
+    checksum, which the GPU's copy holds), commits every 3 steps, a reopen: bit for bit a
+    cpu device's with the same budget in RAM (the params, the masters rebuilt from them)."""
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+    gpu = train_resident(gpu_device, RULES["adamw"], torch.bfloat16, master="split",
+                         state_dtype=state_dtype)
+    cpu = train_resident(cpu_device, RULES["adamw"], torch.bfloat16, memory_budget=size,
+                         master="split", state_dtype=state_dtype)
+    assert gpu[2] == cpu[2] and cpu[2][0][0]
+    assert gpu[3]["foreign_chunks"] == cpu[3]["foreign_chunks"] == 0
+    assert_same_bits(gpu, cpu)
 
 
 @needs_gpu

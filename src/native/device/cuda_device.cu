@@ -47,10 +47,6 @@ class CudaDevice final : public Device {
     if (gpu_ < 0 || gpu_ >= count)
       throw std::invalid_argument("no CUDA GPU " + std::to_string(gpu_) + " (this machine has " +
                                   std::to_string(count) + ")");
-    if (o.resident_bytes && g.layout.split())
-      throw std::invalid_argument("a split master's states stay in host memory or storage so "
-                                  "far: give the CUDA device no memory budget with "
-                                  "master='split'");
     check(cudaSetDevice(gpu_), "selecting GPU " + std::to_string(gpu_));
     // The host slots page-locked, so the copies to the GPU run at the link's speed.
     const size_t io = store::align_up(g.chunk * 4);
@@ -105,6 +101,24 @@ class CudaDevice final : public Device {
     check(cudaMemcpyAsync(dst, resident(at), bytes, cudaMemcpyDeviceToHost, persist_stream_),
           "resident states to the host");
     check(cudaStreamSynchronize(persist_stream_), "resident states to the host");
+  }
+
+  // A resident split master's checksum is in GPU memory with its states.
+  uint64_t params_sum(size_t i, uint64_t offset) override {
+    const Mirror& m = mirrors_[i];
+    if (!m.resident) return Device::params_sum(i, offset);
+    uint64_t sum = 0;
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpy(&sum, static_cast<char*>(m.states) + offset, sizeof sum,
+                     cudaMemcpyDeviceToHost), "a split master's params checksum");
+    return sum;
+  }
+  void set_params_sum(size_t i, uint64_t offset, uint64_t sum) override {
+    const Mirror& m = mirrors_[i];
+    if (!m.resident) return Device::set_params_sum(i, offset, sum);
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpy(static_cast<char*>(m.states) + offset, &sum, sizeof sum,
+                     cudaMemcpyHostToDevice), "a split master's params checksum");
   }
 
   // This GPU's memory: a gradient there is read and params written where they are.

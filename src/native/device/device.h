@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -97,6 +98,11 @@ class Device {
   virtual void resident_loaded(size_t slot, size_t bytes);
   // `bytes` at byte `at` of resident memory into host memory `dst`.
   virtual void resident_to_host(uint64_t at, void* dst, size_t bytes) const;
+  // A split master's checksum of the params its states were emitted with, 8 bytes at
+  // `offset` of the states slot `slot` is bound to: read when the params come back, written
+  // after the update. In the slot's host states; a GPU's resident states hold their own.
+  virtual uint64_t params_sum(size_t slot, uint64_t offset);
+  virtual void set_params_sum(size_t slot, uint64_t offset, uint64_t sum);
   // Whether the device computes in host memory (the cpu device): it reaches every host
   // buffer, and the bytes it reads and writes there still count as crossing its link.
   virtual bool host_memory() const { return false; }
@@ -134,6 +140,16 @@ inline void Device::bind_caller(size_t, const void* grad, void* out) {
 }
 
 inline void Device::resident_loaded(size_t, size_t) {}
+
+inline uint64_t Device::params_sum(size_t s, uint64_t offset) {
+  uint64_t sum;
+  std::memcpy(&sum, reinterpret_cast<const char*>(slot(s).states) + offset, sizeof sum);
+  return sum;
+}
+
+inline void Device::set_params_sum(size_t s, uint64_t offset, uint64_t sum) {
+  std::memcpy(reinterpret_cast<char*>(slot(s).states) + offset, &sum, sizeof sum);
+}
 
 inline void Device::resident_to_host(uint64_t, void*, size_t) const {
   throw std::logic_error(describe() + "'s resident states are in host memory: resident_at");

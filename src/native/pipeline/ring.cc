@@ -93,7 +93,7 @@ std::vector<ForeignChunk> Ring::take_foreign() {
 }
 
 void Ring::check_params(Job& job, size_t slot, uint64_t sent) {
-  const uint64_t emitted = *store_.layout().split_at(device_.slot(slot).states, job.src.numel).params_sum;
+  const uint64_t emitted = device_.params_sum(slot, store_.layout().params_sum_offset(job.src.numel));
   if (sent == emitted) return;
   job.kernel.adopt = true;
   ++counters_.foreign_chunks;
@@ -417,8 +417,8 @@ void Ring::compute_loop() {
         if (crosses) counters_.device_to_host += bytes;
         finish_host(link);
         if (split_)  // stored with the states: the params that must come back
-          *store_.layout().split_at(device_.slot(item->slot).states, numel).params_sum =
-              store::params_checksum(job.output, numel);
+          device_.set_params_sum(item->slot, store_.layout().params_sum_offset(numel),
+                                 store::params_checksum(job.output, numel));
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
       release(job, item->slot, std::current_exception());
