@@ -237,6 +237,12 @@ def test_command_line_tiers(tmp_path, capsys):
     assert [r["resident"] for r in out["rows"]] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert out["rows"][0]["step_s"] == pytest.approx(18.0)
     assert out["budget_bytes"] == pytest.approx(model.budget_for(10, 1e9, 2e9, 1e9, 4))
+    # where the probe timed the ring, streamed states go at what it drew (auto: mixed here)
+    probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9,
+                                              "ring_mixed_bps": 3e9, "ring_phased_bps": 2e9}],
+                                 "triad": {"bps": 10e9}}))
+    assert model.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["step_s"] == pytest.approx(24e9 / 3e9)
     assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
                        "--step-time", "1"]) == 2
     assert "--memory-gbps" in capsys.readouterr().err

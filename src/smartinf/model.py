@@ -804,7 +804,8 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
     state = state_bytes_per_param(args.state_dtype, args.master)
     rows = [dataclasses.asdict(predict_tiered(args.params, f, hw.read_bps, hw.write_bps, memory,
                                               args.commit_every, state, args.grad_bytes,
-                                              args.param_bytes, commit_write_bps=hw.commit_write_bps))
+                                              args.param_bytes, commit_write_bps=hw.commit_write_bps,
+                                              mix_bps=hw.mix_bps))
             for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
     budget = None if args.step_time is None else budget_for(
         args.step_time, args.params, hw.read_bps, hw.write_bps, args.commit_every, state)
@@ -857,7 +858,7 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
         return predict_placed(placement, gpu["update_pps"][args.state_dtype], host_pps, triad,
                               hw.read_bps, hw.write_bps, gpu["host_to_gpu_bps"],
                               gpu["gpu_to_host_bps"], state, args.commit_every, args.grad_bytes,
-                              args.param_bytes, twins, hw.commit_write_bps)
+                              args.param_bytes, twins, hw.commit_write_bps, hw.mix_bps)
 
     # auto: the whole placement with and without twins, as smartinf.twins chooses where the
     # sub-groups are known
@@ -875,7 +876,8 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
           f"params ({'with' if twins else 'without'} twins), host memory {placement.ram:.3g}, "
           f"streamed {placement.streamed:.3g}")
     print(f"step {p.step_s:.3f} s ({p.bound}): GPU {p.gpu_s:.3f} s, host {p.host_s:.3f} s, "
-          f"PCIe {p.link_s:.3f} s, disk {p.disk_s:.3f} s, the GPU's wait for its commit adds {p.commit_s:.3f} s" + ("" if placement.gpu <= p.balance_gpu_params else
+          f"PCIe {p.link_s:.3f} s, disk {p.disk_s:.3f} s, the GPU's wait for its commit adds {p.commit_s:.3f} s; "
+          f"after backward {p.exposed_s:.3f} s a step" + ("" if placement.gpu <= p.balance_gpu_params else
                                       f"; the GPU's budget is past the balance point "
                                       f"({p.balance_gpu_params:.3g} params): a smaller one "
                                       f"would leave the host its share"))
