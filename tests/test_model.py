@@ -238,7 +238,7 @@ def test_command_line_tiers(tmp_path, capsys):
     assert out["rows"][0]["step_s"] == pytest.approx(18.0)
     assert out["budget_bytes"] == pytest.approx(model.budget_for(10, 1e9, 2e9, 1e9, 4))
     # where the probe timed the ring, streamed states go at what it drew (auto: mixed here)
-    probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9,
+    probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9, "mixed_bps": 1.5e9,
                                               "ring_mixed_bps": 3e9, "ring_phased_bps": 2e9}],
                                  "triad": {"bps": 10e9}}))
     assert model.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--json"]) == 0
