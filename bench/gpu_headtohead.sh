@@ -9,7 +9,8 @@
 #
 # STATES: where states / swap files go (default /tmp/states, removed after each mode);
 # STEPS: iterations per mode (default 6; 12 for the commit_every=10 modes, so that one
-# durable commit is among them); MODEL, BATCH, SEQ: the model and batch (default gpt2-xl,
+# durable commit is among them; 21 or more gives deepspeed_report's model comparison the
+# whole second commit interval); MODEL, BATCH, SEQ: the model and batch (default gpt2-xl,
 # 8, 1024); CLIP: gradient clipping (default 1.0; 0 turns it off, in every mode: a step
 # after a clipped one starts no update during backward). The runs' output goes to $OUT/run.log (what comes back from the machine is
 # limited in files).
