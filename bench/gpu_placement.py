@@ -28,7 +28,7 @@ import time
 import torch
 
 import smartinf
-from smartinf import model, probe
+from smartinf import io_schedule, model, probe
 
 
 def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_every: int,
@@ -91,7 +91,8 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_
                              figures["triad"]["bps"], storage["read_bps"], storage["write_bps"],
                              gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"], state,
                              commit_every=commit_every, twins=twins,
-                             commit_write_bps=storage.get("write_beside_update_bps"))
+                             commit_write_bps=storage.get("write_beside_update_bps"),
+                             mix_bps=io_schedule.from_figures(storage).bps or None)
     # The second interval: its commit waits for the first's writes where they outlast it.
     interval = times[1 + commit_every:]
     measured = statistics.mean(interval)
