@@ -63,6 +63,16 @@ def snapshot(pipe):
     return [np.concatenate(list(pipe.read_states(i).values())) for i in range(len(SIZES))]
 
 
+def snapshot_at(reference, step):
+    """The uninterrupted run ``reference`` advanced to ``step`` (a reopened directory's
+    step: steps only move forward, a kill loses at most those since the last durable
+    commit), and its states there."""
+    assert step >= reference.step_count, "a committed step was lost"
+    while reference.step_count < step:
+        train_step(reference, reference.step_count)
+    return snapshot(reference)
+
+
 def child(dirs, point, after, log, config, max_steps):
     """Runs in the forked child; never returns."""
     code = 0
@@ -120,16 +130,8 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
     rnd.shuffle(trials)
     every = config.get("commit_every", 1)
     plain = {"state_dtype": config.get("state_dtype", "fp32")}
-    # The uninterrupted run without tiers, advanced to each step a reopened directory
-    # reports (steps only move forward: a kill loses at most the steps since the last
-    # durable commit).
+    # The uninterrupted run without tiers (snapshot_at).
     reference = open_pipe([str(tmp_path / f"ref-{i}") for i in range(devices)], **plain)
-
-    def reference_at(step):
-        assert step >= reference.step_count, "a committed step was lost"
-        while reference.step_count < step:
-            train_step(reference, reference.step_count)
-        return snapshot(reference)
 
     dirs = [str(tmp_path / f"dev-{i}") for i in range(devices)]
     log = str(tmp_path / "child.log")
@@ -162,7 +164,7 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
                 f"step {step} is not durable (intervals of {every} from step {base})"
             if not os.WIFSIGNALED(status):
                 base = step
-            for i, (got, want) in enumerate(zip(snapshot(pipe), reference_at(step))):
+            for i, (got, want) in enumerate(zip(snapshot(pipe), snapshot_at(reference, step))):
                 assert np.array_equal(got, want), \
                     f"after a kill ({point or 'random'}, {after}): sub-group {i} differs at step {step}"
     reference.close()

@@ -6,6 +6,11 @@ run everywhere."""
 from __future__ import annotations
 
 import os
+import random
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -354,14 +359,8 @@ def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp
     state resident those are the commit's, written from the GPU's copy in the background),
     a reopened GPU directory is at its last durable commit (a multiple of 3 steps), bit
     for bit an uninterrupted cpu device's states there, and training goes on from it."""
-    import random
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from conftest import open_with_subgroups
-    from test_crash import ALL_STATES, CHUNK, RULE, SIZES, snapshot, train_step
+    from test_crash import ALL_STATES, CHUNK, RULE, SIZES, snapshot, snapshot_at
 
     tests = os.path.dirname(os.path.abspath(__file__))
     directory = str(tmp_path / "gpu")
@@ -396,10 +395,7 @@ def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp
                 f"step {step} is not durable ({point}, {after})"
             if child.returncode == 0:  # its close() made its last step durable
                 base = step
-            assert step >= reference.step_count, "a durable step was lost"
-            while reference.step_count < step:
-                train_step(reference, reference.step_count)
-            for sg, (got, want) in enumerate(zip(snapshot(pipe), snapshot(reference))):
+            for sg, (got, want) in enumerate(zip(snapshot(pipe), snapshot_at(reference, step))):
                 assert np.array_equal(got, want), f"sub-group {sg} differs at step {step} ({point}, {after})"
     reference.close()
     print(f"\nGPU kills: {len(trials)} trials, {killed} killed ({by_point}); reached step {step}")
