@@ -2,7 +2,8 @@
 directory in the same run: the ring alone (no framework), as DeepSpeed drives it.
 
     python bench/storage_ring.py DIR [--params 1557611200] [--formats int8_split,int4_split]
-        [--schedules mixed,phased,auto] [--slots 0,16] [--steps 4] [--probe-mib 8192] [--out F.json]
+        [--schedules mixed,phased,auto] [--slots 0,16] [--queue-depths 0,64] [--steps 4]
+        [--probe-mib 8192] [--out F.json]
 
 Each format and schedule gets its own Pipeline on DIR (states streamed, bf16 params); the
 sub-groups (``--subgroup``, DeepSpeed's 100 M by default) go in two at a time, as the
@@ -26,7 +27,7 @@ import sys
 import torch
 
 import smartinf
-from smartinf import io_schedule, probe
+from smartinf import _native, io_schedule, probe
 
 FORMATS = {"fp32": {}, "int8": {"state_dtype": "int8"},
            "int8_split": {"state_dtype": "int8", "master": "split"},
@@ -37,10 +38,11 @@ class Run:
     """One pipeline over ``params`` bf16 params in sub-groups of ``subgroup``."""
 
     def __init__(self, directory: str, params: int, subgroup: int, fmt: str, schedule: str,
-                 slots: int):
+                 slots: int, depth: int):
         self.pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4, weight_decay=0.01),
                                       io_schedule=schedule, slots=slots or None,
-                                      if_exists="overwrite", **FORMATS[fmt])
+                                      queue_depth=depth or None, if_exists="overwrite",
+                                      **FORMATS[fmt])
         self.sizes = [min(subgroup, params - lo) for lo in range(0, params, subgroup)]
         for n in self.sizes:
             self.pipe.add_subgroup(n)
@@ -74,6 +76,28 @@ def probe_figure(storage: dict, choice: io_schedule.Choice) -> float:
     return dict((int(b), bps) for b, bps in storage["phased_bps"]).get(burst, float("nan"))
 
 
+def depth_sweep(directory: str, mib: int, depths: list[int]) -> list[dict]:
+    """The probe's stream (1 MiB requests) at each queue depth, alternating write, read and
+    both at once (half each) over one file of ``mib`` MiB: bytes per second of each."""
+    path = os.path.join(directory, f".smartinf-depths-{os.getpid()}.bin")
+    nbytes, engine = mib << 20, "auto"
+    try:
+        sweep = []
+        for depth in (d or probe.DEPTH for d in depths):
+            write_s = _native.time_storage(path, nbytes, True, engine, probe.BLOCK, depth)
+            read_s = _native.time_storage(path, nbytes, False, engine, probe.BLOCK, depth)
+            mixed_s = _native.time_mixed_storage(path, nbytes, engine, probe.BLOCK, depth, 0)
+            sweep.append({"depth": depth, "write_bps": nbytes / write_s,
+                          "read_bps": nbytes / read_s, "mixed_bps": nbytes / mixed_s})
+            print("queue depth {depth}: write {w:.2f} read {r:.2f} mixed {m:.2f} GB/s".format(
+                depth=depth, w=nbytes / write_s / 1e9, r=nbytes / read_s / 1e9,
+                m=nbytes / mixed_s / 1e9), flush=True)
+        return sweep
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir")
@@ -82,6 +106,8 @@ def main() -> None:
     p.add_argument("--formats", default="int8_split,int4_split")
     p.add_argument("--schedules", default="mixed,phased,auto")
     p.add_argument("--slots", default="0", help="ring slots to try (0: the pipeline's choice)")
+    p.add_argument("--queue-depths", default="0",
+                   help="storage requests in flight per engine to try (0: the pipeline's choice)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--probe-mib", type=int, default=8192, help="0: use the directory's record")
     p.add_argument("--out")
@@ -96,14 +122,19 @@ def main() -> None:
           f"mixed {storage['mixed_bps'] / 1e9:.2f} phased "
           + ", ".join(f"{b >> 20} MiB {bps / 1e9:.2f}" for b, bps in storage["phased_bps"])
           + " GB/s", flush=True)
+    depths = [int(d) for d in args.queue_depths.split(",")]
+    if len(depths) > 1:
+        storage["depth_sweep"] = depth_sweep(args.dir, args.probe_mib or 4096, depths)
     runs = {}
     try:
         for fmt in args.formats.split(","):
             for schedule in args.schedules.split(","):
                 for slots in map(int, args.slots.split(",")):
-                    name = f"{fmt}-{schedule}" + (f"-slots{slots}" if slots else "")
-                    runs[name] = Run(os.path.join(args.dir, name), args.params, args.subgroup,
-                                     fmt, schedule, slots)
+                    for depth in depths:
+                        name = f"{fmt}-{schedule}" + (f"-slots{slots}" if slots else "") + \
+                            (f"-qd{depth}" if depth else "")
+                        runs[name] = Run(os.path.join(args.dir, name), args.params, args.subgroup,
+                                         fmt, schedule, slots, depth)
         for _ in range(args.steps):
             for name, run in runs.items():
                 run.step()

@@ -46,7 +46,7 @@ logger = logging.getLogger("smartinf")
 MiB = 1 << 20
 GiB = 1 << 30
 BLOCK = 1 * MiB  # the pipeline's storage piece size
-DEPTH = 16  # the pipeline's default queue depth
+DEPTH = defaults.QUEUE_DEPTH  # the pipeline's
 KERNEL_NUMEL = 16 * MiB
 HOST_COPY_BYTES = 256 * MiB
 TRIAD_BYTES = 768 * MiB
@@ -197,7 +197,7 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                     mix_bursts: Sequence[int] = MIX_BURSTS, ring: bool = False,
                     update_numel: int = 0) -> StorageLimit:
     """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
-    through the storage engine (1 MiB requests, queue depth 16); the file is removed after.
+    through the storage engine (1 MiB requests, the pipeline's queue depth); the file is removed after.
     With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
     (the highest bandwidth gives the smallest limit, so a ratio to it is never flattered).
     With ``mix``, also the mix curve over the same file (half read, half written): both
@@ -220,22 +220,23 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
     nbytes = -(-int(nbytes) // BLOCK) * BLOCK  # whole blocks: O_DIRECT needs aligned lengths
     directory = _check_directory(directory, nbytes * (2 if ring and mix else 1))
     used = engine_in_use(directory, engine)
+    depth = defaults.queue_depth()  # the pipeline's (SMARTINF_QUEUE_DEPTH)
     path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
     try:
         write_s = read_s = float("inf")
         mixed_s = beside_s = float("inf")
         phased_s = {b: float("inf") for b in mix_bursts if b <= nbytes // 2}
         for _ in range(repeats):
-            write_s = min(write_s, _native.time_storage(path, nbytes, True, engine, BLOCK, DEPTH))
-            read_s = min(read_s, _native.time_storage(path, nbytes, False, engine, BLOCK, DEPTH))
+            write_s = min(write_s, _native.time_storage(path, nbytes, True, engine, BLOCK, depth))
+            read_s = min(read_s, _native.time_storage(path, nbytes, False, engine, BLOCK, depth))
             if mix:
-                mixed_s = min(mixed_s, _native.time_mixed_storage(path, nbytes, engine, BLOCK, DEPTH, 0))
+                mixed_s = min(mixed_s, _native.time_mixed_storage(path, nbytes, engine, BLOCK, depth, 0))
                 for burst in phased_s:
                     phased_s[burst] = min(phased_s[burst], _native.time_mixed_storage(
-                        path, nbytes, engine, BLOCK, DEPTH, burst))
+                        path, nbytes, engine, BLOCK, depth, burst))
             if update_numel:
                 beside_s = min(beside_s, _native.time_storage_beside_update(
-                    path, nbytes, engine, BLOCK, DEPTH, update_numel, buffers.dtype_code("bfloat16"),
+                    path, nbytes, engine, BLOCK, depth, update_numel, buffers.dtype_code("bfloat16"),
                     buffers.dtype_code("bfloat16"), "fp32", _native.default_compute_threads()))
     finally:
         try:
@@ -243,7 +244,7 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
         except FileNotFoundError:
             pass
     limit = StorageLimit(directory, nbytes, nbytes / write_s, nbytes / read_s,
-                         write_s, read_s, used, supports_direct_io(directory),
+                         write_s, read_s, used, supports_direct_io(directory), depth=depth,
                          mixed_bps=nbytes / mixed_s if mix else 0.0,
                          phased_bps=tuple((b, nbytes / t) for b, t in phased_s.items()) if mix else (),
                          write_beside_update_bps=nbytes / beside_s if update_numel else 0.0)

@@ -23,7 +23,7 @@ struct Op {
 };
 
 struct Options {
-  unsigned queue_depth = 16;       // pieces in flight
+  unsigned queue_depth = 32;       // pieces in flight
   uint64_t piece_bytes = 1 << 20;  // large ops are split so several are in flight
   unsigned threads = 2;            // thread engine only
   std::vector<iovec> fixed_buffers;  // io_uring: registered once, used by Op::buf_index

@@ -95,7 +95,7 @@ struct ForeignChunk {
 
 struct RingOptions {
   std::string io = "auto";
-  unsigned queue_depth = 16;
+  unsigned queue_depth = 32;
   uint64_t piece_bytes = 1 << 20;
   std::shared_ptr<HostLink> host_link;  // shared by the pipeline's rings; null: no cap
   double storage_bps = 0;               // cap on this device's storage traffic; 0: none
