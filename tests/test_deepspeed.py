@@ -136,7 +136,7 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_updates_during_backward_change_no_bit(work, disk_dir, world):
+def test_updates_during_backward_change_no_bit(work, disk_dir, world, monkeypatch):
     """overlap (the default): each sub-group's update starts when its gradient partitions are
     reduced, with the last step's scale assumed; kept where it held, retracted where not
     (step 3's NaN gradients: skipped; with clip 1.0, acting on every step here, a step after
@@ -144,10 +144,14 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world):
     would work on a second copy). Updates start while fewer than two are unfinished; the
     rest, and those kept, finish while the next forward runs (each gather waits for its
     sub-group). Losses and final params bit for bit those of --no-overlap, streamed and all
-    resident (sub-groups of 60 k params: several per rank)."""
+    resident (sub-groups of 60 k params: several per rank); and resident ones speculating on
+    their twins (SMARTINF_SPECULATE_RESIDENT)."""
+    resident = ("--clip", "0", "--memory-budget", "8MiB")
     for name, extra in (("streamed", ("--clip", "0")),
                         ("clipped", ()),
-                        ("resident", ("--clip", "0", "--memory-budget", "8MiB"))):
+                        ("resident", resident),
+                        ("resident-twins", resident)):
+        monkeypatch.setenv("SMARTINF_SPECULATE_RESIDENT", str(int(name == "resident-twins")))
         extra = ("--nan-at", "3", "--sub-group-size", "60000", *extra)
         on = train(work, os.path.join(disk_dir, f"spec-{name}-{world}"), f"spec-{name}-{world}",
                    world=world, extra=extra)

@@ -17,6 +17,8 @@ Explicit arguments always win over these.
 - ``SMARTINF_IO_SCHEDULE``: ``auto`` (from the probe's mix curve recorded in a device's
   directory, else ``mixed``), ``mixed`` (reads and write-backs together) or ``phased``.
 - ``SMARTINF_OVERLAP``: the optimizer's work behind the caller's (1, on; 0 off).
+- ``SMARTINF_SPECULATE_RESIDENT``: under DeepSpeed with overlap, resident sub-groups' updates
+  start during backward too, on their twins (off).
 - ``SMARTINF_SPECULATE_ON_CPU``: with overlap, updates start during a backward that runs on
   the CPU too (0, off: it holds the cores the update needs).
 """
@@ -145,6 +147,13 @@ def _flag_env(name: str, default: bool) -> bool:
 
 def overlap() -> bool:
     return _flag_env("SMARTINF_OVERLAP", True)
+
+
+def speculate_resident() -> bool:
+    """Whether, under DeepSpeed with ``overlap``, a resident sub-group's update starts during
+    backward too, on its twin (``SMARTINF_SPECULATE_RESIDENT``, off: left to the step's tail,
+    which updates it in place; on the H100 hosts the twin's update was no faster)."""
+    return _flag_env("SMARTINF_SPECULATE_RESIDENT", False)
 
 
 def speculate_on_cpu() -> bool:

@@ -325,7 +325,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         # updates it in place: its speculative update works on a second copy of its states,
         # and on the H100 hosts that was no faster (GPT-2 XL, clip off: 1.08 / 1.42 / 1.49
         # s an iteration with, 1.66 / 1.13 without, alternated; an earlier host 2.12 / 1.15).
-        if self.pipeline.gpu_of(i) is not None or self.pipeline.resident(i) or \
+        if self.pipeline.gpu_of(i) is not None or \
+                (self.pipeline.resident(i) and not defaults.speculate_resident()) or \
                 not self._speculation.may_start(i) or \
                 self._speculation.unfinished() >= UNFINISHED_SPECULATIONS:
             return
