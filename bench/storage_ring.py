@@ -27,7 +27,7 @@ import sys
 import torch
 
 import smartinf
-from smartinf import _native, io_schedule, probe
+from smartinf import _native, defaults, io_schedule, probe
 
 FORMATS = {"fp32": {}, "int8": {"state_dtype": "int8"},
            "int8_split": {"state_dtype": "int8", "master": "split"},
@@ -83,7 +83,7 @@ def depth_sweep(directory: str, mib: int, depths: list[int]) -> list[dict]:
     nbytes, engine = mib << 20, "auto"
     try:
         sweep = []
-        for depth in (d or probe.DEPTH for d in depths):
+        for depth in (d or defaults.queue_depth() for d in depths):
             write_s = _native.time_storage(path, nbytes, True, engine, probe.BLOCK, depth)
             read_s = _native.time_storage(path, nbytes, False, engine, probe.BLOCK, depth)
             mixed_s = _native.time_mixed_storage(path, nbytes, engine, probe.BLOCK, depth, 0)

@@ -324,7 +324,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         # gradient where it is, at step() (as smartinf.optim's). A resident one is left to the tail, which
         # updates it in place: its speculative update works on a second copy of its states,
         # and on the H100 hosts that was no faster (GPT-2 XL, clip off: 1.08 / 1.42 / 1.49
-        # s an iteration with, 1.66 / 1.13 without, alternated; an earlier host 2.12 / 1.15).
+        # s an iteration with, 1.66 / 1.13 without, alternated; an earlier host 2.12 / 1.15;
+        # an H200 host 1.06 with, 1.19 / 1.07 without). SMARTINF_SPECULATE_RESIDENT starts it.
         if self.pipeline.gpu_of(i) is not None or \
                 (self.pipeline.resident(i) and not defaults.speculate_resident()) or \
                 not self._speculation.may_start(i) or \
