@@ -27,7 +27,7 @@ import sys
 import torch
 
 import smartinf
-from smartinf import _native, defaults, io_schedule, probe
+from smartinf import io_schedule, probe
 
 FORMATS = {"fp32": {}, "int8": {"state_dtype": "int8"},
            "int8_split": {"state_dtype": "int8", "master": "split"},
@@ -77,25 +77,16 @@ def probe_figure(storage: dict, choice: io_schedule.Choice) -> float:
 
 
 def depth_sweep(directory: str, mib: int, depths: list[int]) -> list[dict]:
-    """The probe's stream (1 MiB requests) at each queue depth, alternating write, read and
-    both at once (half each) over one file of ``mib`` MiB: bytes per second of each."""
-    path = os.path.join(directory, f".smartinf-depths-{os.getpid()}.bin")
-    nbytes, engine = mib << 20, "auto"
-    try:
-        sweep = []
-        for depth in (d or defaults.queue_depth() for d in depths):
-            write_s = _native.time_storage(path, nbytes, True, engine, probe.BLOCK, depth)
-            read_s = _native.time_storage(path, nbytes, False, engine, probe.BLOCK, depth)
-            mixed_s = _native.time_mixed_storage(path, nbytes, engine, probe.BLOCK, depth, 0)
-            sweep.append({"depth": depth, "write_bps": nbytes / write_s,
-                          "read_bps": nbytes / read_s, "mixed_bps": nbytes / mixed_s})
-            print("queue depth {depth}: write {w:.2f} read {r:.2f} mixed {m:.2f} GB/s".format(
-                depth=depth, w=nbytes / write_s / 1e9, r=nbytes / read_s / 1e9,
-                m=nbytes / mixed_s / 1e9), flush=True)
-        return sweep
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+    """The probe's stream (1 MiB requests) at each queue depth (0: the pipeline's): write,
+    read and both at once (half each) over a file of ``mib`` MiB, bytes per second of each."""
+    sweep = []
+    for depth in depths:
+        limit = probe.measure_storage(directory, mib << 20, mix_bursts=(), depth=depth or None)
+        sweep.append({"depth": limit.depth, "write_bps": limit.write_bps,
+                      "read_bps": limit.read_bps, "mixed_bps": limit.mixed_bps})
+        print(f"queue depth {limit.depth}: write {limit.write_bps / 1e9:.2f} read "
+              f"{limit.read_bps / 1e9:.2f} mixed {limit.mixed_bps / 1e9:.2f} GB/s", flush=True)
+    return sweep
 
 
 def main() -> None:

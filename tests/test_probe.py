@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from smartinf import _native, probe
+from smartinf import _native, defaults, probe
 
 SMALL = ["--size-mib", "8"]
 
@@ -71,6 +71,21 @@ def test_mix_curve_half_read_half_written(disk_dir):
     assert limit.write_beside_update_bps == without.write_beside_update_bps == 0.0  # not asked
     with pytest.raises(ValueError, match="multiples of"):
         probe.measure_storage(disk_dir, 16 * mib, mix_bursts=(mib + 1,))
+
+
+def test_the_queue_depth_is_the_pipelines_unless_given(disk_dir, monkeypatch):
+    """The probe measures at the depth the pipeline runs (``SMARTINF_QUEUE_DEPTH``), or at the
+    one asked (bench/storage_ring.py's sweep), and records it; a depth below one is refused
+    before any file is written."""
+    mib = probe.BLOCK
+    assert probe.measure_storage(disk_dir, 8 * mib, mix=False).depth == defaults.QUEUE_DEPTH
+    monkeypatch.setenv("SMARTINF_QUEUE_DEPTH", "8")
+    assert probe.measure_storage(disk_dir, 8 * mib, mix=False).depth == 8
+    assert probe.measure_storage(disk_dir, 8 * mib, mix_bursts=(), depth=64).depth == 64
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="depth must be a positive int"):
+            probe.measure_storage(disk_dir, 8 * mib, depth=bad)
+    assert os.listdir(disk_dir) == []
 
 
 def test_the_write_beside_the_hosts_update(disk_dir):

@@ -195,9 +195,10 @@ def _check_directory(directory: str, nbytes: int) -> str:
 def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
                     repeats: int = 1, mix: bool = True,
                     mix_bursts: Sequence[int] = MIX_BURSTS, ring: bool = False,
-                    update_numel: int = 0) -> StorageLimit:
+                    update_numel: int = 0, depth: Optional[int] = None) -> StorageLimit:
     """Writes then reads back ``nbytes`` of ``DIR/.smartinf-probe-<pid>.bin`` with O_DIRECT
-    through the storage engine (1 MiB requests, the pipeline's queue depth); the file is removed after.
+    through the storage engine (1 MiB requests, ``depth`` in flight; None: the pipeline's
+    queue depth, ``SMARTINF_QUEUE_DEPTH``); the file is removed after.
     With ``repeats`` > 1 the write+read pair is repeated and the fastest of each kept
     (the highest bandwidth gives the smallest limit, so a ratio to it is never flattered).
     With ``mix``, also the mix curve over the same file (half read, half written): both
@@ -215,12 +216,14 @@ def measure_storage(directory: str, nbytes: int = GiB, engine: str = "auto",
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    depth = defaults.queue_depth() if depth is None else depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be a positive int, got {depth!r}")
     if any(b <= 0 or b % BLOCK for b in mix_bursts):
         raise ValueError(f"mix_bursts must be positive multiples of {BLOCK}, got {list(mix_bursts)}")
     nbytes = -(-int(nbytes) // BLOCK) * BLOCK  # whole blocks: O_DIRECT needs aligned lengths
     directory = _check_directory(directory, nbytes * (2 if ring and mix else 1))
     used = engine_in_use(directory, engine)
-    depth = defaults.queue_depth()  # the pipeline's (SMARTINF_QUEUE_DEPTH)
     path = os.path.join(directory, f".smartinf-probe-{os.getpid()}.bin")
     try:
         write_s = read_s = float("inf")
