@@ -103,22 +103,20 @@ class CudaDevice final : public Device {
     check(cudaStreamSynchronize(persist_stream_), "resident states to the host");
   }
 
-  // A resident split master's checksum is in GPU memory with its states.
+  // A resident split master's checksum is in GPU memory with its states: copied on the
+  // slot's stream, as the states are (a plain cudaMemcpy would also wait for the caller's
+  // work on the legacy default stream).
   uint64_t params_sum(size_t i, uint64_t offset) override {
     const Mirror& m = mirrors_[i];
     if (!m.resident) return Device::params_sum(i, offset);
     uint64_t sum = 0;
-    check(cudaSetDevice(gpu_), "selecting the GPU");
-    check(cudaMemcpy(&sum, static_cast<char*>(m.states) + offset, sizeof sum,
-                     cudaMemcpyDeviceToHost), "a split master's params checksum");
+    copy_sum(m, &sum, static_cast<char*>(m.states) + offset, cudaMemcpyDeviceToHost);
     return sum;
   }
   void set_params_sum(size_t i, uint64_t offset, uint64_t sum) override {
     const Mirror& m = mirrors_[i];
     if (!m.resident) return Device::set_params_sum(i, offset, sum);
-    check(cudaSetDevice(gpu_), "selecting the GPU");
-    check(cudaMemcpy(static_cast<char*>(m.states) + offset, &sum, sizeof sum,
-                     cudaMemcpyHostToDevice), "a split master's params checksum");
+    copy_sum(m, static_cast<char*>(m.states) + offset, &sum, cudaMemcpyHostToDevice);
   }
 
   // This GPU's memory: a gradient there is read and params written where they are.
@@ -256,6 +254,13 @@ class CudaDevice final : public Device {
     resident_ = nullptr;
     for (size_t i = 0; i < registered_; ++i) cudaHostUnregister(slots_.memory(i));
     registered_ = 0;
+  }
+
+  void copy_sum(const Mirror& m, void* dst, const void* src, cudaMemcpyKind kind) const {
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    check(cudaMemcpyAsync(dst, src, sizeof(uint64_t), kind, m.stream),
+          "a split master's params checksum");
+    check(cudaStreamSynchronize(m.stream), "a split master's params checksum");
   }
 
   std::string dir_;
