@@ -567,3 +567,27 @@ def test_the_smartinf_block_needs_no_smartinf_code(tmp_path):
                           "print(hasattr(deepspeed.initialize, '__wrapped__'))"],
                          env=dict(env, SMARTINF_AUTOLOAD="0"), capture_output=True, text=True)
     assert off.stdout.strip().endswith("False")  # the documented switch turns it off
+
+
+# -- edits between steps, kept-whole params right after step() (tests/deepspeed_edits.py) --
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch, world, overlap):
+    """Params clamped and rolled back through GatheredParameters(modifier_rank=0) and
+    kept-whole params pruned in place become the masters at the next step, as DeepSpeed's
+    own ZeRO-3 does once told of them (safe_set_full_fp32_param); the kept-whole params read
+    without a gather right after step() are DeepSpeed's, with the step's tail running during
+    the next forward (overlap: updates during backward, as on a GPU) or not."""
+    monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "1" if overlap else "0")
+    out = work / f"edits-{world}-{overlap}.json"
+    done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py",
+                    "--dir", str(work / f"edits-{world}-{overlap}"), "--out", str(out))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    record = json.loads(out.read_text())
+    assert record["kept_whole"] > 0
+    for step, s in enumerate(record["steps"], 1):
+        assert s["kept_whole_shapes_equal"], f"step {step}: kept-whole params read empty"
+        assert s["kept_whole"] <= TOL and s["gathered"] <= TOL, (step, s)
+        ours, ref = s["losses"]
+        assert abs(ours - ref) <= TOL * abs(ref), (step, s)
+    assert record["clamped_max"] > 0.5  # rolled back past the clamp (0.05) at step 5

@@ -384,11 +384,12 @@ def test_bad_hyperparameter_in_a_later_group_changes_nothing(disk_dir):
     opt.close()
 
 
-def test_int8_states_export_decoded_and_load_coded(disk_dir, tmp_path):
+def test_int8_states_export_decoded_and_load_coded(disk_dir, tmp_path, monkeypatch):
     """state_dict() of int8 states: torch-format fp32 moments, decoded; close to torch's
     own (the code's error of at most 1/16 per value, carried over a few steps); a fresh
     int8 optimizer loading it codes them again to the same bytes, so both continue
     identically."""
+    monkeypatch.setenv("SMARTINF_SMALL_TENSOR", "0")  # small tensors: their moments quantised too
     a, b = make_model(), make_model()
     kw = dict(lr=1e-2, weight_decay=0.1)
     oa = so.AdamW(a.parameters(), devices=[disk_dir], state_dtype="int8", **SMALL, **kw)

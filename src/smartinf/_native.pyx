@@ -134,6 +134,8 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         cbool background_commit
         unsigned compute_threads
         RingOptions ring
+        string small_dir
+        vector[uint64_t] small_numels
 
     cdef cppclass UpdateHyper:
         double lr, weight_decay, beta1, beta2, eps, momentum, dampening, lr_decay, grad_scale
@@ -152,7 +154,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
 
     cdef cppclass Pipeline:
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
-        size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&) except +raise_py_error nogil
+        size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&, cbool) except +raise_py_error nogil
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&, cbool) except +raise_py_error nogil
         cbool retractable(size_t) except +raise_py_error
@@ -304,8 +306,10 @@ cdef class NativeCompletion:
 cdef class NativePipeline:
     cdef Pipeline* p
 
-    def __cinit__(self, list devices, str optimizer, float initial_state, settings):
-        """devices: smartinf.devices.NativeDeviceSpec each; settings: a PipelineSettings."""
+    def __cinit__(self, list devices, str optimizer, float initial_state, settings,
+                  str small_dir="", list small_numels=[]):
+        """devices: smartinf.devices.NativeDeviceSpec each; settings: a PipelineSettings;
+        small_dir, small_numels: PipelineOptions'."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
         for d in devices:
@@ -337,6 +341,9 @@ cdef class NativePipeline:
         options.ring.io = settings.io.encode()
         options.ring.queue_depth = settings.queue_depth
         options.ring.piece_bytes = settings.piece_bytes
+        options.small_dir = small_dir.encode()
+        for n in small_numels:
+            options.small_numels.push_back(n)
         with nogil:
             self.p = new Pipeline(options)
 
@@ -345,11 +352,11 @@ cdef class NativePipeline:
             with nogil:
                 del self.p
 
-    def add_subgroup(self, uint64_t numel, uintptr_t init, uint64_t fingerprint):
+    def add_subgroup(self, uint64_t numel, uintptr_t init, uint64_t fingerprint, cbool small=False):
         cdef cbool resumed = False
         cdef size_t sg
         with nogil:
-            sg = self.p.add_subgroup(numel, <const float*>init, fingerprint, resumed)
+            sg = self.p.add_subgroup(numel, <const float*>init, fingerprint, resumed, small)
         return sg, resumed
 
     def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,

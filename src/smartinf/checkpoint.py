@@ -1,4 +1,5 @@
-"""Native checkpoints: copies of device directories (states file + manifest).
+"""Native checkpoints: copies of device directories (states file + manifest, and the
+small tensors' directory in one).
 
 A device directory is consistent when its manifest describes its states file, so every
 copy writes the states first and the manifest last, through a temporary name and an
@@ -14,12 +15,20 @@ import os
 import shutil
 from typing import Sequence
 
+from .devices import SMALL_DIRECTORY
+
 STATES = "states.bin"
 MANIFEST = "manifest"
 
 
 def copy_device_dir(source: str, target: str) -> None:
-    """Makes ``target`` hold the committed states of device directory ``source``."""
+    """Makes ``target`` hold the committed states of device directory ``source`` (and of
+    the small tensors' directory in it, ``devices.small_directory``, where it has one)."""
+    small = os.path.join(source, SMALL_DIRECTORY)
+    if os.path.isfile(os.path.join(small, MANIFEST)):
+        copy_device_dir(small, os.path.join(target, SMALL_DIRECTORY))
+    elif os.path.isdir(os.path.join(target, SMALL_DIRECTORY)):
+        shutil.rmtree(os.path.join(target, SMALL_DIRECTORY))  # of another run
     for name in (STATES, MANIFEST):
         if not os.path.isfile(os.path.join(source, name)):
             raise FileNotFoundError(f"{source} is not a smartinf device directory: no {name}")

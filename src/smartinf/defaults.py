@@ -161,3 +161,19 @@ def speculate_on_cpu() -> bool:
     ``SMARTINF_SPECULATE_ON_CPU``, off): there backward holds the cores the update needs (on
     this project's 2-core machine the 266 M GPT's iteration was 1.1x slower with them)."""
     return _flag_env("SMARTINF_SPECULATE_ON_CPU", False)
+
+
+#: With int8/int4 states, tensors of at most this many elements keep fp32 moments (lpmm's
+#: rule: a quantisation block shared with larger neighbours costs them most of their
+#: moments' precision, and they are few bytes). The front-ends put them in sub-groups of
+#: their own (``Pipeline(small_sizes=)``).
+SMALL_TENSOR = 4096
+
+
+def small_tensor() -> int:
+    """Elements up to which a tensor's moments stay fp32 beside int8/int4 states
+    (``SMARTINF_SMALL_TENSOR``; ``SMALL_TENSOR``; 0: every tensor's are quantised)."""
+    value = _int_env("SMARTINF_SMALL_TENSOR", SMALL_TENSOR)
+    if value < 0:
+        raise ValueError(f"SMARTINF_SMALL_TENSOR={value} must not be negative (0: none)")
+    return value

@@ -175,6 +175,15 @@ def _check_twins(twins: object, what: str, allow_none: bool) -> None:
                         "chooses)" if allow_none else "") + f", got {twins!r}")
 
 
+SMALL_DIRECTORY = "fp32-moments"
+
+
+def small_directory(path: str) -> str:
+    """Where a pipeline with int8/int4 states keeps small tensors' fp32 moments, beside the
+    directory ``path`` of its first device (``Pipeline(small_sizes=)``)."""
+    return os.path.join(path, SMALL_DIRECTORY)
+
+
 def rank_directory(path: str, rank: int) -> str:
     """Where ``rank`` keeps its partition's states under a directory that several ranks
     share (``smartinf.optim`` and the DeepSpeed integration, its checkpoints too)."""

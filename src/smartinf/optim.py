@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from . import _native, subgroups, update_rules
+from . import edits, subgroups, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
-from .defaults import speculate_on_cpu
+from .defaults import small_tensor, speculate_on_cpu
 from .devices import DEVICE_TYPES, DeviceLike, rank_directory, with_gpu
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
@@ -154,21 +154,30 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
         self._warned_partial = False
-        self._digests: dict[int, int] = {}  # the weights the model had when the optimizer took them
+        self._warned_edits = False
+        self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
         for group in self.param_groups:
             self._check_group(group)
             self._check_params(group)
         self._subgroup_size = subgroup_size
-        self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size)
-        self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
+        # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
+        self._small = small_tensor() if settings.state_dtype != "fp32" else 0
+        self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
+        self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
         self._split = settings.master == "split"
         self._refuse_split_of_other_dtypes(self._plan)
+        # What the model's params held when the optimizer last put or took them: an edit
+        # since becomes the master at the next step (a split master's devices check itself).
+        self._watch = None if self._split else edits.ParamWatch(
+            lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
         pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
                                                    gpu_twins),
                             self._rule(self.param_groups[0]), settings=settings,
-                            subgroup_sizes=[sg.numel for sg in self._plan])
+                            subgroup_sizes=[sg.numel for sg in self._plan if not sg.small],
+                            small_sizes=[sg.numel for sg in self._plan if sg.small]
+                            if self._small else None)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
@@ -245,18 +254,21 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if self.pipeline is None:
             return  # torch's __init__ adding the constructor's groups
         group = self.param_groups[-1]
+        new: list[Subgroup] = []
         try:
             self._check_group(group)
             self._check_params(group)
             new = subgroups.plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
-                                 len(self._plan))
+                                           len(self._plan), self._small)
             self._refuse_split_of_other_dtypes(new)
             self._driver.grow(max((sg.numel for sg in new), default=0))
+            self._plan.extend(new)
             self._attach(self.pipeline, new)
         except BaseException:
             self.param_groups.pop()
+            if new and self._plan[-1] is new[-1]:
+                del self._plan[-len(new):]
             raise
-        self._plan.extend(new)
         self._stored.update(id(s.param) for sg in new for s in sg.slices)
         if self._speculation is not None:
             self._hooks.register(new)
@@ -278,7 +290,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         (reopened devices) put their stored master weights into the model."""
         for sg in plan:
             master = self._gather_params(sg)
-            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=subgroups.fingerprint(sg))
+            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=subgroups.fingerprint(sg),
+                                        small=sg.small)
             if got != sg.id:
                 raise RuntimeError(f"sub-group {sg.id} registered as {got}")
             if self._split:
@@ -287,7 +300,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 master = torch.from_numpy(pipeline.read_states(sg.id)["param"])
                 with torch.no_grad():
                     self._scatter(sg, master)
-            self._digests[sg.id] = self._digest(sg, master)
+            else:
+                self._watch.record(sg.id)
         resumed = sum(pipeline.resumed(sg.id) for sg in plan)
         if resumed and self._split:
             logger.warning("resumed %d of %d sub-groups at step %d from %s with master='split': "
@@ -301,12 +315,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
                            "replaced the model's", resumed, len(plan), pipeline.step_count,
                            [d.path for d in pipeline.devices])
 
-    def _digest(self, sg: Subgroup, master: torch.Tensor) -> int:
-        """A checksum of the sub-group's params as the model holds them (``master`` rounded
-        to their dtype): a later step notices weights the caller loaded since."""
-        held = round_to(master[:sg.numel], sg.dtype).contiguous()
-        return _native.checksum(held.data_ptr(), held.numel() * held.element_size())
-
     def _gather_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, fp32, in staging buffer 0."""
         flat = self._driver.staging.grad(0, torch.float32, sg.numel)
@@ -314,18 +322,24 @@ class _StorageOptimizer(torch.optim.Optimizer):
             flat[s.offset:s.offset + s.stop - s.start].copy_(subgroups.read(s.param, s.start, s.stop))
         return flat
 
-    def _adopt_loaded_weights(self) -> None:
-        """Weights the caller put into the model after the optimizer took them (a checkpoint
-        loaded, params edited) become the masters: never overwritten by stored ones."""
-        changed = [sg for sg in self._plan if sg.id in self._digests
-                   and self._digest(sg, self._gather_params(sg)) != self._digests[sg.id]]
-        if changed:
-            logger.warning("the model's params of sub-groups %s changed after the optimizer took "
-                           "them (weights loaded or edited): they are the new master weights",
-                           [sg.id for sg in changed])
-            with self.pipeline.step():
-                for sg in changed:
-                    self.pipeline.write_master(sg.id, self._gather_params(sg))
+    def _edited(self) -> list[int]:
+        """The sub-groups whose params the caller changed since the optimizer put or took
+        them (weights loaded, clamped, pruned, rolled back)."""
+        return [] if self._watch is None else self._watch.changed(sg.id for sg in self._plan)
+
+    def _adopt(self, edited: Sequence[int]) -> None:
+        """The edited params become the masters (``edits.adopt``); never overwritten by
+        stored ones."""
+        if not edited:
+            return
+        if self._speculation is not None:
+            self._speculation.drop(edited)  # started from the stored masters
+        edits.adopt(self.pipeline, edited,
+                    lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
+                    self._warned_edits)
+        self._warned_edits = True
+        for i in edited:
+            self._watch.record(i)
 
     def _flat_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, flat, on their device."""
@@ -333,8 +347,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
+        """Puts masters (or updated params) into the model, as what it now holds."""
         for s in sg.slices:
             subgroups.write(s.param, s.start, s.stop, flat[s.offset:s.offset + s.stop - s.start])
+        if self._watch is not None:
+            self._watch.record(sg.id)
 
     def _grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
@@ -424,6 +441,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         scattered: list[Subgroup] = []
         before = self.pipeline.step_count
         try:
+            self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
             # The updates started during backward that assumed rightly; the others retracted.
             kept = {}
             if self._speculation is not None:
@@ -441,9 +459,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             logger.info("gradients hold inf/NaN: step skipped, stored states untouched")
             return loss
-        if self._digests:  # once, at the first step after the optimizer took the weights
-            self._adopt_loaded_weights()
-            self._digests.clear()
+        self._stepped = True
         self._export = None
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
         self._warn_partial([sg for sg in active if sg.id not in kept])
@@ -583,8 +599,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         ``torch.save`` streams them. Params never stepped have no entry, as in torch (so
         this costs nothing before the first step); an fp16/bf16 param's entry also holds
         its fp32 master weights (``"fp32_master"``, ignored by torch), so loading it
-        resumes exactly."""
+        resumes exactly. Params the caller edited since the last step are taken as the
+        masters first, as a step would."""
         self._settle()
+        self._adopt(self._edited())
         ids = subgroups.param_ids(self.param_groups)
         per_param: dict[int, dict] = {}
         for sg in self._plan:
@@ -672,7 +690,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
             return
         steps = [self._subgroup_steps(sg, states, ids, new_groups[sg.group]) for sg in self._plan]
         self._refuse_mixing_resumed_run(steps)
-        self._digests.clear()  # the masters come from the model's params now
         self._settle()
         with self.pipeline.step():
             for sg in self._plan:
@@ -692,6 +709,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
                             arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
                 self.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
                                            steps[sg.id])
+        self._stepped = True
+        for sg in self._plan:  # the masters are what the model holds now
+            if self._watch is not None:
+                self._watch.record(sg.id)
         self._set_groups(new_groups)
 
     def _set_groups(self, new_groups: list) -> None:
@@ -716,7 +737,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         resumed (whose weights it put into the model) would pair those weights with other
         states: ambiguous, so refused."""
         resumed = [sg for sg in self._plan if self.pipeline.resumed(sg.id)]
-        if not resumed or not self._digests:
+        if not resumed or self._stepped:
             return
         stored = {self.pipeline.subgroup_steps(sg.id) for sg in resumed}
         loaded = {steps[sg.id] for sg in resumed}
@@ -733,8 +754,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def save(self, directory: str) -> list[str]:
         """Copies every device directory (states file + manifest) under ``directory``
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
-        steps. Resume by constructing the optimizer with ``devices=`` the returned paths."""
+        steps (params the caller edited since the last step taken as the masters first).
+        Resume by constructing the optimizer with ``devices=`` the returned paths."""
         self._settle()
+        self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

@@ -22,7 +22,8 @@ from . import _native, buffers
 from . import io_schedule as schedules
 from . import twins
 from .compress import Compressed
-from .devices import DeviceLike, resolve
+from .checkpoint import MANIFEST
+from .devices import DeviceLike, resolve, small_directory
 from .settings import PipelineSettings
 from .update_rules import AdamW, UpdateRule
 
@@ -36,7 +37,8 @@ _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host
 
 class ParamsChangedWarning(UserWarning):
     """With ``master="split"``: params came back other than the devices emitted them, so
-    they were taken as the new fp32 masters (their stored low halves dropped)."""
+    the changed ones were taken as the new fp32 masters (where a stored low half does not
+    round back to its param)."""
 
 
 class UpdateFuture:
@@ -155,6 +157,17 @@ class Pipeline:
         front-ends do): a ``CudaDevice(twins=None)`` then takes twins by the model's
         prediction of the whole placement with and without (``smartinf.twins``). Placement
         itself is by ``add_subgroup``, as always.
+    small_sizes
+        With int8/int4 states, the sizes of the sub-groups of small tensors the caller will
+        add with ``add_subgroup(small=True)`` (a sequence, even empty: such sub-groups may
+        come; None: none are expected) (``smartinf.optim`` and the DeepSpeed
+        integration put tensors of at most ``defaults.SMALL_TENSOR`` elements in sub-groups
+        of their own): their moments stay fp32, in a cpu device of their own over
+        ``<first directory>/fp32-moments`` (``devices.small_directory``), resident when
+        ``memory_budget`` is given (their bytes held beside it). A quantisation block shared
+        with larger neighbours costs a small tensor most of its moments' precision (lpmm
+        keeps such tensors in fp32 too); their bytes are few. Reopened directories that hold
+        such a device keep it.
 
     With several devices, sub-groups fill the GPU memory budgets of ``CudaDevice``s first
     (in device order; their update there is ~100x the host's), and the others are placed by
@@ -164,6 +177,7 @@ class Pipeline:
     """
 
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
+                 "_small",
                  "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins")
 
     def __init__(
@@ -188,13 +202,15 @@ class Pipeline:
         overlap: Optional[bool] = None,
         settings: Optional[PipelineSettings] = None,
         subgroup_sizes: Sequence[int] = (),
+        small_sizes: Optional[Sequence[int]] = None,
     ) -> None:
         self._native = None
-        bad = [n for n in subgroup_sizes
-               if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
-        if bad:
-            raise ValueError(f"subgroup_sizes must be positive ints (the params of each "
-                             f"sub-group to come), got {bad[0]!r} among them")
+        for name, sizes in (("subgroup_sizes", subgroup_sizes), ("small_sizes", small_sizes or ())):
+            bad = [n for n in sizes
+                   if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
+            if bad:
+                raise ValueError(f"{name} must be positive ints (the params of each "
+                                 f"sub-group to come), got {bad[0]!r} among them")
         self._devices = resolve(devices)
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
         self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]
@@ -229,15 +245,26 @@ class Pipeline:
                       for d, c in zip(self._devices, self.io_schedules)]
         specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
+        small = small_directory(self._devices[0].path)
+        quantized = settings.state_dtype != "fp32"
+        if not quantized or (small_sizes is None and not os.path.isfile(os.path.join(small, MANIFEST))):
+            small = ""
+        else:
+            os.makedirs(small, exist_ok=True)
+        self._small = bool(small)
+        if small:
+            self._gpus.append(None)  # the small sub-groups' device, last
         self._native = _native.NativePipeline(specs, self.optimizer.name,
-                                              float(self.optimizer.initial_state), settings)
+                                              float(self.optimizer.initial_state), settings,
+                                              small, [int(n) for n in small_sizes or ()] if small else [])
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
                 logger.warning(note)
 
     # -- layout -----------------------------------------------------------------------
-    def add_subgroup(self, numel: int, init: Any = None, *, fingerprint: int = 0) -> int:
+    def add_subgroup(self, numel: int, init: Any = None, *, fingerprint: int = 0,
+                     small: bool = False) -> int:
         """Adds the next sub-group of ``numel`` params and returns its id.
 
         ``init`` (fp32, ``numel`` elements; zeros when None) becomes the master weights of
@@ -245,7 +272,9 @@ class Pipeline:
         hold this sub-group (reopened), its stored states are kept and ``init`` is ignored.
         ``fingerprint`` (a 64-bit int, e.g. a hash of the params' shapes; 0: unchecked) is
         recorded with a new sub-group, and a held one with another fingerprint is refused:
-        a model of the same size but another layout must not take its weights.
+        a model of the same size but another layout must not take its weights. ``small``:
+        its params are small tensors whose moments stay fp32 with int8/int4 states
+        (``small_sizes``; with fp32 states it changes nothing).
         """
         native = self._open()
         if not isinstance(numel, (int, np.integer)) or isinstance(numel, bool):
@@ -258,7 +287,11 @@ class Pipeline:
         if init is not None:
             address, _, owner = buffers.host_buffer("init", init, int(numel), [buffers.F32],
                                                     writable=False)
-        sg, resumed = native.add_subgroup(int(numel), address, int(fingerprint))
+        if small and self.settings.state_dtype != "fp32" and not self._small:
+            raise ValueError("add_subgroup(small=True): give the pipeline the small sub-groups' "
+                             "sizes at creation (small_sizes=), so that their fp32 moments have "
+                             "a device of their own")
+        sg, resumed = native.add_subgroup(int(numel), address, int(fingerprint), bool(small))
         del owner
         if resumed:
             self._resumed.add(sg)
@@ -580,9 +613,9 @@ class Pipeline:
             groups = sorted({sg for sg, _ in found})
             warnings.warn(ParamsChangedWarning(
                 f"master='split': the bf16 params of sub-groups {groups} ({len(found)} chunks) "
-                f"were not the ones the devices emitted (weights loaded or edited since?): they "
-                f"were taken as the new fp32 masters as they are, their stored low halves "
-                f"dropped"), stacklevel=3)
+                f"were not the ones the devices emitted (weights loaded or edited since?): the "
+                f"changed params were taken as the new fp32 masters, the others' kept"),
+                stacklevel=3)
 
     def _subgroup(self, sg: Any) -> int:
         if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):

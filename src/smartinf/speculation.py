@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -110,6 +110,17 @@ class Speculation:
         # one whose launch failed is done: take() raises its error
         return sum(not (f.launched.done() and (f.launched.exception() is not None
                                                or f.launched.result().done())) for f in flights)
+
+    def drop(self, subgroups: Collection[int]) -> None:
+        """Retracts the updates of ``subgroups`` now: the caller edited their params since
+        the last step, and they started from the stored masters."""
+        with self._lock:
+            flights = {sg: self._flights.pop(sg) for sg in subgroups if sg in self._flights}
+        for sg, f in flights.items():
+            f.future()  # launched (its inputs on the host), so it can be retracted
+            self.pipeline.retract(sg)
+            self.counts.retracted += 1
+            self.counts.reasons["params edited"] = self.counts.reasons.get("params edited", 0) + 1
 
     def take(self, scale: Optional[float], hyper_of: Callable[[int], dict],
              later: Optional[Callable[[int, concurrent.futures.Future], None]] = None

@@ -31,31 +31,41 @@ class Subgroup:
     dtype: torch.dtype
     device: torch.device
     slices: list
+    small: bool = False  # of params of at most plan_subgroups' ``small`` elements each
 
 
 def plan_subgroups(param_groups: Sequence[dict], size: int, first_group: int = 0,
-                   first_id: int = 0) -> list[Subgroup]:
+                   first_id: int = 0, small: int = 0) -> list[Subgroup]:
     """Cuts the trainable params (``requires_grad``) of each group, in order, into flat
     sub-groups of at most ``size`` elements; a sub-group holds one dtype and one device, a
-    param may span sub-groups. Frozen params get no states, as in torch. The plan is
-    deterministic, so reopening the devices finds every sub-group again."""
+    param may span sub-groups. Frozen params get no states, as in torch. Params of at most
+    ``small`` elements (0: none) go to sub-groups of their own after the group's others
+    (``Subgroup.small``: fp32 moments with int8/int4 states). The plan is deterministic, so
+    reopening the devices finds every sub-group again."""
     plan: list[Subgroup] = []
     for g, group in enumerate(param_groups, first_group):
-        current: Optional[Subgroup] = None
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            start = 0
-            while start < p.numel():
-                if (current is None or current.numel == size or current.dtype != p.dtype
-                        or current.device != p.device):
-                    current = Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [])
-                    plan.append(current)
-                stop = min(p.numel(), start + size - current.numel)
-                current.slices.append(Slice(p, start, stop, current.numel))
-                current.numel += stop - start
-                start = stop
+        trained = [p for p in group["params"] if p.requires_grad]
+        for is_small in (False, True):
+            _cut([p for p in trained if (p.numel() <= small) == is_small], size, g,
+                 first_id, plan, is_small)
     return plan
+
+
+def _cut(params: Sequence[torch.Tensor], size: int, g: int, first_id: int,
+         plan: list, small: bool) -> None:
+    """Appends ``params``' sub-groups (of group ``g``) to ``plan``."""
+    current: Optional[Subgroup] = None
+    for p in params:
+        start = 0
+        while start < p.numel():
+            if (current is None or current.numel == size or current.dtype != p.dtype
+                    or current.device != p.device):
+                current = Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [], small)
+                plan.append(current)
+            stop = min(p.numel(), start + size - current.numel)
+            current.slices.append(Slice(p, start, stop, current.numel))
+            current.numel += stop - start
+            start = stop
 
 
 def fingerprint(sg: Subgroup) -> int:

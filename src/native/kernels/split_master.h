@@ -24,11 +24,17 @@ SMARTINF_HD inline uint16_t master_low(float master, bf16 param) {
 }
 
 // n masters from the params sent in and the stored low halves; `adopt`: the params are not
-// the ones emitted with these low halves (weights loaded or edited), so they are the masters.
+// all the ones emitted with these low halves (weights loaded or edited), so each param its
+// low half does not round back to is taken as its master (an edited one that it does is
+// within half an ulp of the edit: the master keeps those low bits, as an fp32 master keeps
+// itself where an edit equals its rounding; edits.merge); the others' masters stay exact.
 SMARTINF_HD inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* low, bool adopt,
                                         float* master) {
   if (adopt) {
-    for (std::size_t i = 0; i < n; ++i) master[i] = to_float(param[i]);
+    for (std::size_t i = 0; i < n; ++i) {
+      const float m = rebuild_master(param[i], low[i]);
+      master[i] = from_float<bf16>(m).bits == param[i].bits ? m : to_float(param[i]);
+    }
   } else {
     for (std::size_t i = 0; i < n; ++i) master[i] = rebuild_master(param[i], low[i]);
   }

@@ -104,6 +104,23 @@ Pipeline::Pipeline(const PipelineOptions& options)
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
       options.compute_threads ? options.compute_threads : device::default_compute_threads())};
+  // The small sub-groups' device: fp32 moments, two slots, all resident with a budget (and
+  // room for their twins where durable commits are written in the background).
+  const store::StateLayout small_layout{layout.arrays, store::Moments::fp32, layout.master};
+  device::CpuOptions small_cpu = cpu;
+  small_cpu.resident_bytes = 0;
+  if (options.memory_budget)
+    for (uint64_t n : options.small_numels)
+      small_cpu.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.bytes(n) /
+                                  (options.background_commit ? 1 : 2);
+  if (!options.small_dir.empty()) {
+    if (layout.moments == store::Moments::fp32)
+      throw std::invalid_argument("small_dir keeps small tensors' moments in fp32 beside int8/int4 "
+                                  "states; with fp32 states every moment is fp32 already");
+    DeviceSpec small;
+    small.dir = options.small_dir;
+    options_.devices.push_back(small);
+  }
   const bool any_cpu = std::any_of(options.devices.begin(), options.devices.end(),
                                    [](const DeviceSpec& d) { return d.kind == "cpu"; });
   if (options.memory_budget && !any_cpu)
@@ -111,7 +128,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                 "has none: a CUDA device takes a GPU memory budget of its own "
                                 "(CudaDevice(path, memory_budget=...)); xrt devices keep no "
                                 "resident states");
-  for (const DeviceSpec& spec : options.devices) {
+  for (const DeviceSpec& spec : options_.devices) {
+    const bool small = !options.small_dir.empty() && &spec == &options_.devices.back();
     if (spec.kind != "cpu" && spec.kind != "xrt" && spec.kind != "cuda")
       throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
     // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
@@ -131,14 +149,18 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                   " for " + spec.dir);
     Unit unit;
     unit.twins = spec.twins;
+    unit.small = small;
+    unit.layout = small ? small_layout : layout;
     unit.device = spec.kind == "xrt"    ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
                   : spec.kind == "cuda" ? device::make_cuda_device(spec.dir, geometry, spec.cuda)
-                                        : device::make_cpu_device(spec.dir, geometry, cpu);
+                  : small ? device::make_cpu_device(spec.dir, {2, options.chunk, small_layout}, small_cpu)
+                          : device::make_cpu_device(spec.dir, geometry, cpu);
     if (options.chunk % unit.device->param_multiple() != 0)
       throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
                                   std::to_string(unit.device->param_multiple()) +
                                   " params, got " + std::to_string(options.chunk));
     store::StoreConfig device_config = config;
+    device_config.layout = unit.layout;
     device_config.direct = unit.device->direct_io();
     if (!device_config.direct)
       notes_.push_back(unit.device->describe() + ": slot memory is not page aligned (XRT "
@@ -173,9 +195,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
   ring.verify = options.verify;
   if (options.host_link_bps > 0) ring.host_link = std::make_shared<HostLink>(options.host_link_bps);
   for (size_t i = 0; i < devices_.size(); ++i) {
-    ring.storage_bps = options.devices[i].storage_bps;
-    ring.io_schedule = options.devices[i].io_schedule;
-    ring.io_burst = io_burst(options.devices[i], options.ring);
+    ring.storage_bps = options_.devices[i].storage_bps;
+    ring.io_schedule = options_.devices[i].io_schedule;
+    ring.io_burst = io_burst(options_.devices[i], options.ring);
     Unit& u = devices_[i];
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
@@ -211,11 +233,19 @@ void Pipeline::check_membership() {
     std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(bits));
     id = text;
   }
+  const Unit& last = devices_.back();
+  if (last.small && known && !last.store->membership().count && known->store->membership().count == n - 1)
+    throw std::invalid_argument(
+        known->store->dir() + " was made by a smartinf whose " + layout_.dtype() + " states "
+        "quantised small tensors' moments too; this one keeps those in fp32 (in " +
+        last.store->dir() + "): resume the run with the version that made it, or start "
+        "afresh (if_exists='overwrite')");
   for (size_t i = 0; i < n; ++i) {
     const Unit& u = devices_[i];
     const store::Membership& m = u.store->membership();
     if (!m.count) {
       const bool empty = u.store->subgroup_count() == 0 && u.store->step() == 0;
+
       if (known && empty && !members_empty)
         throw std::invalid_argument(u.store->dir() + " holds no states, but " + where(*known) +
                                     " (a directory is missing or was replaced)" + fix);
@@ -264,7 +294,8 @@ uint64_t Pipeline::current_steps(const Placement& p) const {
 }
 
 uint64_t Pipeline::resident_size(const Placement& p) const {
-  return store::ChunkLayout{options_.chunk, layout_}.bytes(devices_[p.unit].store->record(p.local).numel) / 2;
+  const Unit& u = devices_[p.unit];
+  return store::ChunkLayout{options_.chunk, u.layout}.bytes(u.store->record(p.local).numel) / 2;
 }
 
 bool Pipeline::twin_fits(const Placement& p) const {
@@ -301,31 +332,36 @@ void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
 // resident memory holds it; else balanced by params (the device with the fewest so far
 // outside such budgets) over the other devices, or over all when every one is placed
 // first. Deterministic, so a reopened pipeline places new sub-groups as the first run did.
-size_t Pipeline::place(int64_t id, uint64_t bytes) const {
+size_t Pipeline::place(int64_t id, uint64_t bytes, bool small) const {
   for (size_t u = 0; u < devices_.size(); ++u)
     if (devices_[u].store->holds(id)) return u;
-  for (size_t u = 0; u < devices_.size(); ++u) {
+  const size_t last = devices_.size() - 1;
+  if (devices_[last].small) {  // the small unit holds the small sub-groups, and only those
+    if (small) return last;
+  }
+  const size_t count = devices_[last].small ? last : devices_.size();
+  for (size_t u = 0; u < count; ++u) {
     const Unit& d = devices_[u];
     if (d.device->placed_first() && fits_resident(d, bytes)) return u;
   }
-  const bool others = std::any_of(devices_.begin(), devices_.end(),
+  const bool others = std::any_of(devices_.begin(), devices_.begin() + count,
                                   [](const Unit& d) { return !d.device->placed_first(); });
-  size_t unit = devices_.size();
-  for (size_t u = 0; u < devices_.size(); ++u) {
+  size_t unit = count;
+  for (size_t u = 0; u < count; ++u) {
     if (others && devices_[u].device->placed_first()) continue;
-    if (unit == devices_.size() || devices_[u].balanced_numel < devices_[unit].balanced_numel) unit = u;
+    if (unit == count || devices_[u].balanced_numel < devices_[unit].balanced_numel) unit = u;
   }
   return unit;
 }
 
 size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint,
-                              bool& resumed) {
+                              bool& resumed, bool small) {
   std::lock_guard lock(mu_);
   require_open();
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   const auto id = static_cast<int64_t>(placement_.size());
-  const uint64_t bytes = store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2;
-  const size_t unit = place(id, bytes);
+  const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2, small);
+  const uint64_t bytes = store::ChunkLayout{options_.chunk, devices_[unit].layout}.bytes(numel) / 2;
   const size_t multiple = devices_[unit].device->param_multiple();
   if (numel % multiple != 0)
     throw std::invalid_argument("a sub-group of " + std::to_string(numel) + " params on " +
@@ -382,7 +418,7 @@ std::vector<Job> Pipeline::chunk_jobs(const Placement& p, JobKind kind) const {
     job.src = store.extent(p.local, c, current);
     job.dst = store.extent(p.local, c, r.copy ^ 1u);
     if (p.resident != device::kOwnStates)  // chunks one after another, each extent aligned
-      job.resident = p.resident + c * store::extent_bytes(options_.chunk, layout_);
+      job.resident = p.resident + c * store::extent_bytes(options_.chunk, devices_[p.unit].layout);
     job.subgroup = r.id;
     job.chunk = c;
     job.written_at = r.last;

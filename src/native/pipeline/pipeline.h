@@ -56,6 +56,14 @@ struct PipelineOptions {
   bool background_commit = true;
   unsigned compute_threads = 0;  // threads of the update kernel; 0: default_compute_threads()
   RingOptions ring;
+  // int8/int4 states: sub-groups added as small (small tensors: biases, norms) keep fp32
+  // moments, in a cpu device of their own over this directory ("": none), placed after the
+  // others in the device list. Quantisation blocks shared with larger neighbours cost small
+  // tensors most of their moments' precision (lpmm keeps tensors of <= 4096 elements in
+  // fp32). small_numels: the sizes of the small sub-groups to come, all resident when
+  // memory_budget is given (their bytes held from creation, apart from it).
+  std::string small_dir;
+  std::vector<uint64_t> small_numels;
 };
 
 // Hyper-parameters of one update (each rule reads its own); the step count t comes from
@@ -83,7 +91,9 @@ class Pipeline {
   // initialised (params from `init`, zeros when null; states `initial_state`) before this
   // returns; one the directories already hold is resumed and `init` is ignored, if its
   // size and `fingerprint` (the caller's name for its layout; 0: unchecked) match.
-  size_t add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint, bool& resumed);
+  // `small`: its params are small tensors, whose moments stay fp32 (PipelineOptions::small_dir).
+  size_t add_subgroup(uint64_t numel, const float* init, uint64_t fingerprint, bool& resumed,
+                      bool small = false);
 
   // Queues one sub-group's update; the completion is done when all params are in `out`.
   std::shared_ptr<Completion> update(size_t sg, const Gradient& grad, void* out,
@@ -149,6 +159,8 @@ class Pipeline {
     uint64_t balanced_numel = 0;  // of those, the ones placement balances (Pipeline::place)
     uint64_t resident_used = 0;   // bytes of the device's resident memory given out
     bool twins = false;           // DeviceSpec::twins
+    bool small = false;           // holds the small sub-groups (PipelineOptions::small_dir)
+    store::StateLayout layout;    // its states' bytes (fp32 moments where small)
   };
   struct Placement {
     size_t unit;
@@ -178,7 +190,7 @@ class Pipeline {
     std::map<std::string, double> hyper;
   };
   const Placement& placed(size_t sg) const;
-  size_t place(int64_t id, uint64_t bytes) const;
+  size_t place(int64_t id, uint64_t bytes, bool small) const;
   uint64_t current_steps(const Placement& p) const;  // ahead of the store's record while dirty
   void check_membership();
   void require_open() const;
@@ -213,7 +225,7 @@ class Pipeline {
 
   PipelineOptions options_;
   kernels::Rule rule_;
-  store::StateLayout layout_;
+  store::StateLayout layout_;  // the states' bytes (a small unit's moments: Unit::layout)
   std::vector<Unit> devices_;
   std::vector<Placement> placement_;
   std::vector<bool> updated_;

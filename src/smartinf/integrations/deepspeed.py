@@ -56,7 +56,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
 
-from .. import defaults, update_rules
+from .. import defaults, edits, update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
 from ..devices import rank_directory, with_gpu
@@ -248,6 +248,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._read: Optional[tuple] = None  # states read by an accessor, for a setter to write
         self.last_step_seconds = 0.0
         self._resumed = False
+        self._warned_edits = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._agree_on_resume()
         self._start_speculation()
@@ -374,6 +375,22 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             self._speculation.cancel()
 
     # -- layout: sub-groups live on the devices ---------------------------------------
+    def _create_fp16_sub_groups(self, params_group: list) -> list:
+        """DeepSpeed's, with the kept-whole (persistent) params in sub-groups of their own
+        in front: ``step()`` updates those before it returns (they are small: DeepSpeed's
+        ``stage3_param_persistence_threshold``), so they are gathered again with their new
+        values however much of the rest finishes during the next forward (``overlap``).
+        With overlap or without, so that both group the norm's sums alike. With int8/int4
+        states the small tensors (``defaults.SMALL_TENSOR`` elements) come first, in
+        sub-groups of their own: their moments stay fp32 (``Pipeline(small_sizes=)``)."""
+        small = defaults.small_tensor() if self.settings.pipeline.state_dtype != "fp32" else 0
+        kinds = [[p for p in params_group if p.ds_numel <= small],
+                 [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
+                 [p for p in params_group if p.ds_numel > small and not getattr(p, "ds_persist", False)]]
+        if sum(bool(k) for k in kinds) < 2:
+            return super()._create_fp16_sub_groups(params_group)
+        return [g for k in kinds if k for g in super()._create_fp16_sub_groups(k)]
+
     def _create_fp32_partitions(self) -> None:
         """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
         started from the partition's params (or resumed from the devices)."""
@@ -381,6 +398,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if any(flat is None for flat in self.fp16_partitioned_groups_flat):
             raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self._persistent_subgroups = [i for i, group in enumerate(self.fp16_groups) if group and all(
+            getattr(p, "ds_persist", False) for p in group)]
+        small = defaults.small_tensor() if self.settings.pipeline.state_dtype != "fp32" else 0
+        self._small = [bool(group) and all(p.ds_numel <= small for p in group)
+                       for group in self.fp16_groups]
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
         self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
         self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
@@ -391,6 +413,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                              "master='fp32'")
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
         self._driver = Driver(self.pipeline, max(numels), self._compress)
+        # What the partitions held when the step last put them (a split master's devices
+        # check their own), and what the kept-whole params held when last gathered: edits
+        # since become the masters at the next step.
+        self._watch = None if self._split else \
+            edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
+        self._whole = edits.ParamWatch(lambda p: [p.data])
         self._attach()
         for i, numel in enumerate(numels):
             placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
@@ -402,9 +430,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
 
     def _open_pipeline(self, if_exists: str) -> Pipeline:
         rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        quantized = self.settings.pipeline.state_dtype != "fp32"
         return Pipeline(self._devices, rule,
                         settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
-                        subgroup_sizes=[int(n) for n in self.fp16_partitioned_groups_flat_numel])
+                        subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
+                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None)
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
@@ -428,7 +459,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         for i, flat in enumerate(self.fp16_partitioned_groups_flat):
             master = self._driver.staging.grad(0, torch.float32, flat.numel())
             master.copy_(flat)
-            if self.pipeline.add_subgroup(flat.numel(), init=master) != i:
+            if self.pipeline.add_subgroup(flat.numel(), init=master, small=self._small[i]) != i:
                 raise RuntimeError(f"sub-group {i} was registered out of order")
             if self.pipeline.resumed(i):
                 self._resumed = True
@@ -436,6 +467,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                     continue
                 flat.copy_(torch.from_numpy(self.pipeline.read_states(i)["param"]))
                 self._unflatten_partitioned_parameters(i)
+            if self._watch is not None:
+                self._watch.record(i)
 
     def _agree_on_resume(self) -> None:
         """All ranks resume, at one step, or none do."""
@@ -462,6 +495,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if self.persistent_parameters:
             self.persistent_parameters[0].partition(self.persistent_parameters)
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
+        for p in self.persistent_parameters:
+            self._whole.record(p)
 
     def initialize_optimizer_states(self) -> None:
         """Nothing to allocate: the states were created on the devices with the sub-groups."""
@@ -476,6 +511,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if self._tail is not None:
             self._tail.drain()  # a step without a backward since the last one
         self._pre_step()
+        self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
         scaled_norm = None
@@ -512,6 +548,36 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
 
+    def _edited(self) -> list[int]:
+        """The sub-groups whose partitions the caller changed since the step put them
+        (through ``GatheredParameters(modifier_rank=...)``, or in a kept-whole param's
+        gathered copy, which is written into its partition here, as DeepSpeed's
+        ``partition(has_been_updated=True)`` would)."""
+        whole = [p for p in self.persistent_parameters if p.data.numel() == p.ds_numel]
+        for p in self._whole.changed(whole):  # (one partitioned since holds its edits there)
+            part, flat = p.ds_tensor, p.data.reshape(-1)
+            start = part.ds_numel * dist.get_rank(group=self.dp_process_group)
+            count = max(0, min(part.ds_numel, p.ds_numel - start))
+            part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+        return [] if self._watch is None else self._watch.changed(range(len(self.fp16_groups)))
+
+    def _adopt(self, edited: list) -> None:
+        """The edited partitions become the masters (``edits.adopt``), as a step of their
+        own on every rank at once (the ranks' directories keep one step count)."""
+        anywhere = torch.tensor([float(bool(edited))], device=self.device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if not anywhere.item():
+            return
+        if self._speculation is not None:
+            self._speculation.drop(edited)  # started from the stored masters
+        flats = self.fp16_partitioned_groups_flat
+        edits.adopt(self.pipeline, edited,
+                    lambda i: (flats[i].detach().to("cpu", torch.float32), flats[i].dtype),
+                    self._warned_edits)
+        self._warned_edits = True
+        for i in edited:
+            self._watch.record(i)
+
     def _finish_later(self, scale: float, hyper: list) -> None:
         """The updates started during backward that held are put; the rest are launched in
         the order the next forward gathers their params, and the step is committed when
@@ -521,10 +587,13 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             # those that held finish in the tail too (their params put when the forward
             # gathers them), in the speculation's buffers, where the others' go
             kept = self._take_speculated(scale, hyper, later=self._tail.start)
-            # Sub-groups on this GPU are updated where they are, now (milliseconds); the
-            # others through the host buffers, while the forward runs.
+            # Sub-groups on this GPU are updated where they are, now (milliseconds), and so
+            # are the kept-whole params' (gathered again with their new values before
+            # step() returns); the others through the host buffers, while the forward runs.
+            self._tail.wait(self._persistent_subgroups)
             rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
-            here = [i for i in rest if self._in_place(i) and not self.fp16_partitioned_groups_flat[i].is_cpu]
+            here = [i for i in rest if i in self._persistent_subgroups or (
+                self._in_place(i) and not self.fp16_partitioned_groups_flat[i].is_cpu)]
             self._driver.run(here, lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
                              self._finish)
             for i in rest:
@@ -537,17 +606,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             raise
 
     def _post_step(self, timer_names: Any) -> None:
-        """DeepSpeed's, but where the step may finish during the next forward (``StepTail``)
-        the kept-whole (persistent) params stay partitioned: the forward gathers them when it
-        needs them, after their update. After every step alike, so on every rank alike: the
-        gather is a collective."""
-        if self._tail is None:
-            return super()._post_step(timer_names)
-        persistent, self.persistent_parameters = self.persistent_parameters, []
-        try:
-            super()._post_step(timer_names)
-        finally:
-            self.persistent_parameters = persistent
+        """DeepSpeed's (the kept-whole params gathered again: their sub-groups are done),
+        then what they hold is what an edit is told from."""
+        super()._post_step(timer_names)
+        for p in self.persistent_parameters:
+            self._whole.record(p)
 
     def _combined_scale(self, total_norm: Any) -> Any:
         """What DeepSpeed divides the gradients by: loss scale times the clip coefficient."""
@@ -579,6 +642,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         flat = self.fp16_partitioned_groups_flat[i]
         if self._in_place(i):
             self._unflatten_partitioned_parameters(i)
+            self._put(i)
         else:
             self._put_params(i, self._driver.out(buffer, flat.dtype, flat.numel()))
 
@@ -589,6 +653,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if not flat.is_cpu:
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
+        self._put(i)
+
+    def _put(self, i: int) -> None:
+        """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
+        if self._watch is not None:
+            self._watch.record(i)
 
     # -- DeepSpeed's accessors of the fp32 masters and optimizer states -------------------
     def _get_fp32_opt_state_partition(self, param: Any, release_swap_buffers: bool,
@@ -643,6 +713,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         with self.pipeline.step():
             for i, flat in enumerate(self.fp16_partitioned_groups_flat):
                 self.pipeline.write_master(i, flat.detach().to("cpu", torch.float32))
+        for i in range(len(self.fp16_groups)):
+            self._put(i)
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict:

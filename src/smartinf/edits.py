@@ -1,0 +1,116 @@
+"""Edits between steps: a digest per sub-group of its params as the model holds them,
+taken when a step puts them and compared at the next one, so that whatever the caller
+writes into a param in between (clamped, pruned, rolled back, loaded by a framework; in
+place, through ``.data`` or by a new ``.data``) becomes the master instead of being
+overwritten by the stored one. Detected, not copied: a digest reads the params where they
+are. (A split master needs none: its devices checksum the params sent in.)
+
+The digest is exact for any change of bits: on the host XXH3-64 of each slice's bytes (the
+extents' checksum, ``_native.checksum``); on a GPU, where hashing would need a kernel of
+our own, position-weighted sums of the 64-bit words (torch's integer reductions, which wrap
+and so are order-free): any single changed word changes the plain sum, and moving words
+between rows of 8 changes the weighted one. What it cannot tell from no edit is an edit
+that writes the bits already there: with a bf16/fp16 param over an fp32 master, writing
+the master's rounding keeps the master (see ``merge``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable, Iterable, Sequence, Union
+
+import torch
+
+from . import _native
+from .rounding import round_to
+
+logger = logging.getLogger("smartinf")
+
+Digest = Union[int, torch.Tensor]  # a host int, or a 0-d int64 tensor on the params' GPU
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
+_ROW = 8  # words per row of the GPU digest's weighted sum
+
+
+def digest(parts: Sequence[torch.Tensor]) -> Digest:
+    """The digest of flat tensors (one sub-group's slices of params, in order), computed
+    where they live."""
+    if parts[0].device.type == "cpu":
+        h = 0
+        for t in parts:
+            t = t.detach().contiguous()
+            x = _native.checksum(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else 1
+            h = (h * 0x100000001B3 + x) & ((1 << 64) - 1)
+        return h
+    raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
+    return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
+
+
+def _words_digest(b: torch.Tensor) -> torch.Tensor:
+    """Position-weighted int64 sums of the bytes ``b`` (1-D uint8, contiguous) as words."""
+    head = min((-b.data_ptr()) % 8, b.numel())
+    n = (b.numel() - head) // 8
+    words = b[head:head + 8 * n].view(torch.int64)
+    rows = n // _ROW
+    loose = torch.cat([b[:head], b[head + 8 * n:]]).to(torch.int64)
+    loose = torch.cat([words[rows * _ROW:], loose])  # fewer than 8 words and 14 bytes
+
+    def weighted(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device)).sum()
+    h = words.sum() * _MIX + weighted(words[:rows * _ROW].view(rows, _ROW).sum(1))
+    return h * _MIX + weighted(loose) + b.numel()
+
+
+def merge(stored: torch.Tensor, held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The new fp32 masters of params the caller edited: ``held`` (the params, as fp32)
+    where they differ from ``stored`` rounded to their ``dtype``, else ``stored`` (an fp32
+    param's master is the param; a bf16/fp16 one's keeps its low bits where untouched)."""
+    if dtype == torch.float32:
+        return held
+    same = round_to(stored, dtype) == held.to(dtype)
+    return torch.where(same, stored, held)
+
+
+def adopt(pipeline: Any, edited: Sequence[int],
+          held: Callable[[int], tuple[torch.Tensor, torch.dtype]], warned: bool) -> None:
+    """The edited sub-groups' params become their masters (``merge``), as a step of their
+    own on the devices (their optimizer states and step counts stay). ``held(sg)``: the
+    params as the model holds them, as fp32 on the host, and their dtype. Said at warning
+    level unless ``warned``."""
+    (logger.debug if warned else logger.warning)(
+        "the model's params of sub-groups %s changed since the optimizer put them (weights "
+        "loaded or edited): they are the new master weights (said once at warning level)",
+        list(edited))
+    with pipeline.step():
+        for sg in edited:
+            states = pipeline.read_states(sg)
+            stored = torch.from_numpy(states["param"])
+            params, dtype = held(sg)
+            stored.copy_(merge(stored, params, dtype))
+            pipeline.write_states(sg, states, pipeline.subgroup_steps(sg))
+
+
+class ParamWatch:
+    """The digests of what each sub-group's params held when the optimizer last put or
+    took them; ``parts(key)`` gives a sub-group's flat param slices as they are now."""
+
+    def __init__(self, parts: Callable[[Hashable], Sequence[torch.Tensor]]) -> None:
+        self._parts = parts
+        self._held: dict = {}
+
+    def record(self, key: Hashable) -> None:
+        """The params of ``key`` are what the optimizer put (or took) now."""
+        self._held[key] = digest(self._parts(key))
+
+    def changed(self, keys: Iterable[Hashable]) -> list:
+        """The sub-groups among ``keys`` whose params differ from the last record (one host
+        sync per GPU); ``record`` them once the devices hold their edits."""
+        keys = [k for k in keys if k in self._held]
+        now = {k: digest(self._parts(k)) for k in keys}
+        same = {k: now[k] == self._held[k] for k in keys if not isinstance(now[k], torch.Tensor)}
+        by_device: dict = {}
+        for k in keys:
+            if isinstance(now[k], torch.Tensor):
+                by_device.setdefault(now[k].device, []).append(k)
+        for on_gpu in by_device.values():  # one sync per GPU
+            flags = torch.stack([now[k] == self._held[k] for k in on_gpu]).cpu().tolist()
+            same.update(zip(on_gpu, flags))
+        return [k for k in keys if not same[k]]

@@ -1,0 +1,107 @@
+"""Params edited between steps, and the kept-whole (persistent) params read right after
+``step()``, on smartinf.integrations.deepspeed next to DeepSpeed's own ZeRO-3 (fp32 torch
+AdamW, no offload) on the same model and batches. For tests/test_deepspeed.py:
+
+    torchrun --nproc_per_node=2 tests/deepspeed_edits.py --dir D --out results.json
+
+Each step, both engines get the same edit: after step 2 every param clamped through
+``GatheredParameters(modifier_rank=0)``, after step 3 the kept-whole params pruned in their
+gathered copies (``p.data``, no gather), after step 5 every param rolled back to its values
+after step 1. DeepSpeed's own step would overwrite such edits with its fp32 masters, so its
+run is told of them the DeepSpeed way (``safe_set_full_fp32_param``); smartinf's is not.
+Rank 0 writes, per step, the losses and how far each engine's persistent params (read
+without a gather) and gathered params are from the other's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_set_full_fp32_param  # noqa: E402
+
+from deepspeed_api import LANG, engine, gathered, named, rel, train  # noqa: E402
+from examples.deepspeed.train import leave_without_teardown  # noqa: E402
+from examples.gpt.data import batches  # noqa: E402
+
+CLIP = 0.05
+STEPS = 7
+
+
+def clamp(eng: object, snapshot: dict) -> None:
+    params = list(named(eng).values())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        for p in params:
+            p.data.clamp_(-CLIP, CLIP)
+
+
+def prune_kept_whole(eng: object, snapshot: dict) -> None:
+    for i, p in enumerate(named(eng).values()):
+        if getattr(p, "ds_persist", False):
+            g = torch.Generator().manual_seed(i)
+            p.data.mul_((torch.rand(p.shape, generator=g) > 0.3).to(p.dtype))
+
+
+def roll_back(eng: object, snapshot: dict) -> None:
+    params = named(eng)
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+        for n, p in params.items():
+            p.data.copy_(snapshot[n])
+
+
+EDITS = {2: clamp, 3: prune_kept_whole, 5: roll_back}
+
+
+def tell_deepspeed(eng: object) -> None:
+    """DeepSpeed's own way to make the model's (edited) params its fp32 masters."""
+    params = named(eng)
+    values = gathered(eng)
+    for n, p in params.items():
+        if p.data.numel() == p.ds_numel:  # kept whole: its copy is what the forward used
+            values[n] = p.data.detach().clone()
+    for n, p in params.items():
+        safe_set_full_fp32_param(p, values[n])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    deepspeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    ours, ref = engine(str(Path(a.dir) / "ours")), engine(None)
+    data = [batches(LANG, 4, 32, seed=1000 + rank) for _ in range(2)]
+    kept_whole = [n for n, q in named(ours).items() if getattr(q, "ds_persist", False)]
+    record: dict = {"kept_whole": len(kept_whole), "steps": []}
+    snapshots: dict = {}
+    for step in range(1, STEPS + 1):
+        losses = [train(ours, data[0], 1)[0], train(ref, data[1], 1)[0]]
+        mine, theirs = named(ours), named(ref)  # read right after step(), no gather
+        shapes_equal = all(mine[n].data.shape == theirs[n].data.shape for n in kept_whole)
+        whole = rel([mine[n].data for n in kept_whole], [theirs[n].data for n in kept_whole]) \
+            if shapes_equal else float("inf")
+        everything = rel(list(gathered(ours).values()), list(gathered(ref).values()))
+        record["steps"].append({"losses": losses, "kept_whole_shapes_equal": shapes_equal,
+                                "kept_whole": whole, "gathered": everything})
+        if step == 1:
+            snapshots = {id(e): gathered(e) for e in (ours, ref)}
+        if step in EDITS:
+            for e in (ours, ref):
+                EDITS[step](e, snapshots[id(e)])
+            tell_deepspeed(ref)
+    record["clamped_max"] = max(float(v.abs().max()) for v in gathered(ours).values())
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(record))
+    leave_without_teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Params the caller edits between steps (weight clipping, pruning masks, a rollback through
+load_state_dict) become the masters at the next step (smartinf/edits.py), for every master
+format, param dtype, tier and overlap: the same params as torch's AdamW given the same
+gradients and the same edits."""
+import math
+
+import pytest
+import torch
+
+import smartinf.optim as so
+from smartinf import edits
+from conftest import assert_close_fp32
+
+SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks
+CLIP = 0.12  # a bf16/fp16 number: clamping to it in the param's dtype is exact
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 9)).to(dtype)
+
+
+def clamp(model, step, snapshots):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-CLIP, CLIP)  # in place: the param's version counter moves
+
+
+def prune(model, step, snapshots):
+    for i, p in enumerate(model.parameters()):
+        torch.manual_seed(i)
+        mask = (torch.rand(p.shape) > 0.3).to(p.dtype)
+        p.data.mul_(mask)  # through .data: no version counter sees it
+
+
+def rollback(model, step, snapshots):
+    if step == 1:
+        snapshots[id(model)] = {k: v.clone() for k, v in model.state_dict().items()}
+    if step == 3:
+        model.load_state_dict(snapshots[id(model)])  # a framework restoring a checkpoint
+
+
+EDITS = {"clamp": clamp, "prune": prune, "rollback": rollback}
+FORMATS = {"fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {}),
+           "fp16": (torch.float16, {}), "bf16-split": (torch.bfloat16, dict(master="split"))}
+TIERS = {"streamed": {}, "resident": dict(memory_budget="1MiB", commit_every=2)}
+
+
+def train_with_edits(directory, dtype, edit, steps=6, **kw):
+    """smartinf.optim.AdamW on a ``dtype`` model (real backward passes) and torch's AdamW on
+    an fp32 copy given the same gradients, both edited by ``edit`` after every step; the
+    params of both after every step, and the speculation's counts."""
+    ours, theirs = make_model(dtype), make_model(dtype).float()
+    opt = so.AdamW(ours.parameters(), lr=1e-2, devices=[str(directory)], **SMALL, **kw)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    snapshots, history = {}, []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = torch.randn(16, 24, dtype=dtype)
+        ours(x).float().pow(2).mean().backward()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        opt.zero_grad(set_to_none=True)
+        edit(ours, step, snapshots)
+        edit(theirs, step, snapshots)
+        history.append([(p.detach().clone(), q.detach().clone())
+                        for p, q in zip(ours.parameters(), theirs.parameters())])
+    counts = opt._speculation.counts if opt._speculation is not None else None
+    opt.close()
+    return history, counts
+
+
+def ulp(x, dtype):
+    """One ulp of ``dtype`` at each magnitude of ``x``."""
+    big = x.abs().to(dtype)
+    return torch.nextafter(big, torch.tensor(math.inf, dtype=dtype)).float() - big.float()
+
+
+def assert_within_rounding(ours, master, largest, what):
+    """fp32: torch's tolerance. bf16/fp16: an edit that equals a master's rounding keeps the
+    master (edits.merge), which is then within one ulp of the edit at the element's
+    magnitude then; identical later updates keep that difference, and rounding both adds at
+    most one ulp now: within two ulps at the largest magnitude the element had
+    (``largest``)."""
+    if ours.dtype == torch.float32:
+        assert_close_fp32(ours.numpy(), master.numpy(), what)
+        return
+    err = (ours.float() - master.to(ours.dtype).float()).abs()
+    bound = 2 * ulp(largest, ours.dtype)
+    worst = (err - bound).argmax()
+    assert torch.all(err <= bound), \
+        f"{what}: {err.flatten()[worst]} off, bound {bound.flatten()[worst]}"
+
+
+def assert_history_close(history):
+    largest = [q.abs() for _, q in history[0]]
+    for step, params in enumerate(history):
+        for i, (p, q) in enumerate(params):
+            largest[i] = torch.maximum(largest[i], q.abs())
+            assert_within_rounding(p, q, largest[i], f"param {i} after step {step + 1}")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("edit", EDITS)
+def test_edits_between_steps_become_the_masters(tmp_path, monkeypatch, edit, fmt, tier, overlap):
+    if overlap:  # updates start during backward (on the CPU only when asked)
+        monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "1")
+    dtype, kw = FORMATS[fmt]
+    history, counts = train_with_edits(tmp_path, dtype, EDITS[edit], overlap=overlap,
+                                       **kw, **TIERS[tier])
+    assert_history_close(history)
+    if edit == "clamp":  # and the edit itself stuck
+        assert all(p.abs().max() <= CLIP for p, _ in history[-1])
+    if overlap and fmt != "bf16-split":  # updates started from stale masters were redone
+        assert counts.reasons.get("params edited", 0) > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_without_edits_nothing_is_taken(tmp_path, caplog, fmt):
+    """No edit: no sub-group written twice, no warning; the params are torch's."""
+    dtype, kw = FORMATS[fmt]
+    history, _ = train_with_edits(tmp_path, dtype, lambda *a: None, steps=3, **kw)
+    assert "changed since the optimizer put them" not in caplog.text
+    assert_history_close(history)
+
+
+def test_state_dict_and_save_hold_the_edits(tmp_path):
+    """Edits after the last step are in what state_dict() and save() export."""
+    model = make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path / "run")], **SMALL)
+    model(torch.randn(4, 24)).pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    expected = [p.detach().clone() for p in model.parameters()]
+    saved = opt.save(str(tmp_path / "ckpt"))
+    opt.close()
+    fresh = make_model()
+    reopened = so.AdamW(fresh.parameters(), lr=1e-2, devices=saved, if_exists="resume", **SMALL)
+    for p, q in zip(fresh.parameters(), expected):
+        assert torch.equal(p.detach(), q)
+    reopened.close()
+
+
+def test_bf16_edits_that_equal_the_rounding_keep_the_master():
+    """The documented limit: a bf16 param written with its master's rounding is no edit."""
+    stored = torch.tensor([1.0 + 2 ** -12, 2.0, -3.0 + 2 ** -10])
+    held = stored.to(torch.bfloat16).float()
+    held[1] = 0.5  # an edit
+    merged = edits.merge(stored, held, torch.bfloat16)
+    assert merged.tolist() == [stored[0].item(), 0.5, stored[2].item()]
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_digest_sees_every_change_of_bits(device, dtype):
+    torch.manual_seed(0)
+    whole = torch.randn(1000, dtype=dtype, device=device)
+    for start, stop in [(0, 1000), (1, 1000), (3, 517), (5, 6)]:  # any alignment
+        part = whole[start:stop]
+        base = edits.digest([part])
+        assert edits.digest([part.clone()]) == base  # the bits, wherever they are
+        for i in {0, part.numel() // 2, part.numel() - 1}:
+            flipped = part.clone()
+            flipped.view(torch.int16 if dtype != torch.float32 else torch.int32)[i] ^= 1
+            assert edits.digest([flipped]) != base, (start, stop, i)
+        if part.numel() > 40:
+            swapped = part.clone()
+            swapped[[2, 37]] = part[[37, 2]]  # moved across rows of 8 words
+            assert edits.digest([swapped]) != base
+        assert edits.digest([part[:1], part[1:]]) != edits.digest([part[1:], part[:1]]) \
+            or part.numel() == 1 or torch.equal(part[:1], part[-1:])
+
+
+# -- small tensors keep fp32 moments beside int8/int4 states ----------------------------
+def biased_pair(directory, state_dtype, **kw):
+    """A 256 x 256 weight beside a 7-element bias, smartinf (``state_dtype``) and torch's
+    AdamW, 20 steps on the same gradients: (ours, theirs, the model before)."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 7))
+    theirs = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 7))
+    theirs.load_state_dict(ours.state_dict())
+    start = [p.detach().clone() for p in ours.parameters()]
+    opt = so.AdamW(ours.parameters(), lr=1e-3, devices=[str(directory)],
+                   state_dtype=state_dtype, **kw)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    for step in range(20):
+        torch.manual_seed(100 + step)
+        x = torch.randn(32, 256)
+        ours(x).pow(2).mean().backward()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    return ours, theirs, start, opt
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_small_tensors_keep_fp32_moments(tmp_path, state_dtype, tier):
+    """Tensors of <= defaults.SMALL_TENSOR elements (the biases, the 256 x 7 weight) train
+    as with fp32 states, torch's AdamW to its tolerance, where sharing quantisation blocks
+    with the 256 x 256 weight had left the 7-element bias 0.72 off its net change (int4);
+    that weight keeps quantised moments."""
+    ours, theirs, start, opt = biased_pair(tmp_path, state_dtype, **TIERS[tier])
+    small = 256 + 256 * 7 + 7  # all but the 256 x 256 weight
+    assert [(sg.numel, sg.small) for sg in opt._plan] == [(65536, False), (small, True)]
+    stats = opt.pipeline.device_stats
+    assert stats[-1]["numel"] == small and stats[0]["numel"] == 65536
+    opt.close()
+    names = [n for n, _ in ours.named_parameters()]
+    for name, p, q, p0 in zip(names, ours.parameters(), theirs.parameters(), start):
+        if p.numel() <= 4096:
+            assert_close_fp32(p.detach().numpy(), q.detach().numpy(), name)
+        else:  # quantised moments: off by their error, not by fp32 rounding
+            change = (q - p0).detach().norm()
+            assert 1e-4 < float((p - q).detach().norm() / change) < 0.5, name
+
+
+def test_small_tensor_moments_resume_and_checkpoint(tmp_path):
+    """The small tensors' directory is saved, restored and reopened with the others."""
+    ours, _, _, opt = biased_pair(tmp_path / "run", "int4")
+    saved = opt.save(str(tmp_path / "ckpt"))
+    state = opt.state_dict()["state"]
+    opt.close()
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 7))
+    reopened = so.AdamW(fresh.parameters(), lr=1e-3, devices=saved, state_dtype="int4",
+                        if_exists="resume")
+    for p, q in zip(fresh.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+    again = reopened.state_dict()["state"]
+    for i in state:
+        for k in state[i]:
+            assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(again[i][k])), (i, k)
+    reopened.close()
+
+
+def test_directories_quantising_small_tensors_are_refused_clearly(tmp_path):
+    """int4 directories made before small tensors kept fp32 moments (one device, no
+    fp32-moments directory) are refused with what to do, not reinterpreted."""
+    import smartinf
+    with smartinf.Pipeline(str(tmp_path), smartinf.AdamW(), state_dtype="int4") as pipe:
+        pipe.add_subgroup(1000)
+        with pipe.step():
+            pipe.update(0, torch.ones(1000), torch.zeros(1000))
+    with pytest.raises(ValueError, match="quantised small tensors' moments too.*if_exists='overwrite'"):
+        smartinf.Pipeline(str(tmp_path), smartinf.AdamW(), state_dtype="int4", small_sizes=[7])
+    with smartinf.Pipeline(str(tmp_path), smartinf.AdamW(), state_dtype="int4") as pipe:
+        with pytest.raises(ValueError, match="small_sizes="):
+            pipe.add_subgroup(7, small=True)
