@@ -36,11 +36,11 @@ LANG = Language()
 KEYS = (None, "exp_avg", "exp_avg_sq")  # the master, then Adam's states
 
 
-def config(devices: str | None) -> dict:
+def config(devices: str | None, lr: float = 1e-2) -> dict:
     """DeepSpeed's default stage3_param_persistence_threshold: all but the embedding stay
     gathered."""
     c = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1,
+         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.1,
                                                    "torch_adam": True}},
          "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9}
     if devices:
@@ -48,12 +48,12 @@ def config(devices: str | None) -> dict:
     return c
 
 
-def engine(devices: str | None, seed: int = 0, args: object = None) -> object:
+def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 1e-2) -> object:
     model = GPT(GPTConfig(LANG.vocab_size, 32, 64, 2, 4), seed=seed)
     init = smartinf_ds.initialize if devices else deepspeed.initialize
     if args is not None:  # the argparse way: the config only in args.deepspeed_config
         return init(args=args, model=model, model_parameters=model.parameters())[0]
-    return init(model=model, model_parameters=model.parameters(), config=config(devices))[0]
+    return init(model=model, model_parameters=model.parameters(), config=config(devices, lr))[0]
 
 
 def train(eng: object, data: object, steps: int) -> list:
@@ -101,13 +101,18 @@ def gathered(eng: object) -> dict:
         return {n: p.detach().clone() for n, p in params.items()}
 
 
-def main() -> None:
+def start() -> tuple:
+    """The script's arguments (--dir, --out) and this rank, distributed set up."""
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     deepspeed.init_distributed()
-    rank = torch.distributed.get_rank()
+    return a, torch.distributed.get_rank()
+
+
+def main() -> None:
+    a, rank = start()
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
     path = root / "ds.json"

@@ -591,3 +591,4 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch
         ours, ref = s["losses"]
         assert abs(ours - ref) <= TOL * abs(ref), (step, s)
     assert record["clamped_max"] > 0.5  # rolled back past the clamp (0.05) at step 5
+    assert record["saved_max"] <= record["clip_fp32"]  # a checkpoint's masters: an edit after step()

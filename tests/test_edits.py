@@ -30,7 +30,7 @@ def clamp(model, step, snapshots):
 def prune(model, step, snapshots):
     for i, p in enumerate(model.parameters()):
         torch.manual_seed(i)
-        mask = (torch.rand(p.shape) > 0.3).to(p.dtype)
+        mask = (torch.rand(p.shape) > 0.3).to(p.device, p.dtype)
         p.data.mul_(mask)  # through .data: no version counter sees it
 
 
@@ -47,26 +47,27 @@ FORMATS = {"fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {}),
 TIERS = {"streamed": {}, "resident": dict(memory_budget="1MiB", commit_every=2)}
 
 
-def train_with_edits(directory, dtype, edit, steps=6, **kw):
-    """smartinf.optim.AdamW on a ``dtype`` model (real backward passes) and torch's AdamW on
-    an fp32 copy given the same gradients, both edited by ``edit`` after every step; the
-    params of both after every step, and the speculation's counts."""
-    ours, theirs = make_model(dtype), make_model(dtype).float()
+def train_with_edits(directory, dtype, edit, steps=6, device="cpu", **kw):
+    """smartinf.optim.AdamW on a ``dtype`` model on ``device`` (real backward passes) and
+    torch's AdamW on an fp32 copy on the CPU given the same gradients, both edited by
+    ``edit`` after every step; the params of both after every step, and the speculation's
+    counts."""
+    ours, theirs = make_model(dtype).to(device), make_model(dtype).float()
     opt = so.AdamW(ours.parameters(), lr=1e-2, devices=[str(directory)], **SMALL, **kw)
     ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     snapshots, history = {}, []
     for step in range(steps):
         torch.manual_seed(step)
         x = torch.randn(16, 24, dtype=dtype)
-        ours(x).float().pow(2).mean().backward()
+        ours(x.to(device)).float().pow(2).mean().backward()
         for p, q in zip(ours.parameters(), theirs.parameters()):
-            q.grad = p.grad.float()
+            q.grad = p.grad.float().cpu()
         opt.step()
         ref.step()
         opt.zero_grad(set_to_none=True)
         edit(ours, step, snapshots)
         edit(theirs, step, snapshots)
-        history.append([(p.detach().clone(), q.detach().clone())
+        history.append([(p.detach().cpu().clone(), q.detach().clone())
                         for p, q in zip(ours.parameters(), theirs.parameters())])
     counts = opt._speculation.counts if opt._speculation is not None else None
     opt.close()
@@ -120,6 +121,18 @@ def test_edits_between_steps_become_the_masters(tmp_path, monkeypatch, edit, fmt
         assert counts.reasons.get("params edited", 0) > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "bf16-split"])
+@pytest.mark.parametrize("edit", EDITS)
+def test_edits_of_gpu_params(tmp_path, edit, fmt):
+    """Params on a GPU (digests there; updates start during backward by default)."""
+    dtype, kw = FORMATS[fmt]
+    history, counts = train_with_edits(tmp_path, dtype, EDITS[edit], device="cuda", **kw)
+    assert_history_close(history)
+    if fmt != "bf16-split":
+        assert counts.reasons.get("params edited", 0) > 0
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
 def test_without_edits_nothing_is_taken(tmp_path, caplog, fmt):
     """No edit: no sub-group written twice, no warning; the params are torch's."""
@@ -146,6 +159,23 @@ def test_state_dict_and_save_hold_the_edits(tmp_path):
     for p, q in zip(fresh.parameters(), expected):
         assert torch.equal(p.detach(), q)
     reopened.close()
+
+
+def test_an_edit_before_close_is_what_a_resume_finds(tmp_path):
+    """Pruned after the last step, then closed: reopening the directories (their weights
+    replace the model's) gives the pruned params."""
+    model = make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)], **SMALL)
+    model(torch.randn(4, 24)).pow(2).mean().backward()
+    opt.step()
+    prune(model, 0, {})
+    expected = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    fresh = make_model()
+    so.AdamW(fresh.parameters(), lr=1e-2, devices=[str(tmp_path)], if_exists="resume",
+             **SMALL).close()
+    for p, q in zip(fresh.parameters(), expected):
+        assert torch.equal(p.detach(), q)
 
 
 def test_bf16_edits_that_equal_the_rounding_keep_the_master():

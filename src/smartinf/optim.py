@@ -767,9 +767,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return targets
 
     def close(self) -> None:
-        """Closes the pipeline (the devices keep the last committed step)."""
+        """Closes the pipeline (the devices keep the last committed step; params the caller
+        edited since the last step taken as the masters first, as a step would)."""
         if not self.pipeline.closed:
             self._settle()
+            self._adopt(self._edited())
         if self._speculation is not None:
             self._hooks.close()
             self._speculation.close()

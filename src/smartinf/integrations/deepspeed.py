@@ -387,9 +387,10 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         kinds = [[p for p in params_group if p.ds_numel <= small],
                  [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
                  [p for p in params_group if p.ds_numel > small and not getattr(p, "ds_persist", False)]]
+        split = super()._create_fp16_sub_groups  # (no super() inside the comprehension)
         if sum(bool(k) for k in kinds) < 2:
-            return super()._create_fp16_sub_groups(params_group)
-        return [g for k in kinds if k for g in super()._create_fp16_sub_groups(k)]
+            return split(params_group)
+        return [g for k in kinds if k for g in split(k)]
 
     def _create_fp32_partitions(self) -> None:
         """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
@@ -719,7 +720,8 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict:
         """DeepSpeed's, with the devices' committed masters in place of the empty fp32
-        partitions, so that zero_to_fp32 consolidates the true fp32 weights."""
+        partitions, so that zero_to_fp32 consolidates the true fp32 weights (``save_checkpoint``
+        has taken params edited since the last step as the masters: ``save_states``)."""
         self.settle()
         state = super().state_dict()
         state[FP32_FLAT_GROUPS] = [
@@ -735,8 +737,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
     def save_states(self, directory: str) -> None:
         """Copies this rank's device directories (the last committed step) to ``directory``,
         replacing an earlier copy under the same tag (the transformers Trainer saves a tag
-        twice), as DeepSpeed replaces its own files."""
+        twice), as DeepSpeed replaces its own files. Params edited since the last step are
+        taken as the masters first, as a step would (every rank saves: ``_adopt`` is a
+        collective)."""
         self.settle()
+        self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
         if os.path.isdir(directory):
             shutil.rmtree(directory)
