@@ -59,7 +59,7 @@ def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 
 def train(eng: object, data: object, steps: int) -> list:
     losses = []
     for _ in range(steps):
-        x, y = next(data)
+        x, y = (t.to(eng.device) for t in next(data))
         logits = eng(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
         eng.backward(loss)

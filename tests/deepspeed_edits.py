@@ -50,7 +50,7 @@ def prune_kept_whole(eng: object, snapshot: dict) -> None:
     for i, p in enumerate(named(eng).values()):
         if getattr(p, "ds_persist", False):
             g = torch.Generator().manual_seed(i)
-            p.data.mul_((torch.rand(p.shape, generator=g) > 0.3).to(p.dtype))
+            p.data.mul_((torch.rand(p.shape, generator=g) > 0.3).to(p.device, p.dtype))
 
 
 def roll_back(eng: object, snapshot: dict) -> None:

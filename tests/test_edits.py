@@ -288,3 +288,16 @@ def test_directories_quantising_small_tensors_are_refused_clearly(tmp_path):
     with smartinf.Pipeline(str(tmp_path), smartinf.AdamW(), state_dtype="int4") as pipe:
         with pytest.raises(ValueError, match="small_sizes="):
             pipe.add_subgroup(7, small=True)
+
+
+def test_the_gpu_digest_counts_words_from_the_first_byte():
+    """The words of the GPU's digest (run here on the host's tensors) start at a slice's
+    first byte wherever it lies: the same bits at another alignment, the same digest."""
+    torch.manual_seed(0)
+    whole = torch.randn(1000)
+    for start, stop in [(0, 1000), (1, 1000), (3, 517), (5, 6)]:
+        part = whole[start:stop].view(torch.uint8)
+        assert int(edits._words_digest(part)) == int(edits._words_digest(part.clone()))
+        flipped = part.clone()
+        flipped[-1] ^= 1
+        assert int(edits._words_digest(flipped)) != int(edits._words_digest(part))

@@ -66,6 +66,8 @@ cdef extern from "store/layout.h" namespace "smartinf::store":
 
 cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t extent_checksum(const void*, size_t) nogil
+    void c_piece_checksums "smartinf::store::piece_checksums"(const void*, size_t, size_t, uint64_t*, unsigned) nogil
+    void c_copy_piece_checksums "smartinf::store::copy_piece_checksums"(void*, const void*, size_t, size_t, uint64_t*) nogil
 
 
 cdef extern from "fault.h" namespace "smartinf::fault":
@@ -182,6 +184,22 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[cmap[string, double]] device_stats()
         string engine()
         vector[string] notes()
+
+
+def piece_checksums(uintptr_t address, size_t nbytes, size_t piece, unsigned threads) -> list:
+    """The extent checksum of each ``piece`` bytes of ``nbytes`` at address, by ``threads``."""
+    cdef vector[uint64_t] out = vector[uint64_t]((nbytes + piece - 1) // piece)
+    with nogil:
+        c_piece_checksums(<const void*>address, nbytes, piece, out.data(), threads)
+    return list(out)
+
+
+def copy_piece_checksums(uintptr_t dst, uintptr_t src, size_t nbytes, size_t piece) -> list:
+    """Copies ``nbytes`` from src to dst; the checksums of the pieces, as piece_checksums."""
+    cdef vector[uint64_t] out = vector[uint64_t]((nbytes + piece - 1) // piece)
+    with nogil:
+        c_copy_piece_checksums(<void*>dst, <const void*>src, nbytes, piece, out.data())
+    return list(out)
 
 
 def checksum(uintptr_t address, size_t nbytes) -> int:

@@ -5,8 +5,9 @@ place, through ``.data`` or by a new ``.data``) becomes the master instead of be
 overwritten by the stored one. Detected, not copied: a digest reads the params where they
 are. (A split master needs none: its devices checksum the params sent in.)
 
-The digest is exact for any change of bits: on the host XXH3-64 of each slice's bytes (the
-extents' checksum, ``_native.checksum``); on a GPU, where hashing would need a kernel of
+The digest is exact for any change of bits: on the host XXH3-64 of each 256 KiB of each
+slice (the extents' checksum), computed by every core at the check and, where the step
+copies the params into the model, while copying them (``copy``: in cache); on a GPU, where hashing would need a kernel of
 our own, position-weighted sums of the 64-bit words (torch's integer reductions, which wrap
 and so are order-free): any single changed word changes the plain sum, and moving words
 between rows of 8 changes the weighted one. What it cannot tell from no edit is an edit
@@ -16,7 +17,8 @@ the master's rounding keeps the master (see ``merge``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Hashable, Iterable, Sequence, Union
+import os
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -30,28 +32,49 @@ _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
 _ROW = 8  # words per row of the GPU digest's weighted sum
 
 
+PIECE = 256 << 10  # bytes per XXH3 of the host digest: hashed in cache right after a copy
+_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def digest(parts: Sequence[torch.Tensor]) -> Digest:
     """The digest of flat tensors (one sub-group's slices of params, in order), computed
     where they live."""
     if parts[0].device.type == "cpu":
-        h = 0
+        sums = []
         for t in parts:
             t = t.detach().contiguous()
-            x = _native.checksum(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else 1
-            h = (h * 0x100000001B3 + x) & ((1 << 64) - 1)
-        return h
+            sums.append(_native.piece_checksums(t.data_ptr(), t.numel() * t.element_size(),
+                                                PIECE, _THREADS))
+        return fold(sums)
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
     return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
 
 
+def fold(sums: Sequence[Sequence[int]]) -> int:
+    """The host digest of parts from their pieces' checksums (``digest``, ``copy``)."""
+    h = 0
+    for part in sums:
+        for x in (len(part), *part):
+            h = (h * 0x100000001B3 + x) & ((1 << 64) - 1)
+    return h
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
+    """Copies ``src`` into ``dst`` (host tensors of one dtype, contiguous, of one size) and
+    returns the checksums of ``dst``'s pieces, as ``digest`` takes them (``fold``)."""
+    return _native.copy_piece_checksums(dst.data_ptr(), src.data_ptr(),
+                                        dst.numel() * dst.element_size(), PIECE)
+
+
 def _words_digest(b: torch.Tensor) -> torch.Tensor:
-    """Position-weighted int64 sums of the bytes ``b`` (1-D uint8, contiguous) as words."""
-    head = min((-b.data_ptr()) % 8, b.numel())
-    n = (b.numel() - head) // 8
-    words = b[head:head + 8 * n].view(torch.int64)
+    """Position-weighted int64 sums of the bytes ``b`` (1-D uint8, contiguous) as words,
+    counted from its first byte wherever it lies (one not 8-aligned is copied first)."""
+    if b.data_ptr() % 8:
+        b = b.clone()
+    n = b.numel() // 8
+    words = b[:8 * n].view(torch.int64)
     rows = n // _ROW
-    loose = torch.cat([b[:head], b[head + 8 * n:]]).to(torch.int64)
-    loose = torch.cat([words[rows * _ROW:], loose])  # fewer than 8 words and 14 bytes
+    loose = torch.cat([words[rows * _ROW:], b[8 * n:].to(torch.int64)])  # < 8 words, 8 bytes
 
     def weighted(x: torch.Tensor) -> torch.Tensor:
         return (x * torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device)).sum()
@@ -96,9 +119,10 @@ class ParamWatch:
         self._parts = parts
         self._held: dict = {}
 
-    def record(self, key: Hashable) -> None:
-        """The params of ``key`` are what the optimizer put (or took) now."""
-        self._held[key] = digest(self._parts(key))
+    def record(self, key: Hashable, pieces: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """The params of ``key`` are what the optimizer put (or took) now; ``pieces``: their
+        parts' piece checksums, where ``copy`` put them (else read now)."""
+        self._held[key] = digest(self._parts(key)) if pieces is None else fold(pieces)
 
     def changed(self, keys: Iterable[Hashable]) -> list:
         """The sub-groups among ``keys`` whose params differ from the last record (one host

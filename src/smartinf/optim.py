@@ -347,11 +347,19 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
-        """Puts masters (or updated params) into the model, as what it now holds."""
+        """Puts masters (or updated params) into the model, as what it now holds (host
+        params of its dtype hashed as they are copied: ``edits.copy``)."""
+        hashed = self._watch is not None and flat.dtype == sg.dtype and flat.is_cpu and \
+            sg.device.type == "cpu" and all(s.param.is_contiguous() for s in sg.slices)
+        pieces = []
         for s in sg.slices:
-            subgroups.write(s.param, s.start, s.stop, flat[s.offset:s.offset + s.stop - s.start])
+            src = flat[s.offset:s.offset + s.stop - s.start]
+            if hashed:
+                pieces.append(edits.copy(s.param.detach().view(-1)[s.start:s.stop], src))
+            else:
+                subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:
-            self._watch.record(sg.id)
+            self._watch.record(sg.id, pieces if hashed else None)
 
     def _grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
