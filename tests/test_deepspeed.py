@@ -592,3 +592,15 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch
         assert abs(ours - ref) <= TOL * abs(ref), (step, s)
     assert record["clamped_max"] > 0.5  # rolled back past the clamp (0.05) at step 5
     assert record["saved_max"] <= record["clip_fp32"]  # a checkpoint's masters: an edit after step()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_model_built_partitioned_trains_as_built_whole(work, disk_dir, world):
+    """deepspeed.zero.Init (each param partitioned as it is made, initialised gathered) with
+    activation checkpointing: bit for bit the losses and params of the model built whole."""
+    whole = train(work, f"{disk_dir}/whole", f"whole-{world}", world=world)
+    parts = train(work, f"{disk_dir}/parts", f"parts-{world}", world=world,
+                  extra=("--zero-init", "--checkpoint-activations"))
+    assert losses(parts) == losses(whole)
+    for a, b in zip(parts["params"], whole["params"]):
+        assert torch.equal(a, b)

@@ -53,6 +53,8 @@ MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
     "270m": (1024, 21, 16, None),        # 266 M: the CPU head-to-head benchmark
     "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
+    "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
+    "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
 }
 
 
@@ -165,6 +167,12 @@ def main() -> None:
     p.add_argument("--if-exists", choices=("error", "resume", "overwrite"), default="error",
                    help="smartinf: directories holding an earlier run are refused, resumed, or "
                         "overwritten (with --load: the checkpoint replaces them anyway)")
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model partitioned (deepspeed.zero.Init), never whole in "
+                        "memory: how ZeRO-3 users build large models; the same weights")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping "
+                        "them (a larger batch fits the GPU)")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
     args = p.parse_args()
@@ -175,8 +183,14 @@ def main() -> None:
     device = torch.device(get_accelerator().current_device_name())
     d_model, n_layer, n_head, vocab = MODELS[args.model]
     lang = Language()
-    model = GPT(GPTConfig(vocab or lang.vocab_size, args.seq, d_model, n_layer, n_head), seed=0)
     config = ds_config(args, world)
+    shape = GPTConfig(vocab or lang.vocab_size, args.seq, d_model, n_layer, n_head)
+    if args.zero_init:  # each param partitioned as it is made, initialised gathered
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = GPT(shape, seed=0, checkpoint=args.checkpoint_activations,
+                        whole=lambda q: deepspeed.zero.GatheredParameters([q], modifier_rank=0))
+    else:
+        model = GPT(shape, seed=0, checkpoint=args.checkpoint_activations)
     init = smartinf_ds.initialize if args.mode == "smartinf" else deepspeed.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 

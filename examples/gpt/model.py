@@ -5,10 +5,13 @@ a final LayerNorm and an LM head tied to the token embedding (GPT-2 layout).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -66,30 +69,41 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
+    """``whole(param)``: a context in which ``param`` is whole, for the init (a model built
+    partitioned, under ``deepspeed.zero.Init``: ``GatheredParameters([param],
+    modifier_rank=0)``; the same values as built whole). ``checkpoint``: each block's
+    activations recomputed in backward instead of kept (activation checkpointing)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0,
+                 whole: Optional[Callable[[nn.Parameter], ContextManager]] = None,
+                 checkpoint: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.checkpoint = checkpoint
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.reset_parameters(seed)
+        self.reset_parameters(seed, whole or (lambda p: contextlib.nullcontext()))
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
+    def reset_parameters(self, seed: int,
+                         whole: Callable[[nn.Parameter], ContextManager]) -> None:
         """GPT-2 init from a private generator, so the weights depend on ``seed`` only."""
         gen = torch.Generator().manual_seed(seed)
         # Residual projections are scaled down so the residual stream's variance does not
         # grow with depth.
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("ln_"):
-                nn.init.ones_(p)
-            else:
-                std = resid_std if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std, generator=gen)
+            with whole(p):
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif ".ln" in name or name.startswith("ln_"):
+                    nn.init.ones_(p)
+                else:
+                    std = resid_std if name.endswith("proj.weight") else 0.02
+                    # drawn on the host: the same values wherever the param lives
+                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -99,6 +113,9 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         # Tied LM head: the output projection reuses the token embedding matrix.
         return F.linear(self.ln_f(x), self.tok_emb.weight)

@@ -40,8 +40,16 @@ from examples.gpt.data import Language, batches  # noqa: E402
 SEQ, BATCH, LR, WEIGHT_DECAY = 32, 4, 3e-3, 0.1
 
 
-def model() -> transformers.GPT2LMHeadModel:
+def model(arch: str = "gpt2") -> transformers.PreTrainedModel:
+    """The tiny model: GPT-2's layout, or Llama's (``AutoModelForCausalLM.from_config``,
+    which a ZeRO-3 DeepSpeed config given to the Trainer first builds partitioned:
+    ``deepspeed.zero.Init``, never whole in memory)."""
     torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(vocab_size=len(Language().vocab), hidden_size=64,
+                                          intermediate_size=172, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=SEQ)
+        return transformers.AutoModelForCausalLM.from_config(config)
     config = transformers.GPT2Config(vocab_size=len(Language().vocab), n_positions=SEQ, n_embd=64,
                                      n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                      attn_pdrop=0.0)
@@ -91,13 +99,23 @@ def training_args(args: argparse.Namespace, **extra) -> transformers.TrainingArg
         use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **extra)
 
 
+BUILT = {}  # how the model was built: partitioned (ZeRO-3's zero.Init) or whole
+
+
 def with_trainer(args: argparse.Namespace) -> tuple[list, dict]:
-    net, extra, optimizers = model(), {}, (None, None)
+    extra, optimizers = {}, (None, None)
     if args.via == "trainer-deepspeed":
         extra["deepspeed"] = deepspeed_config(args)
+    if args.partitioned:  # built after the ZeRO-3 config is known: partitioned as made
+        training = training_args(args, **extra)
+        net = model(args.arch)
     else:
+        net = model(args.arch)
+        training = training_args(args, **extra)
+    BUILT["partitioned"] = all(hasattr(q, "ds_id") for q in net.parameters())
+    if args.via != "trainer-deepspeed":
         optimizers = (make_optimizer(args, net), None)
-    trainer = transformers.Trainer(model=net, args=training_args(args, **extra),
+    trainer = transformers.Trainer(model=net, args=training,
                                    train_dataset=Text(BATCH * args.steps * 2), optimizers=optimizers)
     trainer.train(resume_from_checkpoint=args.resume_from)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -141,6 +159,12 @@ def main() -> None:
     parser.add_argument("--mode", choices=("smartinf", "reference"), default="smartinf")
     parser.add_argument("--dir", required=True, help="states directory (smartinf devices)")
     parser.add_argument("--checkpoints", help="checkpoint directory (default: DIR/checkpoints)")
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                        help="llama: AutoModelForCausalLM.from_config of a Llama config")
+    parser.add_argument("--partitioned", action="store_true",
+                        help="trainer-deepspeed, llama: build the model after "
+                             "TrainingArguments(deepspeed=), so that from_config builds it "
+                             "partitioned under ZeRO-3 (deepspeed.zero.Init)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--resume-from", help="a checkpoint directory to resume from")
@@ -152,7 +176,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     print("losses", " ".join(f"{x:.6f}" for x in losses))
     if args.out and rank == 0:
-        Path(args.out).write_text(json.dumps({"losses": losses}))
+        Path(args.out).write_text(json.dumps({"losses": losses, **BUILT}))
         torch.save(weights, Path(args.out).with_suffix(".pt"))
 
 
