@@ -178,6 +178,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
         size_t device_of(size_t) except +raise_py_error
+        vector[uint64_t] planned_bytes(const vector[uint64_t]&, const vector[cbool]&) except +raise_py_error
         uint64_t subgroup_steps(size_t) except +raise_py_error
         cbool pending()
         cmap[string, double] stats()
@@ -478,6 +479,12 @@ cdef class NativePipeline:
 
     def device_of(self, size_t sg) -> int:
         return self.p.device_of(sg)
+
+    def planned_bytes(self, list numels, list small) -> list:
+        """Bytes each device's states file would grow by for these sub-groups, added next."""
+        cdef vector[uint64_t] n = numels
+        cdef vector[cbool] s = small
+        return list(self.p.planned_bytes(n, s))
 
     @property
     def state_arrays(self) -> int:

@@ -18,9 +18,8 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from . import _native, buffers
+from . import _native, buffers, space, twins
 from . import io_schedule as schedules
-from . import twins
 from .compress import Compressed
 from .checkpoint import MANIFEST
 from .devices import DeviceLike, resolve, small_directory
@@ -177,7 +176,7 @@ class Pipeline:
     """
 
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
-                 "_small",
+                 "_small", "_held_before",
                  "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins")
 
     def __init__(
@@ -228,6 +227,10 @@ class Pipeline:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
             raise TypeError("pass the settings either as settings= or as keywords, not both")
+        self._held_before = {d.path for d in self._devices
+                             if os.path.isfile(os.path.join(d.path, MANIFEST))}
+        self._held_before |= {small_directory(self._devices[0].path)} \
+            if os.path.isfile(os.path.join(small_directory(self._devices[0].path), MANIFEST)) else set()
         for d in self._devices:
             if os.path.exists(d.path) and not os.path.isdir(d.path):
                 raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
@@ -240,6 +243,8 @@ class Pipeline:
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
         host_memory = settings.memory_budget * sum(s.kind == "cpu" for s in specs)
+        space.check_memory(host_memory, f"memory_budget={settings.memory_budget} on each of "
+                                        f"{sum(s.kind == 'cpu' for s in specs)} cpu device(s)")
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, host_memory, c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]
@@ -257,10 +262,29 @@ class Pipeline:
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings,
                                               small, [int(n) for n in small_sizes or ()] if small else [])
+        self._check_disk(subgroup_sizes, small_sizes or (), small)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
                 logger.warning(note)
+
+    def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str) -> None:
+        """Before any sub-group is added: the sub-groups to come fit their file systems, or
+        the pipeline is closed and refused with what would fit (``space.check_disk``)."""
+        if not sizes and not small:
+            return
+        grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
+                                          [False] * len(sizes) + [True] * len(small))
+        dirs = [d.path for d in self._devices] + ([small_dir] if small_dir else [])
+        try:
+            space.check_disk(dirs, grow, sum(sizes) + sum(small), self.settings.state_dtype,
+                             self.settings.master)
+        except OSError:
+            self.close()
+            for d in dirs:  # those this open made (nothing held) are left as they were found
+                if d not in self._held_before:
+                    space.forget_new_directory(d)
+            raise
 
     # -- layout -----------------------------------------------------------------------
     def add_subgroup(self, numel: int, init: Any = None, *, fingerprint: int = 0,

@@ -304,8 +304,41 @@ bool Pipeline::twin_fits(const Placement& p) const {
          (p.twin != device::kOwnStates || u.resident_used + resident_size(p) <= u.device->resident_bytes());
 }
 
-bool Pipeline::fits_resident(const Unit& u, uint64_t bytes) {
-  return u.resident_used + (u.twins ? 2 * bytes : bytes) <= u.device->resident_bytes();
+bool Pipeline::fits_resident(const Unit& u, uint64_t used, uint64_t bytes) {
+  return used + (u.twins ? 2 * bytes : bytes) <= u.device->resident_bytes();
+}
+
+std::vector<Pipeline::Load> Pipeline::loads() const {
+  std::vector<Load> out;
+  for (const Unit& u : devices_) out.push_back({u.resident_used, u.balanced_numel});
+  return out;
+}
+
+bool Pipeline::settle_load(size_t unit, uint64_t numel, uint64_t bytes,
+                           std::vector<Load>& loads) const {
+  const Unit& u = devices_[unit];
+  const bool resident = fits_resident(u, loads[unit].resident_used, bytes);
+  if (resident) loads[unit].resident_used += u.twins ? 2 * bytes : bytes;
+  if (!resident || !u.device->placed_first()) loads[unit].balanced_numel += numel;
+  return resident;
+}
+
+std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numels,
+                                              const std::vector<bool>& small) const {
+  std::lock_guard lock(mu_);
+  require_open();
+  std::vector<Load> planned = loads();
+  std::vector<uint64_t> grow(devices_.size(), 0);
+  for (size_t k = 0; k < numels.size(); ++k) {
+    const auto id = static_cast<int64_t>(placement_.size() + k);
+    const bool is_small = k < small.size() && small[k];
+    const size_t unit =
+        place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numels[k]) / 2, is_small, planned);
+    const store::ChunkLayout chunks{options_.chunk, devices_[unit].layout};
+    settle_load(unit, numels[k], chunks.bytes(numels[k]) / 2, planned);
+    if (!devices_[unit].store->holds(id)) grow[unit] += chunks.bytes(numels[k]);  // else reopened
+  }
+  return grow;
 }
 
 bool Pipeline::give_twin(Placement& p) {
@@ -332,7 +365,7 @@ void Pipeline::submit_and_wait(size_t unit, std::vector<Job>& jobs) {
 // resident memory holds it; else balanced by params (the device with the fewest so far
 // outside such budgets) over the other devices, or over all when every one is placed
 // first. Deterministic, so a reopened pipeline places new sub-groups as the first run did.
-size_t Pipeline::place(int64_t id, uint64_t bytes, bool small) const {
+size_t Pipeline::place(int64_t id, uint64_t bytes, bool small, const std::vector<Load>& loads) const {
   for (size_t u = 0; u < devices_.size(); ++u)
     if (devices_[u].store->holds(id)) return u;
   const size_t last = devices_.size() - 1;
@@ -342,14 +375,14 @@ size_t Pipeline::place(int64_t id, uint64_t bytes, bool small) const {
   const size_t count = devices_[last].small ? last : devices_.size();
   for (size_t u = 0; u < count; ++u) {
     const Unit& d = devices_[u];
-    if (d.device->placed_first() && fits_resident(d, bytes)) return u;
+    if (d.device->placed_first() && fits_resident(d, loads[u].resident_used, bytes)) return u;
   }
   const bool others = std::any_of(devices_.begin(), devices_.begin() + count,
                                   [](const Unit& d) { return !d.device->placed_first(); });
   size_t unit = count;
   for (size_t u = 0; u < count; ++u) {
     if (others && devices_[u].device->placed_first()) continue;
-    if (unit == count || devices_[u].balanced_numel < devices_[unit].balanced_numel) unit = u;
+    if (unit == count || loads[u].balanced_numel < loads[unit].balanced_numel) unit = u;
   }
   return unit;
 }
@@ -360,7 +393,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   require_open();
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   const auto id = static_cast<int64_t>(placement_.size());
-  const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2, small);
+  const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2, small, loads());
   const uint64_t bytes = store::ChunkLayout{options_.chunk, devices_[unit].layout}.bytes(numel) / 2;
   const size_t multiple = devices_[unit].device->param_multiple();
   if (numel % multiple != 0)
@@ -373,7 +406,8 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   Placement p{unit, store.attach(id, numel, fingerprint, created)};
   // Resident if its states (and its twin, where the device keeps twins) fit in what is
   // left of the budget: decided here, once.
-  if (fits_resident(u, bytes)) {
+  std::vector<Load> after = loads();
+  if (settle_load(unit, numel, bytes, after)) {
     p.resident = u.resident_used;
     if (u.twins) p.twin = u.resident_used + bytes;
   }
@@ -395,10 +429,10 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
     if (created) store.detach_last();
     throw;
   }
-  if (p.resident != device::kOwnStates) u.resident_used += u.twins ? 2 * bytes : bytes;
+  u.resident_used = after[unit].resident_used;
+  u.balanced_numel = after[unit].balanced_numel;
   resumed = !created;
   u.numel += numel;
-  if (p.resident == device::kOwnStates || !u.device->placed_first()) u.balanced_numel += numel;
   placement_.push_back(p);
   updated_.push_back(false);
   return static_cast<size_t>(id);

@@ -140,6 +140,11 @@ class Pipeline {
   size_t subgroup_count() const { return placement_.size(); }
   uint64_t numel(size_t sg) const;
   size_t device_of(size_t sg) const;  // the index of the device sub-group sg is placed on
+  // The bytes each device's states file would grow by if sub-groups of `numels` (`small`
+  // each, as add_subgroup takes them) were added next, in order, as add_subgroup would
+  // place them; nothing is placed or written (a caller checks the space first).
+  std::vector<uint64_t> planned_bytes(const std::vector<uint64_t>& numels,
+                                      const std::vector<bool>& small) const;
   uint64_t subgroup_steps(size_t sg) const;
   bool pending() const { return !completions_.empty(); }
   std::map<std::string, double> stats() const;  // all devices together
@@ -190,7 +195,15 @@ class Pipeline {
     std::map<std::string, double> hyper;
   };
   const Placement& placed(size_t sg) const;
-  size_t place(int64_t id, uint64_t bytes, bool small) const;
+  // What placement has given out on each device so far (Unit::resident_used and
+  // balanced_numel), or a copy planned_bytes advances.
+  struct Load {
+    uint64_t resident_used = 0, balanced_numel = 0;
+  };
+  std::vector<Load> loads() const;
+  size_t place(int64_t id, uint64_t bytes, bool small, const std::vector<Load>& loads) const;
+  // `numel` params (`bytes` of states) placed on `unit`: resident or not, and the loads after.
+  bool settle_load(size_t unit, uint64_t numel, uint64_t bytes, std::vector<Load>& loads) const;
   uint64_t current_steps(const Placement& p) const;  // ahead of the store's record while dirty
   void check_membership();
   void require_open() const;
@@ -215,7 +228,7 @@ class Pipeline {
   bool twin_fits(const Placement& p) const;
   // A new sub-group's `bytes` of states, with its twin where `u` keeps twins, fit in what
   // is left of u's budget.
-  static bool fits_resident(const Unit& u, uint64_t bytes);
+  static bool fits_resident(const Unit& u, uint64_t used, uint64_t bytes);
   bool give_twin(Placement& p);
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();

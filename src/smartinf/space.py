@@ -1,0 +1,93 @@
+"""What a pipeline will take, checked before it takes it: the bytes its states files grow by
+on each file system and the host memory its budgets hold. A refusal names what is needed,
+what is free, and what would fit, before the first byte is written (a 13 B model's states
+had filled a disk for minutes before the first step, then failed).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from typing import Sequence
+
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _count(params: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if params >= scale:
+            return f"{params / scale:.3g} {unit}"
+    return f"{params:.0f}"
+#: (state_dtype, master) formats a refusal offers, fewest bytes last
+FORMATS = (("fp32", "fp32"), ("int8", "fp32"), ("int8", "split"), ("int4", "split"))
+
+
+def available_memory() -> int:
+    """Bytes of host memory the kernel can give without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_memory(needed: int, what: str) -> None:
+    """Refuses ``needed`` bytes of host memory held from creation (``what`` they are for)
+    where the host has fewer available."""
+    free = available_memory()
+    if needed > free:
+        raise MemoryError(f"{what} holds {_size(needed)} of host memory from creation; "
+                          f"{_size(free)} is available: give a memory_budget of at most "
+                          f"{_size(free)} in all (the rest of the states stream from storage)")
+
+
+def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
+               state_dtype: str, master: str) -> None:
+    """Refuses states files growing by ``grow`` bytes in ``directories`` (one each) where
+    their file system has less free; ``params``, ``state_dtype`` and ``master`` say what
+    would fit instead."""
+    from .model import state_bytes_per_param  # the layout's bytes per param
+    need: dict[int, tuple[int, list[str]]] = {}
+    for path, nbytes in zip(directories, grow):
+        device = os.stat(path).st_dev
+        total, paths = need.get(device, (0, []))
+        need[device] = (total + nbytes, paths + [path])
+    for total, paths in need.values():
+        free = shutil.disk_usage(paths[0]).free
+        if total <= free:
+            continue
+        per_param = total / max(params, 1)  # both copies of every chunk (crash consistency)
+        ours = state_bytes_per_param(state_dtype, master)
+        scaled = {(d, m): per_param * state_bytes_per_param(d, m) / ours * params for d, m in FORMATS}
+        fits = [f"state_dtype={d!r}, master={m!r}: {_size(b)}" for (d, m), b in scaled.items()
+                if b <= free]
+        raise OSError(errno.ENOSPC,
+                      f"the states of {_count(params)} params need {_size(total)} in "
+                      f"{', '.join(paths)} ({per_param:.1f} B a param: two copies of its "
+                      f"state_dtype={state_dtype!r}, master={master!r} states, the committed one "
+                      f"and the one a step writes), and that file system has {_size(free)} free. "
+                      + (f"What would fit: {'; '.join(fits)}; or another directory."
+                         if fits else f"No state format fits: at most "
+                         f"{_count(free / scaled[FORMATS[-1]] * params)} params would, with "
+                         f"the smallest (state_dtype='int4', master='split'); or another "
+                         f"directory."))
+
+
+def forget_new_directory(path: str) -> None:
+    """Removes the files a refused pipeline's open made in ``path`` (it held no run before):
+    the directory is as it was found, so another format can be tried there."""
+    from .checkpoint import MANIFEST, STATES
+    for name in (MANIFEST, STATES, "lock"):
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
