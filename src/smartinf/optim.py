@@ -356,6 +356,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             src = flat[s.offset:s.offset + s.stop - s.start]
             if hashed:
                 pieces.append(edits.copy(s.param.detach().view(-1)[s.start:s.stop], src))
+                torch.autograd.graph.increment_version(s.param)  # written, as copy_ says
             else:
                 subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:
