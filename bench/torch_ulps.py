@@ -1,6 +1,6 @@
 """How far smartinf.optim's update is from torch.optim's on this CPU: one step over 64 Ki
 random fp32 elements per rule; the share of elements that differ and the largest
-difference in ulps of max(|param|, |update|) (README, "How close to torch").
+difference in ulps of max(|param|, |update|) (docs/correctness.md, "How close to torch").
 
     python bench/torch_ulps.py                       # torch's kernels for this CPU
     ATEN_CPU_CAPABILITY=default python bench/torch_ulps.py   # torch's portable kernels

@@ -46,7 +46,7 @@ def noise_driven(key: str, value: torch.Tensor) -> torch.Tensor:
     (``c_attn.bias[n_embd:2 n_embd]``). It shifts all of a query's scores by q.b, which the
     softmax ignores, so its gradient is rounding noise, and Adam scales noise up to steps of
     ~lr: a 1-ulp difference anywhere (torch's CPU kernels round differently per instruction
-    set: README, "How close to torch") moves these elements by O(lr) per step."""
+    set: docs/correctness.md, "How close to torch") moves these elements by O(lr) per step."""
     mask = torch.zeros_like(value, dtype=torch.bool)
     if key.endswith("attn.c_attn.bias"):
         third = value.numel() // 3

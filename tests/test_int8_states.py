@@ -122,7 +122,7 @@ def test_bad_state_dtype(tmp_path, kwargs, match):
 
 
 def test_the_relative_error_bound_holds_above_the_smallest_normal(disk_dir):
-    """What the README states: at most 1/16 relative error from 2^-14 of the block maximum
+    """What docs/state-formats.md states: at most 1/16 relative error from 2^-14 of the block maximum
     (2^-30 for the root of exp_avg_sq) up; below, at most 2^-18 of the maximum, absolute
     (2^-33 for the root: a positive root rounds up to a step, never to 0), which is a larger
     relative error (up to 1/3 near 2^-16)."""

@@ -906,7 +906,7 @@ def test_sgd_is_torch_bit_for_bit_where_torch_rounds_once_per_operation(disk_dir
     torch does the same (its portable kernels) SGD is torch's bit for bit, in every variant.
     torch's vectorised kernels (AVX2, AVX-512) fuse multiply-adds and its sqrt of large
     tensors goes through MKL (not correctly rounded), so there Adam, Adagrad and SGD agree
-    to ~2 ulps per step (README, "How close to torch"; the other tests here)."""
+    to ~2 ulps per step (docs/correctness.md, "How close to torch"; the other tests here)."""
     import subprocess
     import sys
     rng = np.random.default_rng(0)

@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger("smartinf")
 
 # Defaults: the only setting within 5 % of dense final loss on the demo GPT (numbers in
-# README.md, SmartComp; rerun with bench/gpt_topk_accuracy.py).
+# docs/torch.md, SmartComp; rerun with bench/gpt_topk_accuracy.py).
 DEFAULT_RATIO = 0.1
 DEFAULT_ERROR_FEEDBACK = False
 
