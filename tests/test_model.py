@@ -5,7 +5,7 @@ import math
 import pytest
 
 import smartinf
-from smartinf import model
+from smartinf import model, model_cli
 
 
 def test_table_one_traffic_per_param():
@@ -168,20 +168,20 @@ def test_command_line(tmp_path, capsys):
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9}]}))
     png = tmp_path / "scaling.png"
-    assert model.main(["--params", "1e9", "--devices", "1-3,8", "--probe", str(probe),
+    assert model_cli.main(["--params", "1e9", "--devices", "1-3,8", "--probe", str(probe),
                        "--host-link-gbps", "4", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["n"] for r in out["rows"]] == [1, 2, 3, 8]
     assert out["rows"][3]["zero-infinity"]["bound"] == "host link"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert model.main(["--params", "8e9", "--read-gbps", "3", "--write-gbps", "2"]) == 0
+    assert model_cli.main(["--params", "8e9", "--read-gbps", "3", "--write-gbps", "2"]) == 0
     table = capsys.readouterr().out
     assert "SmartUpdate" in table and len(table.splitlines()) == 2 + 10
-    assert model.main(["--params", "1e9", "--devices", "0-2", "--read-gbps", "1",
+    assert model_cli.main(["--params", "1e9", "--devices", "0-2", "--read-gbps", "1",
                        "--write-gbps", "1"]) == 2
     assert "device counts must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        model.main(["--params", "1e9"])
+        model_cli.main(["--params", "1e9"])
     assert "--read-gbps" in capsys.readouterr().err
 
 
@@ -199,7 +199,7 @@ def test_command_line(tmp_path, capsys):
     (lambda: model.Hardware(1, 1, shared_read_bps=1), "both"),
     (lambda: model.predict(0, 1, HW), "params"),
     (lambda: model.predict(1e9, 0, HW), "n must"),
-    (lambda: model.parse_devices("a-b"), "expected N"),
+    (lambda: model_cli.parse_devices("a-b"), "expected N"),
 ])
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
@@ -231,7 +231,7 @@ def test_command_line_tiers(tmp_path, capsys):
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9}],
                                  "triad": {"bps": 10e9}}))
-    assert model.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--commit-every", "4",
+    assert model_cli.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--commit-every", "4",
                        "--step-time", "10", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["resident"] for r in out["rows"]] == [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -241,12 +241,12 @@ def test_command_line_tiers(tmp_path, capsys):
     probe.write_text(json.dumps({"storage": [{"read_bps": 2e9, "write_bps": 1e9, "mixed_bps": 1.5e9,
                                               "ring_mixed_bps": 3e9, "ring_phased_bps": 2e9}],
                                  "triad": {"bps": 10e9}}))
-    assert model.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--json"]) == 0
+    assert model_cli.main(["--params", "1e9", "--tiers", "--probe", str(probe), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["step_s"] == pytest.approx(24e9 / 3e9)
-    assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
+    assert model_cli.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
                        "--step-time", "1"]) == 2
     assert "--memory-gbps" in capsys.readouterr().err
-    assert model.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
+    assert model_cli.main(["--params", "1e9", "--tiers", "--read-gbps", "2", "--write-gbps", "1",
                        "--memory-gbps", "10", "--step-time", "0.5"]) == 0
     assert "more than all the states" in capsys.readouterr().out
 
@@ -506,12 +506,12 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
                "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
                            "threads": 14, "master": "fp32", "params_per_s": 1e9}]}
     probe.write_text(json.dumps(figures))
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB"]) == 2
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB"]) == 2
     assert "measured a GPU" in capsys.readouterr().err
     figures["gpu"] = {"update_pps": {"fp32": 50e9}, "host_to_gpu_bps": 20e9,
                       "gpu_to_host_bps": 10e9}
     probe.write_text(json.dumps(figures))
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
                        "--memory-budget", "9.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
                        "--twins", "off", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -524,12 +524,12 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
     assert out["commit_s"] == pytest.approx(0.0755)
     # auto: the whole placement with twins is faster (the budget then takes no sub-group
     # with its twin: all on the host, 1.2 s a step, the disk's) than without (1.2755)
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
                        "--memory-budget", "12.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
                        "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["twins"] and out["placement"]["gpu"] == 0 and out["commit_s"] == 0
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3.05GB",
                        "--subgroup", "2.5e8", "--twins", "off"]) == 0
     out = capsys.readouterr().out
     assert "GPU 2.5e+08 params (without twins), host memory 0, streamed 7.5e+08" in out
@@ -545,9 +545,9 @@ def test_command_line_placement_rejects_bad_budgets_and_sub_groups(tmp_path, cap
         "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
                     "threads": 14, "master": "fp32", "params_per_s": 1e9}],
         "gpu": {"update_pps": {"fp32": 50e9}, "host_to_gpu_bps": 20e9, "gpu_to_host_bps": 10e9}}))
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "lots"]) == 2
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "lots"]) == 2
     assert "--gpu-budget='lots': expected bytes" in capsys.readouterr().err
-    assert model.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB",
+    assert model_cli.main(["--params", "1e9", "--probe", str(probe), "--gpu-budget", "3GB",
                        "--subgroup", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
 
