@@ -36,24 +36,29 @@ LANG = Language()
 KEYS = (None, "exp_avg", "exp_avg_sq")  # the master, then Adam's states
 
 
-def config(devices: str | None, lr: float = 1e-2) -> dict:
+def config(devices: str | None, lr: float = 1e-2, bf16: bool = False,
+           block: dict | None = None) -> dict:
     """DeepSpeed's default stage3_param_persistence_threshold: all but the embedding stay
-    gathered."""
+    gathered. ``block``: more keys of the smartinf block."""
     c = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.1,
                                                    "torch_adam": True}},
          "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9}
+    if bf16:
+        c["bf16"] = {"enabled": True}
     if devices:
-        c["smartinf"] = {"devices": [devices]}
+        c["smartinf"] = {"devices": [devices], **(block or {})}
     return c
 
 
-def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 1e-2) -> object:
+def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 1e-2,
+           bf16: bool = False, block: dict | None = None) -> object:
     model = GPT(GPTConfig(LANG.vocab_size, 32, 64, 2, 4), seed=seed)
     init = smartinf_ds.initialize if devices else deepspeed.initialize
     if args is not None:  # the argparse way: the config only in args.deepspeed_config
         return init(args=args, model=model, model_parameters=model.parameters())[0]
-    return init(model=model, model_parameters=model.parameters(), config=config(devices, lr))[0]
+    return init(model=model, model_parameters=model.parameters(),
+                config=config(devices, lr, bf16, block))[0]
 
 
 def train(eng: object, data: object, steps: int) -> list:
@@ -101,11 +106,14 @@ def gathered(eng: object) -> dict:
         return {n: p.detach().clone() for n, p in params.items()}
 
 
-def start() -> tuple:
-    """The script's arguments (--dir, --out) and this rank, distributed set up."""
+def start(**options: dict) -> tuple:
+    """The script's arguments (--dir, --out, and ``options``: name -> add_argument's
+    keywords) and this rank, distributed set up."""
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
+    for name, kw in options.items():
+        p.add_argument(f"--{name}", **kw)
     a = p.parse_args()
     deepspeed.init_distributed()
     return a, torch.distributed.get_rank()

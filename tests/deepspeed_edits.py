@@ -9,7 +9,8 @@ Each step, both engines get the same edit: after step 2 every param clamped thro
 gathered copies (``p.data``, no gather), after step 5 every param rolled back to its values
 after step 1. DeepSpeed's own step would overwrite such edits with its fp32 masters, so its
 run is told of them the DeepSpeed way (``safe_set_full_fp32_param``); smartinf's is not.
-Rank 0 writes, per step, the losses and how far each engine's persistent params (read
+``--bf16`` trains in bf16 (DeepSpeed's fp32 masters, smartinf's fp32 or split ones), ``--block``
+adds keys to the smartinf block (a memory budget, a split master). Rank 0 writes, per step, the losses and how far each engine's persistent params (read
 without a gather) and gathered params are from the other's; then, clamped once more after
 the last step, the largest fp32 master of smartinf's checkpoint.
 """
@@ -75,8 +76,10 @@ def tell_deepspeed(eng: object) -> None:
 
 
 def main() -> None:
-    a, rank = start()
-    ours, ref = engine(str(Path(a.dir) / "ours"), lr=LR), engine(None, lr=LR)
+    a, rank = start(bf16={"action": "store_true"}, block={"default": "{}", "type": json.loads,
+                                                          "help": "more of the smartinf block"})
+    ours = engine(str(Path(a.dir) / "ours"), lr=LR, bf16=a.bf16, block=a.block)
+    ref = engine(None, lr=LR, bf16=a.bf16)
     data = [batches(LANG, 4, 32, seed=1000 + rank) for _ in range(2)]
     kept_whole = [n for n, q in named(ours).items() if getattr(q, "ds_persist", False)]
     record: dict = {"kept_whole": len(kept_whole), "steps": []}
@@ -103,6 +106,7 @@ def main() -> None:
         masters = get_fp32_state_dict_from_zero_checkpoint(str(Path(a.dir) / "ckpt"), tag="t")
         record["saved_max"] = max(float(v.abs().max()) for v in masters.values())
         record["clip_fp32"] = float(torch.tensor(CLIP))
+        record["clip_bf16"] = float(torch.tensor(CLIP).bfloat16())
     if rank == 0:
         Path(a.out).write_text(json.dumps(record))
     leave_without_teardown()
