@@ -39,3 +39,18 @@ def test_overlap_from_the_environment_and_a_bad_argument(disk_dir, monkeypatch):
         assert pipe.settings.overlap is True
     with pytest.raises(TypeError, match="overlap must be a bool, got str"):
         smartinf.Pipeline(disk_dir, overlap="no")
+
+
+def test_ranks_of_one_host_share_its_cores(monkeypatch):
+    """Under a launcher (LOCAL_WORLD_SIZE ranks on this host) each rank's update takes its
+    share of the cores, less two from 8 on; unless the rank is bound to cores of its own."""
+    import os
+    from smartinf import _native
+    cores = len(os.sched_getaffinity(0))
+    alone = cores - 2 if cores >= 8 else cores
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _native.default_compute_threads() == alone
+    for ranks in (2, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        share = max(1, cores // ranks) if cores >= os.cpu_count() else cores
+        assert _native.default_compute_threads() == (share - 2 if share >= 8 else share)

@@ -27,7 +27,8 @@ class PipelineSettings:
     bf16 params, ``"split"``: only their low 16 bits stored (the params are the high ones); ``if_exists`` resume, overwrite or error
     for directories holding a run; ``memory_budget`` bytes of states per device kept
     resident in memory (the rest streams from storage); ``commit_every`` steps per durable
-    commit; ``compute_threads`` threads of the update kernel (0: the usable cores, less two from 8 on);
+    commit; ``compute_threads`` threads of the update kernel (0: the usable cores, less two from 8 on;
+    each of a host's ranks its share);
     ``overlap`` the optimizer's work hidden behind the caller's: a durable commit's resident
     states written in the background while later steps run (False: ``commit()`` waits for
     them); ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``

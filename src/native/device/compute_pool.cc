@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <utility>
 
@@ -83,8 +84,15 @@ void ComputePool::run(uint64_t n, uint64_t grain, const std::function<void(uint6
 // step's updates do), one to the ring's threads and the background lane. A pool part on a
 // shared core holds the whole chunk up (H100 host, GPT-2 XL: 14 threads 1.15 s per
 // iteration, 15 threads 1.27 s, with the step finishing during the next forward).
+// Several ranks of one host (torchrun's and DeepSpeed's launchers say how many in
+// LOCAL_WORLD_SIZE) share its cores: each takes its share, unless the launcher bound it to
+// cores of its own already (its affinity narrower than the host: --bind_cores_to_rank).
 unsigned default_compute_threads() {
-  const unsigned cores = usable_cores();
+  unsigned cores = usable_cores();
+  const char* ranks = std::getenv("LOCAL_WORLD_SIZE");
+  const long local = ranks ? std::strtol(ranks, nullptr, 10) : 1;
+  if (local > 1 && cores >= std::thread::hardware_concurrency())
+    cores = std::max(1u, cores / static_cast<unsigned>(local));
   return cores >= 8 ? cores - 2 : cores;
 }
 
