@@ -7,12 +7,13 @@ are. (A split master needs none: its devices checksum the params sent in.)
 
 The digest is exact for any change of bits: on the host XXH3-64 of each 256 KiB of each
 slice (the extents' checksum), computed by every core at the check and, where the step
-copies the params into the model, while copying them (``copy``: in cache); on a GPU, where hashing would need a kernel of
-our own, position-weighted sums of the 64-bit words (torch's integer reductions, which wrap
-and so are order-free): any single changed word changes the plain sum, and moving words
-between rows of 8 changes the weighted one. What it cannot tell from no edit is an edit
-that writes the bits already there: with a bf16/fp16 param over an fp32 master, writing
-the master's rounding keeps the master (see ``merge``).
+copies the params into the model, while copying them (``copy``: in cache); on a GPU, where
+hashing would need a kernel of our own, position-weighted sums of the 64-bit words counted
+from each slice's first byte (torch's integer reductions, which wrap and so are
+order-free): any single changed word changes the plain sum, and moving words between rows
+of 8 changes the weighted one. What it cannot tell from no edit is an edit that writes the
+bits already there: with a bf16/fp16 param over an fp32 master, writing the master's
+rounding keeps the master (see ``merge``).
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ logger = logging.getLogger("smartinf")
 Digest = Union[int, torch.Tensor]  # a host int, or a 0-d int64 tensor on the params' GPU
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
 _ROW = 8  # words per row of the GPU digest's weighted sum
-
-
 PIECE = 256 << 10  # bytes per XXH3 of the host digest: hashed in cache right after a copy
 _THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
