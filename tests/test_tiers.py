@@ -275,6 +275,6 @@ def test_budget_and_interval_settings_are_checked(tmp_path, monkeypatch):
             (dict(memory_budget=-1), ValueError, "must not be negative"),
             (dict(commit_every=0), ValueError, r"commit_every=0 is outside \[1"),
             (dict(compute_threads=-2), ValueError, "compute_threads=-2 is outside"),
-            (dict(memory_budget=1 << 60), ValueError, "more than this machine's memory")]:
+            (dict(memory_budget=1 << 60), ValueError, "of host memory from creation; .* is available")]:
         with pytest.raises(error, match=match):
             smartinf.Pipeline(d, RULE, **kwargs)

@@ -42,10 +42,11 @@ def available_memory() -> int:
 
 def check_memory(needed: int, what: str) -> None:
     """Refuses ``needed`` bytes of host memory held from creation (``what`` they are for)
-    where the host has fewer available."""
+    where the host has fewer available: a setting the machine cannot give (``ValueError``),
+    found before the memory is touched."""
     free = available_memory()
     if needed > free:
-        raise MemoryError(f"{what} holds {_size(needed)} of host memory from creation; "
+        raise ValueError(f"{what} holds {_size(needed)} of host memory from creation; "
                           f"{_size(free)} is available: give a memory_budget of at most "
                           f"{_size(free)} in all (the rest of the states stream from storage)")
 
