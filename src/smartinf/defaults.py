@@ -170,9 +170,12 @@ def speculate_on_cpu() -> bool:
 SMALL_TENSOR = 4096
 
 
-def small_tensor() -> int:
-    """Elements up to which a tensor's moments stay fp32 beside int8/int4 states
-    (``SMARTINF_SMALL_TENSOR``; ``SMALL_TENSOR``; 0: every tensor's are quantised)."""
+def small_tensor(state_dtype: str) -> int:
+    """Elements up to which a tensor's moments stay fp32 beside ``state_dtype`` states
+    (int8/int4: ``SMARTINF_SMALL_TENSOR``, else ``SMALL_TENSOR``; 0 there: every tensor's
+    are quantised; fp32 states: 0, every moment is fp32 already)."""
+    if state_dtype == "fp32":
+        return 0
     value = _int_env("SMARTINF_SMALL_TENSOR", SMALL_TENSOR)
     if value < 0:
         raise ValueError(f"SMARTINF_SMALL_TENSOR={value} must not be negative (0: none)")

@@ -91,25 +91,6 @@ def merge(stored: torch.Tensor, held: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.where(same, stored, held)
 
 
-def adopt(pipeline: Any, edited: Sequence[int],
-          held: Callable[[int], tuple[torch.Tensor, torch.dtype]], warned: bool) -> None:
-    """The edited sub-groups' params become their masters (``merge``), as a step of their
-    own on the devices (their optimizer states and step counts stay). ``held(sg)``: the
-    params as the model holds them, as fp32 on the host, and their dtype. Said at warning
-    level unless ``warned``."""
-    (logger.debug if warned else logger.warning)(
-        "the model's params of sub-groups %s changed since the optimizer put them (weights "
-        "loaded or edited): they are the new master weights (said once at warning level)",
-        list(edited))
-    with pipeline.step():
-        for sg in edited:
-            states = pipeline.read_states(sg)
-            stored = torch.from_numpy(states["param"])
-            params, dtype = held(sg)
-            stored.copy_(merge(stored, params, dtype))
-            pipeline.write_states(sg, states, pipeline.subgroup_steps(sg))
-
-
 class ParamWatch:
     """The digests of what each sub-group's params held when the optimizer last put or
     took them; ``parts(key)`` gives a sub-group's flat param slices as they are now."""
@@ -117,6 +98,7 @@ class ParamWatch:
     def __init__(self, parts: Callable[[Hashable], Sequence[torch.Tensor]]) -> None:
         self._parts = parts
         self._held: dict = {}
+        self._warned = False  # the adoption said once at warning level
 
     def record(self, key: Hashable, pieces: Optional[Sequence[Sequence[int]]] = None) -> None:
         """The params of ``key`` are what the optimizer put (or took) now; ``pieces``: their
@@ -137,3 +119,28 @@ class ParamWatch:
             flags = torch.stack([now[k] == self._held[k] for k in on_gpu]).cpu().tolist()
             same.update(zip(on_gpu, flags))
         return [k for k in keys if not same[k]]
+
+    def adopt(self, pipeline: Any, edited: Sequence[int],
+              held: Callable[[int], tuple[torch.Tensor, torch.dtype]],
+              speculation: Any = None) -> None:
+        """The ``edited`` sub-groups' params become their masters (``merge``), as a step of
+        their own on the devices (their optimizer states and step counts stay), and are
+        recorded as held. ``held(sg)``: the params as the model holds them, as fp32 on the
+        host, and their dtype. Updates ``speculation`` started from the stored masters are
+        retracted first."""
+        if speculation is not None:
+            speculation.drop(edited)
+        (logger.debug if self._warned else logger.warning)(
+            "the model's params of sub-groups %s changed since the optimizer put them (weights "
+            "loaded or edited): they are the new master weights (said once at warning level)",
+            list(edited))
+        self._warned = True
+        with pipeline.step():
+            for sg in edited:
+                states = pipeline.read_states(sg)
+                stored = torch.from_numpy(states["param"])
+                params, dtype = held(sg)
+                stored.copy_(merge(stored, params, dtype))
+                pipeline.write_states(sg, states, pipeline.subgroup_steps(sg))
+        for sg in edited:
+            self.record(sg)

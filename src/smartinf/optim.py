@@ -154,7 +154,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
         self._warned_partial = False
-        self._warned_edits = False
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
         for group in self.param_groups:
@@ -163,7 +162,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._subgroup_size = subgroup_size
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
-        self._small = small_tensor() if settings.state_dtype != "fp32" else 0
+        self._small = small_tensor(settings.state_dtype)
         self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
         self._split = settings.master == "split"
@@ -328,18 +327,12 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return [] if self._watch is None else self._watch.changed(sg.id for sg in self._plan)
 
     def _adopt(self, edited: Sequence[int]) -> None:
-        """The edited params become the masters (``edits.adopt``); never overwritten by
+        """The edited params become the masters (``ParamWatch.adopt``); never overwritten by
         stored ones."""
-        if not edited:
-            return
-        if self._speculation is not None:
-            self._speculation.drop(edited)  # started from the stored masters
-        edits.adopt(self.pipeline, edited,
-                    lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
-                    self._warned_edits)
-        self._warned_edits = True
-        for i in edited:
-            self._watch.record(i)
+        if edited:
+            self._watch.adopt(self.pipeline, edited,
+                              lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
+                              self._speculation)
 
     def _flat_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, flat, on their device."""

@@ -248,7 +248,6 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._read: Optional[tuple] = None  # states read by an accessor, for a setter to write
         self.last_step_seconds = 0.0
         self._resumed = False
-        self._warned_edits = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._agree_on_resume()
         self._start_speculation()
@@ -383,7 +382,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         With overlap or without, so that both group the norm's sums alike. With int8/int4
         states the small tensors (``defaults.SMALL_TENSOR`` elements) come first, in
         sub-groups of their own: their moments stay fp32 (``Pipeline(small_sizes=)``)."""
-        small = defaults.small_tensor() if self.settings.pipeline.state_dtype != "fp32" else 0
+        small = defaults.small_tensor(self.settings.pipeline.state_dtype)
         kinds = [[p for p in params_group if p.ds_numel <= small],
                  [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
                  [p for p in params_group if p.ds_numel > small and not getattr(p, "ds_persist", False)]]
@@ -401,7 +400,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._offsets = [sum(numels[:i]) for i in range(len(numels))]
         self._persistent_subgroups = [i for i, group in enumerate(self.fp16_groups) if group and all(
             getattr(p, "ds_persist", False) for p in group)]
-        small = defaults.small_tensor() if self.settings.pipeline.state_dtype != "fp32" else 0
+        small = defaults.small_tensor(self.settings.pipeline.state_dtype)
         self._small = [bool(group) and all(p.ds_numel <= small for p in group)
                        for group in self.fp16_groups]
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -563,21 +562,16 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         return [] if self._watch is None else self._watch.changed(range(len(self.fp16_groups)))
 
     def _adopt(self, edited: list) -> None:
-        """The edited partitions become the masters (``edits.adopt``), as a step of their
+        """The edited partitions become the masters (``ParamWatch.adopt``), as a step of their
         own on every rank at once (the ranks' directories keep one step count)."""
         anywhere = torch.tensor([float(bool(edited))], device=self.device)
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
         if not anywhere.item():
             return
-        if self._speculation is not None:
-            self._speculation.drop(edited)  # started from the stored masters
         flats = self.fp16_partitioned_groups_flat
-        edits.adopt(self.pipeline, edited,
-                    lambda i: (flats[i].detach().to("cpu", torch.float32), flats[i].dtype),
-                    self._warned_edits)
-        self._warned_edits = True
-        for i in edited:
-            self._watch.record(i)
+        self._watch.adopt(self.pipeline, edited,
+                          lambda i: (flats[i].detach().to("cpu", torch.float32), flats[i].dtype),
+                          self._speculation)
 
     def _finish_later(self, scale: float, hyper: list) -> None:
         """The updates started during backward that held are put; the rest are launched in
