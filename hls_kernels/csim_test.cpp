@@ -212,7 +212,7 @@ static void adam8_case(int n, const k::AdamStep& s) {
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::adam8(n, c.ref, g.data(), out.data(), s);
+  k::adam_quantized(n, c.ref, g.data(), out.data(), s);
   smartinf_adam8_f32_f16(dp.data(), dmq.data(), dwq.data(), dms.data(), dws.data(), dg.data(),
                          dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dwq.equals(c.codes(1)) &&
@@ -230,7 +230,7 @@ static void lion8_case(int n) {
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::lion8(n, c.ref, g.data(), out.data(), s);
+  k::lion_quantized(n, c.ref, g.data(), out.data(), s);
   smartinf_lion8_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
             dout.equals(out),
@@ -267,7 +267,7 @@ static void adam4_case(int n, const k::AdamStep& s) {
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::adam4(n, c.ref, g.data(), out.data(), s);
+  k::adam_quantized(n, c.ref, g.data(), out.data(), s);
   smartinf_adam4_f32_f16(dp.data(), dmq.data(), dvq.data(), dms.data(), dvs.data(), dg.data(),
                          dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dvq.equals(c.codes(1)) &&
@@ -285,7 +285,7 @@ static void lion4_case(int n) {
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::lion4(n, c.ref, g.data(), out.data(), s);
+  k::lion_quantized(n, c.ref, g.data(), out.data(), s);
   smartinf_lion4_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
             dout.equals(out),
@@ -301,6 +301,31 @@ static void pow2_map_case() {
   for (uint32_t i = 0; i < 15; ++i)
     ok = ok && q4::kPow2Mid[i] == (q4::pow2_value(i) + q4::pow2_value(i + 1)) * 0.5f;
   check(ok, "quant4 power-of-two map", 16);
+}
+
+// quant4.h's codes from a float's bits (nearest_pow2, nearest_dynamic) equal the count of
+// midpoints below it (nearest): for every float within 2^16 ulps of each midpoint of either
+// sign and of 0, 1 and infinity, and every 4099th float of all 2^32 (the whole range was
+// checked once: bench/test_kernels.py's note).
+static void nearest_from_bits_case() {
+  namespace q4 = k::q4;
+  uint64_t bad = 0, seen = 0;
+  auto one = [&](uint32_t b) {
+    const float x = k::float_of(b);
+    bad += q4::nearest_pow2(x) != q4::nearest(x, q4::kPow2Mid);
+    bad += q4::nearest_dynamic(x) != q4::nearest(x, q4::kDynamicMid);
+    ++seen;
+  };
+  auto around = [&](float m) {
+    for (uint32_t sign : {0u, 0x80000000u})
+      for (int32_t d = -(1 << 16); d <= (1 << 16); ++d)
+        one(((k::bits_of(m) & 0x7fffffffu) + static_cast<uint32_t>(d)) ^ sign);
+  };
+  for (float m : q4::kPow2Mid) around(m);
+  for (float m : q4::kDynamicMid) around(m);
+  for (float m : {0.0f, 1.0f, INFINITY}) around(m);
+  for (uint64_t b = 0; b < (uint64_t(1) << 32); b += 4099) one(static_cast<uint32_t>(b));
+  check(bad == 0, "quant4 codes from bits", static_cast<int>(seen >> 20));
 }
 
 int main() {
@@ -326,6 +351,7 @@ int main() {
     lion8_case(n);
   }
   pow2_map_case();
+  nearest_from_bits_case();
   // int4 tiles of 16384 params (128 x 128): partial rows, partial tiles, several tiles.
   const int lengths4[] = {0, 1, 15, 16, 127, 128, 129, 1025, 16383, 16384, 16385, 40001};
   for (int n : lengths4) {

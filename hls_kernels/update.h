@@ -10,8 +10,7 @@
 #include "kernels/adam.h"
 #include "kernels/decompress.h"
 #include "kernels/lion.h"
-#include "kernels/quant4.h"
-#include "kernels/quant8.h"
+#include "kernels/quantized.h"
 #include "kernels/sgd.h"
 #include "store/layout.h"
 
@@ -126,7 +125,7 @@ struct Adam8Math {
   kernels::AdamStep s;
   template <class G, class P>
   void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
-    kernels::adam8(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::adam_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 
@@ -135,7 +134,7 @@ struct Lion8Math {
   kernels::LionStep s;
   template <class G, class P>
   void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
-    kernels::lion8(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::lion_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 
@@ -187,7 +186,7 @@ struct Adam4Math {
   kernels::AdamStep s;
   template <class G, class P>
   void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
-    kernels::adam4(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::adam_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 
@@ -196,7 +195,7 @@ struct Lion4Math {
   kernels::LionStep s;
   template <class G, class P>
   void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
-    kernels::lion4(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::lion_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 

@@ -1,8 +1,9 @@
 // The body of cpu_update.h's entries, for moments format M: included by their units only.
-// Each entry is compiled for the portable baseline and for AVX2 and picked when the library
-// loads (GCC function multi-versioning; `flatten` inlines every kernel into each clone). The
-// same IEEE operations (no FMA contraction), so both give the same bits; AVX2 halves the
-// time of the int8 kernel.
+// Each entry is compiled for the portable baseline, for AVX2 and for AVX-512 (x86-64-v4) and
+// picked when the library loads (GCC function multi-versioning; `flatten` inlines every
+// kernel into each clone). The same IEEE operations (no FMA contraction), so all give the
+// same bits; AVX2 halves the time of the quantized kernels, AVX-512's wider registers take
+// another third off (bench/test_kernels.py).
 #pragma once
 #include <algorithm>
 #include <stdexcept>
@@ -22,11 +23,11 @@ void run_moments(const Kernel& k, const store::StateLayout& layout, void* states
   if constexpr (M == store::Moments::int8) {
     store::Int8States s = layout.int8_at(states, numel).from(lo);
     s.param = master;
-    kernels::run_rule_int8(k.step, n, s, grad, out);
+    kernels::run_rule_quantized(k.step, n, s, grad, out);
   } else if constexpr (M == store::Moments::int4) {
     store::Int4States s = layout.int4_at(states, numel).from(lo);
     s.param = master;
-    kernels::run_rule_int4(k.step, n, s, grad, out);
+    kernels::run_rule_quantized(k.step, n, s, grad, out);
   } else {
     float* arrays[kMaxStateArrays] = {master};  // the master, then the rule's states
     for (unsigned a = 1; a < layout.arrays; ++a) arrays[a] = layout.array(states, numel, a) + lo;
@@ -63,7 +64,7 @@ inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
 // One entry of cpu_update.h: `name` runs moments format `moments`.
 #define SMARTINF_CPU_UPDATE(name, moments)                                                     \
   namespace smartinf::device {                                                                 \
-  __attribute__((target_clones("avx2", "default"), flatten)) void name(                        \
+  __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), flatten)) void name(                        \
       const Slot& s, const Kernel& k, DType grad, size_t n, const store::StateLayout& layout,  \
       size_t numel, size_t lo) {                                                               \
     run_update_as<moments>(s, k, grad, n, layout, numel, lo);                                  \

@@ -289,20 +289,6 @@ void check(cudaError_t e, const char* what) {
     throw std::runtime_error(std::string("CUDA update: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// Calls f with Adam's two compile-time choices (kernels::adam8's dispatch).
-template <class F>
-void with_adam_flags(const AdamStep& k, F&& f) {
-  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
-  if (k.decoupled && small)
-    f(std::true_type{}, std::true_type{});
-  else if (k.decoupled)
-    f(std::true_type{}, std::false_type{});
-  else if (small)
-    f(std::false_type{}, std::true_type{});
-  else
-    f(std::false_type{}, std::false_type{});
-}
-
 template <class G, class P>
 void launch(const kernels::Step& step, const store::StateLayout& layout, void* states,
             std::size_t n, const Master& ms, const G* grad, P* out, cudaStream_t stream) {
@@ -318,7 +304,7 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
       const Int8States s = layout.int8_at(states, n);
       const unsigned blocks = blocks_for(n, kQuantBlock);
       if (adam)
-        return with_adam_flags(step.adam, [&](auto decoupled, auto small) {
+        return kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
           adam8_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
               <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.adam);
         });
@@ -328,7 +314,7 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
     case store::Moments::int4: {
       const Int4States s = layout.int4_at(states, n);
       if (adam)
-        return with_adam_flags(step.adam, [&](auto decoupled, auto small) {
+        return kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
           adam4_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
               <<<blocks_for(n, kQuant4Tile), kQuant4Block * kTileRowsAtOnce, 0, stream>>>(
                   n, s, ms, grad, out, step.adam);

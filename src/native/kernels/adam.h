@@ -4,6 +4,7 @@
 #pragma once
 #include <cmath>
 #include <cstddef>
+#include <type_traits>
 
 #include "kernels/numeric.h"
 
@@ -100,6 +101,22 @@ SMARTINF_HD inline void adam_variant(std::size_t n, float* param, float* exp_avg
     adam_range<false, true, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
   else
     adam_range<false, false, Amsgrad>(n, param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, out, s);
+}
+
+// Calls f with Adam's two compile-time choices for the step (decoupled weight decay, lerp's
+// formula) as std::bool_constant arguments: the dispatch of the quantized kernels and the
+// CUDA launches (host code; adam_variant is this for the fp32 kernel, on either side).
+template <class F>
+inline void with_adam_choices(const AdamStep& s, F&& f) {
+  const bool small = std::fabs(s.one_minus_beta1) < 0.5f;
+  if (s.decoupled && small)
+    f(std::true_type{}, std::true_type{});
+  else if (s.decoupled)
+    f(std::true_type{}, std::false_type{});
+  else if (small)
+    f(std::false_type{}, std::true_type{});
+  else
+    f(std::false_type{}, std::false_type{});
 }
 
 template <class G, class P>

@@ -1,7 +1,7 @@
 // 4-bit optimizer states (after Li et al., "Memory Efficient Optimizers with 4-bit States",
 // NeurIPS 2023; their code is github.com/thu-ml/low-bit-optimizers, `lpmm`), written once for
-// the CPU device and HLS: the two codes, and the int4 kernels of the rules whose row allows
-// int4 (kernels/rules.h). Where the codes and scales sit is store/layout.h's (Int4States).
+// the CPU device and HLS: the two codes, and the format kernels/quantized.h's update runs the
+// rules whose row allows int4 on. Where the codes and scales sit is store/layout.h's (Int4States).
 //
 // A rule's int4 moments, in the order of its state arrays (the first moment as lpmm's default
 // configuration, lpmm/configs/default.yml "B128/DE"; the second moment's scales as its
@@ -60,9 +60,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
-#include "kernels/adam.h"
-#include "kernels/lion.h"
 #include "kernels/numeric.h"
 #include "store/layout.h"
 
@@ -101,13 +100,32 @@ __attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest(float x, cons
   return c;
 }
 
-// Code -> map value, branch-free (selects by masks) so the loops vectorise on any ISA; on
-// an FPGA this is a 16-entry ROM.
-__attribute__((always_inline)) inline float dynamic_value(uint32_t code) {
-  uint32_t b = 0;
-#pragma GCC unroll 16
-  for (uint32_t i = 0; i < 16; ++i) b |= (0u - static_cast<uint32_t>(code == i)) & bits_of(kDynamic[i]);
-  return float_of(b);
+// nearest(x, kPow2Mid) from x's bits (equal for every float; csim_test checks): the exponent,
+// plus one above the midpoint 1.5 x 2^e (mantissa > 0x400000; a tie goes down), clamped to
+// 0 .. 15; negatives and NaN count no midpoint, as there.
+__attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest_pow2(float x) {
+  const uint32_t b = bits_of(x);
+  const int32_t c = static_cast<int32_t>(b >> 23) - 112 + static_cast<int32_t>((b & 0x7fffffu) > 0x400000u);
+  const int32_t clamped = c < 0 ? 0 : (c > 15 ? 15 : c);
+  return b > 0x7f800000u ? 0u : static_cast<uint32_t>(clamped);
+}
+
+// kDynamicMid[7 ..] (0 < m), as float bits: non-negative floats order like their bits.
+inline constexpr uint32_t kDynamicMidBits[8] = {0x3b343958u, 0x3c9ba5e4u, 0x3d6147aeu, 0x3e147ae1u,
+                                                0x3ea66666u, 0x3f0ccccdu, 0x3f466666u, 0x3f71999au};
+
+// nearest(x, kDynamicMid) on |x| (equal for every float; csim_test checks): the map is
+// symmetric but for +1 (kDynamicMid[i] = -kDynamicMid[13 - i]), so the count is 7 plus the
+// positive midpoints below x, or 7 less those at or below |x| (|x| >= m is |x| > m less one
+// ulp: add the sign bit to |x|'s bits); NaN counts none.
+__attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest_dynamic(float x) {
+  const uint32_t b = bits_of(x), negative = b >> 31, a = b & 0x7fffffffu, t = a + negative;
+  uint32_t below = 0;
+#pragma GCC unroll 7
+  for (int j = 0; j < 7; ++j) below += static_cast<uint32_t>(t > kDynamicMidBits[j]);
+  const uint32_t top = static_cast<uint32_t>(t > kDynamicMidBits[7]) & (negative ^ 1u);
+  const uint32_t c = negative ? 7u - below : 7u + below + top;
+  return a > 0x7f800000u ? 0u : c;
 }
 
 // 2^(code - 15), built from its exponent bits (exact, branch-free).
@@ -148,16 +166,28 @@ __attribute__((always_inline)) SMARTINF_HD inline float divisor(float s) {
   return float_of((bits_of(s) & take) | (bits_of(1.0f) & ~take));
 }
 
+// The map values of both codes of each byte (low nibble first): decoding reads two values
+// with one load, which vectorises as a gather where 16 selects a value did not (3x slower).
+struct DynamicPair {
+  float v[2];
+};
+struct DynamicPairs {
+  DynamicPair of[256];
+};
+constexpr DynamicPairs dynamic_pairs() {
+  DynamicPairs t{};
+  for (unsigned b = 0; b < 256; ++b) t.of[b] = {{kDynamic[b & 15u], kDynamic[b >> 4]}};
+  return t;
+}
+inline constexpr DynamicPairs kDynamicPairs = dynamic_pairs();
+
 // `len` values of the first moment from codes at q (value j's code in q[j / 2], the low
 // nibble for even j), with the block's scale.
 inline void decode_first(std::size_t len, const uint8_t* __restrict q, float scale,
                          float* __restrict x) {
-  for (std::size_t j = 0; j < len / 2; ++j) {
-    const uint32_t b = q[j];
-    x[2 * j] = dynamic_value(b & 15u) * scale;
-    x[2 * j + 1] = dynamic_value(b >> 4) * scale;
-  }
-  if (len & 1) x[len - 1] = dynamic_value(q[len / 2] & 15u) * scale;
+  for (std::size_t j = 0; j < len / 2; ++j) std::memcpy(x + 2 * j, &kDynamicPairs.of[q[j]], sizeof(DynamicPair));
+  if (len & 1) x[len - 1] = kDynamic[q[len / 2] & 15u];
+  for (std::size_t j = 0; j < len; ++j) x[j] *= scale;
 }
 
 // `len` values of a tile's row of the second moment: the row's maximum `rmax`, the tile's
@@ -178,9 +208,8 @@ inline void encode_first(std::size_t len, const float* __restrict x, float scale
                          uint8_t* __restrict q) {
   const float d = divisor(scale);
   for (std::size_t j = 0; j < len / 2; ++j)
-    q[j] = static_cast<uint8_t>(nearest(x[2 * j] / d, kDynamicMid) |
-                                (nearest(x[2 * j + 1] / d, kDynamicMid) << 4));
-  if (len & 1) q[len / 2] = static_cast<uint8_t>(nearest(x[len - 1] / d, kDynamicMid));
+    q[j] = static_cast<uint8_t>(nearest_dynamic(x[2 * j] / d) | (nearest_dynamic(x[2 * j + 1] / d) << 4));
+  if (len & 1) q[len / 2] = static_cast<uint8_t>(nearest_dynamic(x[len - 1] / d));
 }
 
 // The codes of a tile's row of second-moment values (rank-1 scales).
@@ -188,10 +217,10 @@ inline void encode_second(std::size_t len, const float* __restrict x, float rmax
                           const float* __restrict cmax, uint8_t* __restrict q) {
   for (std::size_t j = 0; j < len / 2; ++j)
     q[j] = static_cast<uint8_t>(
-        nearest(x[2 * j] / divisor(min(rmax, cmax[2 * j])), kPow2Mid) |
-        (nearest(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1])), kPow2Mid) << 4));
+        nearest_pow2(x[2 * j] / divisor(min(rmax, cmax[2 * j]))) |
+        (nearest_pow2(x[2 * j + 1] / divisor(min(rmax, cmax[2 * j + 1]))) << 4));
   if (len & 1)
-    q[len / 2] = static_cast<uint8_t>(nearest(x[len - 1] / divisor(min(rmax, cmax[len - 1])), kPow2Mid));
+    q[len / 2] = static_cast<uint8_t>(nearest_pow2(x[len - 1] / divisor(min(rmax, cmax[len - 1]))));
 }
 
 // The rows of a tile of `len` params.
@@ -234,104 +263,35 @@ inline void quantize_first_block(std::size_t len, const float* x, uint8_t* q, fl
 
 }  // namespace q4
 
-// Adam/AdamW on int4 states: per tile, decode both moments, the fp32 update of adam.h's
-// formula (the new moments in fp32 update the param) finding the new maxima on the way
-// (per row: the first moment's block extreme and the second's row maximum; per column), then
-// code the new moments. `n`: whole tiles of the chunk from its start (the last may be partial).
-template <bool Decoupled, bool SmallWeight, class G, class P>
-inline void adam4_range(std::size_t n, const Int4States& s, const G* __restrict grad,
-                        P* __restrict out, const AdamStep& k) {
-  constexpr std::size_t B = kQuant4Block;
-  float m[kQuant4Tile], v[kQuant4Tile];  // the tile's moments, old then new
-  for (std::size_t t = 0; t * kQuant4Tile < n; ++t) {
-    const std::size_t lo = t * kQuant4Tile;
-    const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
-    const std::size_t rows = q4::tile_rows(len);
-    float* mscale = s.scale[0] + lo / B;     // the tile's first-moment block scales (one a row)
-    float* rmax = s.scale[1] + t * 2 * B;    // the tile's row maxima of the second moment
-    float* cmax = rmax + B;                  // and its column maxima
-    uint8_t* mq = s.code[0] + lo / 2;
-    uint8_t* vq = s.code[1] + lo / 2;
-    for (std::size_t r = 0; r < rows; ++r) {
+// The int4 format for kernels/quantized.h's one update, a tile at a time (the second
+// moment's scales need the whole tile's new values before any is coded; a first-moment
+// block is a tile's row): moment k of params [lo, lo + len) (lo a whole number of tiles in)
+// decoded to the fp32 values the rule reads, and coded back from the values it leaves.
+struct Int4Format {
+  using States = Int4States;
+  static constexpr std::size_t kPiece = kQuant4Tile;
+  static constexpr bool kKeepsRoot = false;
+
+  static void decode(const States& s, unsigned k, std::size_t lo, std::size_t len, float* x) {
+    constexpr std::size_t B = kQuant4Block;
+    const float* rmax = k == 1 ? s.scale[1] + lo / kQuant4Tile * 2 * B : nullptr;
+    for (std::size_t r = 0; r < q4::tile_rows(len); ++r) {
       const std::size_t at = r * B, rl = q4::row_len(len, r);
-      q4::decode_first(rl, mq + at / 2, mscale[r], m + at);
-      q4::decode_second(rl, vq + at / 2, rmax[r], cmax, v + at);
-    }
-    int32_t cbits[B] = {};
-    for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t at = r * B, rl = q4::row_len(len, r);
-      // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
-      float* __restrict param = s.param + lo + at;
-      float* __restrict mr = m + at;
-      float* __restrict vr = v + at;
-      const G* __restrict gr = grad + lo + at;
-      P* __restrict o = out + lo + at;
-      q4::Extreme me;
-      int32_t v_bits = 0;
-      for (std::size_t j = 0; j < rl; ++j) {
-        const AdamResult res = adam_element<Decoupled, SmallWeight>(
-            to_float(gr[j]) * k.grad_scale, param[j], mr[j], vr[j], k);
-        param[j] = res.p;
-        o[j] = from_float<P>(res.p);
-        mr[j] = res.m;
-        vr[j] = res.v;
-        me.add(res.m);
-        const int32_t c = q4::magnitude(res.v);
-        v_bits = c > v_bits ? c : v_bits;
-        cbits[j] = c > cbits[j] ? c : cbits[j];
-      }
-      mscale[r] = me.scale();
-      rmax[r] = float_of(static_cast<uint32_t>(v_bits));
-    }
-    for (std::size_t r = rows; r < B; ++r) rmax[r] = 0.0f;
-    for (std::size_t c = 0; c < B; ++c) cmax[c] = float_of(static_cast<uint32_t>(cbits[c]));
-    for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t at = r * B, rl = q4::row_len(len, r);
-      q4::encode_first(rl, m + at, mscale[r], mq + at / 2);
-      q4::encode_second(rl, v + at, rmax[r], cmax, vq + at / 2);
+      if (k == 0)
+        q4::decode_first(rl, s.code[0] + (lo + at) / 2, s.scale[0][(lo + at) / B], x + at);
+      else
+        q4::decode_second(rl, s.code[1] + (lo + at) / 2, rmax[r], rmax + B, x + at);
     }
   }
-}
 
-template <class G, class P>
-inline void adam4(std::size_t n, const Int4States& s, const G* grad, P* out, const AdamStep& k) {
-  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
-  if (k.decoupled && small)
-    adam4_range<true, true>(n, s, grad, out, k);
-  else if (k.decoupled)
-    adam4_range<true, false>(n, s, grad, out, k);
-  else if (small)
-    adam4_range<false, true>(n, s, grad, out, k);
-  else
-    adam4_range<false, false>(n, s, grad, out, k);
-}
-
-// Lion on int4 states: per block of 128, decode the momentum, the fp32 update of lion.h's
-// element, then code the new momentum as Adam's exp_avg is coded.
-template <class G, class P>
-inline void lion4(std::size_t n, const Int4States& s, const G* __restrict grad,
-                  P* __restrict out, const LionStep& k) {
-  constexpr std::size_t B = kQuant4Block;
-  float m[B];
-  for (std::size_t b = 0; b * B < n; ++b) {
-    const std::size_t lo = b * B, len = n - lo < B ? n - lo : B;
-    uint8_t* mq = s.code[0] + lo / 2;
-    q4::decode_first(len, mq, s.scale[0][b], m);
-    float* __restrict param = s.param + lo;
-    const G* __restrict gr = grad + lo;
-    P* __restrict o = out + lo;
-    q4::Extreme me;
-    for (std::size_t j = 0; j < len; ++j) {
-      const LionResult r = lion_element(to_float(gr[j]) * k.grad_scale, param[j], m[j], k);
-      param[j] = r.p;
-      o[j] = from_float<P>(r.p);
-      m[j] = r.m;
-      me.add(r.m);
-    }
-    s.scale[0][b] = me.scale();
-    q4::encode_first(len, m, s.scale[0][b], mq);
+  static void encode(const States& s, unsigned k, std::size_t lo, std::size_t len, const float* x) {
+    constexpr std::size_t B = kQuant4Block;
+    if (k == 1) return q4::quantize_second_tile(len, x, s.code[1] + lo / 2, s.scale[1] + lo / kQuant4Tile * 2 * B);
+    for (std::size_t r = 0; r < q4::tile_rows(len); ++r)
+      q4::quantize_first_block(q4::row_len(len, r), x + r * B, s.code[0] + (lo + r * B) / 2,
+                               s.scale[0] + (lo + r * B) / B);
   }
-}
+};
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int4
 // states (the fp32 param skipped when the states hold none: a split master). The second

@@ -1,6 +1,6 @@
 // 8-bit block-wise optimizer states (after Dettmers et al., "8-bit Optimizers via
 // Block-wise Quantization", ICLR 2022), written once for the CPU device and HLS: the code,
-// and the int8 kernels of the rules whose row allows int8 (kernels/rules.h). Where the
+// and the format kernels/quantized.h's update runs the rules whose row allows int8 on. Where the
 // codes and scales sit is store/layout.h's (Int8States).
 //
 // Each block of 256 values (store::kQuantBlock) is divided by its absolute maximum (kept as
@@ -26,8 +26,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/adam.h"
-#include "kernels/lion.h"
 #include "kernels/numeric.h"
 #include "store/layout.h"
 
@@ -53,22 +51,20 @@ SMARTINF_HD inline uint32_t encode_magnitude(float a) {
   const uint32_t b = bits_of(a);
   const bool subnormal = a < 1.0f / float(uint64_t(1) << (Bias - 1));
   // Below the smallest normal a * 2^(Bias+2) < 8, so adding 2^23 rounds it to an integer,
-  // nearest-even. Both paths are computed; the subnormal one sees 0 when unused.
-  const float as = float_of(select(subnormal, b, 0u));
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>((as * kSubScale + 8388608.0f) - 8388608.0f));
-  const uint32_t mant = b & 0x7fffffu;
-  const uint32_t rounded = (mant + 0x7ffffu + ((mant >> 20) & 1u)) >> 20;
-  const uint32_t normal = (((b >> 23) - 127u + Bias) << 3) + rounded;
+  // nearest-even, which the sum's low mantissa bits then are. Both paths are computed, in
+  // unsigned integers (no float -> int conversion: nothing overflows where one is unused).
+  const uint32_t sub = bits_of(a * kSubScale + 8388608.0f) - 0x4b000000u;
+  // ((exponent + Bias - 127) << 3) + the rounded 3 mantissa bits, one add: a carry of the
+  // rounding goes into the exponent.
+  const uint32_t normal = ((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) - ((127u - Bias) << 3);
   return select(subnormal, sub, normal);
 }
 
-// Code -> the float bits of its magnitude.
+// Code -> the float bits of its magnitude: (code << 20) is exponent | mantissa in place.
 template <int Bias>
 SMARTINF_HD inline uint32_t decode_magnitude_bits(uint32_t code) {
-  const uint32_t e = code >> 3, f = code & 7u;
-  const float sub = static_cast<float>(static_cast<int32_t>(f)) * (1.0f / float(uint64_t(1) << (Bias + 2)));
-  const uint32_t normal = ((e - Bias + 127u) << 23) | (f << 20);
-  return select(e == 0, bits_of(sub), normal);
+  const float sub = static_cast<float>(static_cast<int32_t>(code & 7u)) * (1.0f / float(uint64_t(1) << (Bias + 2)));
+  return select(code < 8u, bits_of(sub), (code << 20) + ((127u - Bias) << 23));
 }
 
 template <int Bias>
@@ -138,81 +134,37 @@ inline void quantize_block(unsigned k, std::size_t n, const float* x, uint8_t* q
     encode_unsigned_block(n, x, *scale, q);
 }
 
-// Adam/AdamW on int8 states: per block, decode, the fp32 update of adam.h's formula
-// (the new moments in fp32 update the param), then code the new moments.
-template <bool Decoupled, bool SmallWeight, class G, class P>
-inline void adam8_range(std::size_t n, const Int8States& s, const G* __restrict grad,
-                        P* __restrict out, const AdamStep& k) {
-  float m[kQuantBlock], w[kQuantBlock];
-  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
-    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
-    const float ms = s.scale[0][b], ws = s.scale[1][b];
-    // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
-    float* __restrict param = s.param + lo;
-    const uint8_t* __restrict mq = s.code[0] + lo;
-    const uint8_t* __restrict wq = s.code[1] + lo;
-    const G* __restrict gr = grad + lo;
-    P* __restrict o = out + lo;
-    int32_t m_bits = 0, w_bits = 0;  // the new maxima, found on the way
-    for (std::size_t j = 0; j < len; ++j) {
-      const float w_old = decode_unsigned(wq[j], ws);
-      const AdamResult r = adam_element<Decoupled, SmallWeight>(
-          to_float(gr[j]) * k.grad_scale, param[j], decode_signed(mq[j], ms), w_old * w_old, k);
-      param[j] = r.p;
-      o[j] = from_float<P>(r.p);
-      m[j] = r.m;
-      w[j] = r.root;
-      const int32_t a = magnitude_bits(r.m), c = magnitude_bits(r.root);
-      m_bits = a > m_bits ? a : m_bits;
-      w_bits = c > w_bits ? c : w_bits;
-    }
-    s.scale[0][b] = float_of(static_cast<uint32_t>(m_bits));
-    s.scale[1][b] = float_of(static_cast<uint32_t>(w_bits));
-    encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
-    encode_unsigned_block(len, w, s.scale[1][b], s.code[1] + lo);
-  }
-}
+// The int8 format for kernels/quantized.h's one update: moment k of params [lo, lo + len)
+// (lo a whole number of blocks in) decoded to the fp32 values the rule reads, and coded
+// back from the values it leaves (a second moment: its root, AdamResult::root).
+struct Int8Format {
+  using States = Int8States;
+  static constexpr std::size_t kPiece = 8 * kQuantBlock;  // params the rule's loop runs over at once
+  static constexpr bool kKeepsRoot = true;
 
-template <class G, class P>
-inline void adam8(std::size_t n, const Int8States& s, const G* grad, P* out, const AdamStep& k) {
-  const bool small = std::fabs(k.one_minus_beta1) < 0.5f;
-  if (k.decoupled && small)
-    adam8_range<true, true>(n, s, grad, out, k);
-  else if (k.decoupled)
-    adam8_range<true, false>(n, s, grad, out, k);
-  else if (small)
-    adam8_range<false, true>(n, s, grad, out, k);
-  else
-    adam8_range<false, false>(n, s, grad, out, k);
-}
-
-// Lion on int8 states: per block, decode the momentum, the fp32 update of lion.h's
-// element, then code the new momentum as Adam's exp_avg is coded.
-template <class G, class P>
-inline void lion8(std::size_t n, const Int8States& s, const G* __restrict grad,
-                  P* __restrict out, const LionStep& k) {
-  float m[kQuantBlock];
-  for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
-    const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
-    const float ms = s.scale[0][b];
-    float* __restrict param = s.param + lo;
-    const uint8_t* __restrict mq = s.code[0] + lo;
-    const G* __restrict gr = grad + lo;
-    P* __restrict o = out + lo;
-    int32_t m_bits = 0;  // the new maximum, found on the way
-    for (std::size_t j = 0; j < len; ++j) {
-      const LionResult r = lion_element(to_float(gr[j]) * k.grad_scale, param[j],
-                                        decode_signed(mq[j], ms), k);
-      param[j] = r.p;
-      o[j] = from_float<P>(r.p);
-      m[j] = r.m;
-      const int32_t a = magnitude_bits(r.m);
-      m_bits = a > m_bits ? a : m_bits;
+  static void decode(const States& s, unsigned k, std::size_t lo, std::size_t len, float* __restrict x) {
+    for (std::size_t at = 0; at < len; at += kQuantBlock) {
+      const std::size_t bl = len - at < kQuantBlock ? len - at : kQuantBlock;
+      const float scale = s.scale[k][(lo + at) / kQuantBlock];
+      const uint8_t* __restrict q = s.code[k] + lo + at;
+      float* __restrict y = x + at;
+      if (k == 0) {
+        for (std::size_t j = 0; j < bl; ++j) y[j] = decode_signed(q[j], scale);
+      } else {
+        for (std::size_t j = 0; j < bl; ++j) {
+          const float w = decode_unsigned(q[j], scale);
+          y[j] = w * w;
+        }
+      }
     }
-    s.scale[0][b] = float_of(static_cast<uint32_t>(m_bits));
-    encode_signed_block(len, m, s.scale[0][b], s.code[0] + lo);
   }
-}
+
+  static void encode(const States& s, unsigned k, std::size_t lo, std::size_t len, const float* x) {
+    for (std::size_t at = 0; at < len; at += kQuantBlock)
+      quantize_block(k, len - at < kQuantBlock ? len - at : kQuantBlock, x + at, s.code[k] + lo + at,
+                     s.scale[k] + (lo + at) / kQuantBlock);
+  }
+};
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8
 // states (the fp32 param skipped when the states hold none: a split master). A second moment (exp_avg_sq) is coded as its root.

@@ -3,8 +3,8 @@
 // kernels on fp32 and int8 states, its HLS top function) is read from here: nothing else
 // switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
 // cases below, its HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py);
-// int8 (int4) states for it: its kernel in kernels/quant8.h (quant4.h), `int8` (`int4`) in its
-// row, its case in run_rule_int8 (run_rule_int4), its HLS top.
+// quantized states for it: its element in kernels/quantized.h (one for int8 and int4),
+// `int8` / `int4` in its row, its case in run_rule_quantized, its HLS top.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,8 +14,7 @@
 #include "kernels/adagrad.h"
 #include "kernels/adam.h"
 #include "kernels/lion.h"
-#include "kernels/quant4.h"
-#include "kernels/quant8.h"
+#include "kernels/quantized.h"
 #include "kernels/sgd.h"
 #include "store/layout.h"
 
@@ -27,8 +26,8 @@ struct RuleRow {
   const char* name;  // in the manifest, and in smartinf/update_rules.py
   Rule rule;
   unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
-  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in run_rule_int8
-  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in run_rule_int4
+  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in run_rule_quantized
+  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in run_rule_quantized
   bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
   const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes (int8: "8" added)
 };
@@ -157,35 +156,19 @@ SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, 
   }
 }
 
-// The CPU kernel of the step's rule on int8 states (store/layout.h's Int8States); only
-// rows with `int8` have one (the pipeline refuses int8 states for the others).
-template <class G, class P>
-inline void run_rule_int8(const Step& s, std::size_t n, const store::Int8States& st,
-                          const G* grad, P* out) {
+// The CPU kernel of the step's rule on quantized states (store/layout.h's Int8States or
+// Int4States; kernels/quantized.h); only rows with `int8` (`int4`) have one (the pipeline
+// refuses those states for the others).
+template <class States, class G, class P>
+inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad, P* out) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:
-      return adam8(n, st, grad, out, s.adam);
+      return adam_quantized(n, st, grad, out, s.adam);
     case Rule::lion:
-      return lion8(n, st, grad, out, s.lion);
+      return lion_quantized(n, st, grad, out, s.lion);
     default:
-      throw std::logic_error(std::string("no int8 kernel for ") + rule_row(s.rule).name);
-  }
-}
-
-// The CPU kernel of the step's rule on int4 states (store/layout.h's Int4States); only
-// rows with `int4` have one.
-template <class G, class P>
-inline void run_rule_int4(const Step& s, std::size_t n, const store::Int4States& st,
-                          const G* grad, P* out) {
-  switch (s.rule) {
-    case Rule::adam:
-    case Rule::adamw:
-      return adam4(n, st, grad, out, s.adam);
-    case Rule::lion:
-      return lion4(n, st, grad, out, s.lion);
-    default:
-      throw std::logic_error(std::string("no int4 kernel for ") + rule_row(s.rule).name);
+      throw std::logic_error(std::string("no quantized kernel for ") + rule_row(s.rule).name);
   }
 }
 
