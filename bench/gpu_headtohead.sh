@@ -2,11 +2,16 @@
 # The DeepSpeed head-to-head on a lent GPU machine (GPT-2 XL shape, bf16, batch 8 x 1024,
 # ZeRO-3, one NVMe): each named mode runs examples/deepspeed/train.py on fresh
 # directories, one after another on the same machine; its record goes to
-# $OUT/<mode>.json (summarise with bench/deepspeed_report.py). Environment first, in the
-# same run: `bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env` (carry .devkit).
+# $OUT/<mode>-g<GPUS>.json (summarise with bench/deepspeed_report.py). Environment first, in
+# the same run: `bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env` (carry .devkit).
 #
 #   bash bench/gpu_headtohead.sh zero-offload int8-all-k10 ...
+#   GPUS=2 bash bench/gpu_headtohead.sh zero-offload fp32-all-k10
 #
+# GPUS: ranks, one a GPU (default 1; more: torch.distributed.run --standalone, weak scaling,
+# BATCH per GPU; each rank's states in its own sub-directory, rank<R>; OMP_NUM_THREADS, where
+# unset, the host's cores / GPUS, not torchrun's 1, for DeepSpeed's CPU Adam; smartinf
+# takes the same share itself, from LOCAL_WORLD_SIZE);
 # STATES: where states / swap files go (default /tmp/states, removed after each mode);
 # STEPS: iterations per mode (default 6; 12 for the commit_every=10 modes, so that one
 # durable commit is among them; 21 or more gives deepspeed_report's model comparison the
@@ -15,7 +20,13 @@
 # after a clipped one starts no update during backward). The runs' output goes to $OUT/run.log (what comes back from the machine is
 # limited in files).
 set -u
-OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}
+OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}; GPUS=${GPUS:-1}
+if [ "$GPUS" -gt 1 ]; then
+  LAUNCH="--standalone --nproc_per_node $GPUS"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / GPUS ))}
+else
+  LAUNCH="--nproc_per_node=1"
+fi
 mkdir -p "$OUT" "$STATES"
 COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --clip ${CLIP:-1.0} --if-exists overwrite"
 INT8_STATES=9400000000   # 1.56 B params x 6.03 B
@@ -72,15 +83,16 @@ flags() {  # mode name -> train.py flags
 for mode in "$@"; do
   f=$(flags "$mode") || exit 2
   steps=$STEPS; case $mode in *-k10*) steps=$((STEPS > 12 ? STEPS : 12)) ;; esac
+  run=$mode-g$GPUS
   start=$(date +%s)
-  rm -rf "${STATES:?}/$mode"
-  python3 -m torch.distributed.run --nproc_per_node=1 examples/deepspeed/train.py $f $COMMON \
-      --steps "$steps" --dir "$STATES/$mode" --json "$OUT/$mode.json" > "$STATES/$mode.log" 2>&1
+  rm -rf "${STATES:?}/$run"
+  python3 -m torch.distributed.run $LAUNCH examples/deepspeed/train.py $f $COMMON \
+      --steps "$steps" --dir "$STATES/$run" --json "$OUT/$run.json" > "$STATES/$run.log" 2>&1
   rc=$?
-  { echo "== $mode: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$mode.log"; } >> "$OUT/run.log"
-  echo "== $mode: rc $rc, $(( $(date +%s) - start )) s"
-  grep -E "^step " "$STATES/$mode.log"
-  [ $rc = 0 ] || tail -30 "$STATES/$mode.log"
-  rm -f "$STATES/$mode.log"
-  rm -rf "${STATES:?}/$mode"
+  { echo "== $run: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$run.log"; } >> "$OUT/run.log"
+  echo "== $run: rc $rc, $(( $(date +%s) - start )) s"
+  grep -E "^step " "$STATES/$run.log"
+  [ $rc = 0 ] || tail -30 "$STATES/$run.log"
+  rm -f "$STATES/$run.log"
+  rm -rf "${STATES:?}/$run"
 done

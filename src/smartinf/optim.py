@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from . import edits, subgroups, update_rules
+from . import defaults, edits, plan, subgroups, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import small_tensor, speculate_on_cpu
@@ -57,7 +57,9 @@ class StorageOptions(TypedDict, total=False):
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
     ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
     ``overlap`` as for ``smartinf.Pipeline``
-    (``smartinf.settings.KEYWORDS``); ``if_exists`` what to do with directories holding an
+    (``smartinf.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
+    budget and commit interval ``smartinf.plan`` picks for these params, devices and host,
+    reported as a warning, explicit ``master``/``memory_budget``/``commit_every`` kept); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
@@ -160,6 +162,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             self._check_params(group)
         self._subgroup_size = subgroup_size
+        if storage.get("state_dtype") == "auto":
+            storage.update(self._auto(storage, devices, gpu_memory_budget))
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
@@ -212,6 +216,21 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return with_gpu(devices, budget, gpus.pop().index, twins)
 
     # -- hyper-parameters -------------------------------------------------------------
+    def _auto(self, storage: dict, devices, gpu_memory_budget) -> dict:
+        """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
+        params and devices (explicit ``master``, ``memory_budget`` and ``commit_every`` kept),
+        reported once."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        budget = storage.get("memory_budget")
+        choice = plan.choose(
+            sum(p.numel() for p in params), [getattr(d, "path", d) for d in resolve_devices(devices)],
+            bf16_params=all(p.dtype == torch.bfloat16 for p in params),
+            gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
+            master=storage.get("master"), commit_every=storage.get("commit_every"),
+            memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
+        logger.warning("%s", choice.report())
+        return choice.settings()
+
     def _check_group(self, group: dict) -> None:
         decoupled = self.rule_class is update_rules.AdamW
         if group.get("decoupled_weight_decay", decoupled) != decoupled:

@@ -1,0 +1,187 @@
+"""``state_dtype="auto"``: the state format, master and memory tier that a run's box holds,
+and of those the fastest by the performance model (``model.predict_placed``) with the
+probe's record of the first directory (``python -m smartinf.probe DIR --record``); without
+a record, the most precise format whose states all fit in memory, else the one with the
+fewest bytes (a streamed step is storage-bound: its time follows its bytes). Explicit
+settings win: a given ``master`` or ``memory_budget`` is kept, and only formats allowing it
+are weighed. Nothing fits: an ENOSPC ``OSError`` that lists what each format needs.
+
+``python -m smartinf.plan --params 13e9 DIR...`` prints the choice and why.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from . import space
+from .io_schedule import find_record, load_record
+from .model import place, predict_placed, recorded_rates, state_bytes_per_param
+
+#: (state_dtype, master), most precise first; the split master is lossless (bf16 params only)
+FORMATS = (("fp32", "fp32"), ("fp32", "split"), ("int8", "split"), ("int8", "fp32"),
+           ("int4", "split"), ("int4", "fp32"))
+#: host memory left to the rest of the run (model, DeepSpeed's buffers, the OS) where no
+#: budget is given: this share of what is available, at least MIN_RESERVE
+RESERVE_SHARE, MIN_RESERVE = 0.25, 4 << 30
+#: steps per durable commit where states are resident (written in the background)
+RESIDENT_COMMIT_EVERY = 10
+#: predicted steps within this share of the fastest are a tie, won by the more precise format
+TIE = 0.03
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose`` picked: the settings (``settings()``), the bytes it holds (host
+    memory for resident states; each directory's states files: two copies of every chunk),
+    the model's step where a probe record gave the rates, and why."""
+
+    state_dtype: str
+    master: str
+    memory_budget: int
+    commit_every: int
+    ram_bytes: int
+    disk_bytes: dict
+    step_s: Optional[float]
+    why: str
+    weighed: list = field(default_factory=list)
+
+    def settings(self) -> dict:
+        return {"state_dtype": self.state_dtype, "master": self.master,
+                "memory_budget": self.memory_budget, "commit_every": self.commit_every}
+
+    def report(self) -> str:
+        disks = ", ".join(f"{d}: {space._size(b)}" for d, b in self.disk_bytes.items())
+        step = f"; predicted step {self.step_s:.2f} s" if self.step_s is not None else ""
+        return (f"smartinf auto: state_dtype={self.state_dtype!r}, master={self.master!r}, "
+                f"memory_budget={space._size(self.memory_budget)} a device, commit_every="
+                f"{self.commit_every}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
+                f"{self.why}")
+
+
+def _disk_need(params: float, state_bytes: float, directories: Sequence[str]) -> dict:
+    """Bytes each directory's states files take: two copies (the committed one and the one a
+    step writes) of an even share of the states."""
+    share = 2 * params * state_bytes / len(directories)
+    return {d: int(math.ceil(share)) for d in directories}
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (a directory the pipeline will make)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _disk_fits(need: dict) -> Optional[str]:
+    """None where every file system holds what its directories need, else why not."""
+    by_device: dict = {}
+    for d, nbytes in need.items():
+        d = _existing(d)
+        dev = os.stat(d).st_dev
+        total, first = by_device.get(dev, (0, d))
+        by_device[dev] = (total + nbytes, first)
+    for total, first in by_device.values():
+        free = shutil.disk_usage(first).free
+        if total > free:
+            return f"needs {space._size(total)} on {first}'s file system, {space._size(free)} free"
+    return None
+
+
+def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
+           memory: Optional[int] = None, gpu_budget: int = 0, devices: int = 1,
+           master: Optional[str] = None, memory_budget: Optional[int] = None,
+           commit_every: Optional[int] = None, figures: Optional[dict] = None) -> Choice:
+    """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
+    host memory the states may hold in all (None: what is available less a reserve);
+    ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
+    device), ``commit_every``: explicit settings, kept; ``figures``: a probe record (None:
+    the one found for the first directory, if any)."""
+    if params <= 0 or not directories:
+        raise ValueError("choose needs a positive param count and at least one directory")
+    if figures is None:
+        record = find_record(directories[0])
+        figures = load_record(record, "move it away") if record else None
+    if memory is None:
+        available = space.available_memory()
+        memory = max(0, available - max(MIN_RESERVE, int(available * RESERVE_SHARE)))
+    weighed, fitting = [], []
+    for state_dtype, fmt_master in FORMATS:
+        if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master):
+            continue
+        per_param = state_bytes_per_param(state_dtype, fmt_master)
+        states = params * per_param
+        budget = memory_budget if memory_budget is not None \
+            else int(min(states / devices, memory / devices))
+        resident = min(1.0, budget * devices / states)
+        every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
+        need = _disk_need(params, per_param, directories)
+        not_fit = _disk_fits(need)
+        step_s = None
+        rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
+        if rates is not None:
+            placed = place(params, per_param, gpu_budget, budget * devices)
+            step_s = predict_placed(placed, **rates, state_bytes=per_param, commit_every=every).step_s
+        row = dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
+                   commit_every=every, resident=resident, ram_bytes=int(min(states, budget * devices)),
+                   disk_bytes=need, step_s=step_s, refused=not_fit)
+        weighed.append(row)
+        if not_fit is None:
+            fitting.append(row)
+    if not fitting:
+        raise OSError(errno.ENOSPC, "no state format's states fit the directories: " + "; ".join(
+            f"{r['state_dtype']}/{r['master']}: {r['refused']}" for r in weighed)
+            + ". Give more directories (file systems) or a larger one.")
+    if all(r["step_s"] is not None for r in fitting):
+        fastest = min(r["step_s"] for r in fitting)
+        best = next(r for r in fitting if r["step_s"] <= fastest * (1 + TIE))
+        why = (f"the fastest by the model with the probe's record ({len(fitting)} of "
+               f"{len(weighed)} formats fit the disk; ties within {TIE:.0%} go to the more precise)")
+    else:
+        whole = [r for r in fitting if r["resident"] >= 1.0]
+        best = whole[0] if whole else min(fitting, key=lambda r: sum(r["disk_bytes"].values()))
+        why = ("no probe record (python -m smartinf.probe DIR --record) for a predicted step: "
+               + ("the most precise format whose states all fit in host memory" if whole else
+                  "no format's states all fit in host memory: the one with the fewest bytes, "
+                  "as a streamed step's time follows its bytes"))
+    refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in weighed if r["refused"]]
+    if refused:
+        why += "; refused for the disk: " + ", ".join(refused)
+    if best["resident"] < 1.0:
+        why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
+    return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
+                  best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m smartinf.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="one directory per device")
+    parser.add_argument("--params", type=float, required=True, help="param count, e.g. 13e9")
+    parser.add_argument("--fp32-params", action="store_true", help="params in fp32 (no split master)")
+    parser.add_argument("--memory", type=float, help="host memory the states may hold, bytes")
+    parser.add_argument("--gpu-budget", type=float, default=0, help="GPU memory for states, bytes")
+    args = parser.parse_args(argv)
+    try:
+        choice = choose(int(args.params), args.dirs, bf16_params=not args.fp32_params,
+                        memory=None if args.memory is None else int(args.memory),
+                        gpu_budget=int(args.gpu_budget))
+    except (OSError, ValueError) as e:
+        print(f"smartinf.plan: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
+        return 1
+    print(choice.report())
+    for r in choice.weighed:
+        step = f"{r['step_s']:.2f} s" if r["step_s"] is not None else "-"
+        print(f"  {r['state_dtype']:>4}/{r['master']:<5} resident {r['resident']:>4.0%}  "
+              f"disk {space._size(sum(r['disk_bytes'].values())):>8}  step {step:>8}  "
+              f"{'refused: ' + r['refused'] if r['refused'] else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

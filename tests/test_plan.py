@@ -1,0 +1,70 @@
+"""state_dtype="auto" (smartinf.plan): what it picks without a probe record, that explicit
+settings win, that split masters need bf16 params, the refusal when no format fits the
+disk, and smartinf.optim resolving "auto" into the settings its pipeline runs with."""
+import errno
+import shutil
+
+import pytest
+import torch
+
+import smartinf.optim
+from smartinf import plan
+from smartinf.model import state_bytes_per_param
+
+
+def test_all_resident_picks_the_most_precise_format(tmp_path):
+    c = plan.choose(1_000_000, [str(tmp_path)], memory=1 << 30, figures={})
+    assert (c.state_dtype, c.master) == ("fp32", "fp32")
+    assert c.commit_every == plan.RESIDENT_COMMIT_EVERY and c.step_s is None
+    states = 1_000_000 * state_bytes_per_param("fp32", "fp32")
+    assert c.memory_budget == int(states) and c.ram_bytes == int(states)
+    assert c.disk_bytes[str(tmp_path)] == pytest.approx(2 * states, rel=1e-6)  # both copies
+    assert "no probe record" in c.why
+
+
+def test_too_little_memory_picks_the_fewest_bytes(tmp_path):
+    c = plan.choose(10_000_000, [str(tmp_path)], memory=8_000_000, figures={})
+    assert (c.state_dtype, c.master) == ("int4", "split")
+    assert c.memory_budget == 8_000_000
+    assert "resident" in c.why
+    fp32_params = plan.choose(10_000_000, [str(tmp_path)], memory=8_000_000, figures={},
+                              bf16_params=False)
+    assert fp32_params.master == "fp32" and fp32_params.state_dtype == "int4"
+
+
+def test_explicit_settings_win(tmp_path):
+    c = plan.choose(10_000_000, [str(tmp_path)], memory=8_000_000, figures={}, master="fp32",
+                    memory_budget=1 << 20, commit_every=3)
+    assert c.master == "fp32" and c.memory_budget == 1 << 20 and c.commit_every == 3
+    assert all(r["master"] == "fp32" for r in c.weighed)
+
+
+def test_refuses_when_no_format_fits_the_disk(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    params = int(free / state_bytes_per_param("int4", "split"))  # two copies: twice the free space
+    with pytest.raises(OSError) as e:
+        plan.choose(params, [str(tmp_path / "new" / "dir")], memory=0, figures={})
+    assert e.value.errno == errno.ENOSPC
+    assert "int4/split: needs" in str(e.value) and "free" in str(e.value)
+    assert not (tmp_path / "new").exists()  # nothing made
+
+
+def test_optim_runs_with_what_auto_picked(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    with caplog.at_level("WARNING"):
+        opt = smartinf.optim.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)],
+                                   state_dtype="auto", commit_every=2)
+    assert "smartinf auto:" in caplog.text
+    assert opt.pipeline.settings.state_dtype == "fp32" and opt.pipeline.settings.commit_every == 2
+    ref = torch.nn.Linear(64, 64)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.ones(4, 64)).square().sum().backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    opt.close()
