@@ -119,21 +119,22 @@ tiles:
 // one beat).
 constexpr int TILE8 = 4096;
 
-// The math of one optimizer on an int8 tile: M coded moments.
-struct Adam8Math {
-  static constexpr int M = 2;  // exp_avg, sqrt(exp_avg_sq)
+// The math of one optimizer on quantized states (an int8 or an int4 tile, kernels/quantized.h's
+// one update): M coded moments.
+struct AdamQuantMath {
+  static constexpr int M = 2;  // exp_avg, and exp_avg_sq (int8: its root)
   kernels::AdamStep s;
-  template <class G, class P>
-  void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
+  template <class States, class G, class P>
+  void operator()(int n, const States& st, const G* g, P* out) const {
     kernels::adam_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 
-struct Lion8Math {
+struct LionQuantMath {
   static constexpr int M = 1;  // exp_avg
   kernels::LionStep s;
-  template <class G, class P>
-  void operator()(int n, const store::Int8States& st, const G* g, P* out) const {
+  template <class States, class G, class P>
+  void operator()(int n, const States& st, const G* g, P* out) const {
     kernels::lion_quantized(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
@@ -179,25 +180,6 @@ int8_tiles:
 // before any is coded), i.e. 128 first-moment blocks, 8192 code bytes and 256 tile scales:
 // whole beats of each.
 constexpr int TILE4 = static_cast<int>(store::kQuant4Tile);
-
-// The math of one optimizer on an int4 tile: M coded moments.
-struct Adam4Math {
-  static constexpr int M = 2;  // exp_avg (blocks), exp_avg_sq (rank-1 tile)
-  kernels::AdamStep s;
-  template <class G, class P>
-  void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
-    kernels::adam_quantized(static_cast<std::size_t>(n), st, g, out, s);
-  }
-};
-
-struct Lion4Math {
-  static constexpr int M = 1;  // exp_avg
-  kernels::LionStep s;
-  template <class G, class P>
-  void operator()(int n, const store::Int4States& st, const G* g, P* out) const {
-    kernels::lion_quantized(static_cast<std::size_t>(n), st, g, out, s);
-  }
-};
 
 // One chunk of n params with int4 states: fp32 params, Math::M packed code arrays (two codes
 // a byte), the first moment's per-block fp32 scales and (M = 2) the second moment's per-tile
