@@ -620,3 +620,23 @@ def test_a_model_built_partitioned_trains_as_built_whole(work, disk_dir, world):
     assert losses(parts) == losses(whole)
     for a, b in zip(parts["params"], whole["params"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_chooses_once_for_every_rank_and_trains_as_chosen(work, disk_dir, world):
+    """"state_dtype": "auto": rank 0 picks (plan.choose: this tiny model's states all fit in
+    memory, so fp32 states resident with a commit every 10 steps), every rank runs it, and
+    the run is bit for bit the one with fp32 states streamed (the tiers change no bit)."""
+    out = work / f"auto-{world}"
+    done = torchrun(world, SCRIPT, "--mode", "smartinf", "--dir", f"{disk_dir}/auto-{world}",
+                    "--steps", str(STEPS), "--json", f"{out}.json", "--params-out", f"{out}.pt",
+                    "--state-dtype", "auto")
+    assert done.returncode == 0, done.stderr[-6000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "smartinf auto:" in line]
+    assert len(said) == 1 and "state_dtype='fp32'" in said[0] and "commit_every=10" in said[0]
+    auto = json.loads(Path(f"{out}.json").read_text())
+    auto["params"] = torch.load(f"{out}.pt")
+    plain = train(work, f"{disk_dir}/plain-{world}", f"plain-{world}", world=world)
+    assert losses(auto) == losses(plain)
+    for a, b in zip(auto["params"], plain["params"]):
+        assert torch.equal(a, b)

@@ -134,8 +134,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
-    p.add_argument("--state-dtype", choices=["fp32", "int8", "int4"], default="fp32",
-                   help="smartinf: Adam moments in fp32, 8-bit or 4-bit block-wise")
+    p.add_argument("--state-dtype", choices=["fp32", "int8", "int4", "auto"], default="fp32",
+                   help="smartinf: Adam moments in fp32, 8-bit or 4-bit block-wise; auto: the "
+                        "format, master, memory budget and commit interval smartinf.plan picks")
     p.add_argument("--split-master", action="store_true",
                    help="smartinf, bf16: store only the low halves of the fp32 masters "
                         "(master=\"split\"); else fp32 masters")

@@ -79,8 +79,9 @@ def _existing(path: str) -> str:
     return path
 
 
-def _disk_fits(need: dict) -> Optional[str]:
-    """None where every file system holds what its directories need, else why not."""
+def _disk_fits(need: dict, share: int = 1) -> Optional[str]:
+    """None where every file system holds what its directories need (of its free space, the
+    ``share``-th: ranks of one host each take as much), else why not."""
     by_device: dict = {}
     for d, nbytes in need.items():
         d = _existing(d)
@@ -88,29 +89,33 @@ def _disk_fits(need: dict) -> Optional[str]:
         total, first = by_device.get(dev, (0, d))
         by_device[dev] = (total + nbytes, first)
     for total, first in by_device.values():
-        free = shutil.disk_usage(first).free
+        free = shutil.disk_usage(first).free // share
         if total > free:
             return f"needs {space._size(total)} on {first}'s file system, {space._size(free)} free"
     return None
 
 
 def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
-           memory: Optional[int] = None, gpu_budget: int = 0, devices: int = 1,
+           memory: Optional[int] = None, gpu_budget: int = 0,
            master: Optional[str] = None, memory_budget: Optional[int] = None,
-           commit_every: Optional[int] = None, figures: Optional[dict] = None) -> Choice:
+           commit_every: Optional[int] = None, figures: Optional[dict] = None,
+           ranks: int = 1) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
     device), ``commit_every``: explicit settings, kept; ``figures``: a probe record (None:
-    the one found for the first directory, if any)."""
+    the one found for the first directory, if any); ``ranks``: processes of this host making
+    the same choice for as many params each (each gets that share of the host's memory and
+    of each file system's free space)."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if figures is None:
-        record = find_record(directories[0])
+        record = find_record(_existing(directories[0]))
         figures = load_record(record, "move it away") if record else None
     if memory is None:
         available = space.available_memory()
-        memory = max(0, available - max(MIN_RESERVE, int(available * RESERVE_SHARE)))
+        memory = max(0, available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks
+    devices = len(directories)
     weighed, fitting = [], []
     for state_dtype, fmt_master in FORMATS:
         if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master):
@@ -122,7 +127,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         resident = min(1.0, budget * devices / states)
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         need = _disk_need(params, per_param, directories)
-        not_fit = _disk_fits(need)
+        not_fit = _disk_fits(need, ranks)
         step_s = None
         rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
         if rates is not None:

@@ -56,7 +56,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
 
-from .. import defaults, edits, update_rules
+from .. import defaults, edits, plan, update_rules
 from ..checkpoint import restore_devices, save_devices
 from ..compress import TopK
 from ..devices import rank_directory, with_gpu
@@ -91,6 +91,7 @@ class Settings:
     compress: Optional[dict] = None
     gpu_memory_budget: int = 0  # "gpu": {"memory_budget": ...}: the rank's GPU as a device
     gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
+    auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -129,12 +130,17 @@ class Settings:
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         given = {k: block[k] for k in pipeline_keys if k in block}
+        auto = given.get("state_dtype") == "auto"
+        if auto:  # chosen when the partition's size is known (SmartInfinityStage3._choose)
+            given["state_dtype"] = "fp32"
         try:
             pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
-                   gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"))
+                   gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
+                   auto=tuple(k for k in ("master", "memory_budget", "commit_every") if k in given)
+                   + ("auto",) if auto else ())
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
@@ -382,6 +388,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         With overlap or without, so that both group the norm's sums alike. With int8/int4
         states the small tensors (``defaults.SMALL_TENSOR`` elements) come first, in
         sub-groups of their own: their moments stay fp32 (``Pipeline(small_sizes=)``)."""
+        self._choose(params_group)
         small = defaults.small_tensor(self.settings.pipeline.state_dtype)
         kinds = [[p for p in params_group if p.ds_numel <= small],
                  [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
@@ -390,6 +397,28 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if sum(bool(k) for k in kinds) < 2:
             return split(params_group)
         return [g for k in kinds if k for g in split(k)]
+
+    def _choose(self, params: list) -> None:
+        """``"state_dtype": "auto"``: rank 0 asks ``plan.choose`` for its share of the params
+        (the host's memory and disks shared by its ranks), every rank takes that choice."""
+        if not self.settings.auto:
+            return
+        world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        chosen = [None]
+        if dist.get_rank() == 0:
+            given = self.settings.pipeline
+            devices = self.settings.rank_devices(0, 0)
+            choice = plan.choose(
+                sum(p.ds_numel for p in params) // world,
+                [d if isinstance(d, str) else d.path for d in devices],
+                bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
+                gpu_budget=self.settings.gpu_memory_budget,
+                **{k: getattr(given, k) for k in self.settings.auto if k != "auto"})
+            logger.warning("%s (each of %d ranks)", choice.report(), world)
+            chosen = [choice.settings()]
+        dist.broadcast_object_list(chosen, src=0)
+        self.settings = dataclasses.replace(
+            self.settings, auto=(), pipeline=dataclasses.replace(self.settings.pipeline, **chosen[0]))
 
     def _create_fp32_partitions(self) -> None:
         """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
