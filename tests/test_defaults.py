@@ -54,3 +54,61 @@ def test_ranks_of_one_host_share_its_cores(monkeypatch):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
         share = max(1, cores // ranks) if cores >= os.cpu_count() else cores
         assert _native.default_compute_threads() == (share - 2 if share >= 8 else share)
+
+
+def _allowed_list(tid: int) -> list:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(l for l in f if l.startswith("Cpus_allowed_list:"))
+    return _native_cpu_list(line.split(":", 1)[1].strip())
+
+
+def _native_cpu_list(text: str) -> list:
+    cores = []
+    for item in text.split(","):
+        lo, _, hi = item.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
+def test_each_rank_of_a_host_pins_its_update_to_a_slice_of_its_own(monkeypatch, disk_dir):
+    """LOCAL_WORLD_SIZE ranks on an unbound host: rank r's update threads run on the r-th
+    of that many equal slices of the cores (NUMA-node order), the slices disjoint; the
+    pool's threads are pinned there; SMARTINF_CORES overrides; a bound rank is left as its
+    launcher bound it."""
+    import os
+    import subprocess
+    import sys
+    from smartinf import _native
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("SMARTINF_CORES", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _native.rank_cores() == []  # one rank: no pinning
+    if len(allowed) == os.cpu_count():
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        slices = []
+        for rank in (0, 1):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            slices.append(_native.rank_cores())
+        assert all(len(s) == max(1, len(allowed) // 2) for s in slices)
+        assert set(slices[0]) <= set(allowed) and set(slices[1]) <= set(allowed)
+        if len(allowed) >= 2:
+            assert not set(slices[0]) & set(slices[1])
+        # the pool's workers are pinned to rank 1's slice
+        with smartinf.Pipeline(disk_dir, compute_threads=2):
+            pool = [int(t) for t in os.listdir("/proc/self/task")
+                    if open(f"/proc/self/task/{t}/comm").read().strip() == "smartinf-pool"]
+            assert pool and all(_allowed_list(t) == sorted(slices[1]) for t in pool)
+    monkeypatch.setenv("SMARTINF_CORES", str(allowed[0]))
+    assert _native.rank_cores() == [allowed[0]]
+    assert _native.default_compute_threads() == 1
+    for bad in ("x", "3-1", "99999"):
+        monkeypatch.setenv("SMARTINF_CORES", bad)
+        with pytest.raises(ValueError, match="SMARTINF_CORES"):
+            _native.rank_cores()
+    monkeypatch.delenv("SMARTINF_CORES")
+    # a rank its launcher bound (affinity narrower than the host) is left alone
+    code = ("import os; os.sched_setaffinity(0, {%d}); from smartinf import _native; "
+            "print(_native.rank_cores())" % allowed[0])
+    env = dict(os.environ, LOCAL_WORLD_SIZE="2", LOCAL_RANK="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

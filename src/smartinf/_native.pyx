@@ -37,7 +37,8 @@ cdef extern from "io/bandwidth.h" namespace "smartinf::io":
 
 
 cdef extern from "device/compute_pool.h" namespace "smartinf::device":
-    unsigned default_compute_threads_ "smartinf::device::default_compute_threads"()
+    unsigned default_compute_threads_ "smartinf::device::default_compute_threads"() except +raise_py_error
+    vector[int] rank_cores_ "smartinf::device::rank_cores"() except +raise_py_error
 
 
 cdef extern from "store/manifest.h" namespace "smartinf::store":
@@ -302,6 +303,11 @@ def time_storage_beside_update(str path, uint64_t nbytes, str engine, uint64_t b
 
 def default_compute_threads() -> int:
     return default_compute_threads_()
+
+
+def rank_cores() -> list:
+    """The cores this rank's update threads are pinned to (compute_pool.h); [] for none."""
+    return list(rank_cores_())
 
 
 def triad_seconds(uint64_t nbytes, unsigned threads) -> float:

@@ -5,15 +5,23 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdio>
 #include <exception>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
 #include <utility>
 
 namespace smartinf::device {
 
-ComputePool::ComputePool(unsigned threads) : threads_(std::max(1u, threads)) {
+ComputePool::ComputePool(unsigned threads, std::vector<int> cores) : threads_(std::max(1u, threads)) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cores) CPU_SET(c, &set);
   for (unsigned i = 1; i < threads_; ++i)
-    workers_.emplace_back([this] {
+    workers_.emplace_back([this, pin = !cores.empty(), set] {
       pthread_setname_np(pthread_self(), "smartinf-pool");
+      if (pin) pthread_setaffinity_np(pthread_self(), sizeof set, &set);
       work();
     });
 }
@@ -88,12 +96,80 @@ void ComputePool::run(uint64_t n, uint64_t grain, const std::function<void(uint6
 // LOCAL_WORLD_SIZE) share its cores: each takes its share, unless the launcher bound it to
 // cores of its own already (its affinity narrower than the host: --bind_cores_to_rank).
 unsigned default_compute_threads() {
-  unsigned cores = usable_cores();
-  const char* ranks = std::getenv("LOCAL_WORLD_SIZE");
-  const long local = ranks ? std::strtol(ranks, nullptr, 10) : 1;
-  if (local > 1 && cores >= std::thread::hardware_concurrency())
-    cores = std::max(1u, cores / static_cast<unsigned>(local));
+  const std::vector<int> mine = rank_cores();
+  const unsigned cores = mine.empty() ? usable_cores() : static_cast<unsigned>(mine.size());
   return cores >= 8 ? cores - 2 : cores;
+}
+
+namespace {
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::strtol(v, nullptr, 10) : fallback;
+}
+
+std::string read_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// The allowed cores in NUMA-node order (node 0's first), each once.
+std::vector<int> numa_ordered(const cpu_set_t& allowed) {
+  std::vector<int> order;
+  for (int node = 0; node < 1024; ++node) {
+    const std::string list = read_line("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+    if (list.empty()) break;
+    for (int c : parse_cpu_list(list, "node cpulist"))
+      if (c < CPU_SETSIZE && CPU_ISSET(c, &allowed) && std::find(order.begin(), order.end(), c) == order.end())
+        order.push_back(c);
+  }
+  for (int c = 0; c < CPU_SETSIZE; ++c)  // no NUMA information: in number order
+    if (CPU_ISSET(c, &allowed) && std::find(order.begin(), order.end(), c) == order.end()) order.push_back(c);
+  return order;
+}
+
+}  // namespace
+
+std::vector<int> parse_cpu_list(const std::string& list, const std::string& what) {
+  std::vector<int> cores;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    int lo = -1, hi = -1;
+    char dash = 0, extra = 0;
+    const int got = std::sscanf(item.c_str(), "%d%c%d%c", &lo, &dash, &hi, &extra);
+    if (got == 1) hi = lo;
+    if (!((got == 1 || (got == 3 && dash == '-')) && 0 <= lo && lo <= hi && hi < CPU_SETSIZE))
+      throw std::invalid_argument(what + " must list cores as '0-7,16' (each below " +
+                                  std::to_string(CPU_SETSIZE) + "), got '" + list + "'");
+    for (int c = lo; c <= hi; ++c) cores.push_back(c);
+  }
+  if (cores.empty()) throw std::invalid_argument(what + " lists no core: '" + list + "'");
+  return cores;
+}
+
+std::vector<int> rank_cores() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
+  if (const char* given = std::getenv("SMARTINF_CORES"); given && *given) {
+    std::vector<int> cores;
+    for (int c : parse_cpu_list(given, "SMARTINF_CORES"))
+      if (CPU_ISSET(c, &allowed)) cores.push_back(c);
+    if (cores.empty())
+      throw std::invalid_argument(std::string("SMARTINF_CORES=") + given +
+                                  " names none of the cores this process may run on");
+    return cores;
+  }
+  const long local = env_long("LOCAL_WORLD_SIZE", 1), rank = env_long("LOCAL_RANK", 0);
+  const unsigned usable = static_cast<unsigned>(CPU_COUNT(&allowed));
+  if (local <= 1 || rank < 0 || rank >= local || usable < std::thread::hardware_concurrency()) return {};
+  const std::vector<int> order = numa_ordered(allowed);
+  const size_t share = std::max<size_t>(1, order.size() / static_cast<size_t>(local));
+  const size_t lo = std::min(order.size() - 1, static_cast<size_t>(rank) * share);
+  return {order.begin() + static_cast<long>(lo),
+          order.begin() + static_cast<long>(std::min(order.size(), lo + share))};
 }
 
 unsigned usable_cores() {

@@ -8,15 +8,24 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace smartinf::device {
 
+// The cores this rank's update runs on: SMARTINF_CORES ("0-7,16"), else, where several ranks
+// share an unbound host (LOCAL_WORLD_SIZE > 1, each rank's affinity the whole host), the
+// LOCAL_RANK-th of that many equal slices of its cores in NUMA-node order (launchers number
+// ranks by GPU, and GPUs by node: rank r's slice lies on the node of GPU r on hosts that
+// number them so); else none (no pinning: a launcher that bound the rank did it already).
+std::vector<int> rank_cores();
+
 class ComputePool {
  public:
-  // `threads` workers in all, the calling thread included (1: run() calls fn inline).
-  explicit ComputePool(unsigned threads);
+  // `threads` workers in all, the calling thread included (1: run() calls fn inline); the
+  // workers run on `cores` (none: wherever the process may).
+  explicit ComputePool(unsigned threads, std::vector<int> cores = rank_cores());
   ~ComputePool();
   ComputePool(const ComputePool&) = delete;
   ComputePool& operator=(const ComputePool&) = delete;
@@ -53,5 +62,8 @@ unsigned usable_cores();
 // H100 host, 16 cores: a step of 1.56 B params resident 0.59 s on 15 threads, 0.65 s on
 // 16, and 0.65 against 0.76 s while a background commit writes).
 unsigned default_compute_threads();
+
+// "0-3,8" -> {0, 1, 2, 3, 8}; throws std::invalid_argument naming `what` on anything else.
+std::vector<int> parse_cpu_list(const std::string& list, const std::string& what);
 
 }  // namespace smartinf::device
