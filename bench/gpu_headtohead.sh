@@ -91,7 +91,7 @@ for mode in "$@"; do
   rc=$?
   { echo "== $run: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$run.log"; } >> "$OUT/run.log"
   echo "== $run: rc $rc, $(( $(date +%s) - start )) s"
-  grep -E "^step " "$STATES/$run.log"
+  grep -aE "^step " "$STATES/$run.log"
   [ $rc = 0 ] || tail -30 "$STATES/$run.log"
   rm -f "$STATES/$run.log"
   rm -rf "${STATES:?}/$run"
