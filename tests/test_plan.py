@@ -68,3 +68,14 @@ def test_optim_runs_with_what_auto_picked(tmp_path, caplog):
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b)
     opt.close()
+
+
+def test_a_budget_that_holds_every_state_counts_as_all_resident(tmp_path):
+    """Whatever the bytes per param (int8 + split's are not whole), states that fit the
+    memory are all resident: the most precise such format wins, not the one whose bytes
+    happen to round."""
+    for params in (1_000_003, 33_333_331, 77_777_777):
+        c = plan.choose(params, [str(tmp_path)], memory=1 << 50, figures={},
+                        master="split")
+        assert (c.state_dtype, c.master) == ("fp32", "split")
+        assert all(r["resident"] == 1.0 for r in c.weighed)

@@ -102,8 +102,9 @@ class GPT(nn.Module):
                     nn.init.ones_(p)
                 else:
                     std = resid_std if name.endswith("proj.weight") else 0.02
-                    # drawn on the host: the same values wherever the param lives
-                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+                    # drawn on the host: the same values wherever the param lives (and
+                    # under zero.Init, which makes tensors on the GPU unless told)
+                    p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -122,9 +122,9 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             continue
         per_param = state_bytes_per_param(state_dtype, fmt_master)
         states = params * per_param
-        budget = memory_budget if memory_budget is not None \
-            else int(min(states / devices, memory / devices))
-        resident = min(1.0, budget * devices / states)
+        whole = math.ceil(states / devices)  # a device's states, all resident
+        budget = memory_budget if memory_budget is not None else min(whole, memory // devices)
+        resident = 1.0 if budget >= whole else budget * devices / states
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         need = _disk_need(params, per_param, directories)
         not_fit = _disk_fits(need, ranks)
