@@ -31,6 +31,8 @@ FORMATS = (("fp32", "fp32"), ("fp32", "split"), ("int8", "split"), ("int8", "fp3
 RESERVE_SHARE, MIN_RESERVE = 0.25, 4 << 30
 #: steps per durable commit where states are resident (written in the background)
 RESIDENT_COMMIT_EVERY = 10
+#: what an all-resident budget adds to the states' bytes (sub-groups' partial last chunks)
+BUDGET_SLACK = 0.05
 #: predicted steps within this share of the fastest are a tie, won by the more precise format
 TIE = 0.03
 
@@ -122,9 +124,12 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             continue
         per_param = state_bytes_per_param(state_dtype, fmt_master)
         states = params * per_param
-        whole = math.ceil(states / devices)  # a device's states, all resident
+        # a device's states, all resident: with room for each sub-group's partial last chunk
+        # (the model's bytes per param are whole chunks'; 7 B through DeepSpeed fell 0.6 GB
+        # short of an exact budget, and that sub-group streamed every step)
+        whole = math.ceil(states * (1 + BUDGET_SLACK) / devices) + (16 << 20)
         budget = memory_budget if memory_budget is not None else min(whole, memory // devices)
-        resident = 1.0 if budget >= whole else budget * devices / states
+        resident = 1.0 if budget >= whole else min(1.0, budget * devices / states)
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         need = _disk_need(params, per_param, directories)
         not_fit = _disk_fits(need, ranks)
@@ -134,7 +139,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             placed = place(params, per_param, gpu_budget, budget * devices)
             step_s = predict_placed(placed, **rates, state_bytes=per_param, commit_every=every).step_s
         row = dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
-                   commit_every=every, resident=resident, ram_bytes=int(min(states, budget * devices)),
+                   commit_every=every, resident=resident, ram_bytes=budget * devices,
                    disk_bytes=need, step_s=step_s, refused=not_fit)
         weighed.append(row)
         if not_fit is None:
