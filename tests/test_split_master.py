@@ -282,3 +282,66 @@ def test_weights_loaded_into_the_model_after_a_step_are_taken_with_a_warning(tmp
         assert (p.float() - q.float()).abs().max() < 0.05
     assert masters
     opt.close()
+
+
+def _legacy_sums(directory: Path, params: torch.Tensor) -> int:
+    """Rewrites the stored params checksums of a directory's single sub-group to the
+    definition directories had before the pieces (XXH3 of each chunk's whole bytes), with the
+    chunks' extent checksums made unknown (0) so that the bytes changed are not refused:
+    as a directory written by an earlier version reads. Returns how many were rewritten."""
+    import re
+    import zlib
+    from smartinf import _native
+    flat = params.contiguous().view(torch.int16).numpy()
+    data = bytearray((directory / "states.bin").read_bytes())
+    rewritten = 0
+    for lo in range(0, flat.size, CHUNK):
+        chunk = flat[lo:lo + CHUNK]
+        pieces = np.array([_native.checksum(chunk[i:].ctypes.data, min(1 << 14, chunk.size - i) * 2)
+                           for i in range(0, chunk.size, 1 << 14)], np.uint64)
+        new = _native.checksum(pieces.ctypes.data, pieces.nbytes).to_bytes(8, "little")
+        old = _native.checksum(chunk.ctypes.data, chunk.nbytes).to_bytes(8, "little")
+        at = data.find(new)
+        assert at >= 0 and data.find(new, at + 1) < 0  # the committed extent's, once
+        data[at:at + 8] = old
+        rewritten += 1
+    (directory / "states.bin").write_bytes(bytes(data))
+    path = directory / "manifest"
+    text = path.read_bytes()
+    body = text[:text.rindex(b"crc32 ")]
+    body = re.sub(rb"^(sums \d+ \d+)((?: [0-9a-f]+)+)$",
+                  lambda m: m.group(1) + b" %016x" % 0 * len(m.group(2).split()), body, flags=re.M)
+    path.write_bytes(body + b"crc32 %08x\n" % zlib.crc32(body))
+    return rewritten
+
+
+def test_directories_with_whole_chunk_params_checksums_resume_without_adopting(tmp_path):
+    """The params checksum is now the XXH3 of its pieces' XXH3s (hashed by the update's
+    threads); a directory written before holds each chunk's whole-bytes XXH3: its params
+    are not taken for edited ones at the next step (no warning, no chunk adopted), and the
+    run continues bit for bit as one that never changed definition."""
+    def two_runs(directory: Path, legacy: bool):
+        rng = np.random.default_rng(3)
+        init = to_bf16(torch.from_numpy(rng.standard_normal(12_345).astype(np.float32)))
+        params = init.clone()
+        grads = [torch.from_numpy(rng.standard_normal(12_345).astype(np.float32)).to(torch.bfloat16)
+                 for _ in range(2)]
+        rule = smartinf.AdamW(lr=1e-2, weight_decay=0.1)
+        with smartinf.Pipeline(directory, rule, chunk=CHUNK, master="split") as pipe:
+            pipe.add_subgroup(12_345, init.float())
+            with pipe.step():
+                pipe.update(0, grads[0], params).wait()
+        if legacy:
+            assert _legacy_sums(directory, params) == 3
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ParamsChangedWarning)
+            with smartinf.Pipeline(directory, rule, chunk=CHUNK, master="split") as pipe:
+                pipe.add_subgroup(12_345)
+                with pipe.step():
+                    pipe.update(0, grads[1], params).wait()
+                stats = pipe.stats
+        return params, stats
+    legacy, stats = two_runs(tmp_path / "legacy", True)
+    plain, _ = two_runs(tmp_path / "plain", False)
+    assert stats.get("foreign_chunks", 0) == 0
+    assert torch.equal(legacy.view(torch.int16), plain.view(torch.int16))

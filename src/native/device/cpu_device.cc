@@ -37,6 +37,7 @@ class CpuDevice final : public Device {
       : dir_(std::move(dir)), geometry_(g), pool_(options.pool), slots_(g) {
     if (!pool_) pool_ = std::make_shared<ComputePool>(1);
     for (size_t i = 0; i < slots_.size(); ++i) own_.push_back(slots_[i]);
+    params_sums_.assign(slots_.size(), std::vector<uint64_t>(store::params_pieces(g.chunk)));
     resident_bytes_ = store::align_up(options.resident_bytes);
     const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (resident_bytes_ > ram)
@@ -109,7 +110,9 @@ class CpuDevice final : public Device {
                           !layout.split();
     if (k.copy_from != kOwnStates && !by_piece)
       copy_states(i, k.copy_from, layout.bytes(numel));
-    pool_->run(numel, kGrain, [&](uint64_t lo, uint64_t hi) {
+    Kernel kernel = k;
+    if (layout.split()) kernel.params_sums = params_sums_[i].data();
+    pool_->run(numel, kGrain, [&, &k = kernel](uint64_t lo, uint64_t hi) {
       const Slot part = part_of(s, k, lo);
       DType grad = k.grad;
       if (k.compressed) {
@@ -129,7 +132,12 @@ class CpuDevice final : public Device {
       if (!by_piece) return run_update(part, k, grad, hi - lo, layout, numel, lo);
       through_cache(part, k, grad, numel, lo, hi, resident_at(k.copy_from));
     });
+    if (layout.split())
+      set_params_sum(i, layout.params_sum_offset(numel),
+                     store::join_params_sums(params_sums_[i].data(), store::params_pieces(numel)));
   }
+
+  bool sums_emitted_params() const override { return true; }
 
   // The update of params [lo, hi) reading fp32 states at `from` (the twin) and writing the
   // slot's: each piece's arrays copied into a buffer of this thread, updated there while in
@@ -198,6 +206,8 @@ class CpuDevice final : public Device {
   HostSlots slots_;
   // Each slot's own buffers, while others are bound (bind_states, bind_caller).
   std::vector<Slot> own_;
+  // Per slot: the checksums of the pieces of params its last update emitted (split master).
+  std::vector<std::vector<uint64_t>> params_sums_;
   uint64_t resident_bytes_ = 0;
   std::unique_ptr<void, FreeDeleter> resident_;
 };

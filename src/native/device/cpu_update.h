@@ -8,6 +8,7 @@
 #include <cstddef>
 
 #include "device/device.h"
+#include "store/checksum.h"
 #include "store/layout.h"
 
 namespace smartinf::device {
@@ -16,6 +17,7 @@ namespace smartinf::device {
 // params sent in (in `out`) into an fp32 buffer, updated there, and split again.
 constexpr size_t kSplitPiece = store::kQuant4Tile;
 static_assert(kSplitPiece % store::kQuantBlock == 0);
+static_assert(kSplitPiece == store::kParamsPiece);  // a piece's params hashed as it is split
 
 void run_update_fp32(const Slot& s, const Kernel& k, DType grad, size_t n,
                      const store::StateLayout& layout, size_t numel, size_t lo);

@@ -12,6 +12,7 @@
 #include "device/cpu_update.h"
 #include "kernels/rules.h"
 #include "kernels/split_master.h"
+#include "store/checksum.h"
 
 namespace smartinf::device {
 
@@ -52,6 +53,7 @@ inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
         kernels::rebuild_masters(len, op + at, low + at, k.adopt, master);
         run_moments<M>(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
         kernels::split_masters(len, master, op + at, low + at);
+        if (k.params_sums) k.params_sums[(lo + at) / kSplitPiece] = store::params_piece_sum(op + at, len);
       }
     } else {
       throw std::logic_error("a split master needs bfloat16 params");

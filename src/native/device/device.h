@@ -37,6 +37,10 @@ struct Kernel {
   // The cpu device copies them in part by part, each part just before its update, so the
   // copy costs no pass over memory of its own.
   uint64_t copy_from = kOwnStates;
+  // Split master: where the update writes the checksum of each store::kParamsPiece of the
+  // params it emitted (store::params_piece_sum, by the piece's index in the chunk); null:
+  // the ring hashes the params itself (Device::sums_emitted_params).
+  uint64_t* params_sums = nullptr;
 };
 
 struct Slot {
@@ -103,6 +107,9 @@ class Device {
   // after the update. In the slot's host states; a GPU's resident states hold their own.
   virtual uint64_t params_sum(size_t slot, uint64_t offset);
   virtual void set_params_sum(size_t slot, uint64_t offset, uint64_t sum);
+  // Whether compute() stores that checksum itself (its update hashes the params it emits,
+  // in parallel and in cache), so the ring does not hash them again.
+  virtual bool sums_emitted_params() const { return false; }
   // Whether the device computes in host memory (the cpu device): it reaches every host
   // buffer, and the bytes it reads and writes there still count as crossing its link.
   virtual bool host_memory() const { return false; }

@@ -21,20 +21,20 @@ namespace smartinf::device {
 // checksum of the bf16 params they belong to (the ones the caller holds: the masters rounded).
 inline void import_split_master(const store::SplitMaster& s, const float* from, float fill,
                                 size_t numel) {
-  constexpr size_t kPiece = 4096;
-  kernels::bf16 params[kPiece];
-  float master[kPiece];
-  store::ParamsChecksum sum;
+  constexpr size_t kPiece = store::kParamsPiece;
+  std::vector<kernels::bf16> params(kPiece);
+  std::vector<float> master(kPiece);
+  std::vector<uint64_t> sums(store::params_pieces(numel));
   for (size_t lo = 0; lo < numel; lo += kPiece) {
     const size_t n = std::min(kPiece, numel - lo);
     for (size_t i = 0; i < n; ++i) {
       master[i] = from ? from[lo + i] : fill;
       params[i] = kernels::from_float<kernels::bf16>(master[i]);
     }
-    kernels::split_masters(n, master, params, s.low + lo);
-    sum.add(params, n * 2);
+    kernels::split_masters(n, master.data(), params.data(), s.low + lo);
+    sums[lo / kPiece] = store::params_piece_sum(params.data(), n);
   }
-  *s.params_sum = sum.value();
+  *s.params_sum = store::join_params_sums(sums.data(), sums.size());
 }
 
 // init_states / export_states for a device whose slot states are host-visible, in `layout`.

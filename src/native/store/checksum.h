@@ -19,27 +19,34 @@ inline uint64_t extent_checksum(const void* data, size_t bytes) {
   return h ? h : 1;
 }
 
-}  // namespace smartinf::store
+// The checksum of a chunk's bf16 params (a split master's, stored with its states): the
+// XXH3 of the XXH3s of its pieces of kParamsPiece params, so the threads that emit the
+// pieces hash each while it is in their cache (ComputePool parts are whole pieces) and one
+// small hash joins them. Never 0.
+inline constexpr size_t kParamsPiece = size_t(1) << 14;
 
-namespace smartinf::store {
+inline uint64_t params_piece_sum(const void* bf16_params, size_t numel) {
+  return XXH3_64bits(bf16_params, numel * 2);
+}
 
-// The checksum of a chunk's bf16 params (a split master's, store/layout.h): what the device
-// emitted with the states, compared with what comes back. Streamed, so params made piece by
-// piece (at init) hash as one array would.
-class ParamsChecksum {
- public:
-  ParamsChecksum() { XXH3_64bits_reset(&state_); }
-  void add(const void* data, size_t bytes) { XXH3_64bits_update(&state_, data, bytes); }
-  uint64_t value() const {
-    const uint64_t h = XXH3_64bits_digest(&state_);
-    return h ? h : 1;
-  }
+inline uint64_t join_params_sums(const uint64_t* piece_sums, size_t pieces) {
+  const uint64_t h = XXH3_64bits(piece_sums, pieces * sizeof(uint64_t));
+  return h ? h : 1;
+}
 
- private:
-  XXH3_state_t state_;
-};
+inline size_t params_pieces(size_t numel) { return (numel + kParamsPiece - 1) / kParamsPiece; }
 
 inline uint64_t params_checksum(const void* bf16_params, size_t numel) {
+  std::vector<uint64_t> sums(params_pieces(numel));
+  const char* p = static_cast<const char*>(bf16_params);
+  for (size_t i = 0; i < sums.size(); ++i)
+    sums[i] = params_piece_sum(p + i * kParamsPiece * 2, std::min(kParamsPiece, numel - i * kParamsPiece));
+  return join_params_sums(sums.data(), sums.size());
+}
+
+// The checksum directories written before the pieces stored (XXH3 of the whole chunk's
+// bytes): a reopened chunk's stored sum is compared with it where the new one differs.
+inline uint64_t whole_params_checksum(const void* bf16_params, size_t numel) {
   return extent_checksum(bf16_params, numel * 2);
 }
 
