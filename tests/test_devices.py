@@ -21,3 +21,29 @@ def test_paths_become_cpu_devices(tmp_path):
 def test_bad_devices(devices, error, match):
     with pytest.raises(error, match=match):
         resolve(devices)
+
+
+def test_the_device_registry_says_what_each_kind_takes():
+    """device/registry.h: one row a kind, read by the pipeline (no kind names elsewhere);
+    an unknown kind is refused naming the known ones, and a state format a kind's row does
+    not take is refused before any device is made."""
+    from smartinf import _native
+    rows = {k: _native.device_kind(k) for k in ("cpu", "xrt", "cuda")}
+    assert rows["cpu"]["quantized"] and rows["cpu"]["host_budget"] and rows["cpu"]["storage_cap"]
+    assert not rows["xrt"]["quantized"] and not rows["xrt"]["split_master"]
+    assert rows["cuda"]["gpu_budget"] and not rows["cuda"]["host_budget"]
+    with pytest.raises(ValueError, match=r"unknown device kind 'tpu' \(known: cpu, xrt, cuda\)"):
+        _native.device_kind("tpu")
+
+
+@pytest.mark.parametrize("settings, what", [({"state_dtype": "int8"}, "int8/int4 states"),
+                                            ({"master": "split"}, "a split master")])
+def test_a_kind_refuses_the_formats_its_row_does_not_take(tmp_path, monkeypatch, settings, what):
+    from smartinf import _build_info
+    if not _build_info.XRT:
+        pytest.skip("smartinf built without XRT")
+    monkeypatch.setenv("XILINX_XRT", str(tmp_path / "no-xrt"))  # refused before XRT is opened
+    with pytest.raises(ValueError, match=f"{what} runs on cpu and cuda devices; the SmartSSD"):
+        smartinf.Pipeline([smartinf.XrtDevice(str(tmp_path), 0)], smartinf.AdamW(), chunk=1024,
+                          slots=2, **settings)
+    assert not list(tmp_path.iterdir())  # refused before the device or its files were made

@@ -41,6 +41,15 @@ cdef extern from "device/compute_pool.h" namespace "smartinf::device":
     vector[int] rank_cores_ "smartinf::device::rank_cores"() except +raise_py_error
 
 
+cdef extern from "device/registry.h" namespace "smartinf::device":
+    cdef cppclass DeviceKind:
+        const char* name
+        bint quantized, split_master, host_budget, gpu_budget, storage_cap, phased_io
+
+
+    const DeviceKind& device_kind_ "smartinf::device::device_kind"(const string&) except +raise_py_error
+
+
 cdef extern from "store/manifest.h" namespace "smartinf::store":
     cdef cppclass Manifest:
         string serialize()
@@ -303,6 +312,15 @@ def time_storage_beside_update(str path, uint64_t nbytes, str engine, uint64_t b
 
 def default_compute_threads() -> int:
     return default_compute_threads_()
+
+
+def device_kind(str kind) -> dict:
+    """The registry's row of a device kind (device/registry.h): what a pipeline may ask of
+    it; an unknown kind raises ValueError naming the known ones."""
+    cdef const DeviceKind* row = &device_kind_(kind.encode())
+    return {"name": row.name.decode(), "quantized": row.quantized, "split_master": row.split_master,
+            "host_budget": row.host_budget, "gpu_budget": row.gpu_budget,
+            "storage_cap": row.storage_cap, "phased_io": row.phased_io}
 
 
 def rank_cores() -> list:

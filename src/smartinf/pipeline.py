@@ -242,9 +242,10 @@ class Pipeline:
         self._resumed: set[int] = set()
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
-        host_memory = settings.memory_budget * sum(s.kind == "cpu" for s in specs)
+        holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
+        host_memory = settings.memory_budget * holders
         space.check_memory(host_memory, f"memory_budget={settings.memory_budget} on each of "
-                                        f"{sum(s.kind == 'cpu' for s in specs)} cpu device(s)")
+                                        f"{holders} cpu device(s)")
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, host_memory, c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]

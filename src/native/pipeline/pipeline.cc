@@ -2,6 +2,7 @@
 
 #include "device/compute_pool.h"
 #include "device/cpu_device.h"
+#include "device/registry.h"
 #include "error.h"
 
 #include <algorithm>
@@ -31,7 +32,7 @@ uint64_t io_burst(const DeviceSpec& d, const RingOptions& ring) {
 size_t auto_slots(const PipelineOptions& o, uint64_t chunk_bytes) {
   size_t slots = kDefaultSlots;
   for (const DeviceSpec& d : o.devices) {
-    if (d.kind != "cpu" || d.io_schedule != "phased") continue;
+    if (!device::device_kind(d.kind).phased_io || d.io_schedule != "phased") continue;
     const uint64_t turn = (io_burst(d, o.ring) + chunk_bytes - 1) / chunk_bytes;
     slots = std::max<size_t>(slots, std::min<uint64_t>(kMaxAutoSlots, kDefaultSlots + turn));
   }
@@ -121,8 +122,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
     small.dir = options.small_dir;
     options_.devices.push_back(small);
   }
-  const bool any_cpu = std::any_of(options.devices.begin(), options.devices.end(),
-                                   [](const DeviceSpec& d) { return d.kind == "cpu"; });
+  const bool any_cpu = std::any_of(options.devices.begin(), options.devices.end(), [](const DeviceSpec& d) {
+    return device::device_kind(d.kind).host_budget;
+  });
   if (options.memory_budget && !any_cpu)
     throw std::invalid_argument("memory_budget is host memory for cpu devices, and this pipeline "
                                 "has none: a CUDA device takes a GPU memory budget of its own "
@@ -130,20 +132,15 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                 "resident states");
   for (const DeviceSpec& spec : options_.devices) {
     const bool small = !options.small_dir.empty() && &spec == &options_.devices.back();
-    if (spec.kind != "cpu" && spec.kind != "xrt" && spec.kind != "cuda")
-      throw std::invalid_argument("unknown device kind '" + spec.kind + "'");
-    // hls_kernels/ has int8 top functions (smartinf_adam8_f32_f16, smartinf_lion8_f32_f16),
-    // but xrt_device.cc neither names nor launches them (fp32 state sub-buffers only).
-    if (spec.kind == "xrt" && (layout.moments != store::Moments::fp32 || layout.split()))
-      throw std::invalid_argument(std::string(layout.split() ? "a split master" : "int8/int4 states") +
-                                  " runs on cpu devices; the SmartSSD device (xrt_device.cc) "
-                                  "drives the fp32-state kernels only so far");
-    if (spec.kind != "cuda" && spec.cuda.resident_bytes)
+    const device::DeviceKind& kind = device::device_kind(spec.kind);
+    if (const std::string why = device::refuses(kind, layout); !why.empty())
+      throw std::invalid_argument(why);
+    if (!kind.gpu_budget && spec.cuda.resident_bytes)
       throw std::invalid_argument("a GPU memory budget is for cuda devices, not " + spec.dir);
     if (spec.io_schedule != "mixed" && spec.io_schedule != "phased")
       throw std::invalid_argument("io_schedule must be 'mixed' or 'phased', got '" +
                                   spec.io_schedule + "' for " + spec.dir);
-    if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && spec.kind != "cpu"))
+    if (!(spec.storage_bps >= 0) || (spec.storage_bps > 0 && !kind.storage_cap))
       throw std::invalid_argument("a storage bandwidth cap is for emulated (cpu) devices, and "
                                   "must be positive; got " + std::to_string(spec.storage_bps) +
                                   " for " + spec.dir);
@@ -151,10 +148,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
     unit.twins = spec.twins;
     unit.small = small;
     unit.layout = small ? small_layout : layout;
-    unit.device = spec.kind == "xrt"    ? device::make_xrt_device(spec.dir, geometry, spec.xrt)
-                  : spec.kind == "cuda" ? device::make_cuda_device(spec.dir, geometry, spec.cuda)
-                  : small ? device::make_cpu_device(spec.dir, {2, options.chunk, small_layout}, small_cpu)
-                          : device::make_cpu_device(spec.dir, geometry, cpu);
+    unit.device = small ? device::make_cpu_device(spec.dir, {2, options.chunk, small_layout}, small_cpu)
+                        : kind.make(spec.dir, geometry, {cpu, spec.xrt, spec.cuda});
     if (options.chunk % unit.device->param_multiple() != 0)
       throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
                                   std::to_string(unit.device->param_multiple()) +

@@ -19,7 +19,7 @@
 namespace smartinf::pipeline {
 
 struct DeviceSpec {
-  std::string kind = "cpu";  // cpu | xrt | cuda
+  std::string kind = "cpu";  // a row of device/registry.h: cpu | xrt | cuda
   std::string dir;
   device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
   device::CudaOptions cuda;  // kind cuda: which GPU
