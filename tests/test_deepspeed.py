@@ -640,3 +640,30 @@ def test_auto_chooses_once_for_every_rank_and_trains_as_chosen(work, disk_dir, w
     assert losses(auto) == losses(plain)
     for a, b in zip(auto["params"], plain["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_rank_one_commit_ahead_goes_back_to_the_others_step(work, disk_dir):
+    """A crash between the ranks' commits leaves one rank's directories a commit ahead (here
+    made so: rank 1's rolled back one commit by hand). Reopened, that rank goes back to the
+    others' step (its shadow copies hold it), and the run continues bit for bit as one that
+    stopped at that step; pipelines refuse to go back further than they hold."""
+    import smartinf
+    crashed, stopped = f"{disk_dir}/crashed", f"{disk_dir}/stopped"
+    train(work, crashed, "ahead-first", world=2, extra=("--steps", "3"))
+    rank1 = Path(crashed) / "smartinf" / "rank00001"
+    with smartinf.Pipeline(str(rank1), smartinf.AdamW()) as pipe:
+        assert (pipe.durable_step_count, pipe.previous_step_count) == (3, 2)
+        with pytest.raises(ValueError, match="cannot go back to step 1: these directories are at step 3"):
+            pipe.roll_back_to(1)
+        pipe.roll_back_to(2)
+    out = work / "ahead-resumed"
+    done = torchrun(2, SCRIPT, "--mode", "smartinf", "--dir", crashed, "--steps", "2",
+                    "--json", f"{out}.json", "--params-out", f"{out}.pt", "--if-exists", "resume")
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "rank 0's directories" in done.stderr and "rolled back to step 2" in done.stderr
+    train(work, stopped, "stopped-first", world=2, extra=("--steps", "2"))
+    ref = train(work, stopped, "stopped-resumed", world=2, extra=("--steps", "2", "--if-exists", "resume"))
+    resumed = json.loads(Path(f"{out}.json").read_text())
+    assert losses(resumed) == losses(ref)
+    for a, b in zip(torch.load(f"{out}.pt"), ref["params"]):
+        assert torch.equal(a, b)

@@ -183,6 +183,8 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         cbool closed()
         uint64_t step()
         uint64_t durable_step()
+        uint64_t previous_step()
+        void roll_back_to(uint64_t) except +raise_py_error nogil
         cbool commit_pending()
         cbool resident(size_t) except +raise_py_error
         size_t subgroup_count()
@@ -482,6 +484,14 @@ cdef class NativePipeline:
     @property
     def durable_step(self) -> int:
         return self.p.durable_step()
+
+    @property
+    def previous_step(self) -> int:
+        return self.p.previous_step()
+
+    def roll_back_to(self, uint64_t step) -> None:
+        with nogil:
+            self.p.roll_back_to(step)
 
     @property
     def commit_pending(self) -> bool:

@@ -344,6 +344,18 @@ class Pipeline:
         return self._open().durable_step
 
     @property
+    def previous_step_count(self) -> int:
+        """The durable step before ``durable_step_count`` that the directories still hold
+        (their shadow copies), or ``durable_step_count`` where they hold none in common."""
+        return self._open().previous_step
+
+    def roll_back_to(self, step: int) -> None:
+        """Before any sub-group is added: back to ``step``, the durable step or the one
+        before it (``previous_step_count``), as other ranks are after a crash between their
+        commits; another step is refused (ValueError) naming what the directories hold."""
+        self._open().roll_back_to(step)
+
+    @property
     def commit_pending(self) -> bool:
         """Whether a durable commit is being written in the background (``overlap``)."""
         return self._open().commit_pending

@@ -198,6 +198,28 @@ Pipeline::Pipeline(const PipelineOptions& options)
   }
 }
 
+uint64_t Pipeline::previous_step() const {
+  const uint64_t previous = devices_.front().store->previous_step();
+  for (const Unit& u : devices_)
+    if (u.store->previous_step() != previous) return durable_step_;  // not one step for all
+  return previous;
+}
+
+void Pipeline::roll_back_to(uint64_t step) {
+  std::lock_guard lock(mu_);
+  if (step == durable_step_) return;
+  if (step_ != durable_step_ || subgroup_count() != 0 || step != previous_step() || step > durable_step_)
+    throw std::invalid_argument(
+        "cannot go back to step " + std::to_string(step) + ": these directories are at step " +
+        std::to_string(durable_step_) + " and hold step " + std::to_string(previous_step()) +
+        " besides (a rollback goes back one durable commit, before any sub-group is added)");
+  for (Unit& u : devices_)
+    if (u.store->step() != step) u.store->rollback_last_step();
+  notes_.push_back("rolled back from step " + std::to_string(durable_step_) + " to step " +
+                   std::to_string(step) + ", where the other ranks' directories are");
+  step_ = durable_step_ = step;
+}
+
 // Every directory records its place in the device list it was made with; reopening with
 // another list would put sub-groups on other devices, so it is refused before any I/O.
 void Pipeline::check_membership() {

@@ -135,6 +135,13 @@ class Pipeline {
   bool closed() const { return devices_.empty(); }
   uint64_t step() const { return step_; }
   uint64_t durable_step() const { return durable_step_; }  // what a crash reopens at
+  // The durable step before the current one, which every directory's shadow copies still
+  // hold (durable_step() where they differ): what roll_back_to can go back to.
+  uint64_t previous_step() const;
+  // Before any sub-group is added: back to `step`, the current durable step or the one
+  // before it (previous_step), as the pipelines of other ranks are after a crash between
+  // their commits; anything else is refused naming both.
+  void roll_back_to(uint64_t step);
   bool commit_pending() const { return pending_.has_value(); }  // written in the background
   bool resident(size_t sg) const { return placed(sg).resident != device::kOwnStates; }
   size_t subgroup_count() const { return placement_.size(); }

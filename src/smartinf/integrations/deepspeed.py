@@ -441,6 +441,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                              "params: enable \"bf16\" in the DeepSpeed config, or use "
                              "master='fp32'")
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
+        self._agree_on_step()
         self._driver = Driver(self.pipeline, max(numels), self._compress)
         # What the partitions held when the step last put them (a split master's devices
         # check their own), and what the kept-whole params held when last gathered: edits
@@ -498,6 +499,31 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                 self._unflatten_partitioned_parameters(i)
             if self._watch is not None:
                 self._watch.record(i)
+
+    def _agree_on_step(self) -> None:
+        """Every rank opens at one durable step: a crash between the ranks' commits leaves
+        some one commit ahead, whose shadow copies hold the others' step: they go back to it
+        (before any sub-group is attached). Ranks further apart are refused, naming each
+        rank's step."""
+        world = dist.get_world_size()
+        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
+        rank = dist.get_rank()
+        mine[2 * rank] = float(self.pipeline.durable_step_count)
+        mine[2 * rank + 1] = float(self.pipeline.previous_step_count)
+        dist.all_reduce(mine, op=dist.ReduceOp.SUM)
+        steps, previous = [int(x) for x in mine[0::2].tolist()], [int(x) for x in mine[1::2].tolist()]
+        low = min(steps)
+        if all(s == low or p == low for s, p in zip(steps, previous)):
+            if steps[rank] != low:
+                self.pipeline.roll_back_to(low)
+                logger.warning("rank %d's directories %s were one commit ahead of the other "
+                               "ranks' (step %d; a crash between the ranks' commits): rolled back "
+                               "to step %d", rank, self._dirs, steps[rank], low)
+            return
+        held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
+                           f"durable steps ({held}), more than one commit apart: load a "
+                           f"checkpoint or use fresh directories")
 
     def _agree_on_resume(self) -> None:
         """All ranks resume, at one step, or none do."""
