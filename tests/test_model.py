@@ -585,3 +585,21 @@ def test_the_model_predicts_a_pipelines_own_placement_from_its_directorys_record
     with smartinf.Pipeline(str(tmp_path / "run")) as pipe, \
             pytest.raises(ValueError, match="is not a probe record"):
         model.predict_pipeline(pipe)
+
+
+def test_ranks_of_one_host_share_its_memory_cores_and_disk():
+    """rank_share: N ranks stepping at once each get 1/N of the host's kernel rate, memory
+    bandwidth and disk; a GPU's and its link's rates stay each rank's own. N ranks of 1/N
+    of the params each then take as long as one rank with all of them, on a host-bound
+    placement."""
+    rates = {"gpu_pps": 5e9, "host_pps": 4e9, "memory_bps": 80e9, "read_bps": 2e9,
+             "write_bps": 2e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9,
+             "commit_write_bps": None, "mix_bps": 2.4e9}
+    half = model.rank_share(rates, 2)
+    assert half["host_pps"] == 2e9 and half["read_bps"] == 1e9 and half["mix_bps"] == 1.2e9
+    assert half["gpu_pps"] == 5e9 and half["host_to_gpu_bps"] == 50e9 and half["commit_write_bps"] is None
+    one = model.predict_placed(model.Placement(gpu=0, ram=1e9, streamed=1e9), **rates, state_bytes=12)
+    two = model.predict_placed(model.Placement(gpu=0, ram=0.5e9, streamed=0.5e9), **half, state_bytes=12)
+    assert two.step_s == pytest.approx(one.step_s)
+    with pytest.raises(ValueError, match="ranks must be a positive int"):
+        model.rank_share(rates, 0)

@@ -26,6 +26,7 @@ places sub-groups imports neither argparse nor matplotlib.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -628,12 +629,27 @@ def recorded_rates(figures: dict, state_dtype: str, master: str,
             "commit_write_bps": None, "mix_bps": None, **rates}
 
 
-def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2) -> Optional[PlacedPrediction]:
+#: the rates a host's ranks share (its memory, cores and disk); each GPU and its link is a rank's own
+SHARED_RATES = ("host_pps", "memory_bps", "read_bps", "write_bps", "commit_write_bps", "mix_bps")
+
+
+def rank_share(rates: dict, ranks: int) -> dict:
+    """``predict_placed``'s rates for one of ``ranks`` ranks of a host that run their steps at
+    once (each its partition): the host's shared rates divided among them, each GPU's and
+    its PCIe link's kept (the probe measured the host alone)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    return {k: v / ranks if k in SHARED_RATES and v is not None else v for k, v in rates.items()}
+
+
+def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2,
+                     ranks: Optional[int] = None) -> Optional[PlacedPrediction]:
     """The model's step (the mean over a commit interval) for the sub-groups where the
     ``smartinf.Pipeline`` ``pipe`` placed them, with its settings and its GPU's twins choice,
     from the probe's record of its first device's directory or the nearest one above it;
     None where there is no record or it lacks the host's figures (or a GPU's, where the
-    pipeline has sub-groups on one)."""
+    pipeline has sub-groups on one). ``ranks``: the host's ranks stepping at once, sharing
+    its memory, cores and disk (``rank_share``; None: ``LOCAL_WORLD_SIZE``, else 1)."""
     path = find_record(pipe.devices[0].path)
     if path is None:
         return None
@@ -650,6 +666,7 @@ def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2) -> Op
         placed[where] += pipe.numel(sg)
     if rates is None or (placed["gpu"] and math.isinf(rates["gpu_pps"])):
         return None
+    rates = rank_share(rates, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks is None else ranks)
     twins = any(c.twins for c, d in zip(pipe.twins, pipe.devices) if d.kind == "cuda")
     state = state_bytes_per_param(settings.state_dtype, settings.master)
     return predict_placed(Placement(**placed), **rates, state_bytes=state,
