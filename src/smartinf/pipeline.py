@@ -176,7 +176,7 @@ class Pipeline:
     """
 
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
-                 "_small", "_held_before",
+                 "_small",
                  "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins")
 
     def __init__(
@@ -227,10 +227,9 @@ class Pipeline:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
             raise TypeError("pass the settings either as settings= or as keywords, not both")
-        self._held_before = {d.path for d in self._devices
-                             if os.path.isfile(os.path.join(d.path, MANIFEST))}
-        self._held_before |= {small_directory(self._devices[0].path)} \
-            if os.path.isfile(os.path.join(small_directory(self._devices[0].path), MANIFEST)) else set()
+        # directories that held a run before this open: a refusal leaves them as they are
+        held = {p for p in (*(d.path for d in self._devices), small_directory(self._devices[0].path))
+                if os.path.isfile(os.path.join(p, MANIFEST))}
         for d in self._devices:
             if os.path.exists(d.path) and not os.path.isdir(d.path):
                 raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
@@ -263,15 +262,17 @@ class Pipeline:
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings,
                                               small, [int(n) for n in small_sizes or ()] if small else [])
-        self._check_disk(subgroup_sizes, small_sizes or (), small)
+        self._check_disk(subgroup_sizes, small_sizes or (), small, held)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
                 logger.warning(note)
 
-    def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str) -> None:
+    def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str,
+                    held: set) -> None:
         """Before any sub-group is added: the sub-groups to come fit their file systems, or
-        the pipeline is closed and refused with what would fit (``space.check_disk``)."""
+        the pipeline is closed and refused with what would fit (``space.check_disk``); the
+        directories it made (not in ``held``) are left as they were found."""
         if not sizes and not small:
             return
         grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
@@ -283,7 +284,7 @@ class Pipeline:
         except OSError:
             self.close()
             for d in dirs:  # those this open made (nothing held) are left as they were found
-                if d not in self._held_before:
+                if d not in held:
                     space.forget_new_directory(d)
             raise
 
