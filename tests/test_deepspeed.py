@@ -108,7 +108,7 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     step; states are not read. Durable commits are written in the background (overlap, the
     default) while the next steps update the twins (rank 0's pinned copies counted). Where
     the states' directory has a probe record, the example records the model's step for rank
-    0's placement (all resident here); without one, none."""
+    0's placement (all resident here), its host shared by the two ranks; without one, none."""
     from smartinf import io_schedule, model
     plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
     figures = {"read_bps": 2e9, "write_bps": 1e9, "write_beside_update_bps": 0.5e9,
@@ -122,7 +122,9 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     assert plain["predicted"] is None
     placed = tiered["predicted"]["placement"]
     assert placed["gpu"] == placed["streamed"] == 0 and 0 < placed["ram"] <= tiered["num_params"]
-    want = model.predict_placed(model.Placement(**placed), **model.recorded_rates(figures, "fp32", "fp32"),
+    # the two ranks of this host step at once: each has half its memory, cores and disk
+    want = model.predict_placed(model.Placement(**placed),
+                                **model.rank_share(model.recorded_rates(figures, "fp32", "fp32"), 2),
                                 commit_every=3)
     assert tiered["predicted"]["step_s"] == pytest.approx(want.step_s)
     assert losses(tiered) == losses(plain)
@@ -244,13 +246,13 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     for rank in (0, 1):
         saved = Path(ckpt) / "global_step4" / "smartinf" / f"rank{rank:05d}" / "device-0"
         assert (saved / "manifest").is_file() and (saved / "states.bin").stat().st_size > 0
-    # Ranks one step apart (as after a crash between their commits) are refused on reopen.
+    # Ranks more than one commit apart are refused on reopen, naming each rank's step.
     older = Path(ckpt) / "global_step4" / "smartinf" / "rank00001" / "device-0"
     live = Path(disk_dir) / "smartinf" / "rank00001"
     for f in ("states.bin", "manifest"):
         shutil.copyfile(older / f, live / f)
     train(work, disk_dir, "ckpt-mixed", world=2, extra=("--if-exists", "resume"),
-          fails_with="hold different steps (4 to 8")
+          fails_with="hold different durable steps (rank 0: step 8, rank 1: step 4)")
 
 
 # -- DeepSpeed's accessors and checkpoint tools (one run of tests/deepspeed_api.py) --------
