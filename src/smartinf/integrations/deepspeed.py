@@ -526,18 +526,12 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                            f"checkpoint or use fresh directories")
 
     def _agree_on_resume(self) -> None:
-        """All ranks resume, at one step, or none do."""
-        step = float(self.pipeline.step_count) if self._resumed else 0.0
-        mine = [float(self._resumed), step]
-        flags = torch.tensor(mine + [-x for x in mine], device=self.device)
+        """All ranks resume or none do (at one step: ``_agree_on_step`` saw to it at open)."""
+        flags = torch.tensor([float(self._resumed), -float(self._resumed)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] != -flags[2]:
+        if flags[0] != -flags[1]:
             raise RuntimeError(f"some ranks found stored states in {self.settings.devices} and "
                                f"others did not: load a checkpoint or use fresh directories")
-        if flags[1] != -flags[3]:
-            raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
-                               f"steps ({-flags[3]:.0f} to {flags[1]:.0f}; a crash between two "
-                               f"ranks' commits?): load a checkpoint or use fresh directories")
         if self._resumed:
             logger.warning("resumed %d sub-groups at step %d from %s (if_exists=\"resume\"): "
                            "their stored weights replaced the model's", self.pipeline.num_subgroups,
