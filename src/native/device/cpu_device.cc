@@ -38,6 +38,7 @@ class CpuDevice final : public Device {
     if (!pool_) pool_ = std::make_shared<ComputePool>(1);
     for (size_t i = 0; i < slots_.size(); ++i) own_.push_back(slots_[i]);
     params_sums_.assign(slots_.size(), std::vector<uint64_t>(store::params_pieces(g.chunk)));
+    sent_sums_ = params_sums_;
     resident_bytes_ = store::align_up(options.resident_bytes);
     const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (resident_bytes_ > ram)
@@ -112,6 +113,7 @@ class CpuDevice final : public Device {
       copy_states(i, k.copy_from, layout.bytes(numel));
     Kernel kernel = k;
     if (layout.split()) kernel.params_sums = params_sums_[i].data();
+    if (layout.split() && k.sent_sum) kernel.sent_sums = sent_sums_[i].data();
     pool_->run(numel, kGrain, [&, &k = kernel](uint64_t lo, uint64_t hi) {
       const Slot part = part_of(s, k, lo);
       DType grad = k.grad;
@@ -132,12 +134,13 @@ class CpuDevice final : public Device {
       if (!by_piece) return run_update(part, k, grad, hi - lo, layout, numel, lo);
       through_cache(part, k, grad, numel, lo, hi, resident_at(k.copy_from));
     });
-    if (layout.split())
-      set_params_sum(i, layout.params_sum_offset(numel),
-                     store::join_params_sums(params_sums_[i].data(), store::params_pieces(numel)));
+    if (!layout.split()) return;
+    const size_t pieces = store::params_pieces(numel);
+    set_params_sum(i, layout.params_sum_offset(numel), store::join_params_sums(params_sums_[i].data(), pieces));
+    if (k.sent_sum) *k.sent_sum = store::join_params_sums(sent_sums_[i].data(), pieces);
   }
 
-  bool sums_emitted_params() const override { return true; }
+  bool hashes_params() const override { return true; }
 
   // The update of params [lo, hi) reading fp32 states at `from` (the twin) and writing the
   // slot's: each piece's arrays copied into a buffer of this thread, updated there while in
@@ -206,8 +209,9 @@ class CpuDevice final : public Device {
   HostSlots slots_;
   // Each slot's own buffers, while others are bound (bind_states, bind_caller).
   std::vector<Slot> own_;
-  // Per slot: the checksums of the pieces of params its last update emitted (split master).
-  std::vector<std::vector<uint64_t>> params_sums_;
+  // Per slot: the checksums of the pieces of params its last update emitted, and of those
+  // it was sent (split master).
+  std::vector<std::vector<uint64_t>> params_sums_, sent_sums_;
   uint64_t resident_bytes_ = 0;
   std::unique_ptr<void, FreeDeleter> resident_;
 };

@@ -50,7 +50,8 @@ inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
       float master[kSplitPiece];
       for (size_t at = 0; at < n; at += kSplitPiece) {
         const size_t len = std::min(kSplitPiece, n - at);
-        kernels::rebuild_masters(len, op + at, low + at, k.adopt, master);
+        if (k.sent_sums) k.sent_sums[(lo + at) / kSplitPiece] = store::params_piece_sum(op + at, len);
+        kernels::rebuild_masters(len, op + at, low + at, k.adopt || k.sent_sums, master);
         run_moments<M>(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
         kernels::split_masters(len, master, op + at, low + at);
         if (k.params_sums) k.params_sums[(lo + at) / kSplitPiece] = store::params_piece_sum(op + at, len);

@@ -39,8 +39,14 @@ struct Kernel {
   uint64_t copy_from = kOwnStates;
   // Split master: where the update writes the checksum of each store::kParamsPiece of the
   // params it emitted (store::params_piece_sum, by the piece's index in the chunk); null:
-  // the ring hashes the params itself (Device::sums_emitted_params).
+  // the ring hashes the params itself (Device::hashes_params).
   uint64_t* params_sums = nullptr;
+  // Split master, a device that hashes_params(): where the update also writes the checksum
+  // of the params it was sent (store::params_checksum), hashed piece by piece in
+  // `sent_sums` before each piece's update. Not knowing yet whether they are the ones
+  // emitted, it rebuilds every master as `adopt` does, which for those is the exact master.
+  uint64_t* sent_sum = nullptr;
+  uint64_t* sent_sums = nullptr;
 };
 
 struct Slot {
@@ -108,8 +114,9 @@ class Device {
   virtual uint64_t params_sum(size_t slot, uint64_t offset);
   virtual void set_params_sum(size_t slot, uint64_t offset, uint64_t sum);
   // Whether compute() stores that checksum itself (its update hashes the params it emits,
-  // in parallel and in cache), so the ring does not hash them again.
-  virtual bool sums_emitted_params() const { return false; }
+  // in parallel and in cache), so the ring does not hash them again, and hashes the params
+  // it is sent when asked (Kernel::sent_sum), so the ring need not before the update.
+  virtual bool hashes_params() const { return false; }
   // Whether the device computes in host memory (the cpu device): it reaches every host
   // buffer, and the bytes it reads and writes there still count as crossing its link.
   virtual bool host_memory() const { return false; }

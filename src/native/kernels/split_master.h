@@ -27,7 +27,8 @@ SMARTINF_HD inline uint16_t master_low(float master, bf16 param) {
 // all the ones emitted with these low halves (weights loaded or edited), so each param its
 // low half does not round back to is taken as its master (an edited one that it does is
 // within half an ulp of the edit: the master keeps those low bits, as an fp32 master keeps
-// itself where an edit equals its rounding; edits.merge); the others' masters stay exact.
+// itself where an edit equals its rounding; edits.merge); the others' masters stay exact
+// (a param emitted always rounds back from its master, so `adopt` costs those nothing).
 SMARTINF_HD inline void rebuild_masters(std::size_t n, const bf16* param, const uint16_t* low, bool adopt,
                                         float* master) {
   if (adopt) {

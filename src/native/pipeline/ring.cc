@@ -98,6 +98,10 @@ void Ring::check_params(Job& job, size_t slot, uint64_t sent) {
   // states stored before the pieces were hashed apart: their sum is of the whole chunk
   if (store::whole_params_checksum(job.output, job.src.numel) == emitted) return;
   job.kernel.adopt = true;
+  foreign(job);
+}
+
+void Ring::foreign(const Job& job) {
   ++counters_.foreign_chunks;
   std::lock_guard lock(mu_);
   foreign_.push_back({job.subgroup, job.chunk});
@@ -320,7 +324,9 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       Timer h(counters_.busy_ns[kHostToDevice]);
       const uint64_t bytes = job.src.numel * 2;
       const Deadline link = reserve_host(true, bytes);
-      l.sent = store::params_checksum(job.output, job.src.numel);
+      // A device that hashes them in its update is asked to once the stored sum is in.
+      if (!device_.hashes_params() || job.kind != JobKind::update)
+        l.sent = store::params_checksum(job.output, job.src.numel);
       if (!out_there) device_.copy_in_params(slot, job.output, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
@@ -368,7 +374,25 @@ void Ring::finish_load(Loading& l) {
       counters_.storage_read += job.src.bytes;
     }
     finish_storage(l.storage);
-    if (l.send_params) check_params(job, slot, l.sent);
+    if (l.send_params) {
+      const uint64_t stored = device_.params_sum(slot, store_.layout().params_sum_offset(job.src.numel));
+      bool ours = false;
+      if (device_.hashes_params() && job.kind == JobKind::update) {
+        std::lock_guard lock(mu_);
+        const auto it = emitted_.find(chunk_key(job));
+        ours = it != emitted_.end() && it->second == stored;
+      }
+      if (ours) {
+        l.item.hashes_sent = true;
+        l.item.stored = stored;
+      } else {
+        if (device_.hashes_params() && job.kind == JobKind::update) {
+          Timer h(counters_.busy_ns[kHostToDevice]);
+          l.sent = store::params_checksum(job.output, job.src.numel);
+        }
+        check_params(job, slot, l.sent);
+      }
+    }
     if (job.kind == JobKind::verify) {
       check_sum(job, slot);
       if (job.resident != device::kOwnStates) device_.resident_loaded(slot, job.src.bytes);
@@ -404,6 +428,7 @@ void Ring::compute_loop() {
       } else {
         {
           Timer t(counters_.busy_ns[kCompute]);
+          job.kernel.sent_sum = item->hashes_sent ? &item->sent : nullptr;
           device_.compute(item->slot, job.kernel, numel);
           if (resident) {
             counters_.memory_read += job.src.bytes;
@@ -418,9 +443,15 @@ void Ring::compute_loop() {
         if (!out_there) device_.copy_out(item->slot, job.output, bytes);
         if (crosses) counters_.device_to_host += bytes;
         finish_host(link);
-        if (split_ && !device_.sums_emitted_params())  // stored with the states: the params that must come back
+        if (split_ && !device_.hashes_params())  // stored with the states: the params that must come back
           device_.set_params_sum(item->slot, store_.layout().params_sum_offset(numel),
                                  store::params_checksum(job.output, numel));
+        if (item->hashes_sent && item->sent != item->stored) foreign(job);
+        if (split_ && device_.hashes_params()) {
+          const uint64_t sum = device_.params_sum(item->slot, store_.layout().params_sum_offset(numel));
+          std::lock_guard lock(mu_);
+          emitted_[chunk_key(job)] = sum;
+        }
       }
     } catch (...) {  // e.g. a device without its kernel: nothing is written back
       release(job, item->slot, std::current_exception());

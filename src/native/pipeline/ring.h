@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "device/device.h"
@@ -133,6 +134,10 @@ class Ring {
   struct Loaded {
     Job job;
     size_t slot;
+    // Split master on a device that hashes_params(): the params sent in are hashed by the
+    // update (Kernel::sent_sum), compared with `stored` (the sum of those emitted) after it.
+    bool hashes_sent = false;
+    uint64_t stored = 0, sent = 0;
   };
   using Deadline = std::optional<RateLimiter::Clock::time_point>;
   struct Loading {  // a load under way: its read (0: none) and what it sent in
@@ -140,7 +145,7 @@ class Ring {
     io::Ticket read;
     Deadline storage;
     bool send_params;
-    uint64_t sent;
+    uint64_t sent;  // their checksum, hashed here (not by the update)
   };
   struct Writing {  // a write-back under way
     Loaded item;
@@ -168,6 +173,7 @@ class Ring {
   // Split master: the checksum of the params sent in (`sent`) against the one stored with the
   // states; foreign params become the masters (`job.kernel.adopt`).
   void check_params(Job& job, size_t slot, uint64_t sent);
+  void foreign(const Job& job);  // records a chunk sent params other than it emitted
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
   Deadline reserve_host(bool to_device, uint64_t bytes);
   Deadline reserve_storage(uint64_t bytes);
@@ -203,6 +209,12 @@ class Ring {
   size_t in_flight_ = 0;
   std::exception_ptr write_error_;
   std::vector<ForeignChunk> foreign_;
+  // Split master: the params sum this ring's updates last stored, by (sub-group, chunk).
+  // A chunk loaded with it holds a sum of the pieces the update hashes (not one of a
+  // directory written before: store::whole_params_checksum), so the update may hash what
+  // it is sent instead of this stage thread, serially, before it.
+  std::unordered_map<uint64_t, uint64_t> emitted_;
+  static uint64_t chunk_key(const Job& job) { return uint64_t(job.subgroup) << 32 | job.chunk; }
   std::thread loader_, computer_, writer_thread_, persister_thread_;
 };
 
