@@ -9,6 +9,7 @@
 #   OUT=$OUT bash bench/gpu_kit.sh pack               # there: the built kit, to carry later
 #   bash bench/gpu_kit.sh unpack && source bench/gpu_kit.sh env  # there, carrying .kitcache
 #   bash bench/gpu_kit.sh rebuild                     # there, after unpack + env: a changed core
+#                                                     # (SMARTINF_WITH_CUDA=OFF: without the CUDA device, faster)
 #   bash bench/gpu_kit.sh core && source bench/gpu_kit.sh env    # there: smartinf alone, for
 #                                                     # the host's figures (no CUDA device, no DeepSpeed;
 #                                                     # SMARTINF_WITH_CUDA=ON: with it, for the GPU tests)
@@ -88,7 +89,7 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     # .kitextra/, the machine's CMake; its nvcc builds the CUDA device too).
     python3 -m pip install -q --no-index --no-deps --target "$PREFIX/site" .kitextra/cython-*.whl
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-deps --no-build-isolation --upgrade \
-      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build .
+      --target "$PREFIX/site" -Cbuild-dir=/tmp/kit-build -Ccmake.define.SMARTINF_WITH_CUDA="${SMARTINF_WITH_CUDA:-ON}" .
     ;;
   env)
     LIB="$PREFIX/root/usr/lib/x86_64-linux-gnu"
