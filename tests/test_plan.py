@@ -18,7 +18,11 @@ def test_all_resident_picks_the_most_precise_format(tmp_path):
     assert (c.state_dtype, c.master) == ("fp32", "fp32")
     assert c.commit_every == plan.RESIDENT_COMMIT_EVERY and c.step_s is None
     states = 1_000_000 * state_bytes_per_param("fp32", "fp32")
-    assert c.memory_budget == c.ram_bytes == math.ceil(states * (1 + plan.BUDGET_SLACK)) + (16 << 20)
+    whole = math.ceil(states * (1 + plan.BUDGET_SLACK)) + (16 << 20)
+    assert c.memory_budget == c.ram_bytes == 2 * whole  # with room for the twins
+    assert "room for every sub-group's twin" in c.why
+    tight = plan.choose(1_000_000, [str(tmp_path)], memory=whole + 1, figures={})
+    assert tight.memory_budget == whole and "no room for twins" in tight.why
     assert c.disk_bytes[str(tmp_path)] == pytest.approx(2 * states, rel=1e-6)  # both copies
     assert "no probe record" in c.why
 

@@ -128,7 +128,12 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         # (the model's bytes per param are whole chunks'; 7 B through DeepSpeed fell 0.6 GB
         # short of an exact budget, and that sub-group streamed every step)
         whole = math.ceil(states * (1 + BUDGET_SLACK) / devices) + (16 << 20)
-        budget = memory_budget if memory_budget is not None else min(whole, memory // devices)
+        # and, where the memory holds them, the twins a background commit copies sub-groups
+        # into (given from what is left of the budget): without one, the next update of a
+        # sub-group being written waits for its write (7 B: 10.5 s at each commit)
+        twinned = 2 * whole
+        budget = memory_budget if memory_budget is not None else \
+            twinned if twinned <= memory // devices else min(whole, memory // devices)
         resident = 1.0 if budget >= whole else min(1.0, budget * devices / states)
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         need = _disk_need(params, per_param, directories)
@@ -140,7 +145,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             step_s = predict_placed(placed, **rates, state_bytes=per_param, commit_every=every).step_s
         row = dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
                    commit_every=every, resident=resident, ram_bytes=budget * devices,
-                   disk_bytes=need, step_s=step_s, refused=not_fit)
+                   disk_bytes=need, step_s=step_s, refused=not_fit, twins=budget >= twinned)
         weighed.append(row)
         if not_fit is None:
             fitting.append(row)
@@ -165,6 +170,10 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         why += "; refused for the disk: " + ", ".join(refused)
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
+    elif memory_budget is None:
+        why += ("; room for every sub-group's twin: background commits hold no update back"
+                if best["twins"] else "; no room for twins: an update waits for its sub-group's "
+                "background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
 
