@@ -669,3 +669,66 @@ def test_a_rank_one_commit_ahead_goes_back_to_the_others_step(work, disk_dir):
     assert losses(resumed) == losses(ref)
     for a, b in zip(torch.load(f"{out}.pt"), ref["params"]):
         assert torch.equal(a, b)
+
+
+def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
+    """Two ranks training with ``extra`` until SIGKILL ends the launcher and both ranks at a
+    random moment after a random step (3-6): mid-step, mid-commit, mid-write."""
+    import signal
+    import time
+
+    import psutil
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+           str(29500 + os.getpid() % 1000), str(SCRIPT), "--mode", "smartinf", "--dir", storage,
+           "--steps", "60", *extra]
+    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    after, seen = rng.randint(3, 6), []
+    try:
+        for line in run.stdout:
+            seen.append(line)
+            if line.startswith(f"step {after:4d}"):
+                time.sleep(rng.uniform(0.0, 0.5))
+                break
+        else:
+            pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]))
+    finally:
+        procs = [run.pid] + [c.pid for c in psutil.Process(run.pid).children(recursive=True)]
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.wait()
+        run.stdout.close()
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_two_ranks_killed_at_random_resume_at_one_durable_step(work, disk_dir, trial):
+    """All states resident with twins, a commit every 2 steps written in the background:
+    both ranks killed at a random moment. Each rank's directories are at a commit (at most
+    one apart); the next run resumes every rank at the same one and trains bit for bit as a
+    run that stopped there."""
+    import random
+    import smartinf
+    extra = ("--memory-budget", "8MiB", "--commit-every", "2", "--compute-threads", "1")
+    killed = os.path.join(disk_dir, "killed")
+    killed_at_random(work, killed, random.Random(20261126 + trial), extra)
+    durable = []
+    for rank in range(2):
+        with smartinf.Pipeline(os.path.join(killed, "smartinf", f"rank{rank:05d}"), smartinf.AdamW(),
+                               if_exists="resume") as pipe:
+            durable.append(pipe.durable_step_count)
+    assert all(d % 2 == 0 for d in durable) and abs(durable[0] - durable[1]) <= 2, durable
+    step = min(durable)
+    resume = ("--if-exists", "resume", "--steps", "3")
+    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
+    stopped = os.path.join(disk_dir, "stopped")
+    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
+    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
+    assert losses(resumed) == losses(ref)
+    for a, b in zip(resumed["params"], ref["params"]):
+        assert torch.equal(a, b)
