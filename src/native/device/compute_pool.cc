@@ -2,8 +2,10 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstdio>
 #include <exception>
@@ -35,56 +37,85 @@ ComputePool::~ComputePool() {
   for (std::thread& t : workers_) t.join();
 }
 
-bool ComputePool::take_part(std::unique_lock<std::mutex>& lock) {
-  if (!fn_ || next_ >= n_) return false;
-  const uint64_t lo = next_, hi = std::min(n_, lo + part_);
-  next_ = hi;
-  ++running_;
-  const auto* fn = fn_;
-  lock.unlock();
-  std::exception_ptr error;
-  try {
-    (*fn)(lo, hi);
-  } catch (...) {
-    error = std::current_exception();
+namespace {
+
+constexpr uint64_t kGrainBits = 32;
+constexpr uint64_t kGrainMask = (uint64_t(1) << kGrainBits) - 1;
+// How long a worker looks for the next run before it sleeps (a few chunks' gaps).
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+}  // namespace
+
+void ComputePool::take_grains(uint32_t generation, const Work& w) {
+  uint64_t c = claim_.load(std::memory_order_acquire);
+  for (;;) {
+    if ((c >> kGrainBits) != generation || (c & kGrainMask) >= w.grains) return;
+    if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+    const uint64_t lo = (c & kGrainMask) * w.grain;
+    std::exception_ptr error;
+    try {
+      (*w.fn)(lo, std::min(w.n, lo + w.grain));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done_grain(error);
+    c = claim_.load(std::memory_order_acquire);
   }
-  lock.lock();
-  if (error && !error_) error_ = error;
-  if (--running_ == 0 && next_ >= n_) done_.notify_all();
-  return true;
+}
+
+void ComputePool::done_grain(std::exception_ptr error) {
+  if (error) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = error;
+  }
+  if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    std::lock_guard lock(mu_);  // the caller checks pending_ under it before it sleeps
+    done_.notify_all();
+  }
 }
 
 void ComputePool::work() {
-  std::unique_lock lock(mu_);
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && fn_ && next_ < n_); });
-    if (stop_) return;
-    seen = generation_;
-    while (take_part(lock)) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while ((claim_.load(std::memory_order_acquire) >> kGrainBits) == seen &&
+           std::chrono::steady_clock::now() < until)
+      _mm_pause();
+    Work w;
+    {
+      std::unique_lock lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || (claim_.load() >> kGrainBits) != seen; });
+      if (stop_) return;
+      seen = static_cast<uint32_t>(claim_.load() >> kGrainBits);
+      w = work_;
     }
+    take_grains(seen, w);
   }
 }
 
 void ComputePool::run(uint64_t n, uint64_t grain, const std::function<void(uint64_t, uint64_t)>& fn) {
   if (n == 0) return;
-  // Parts of about n / threads, in whole grains: every thread gets one, none is tiny.
   const uint64_t grains = (n + grain - 1) / grain;
-  const uint64_t part = (grains + threads_ - 1) / threads_ * grain;
-  if (threads_ == 1 || part >= n) return fn(0, n);
+  if (threads_ == 1 || grains == 1) return fn(0, n);
+  if (grains > kGrainMask) throw std::invalid_argument("a pool run of more than 2^32 grains");
   std::lock_guard turn(turn_);
-  std::unique_lock lock(mu_);
-  fn_ = &fn;
-  n_ = n;
-  part_ = part;
-  next_ = 0;
-  error_ = nullptr;
-  ++generation_;
-  wake_.notify_all();
-  while (take_part(lock)) {
+  uint32_t generation;
+  {
+    std::lock_guard lock(mu_);
+    work_ = Work{&fn, n, grain, grains};
+    error_ = nullptr;
+    pending_.store(grains, std::memory_order_relaxed);
+    generation = static_cast<uint32_t>((claim_.load() >> kGrainBits) + 1);
+    claim_.store(uint64_t(generation) << kGrainBits, std::memory_order_release);
   }
-  done_.wait(lock, [&] { return running_ == 0; });
-  fn_ = nullptr;
+  wake_.notify_all();
+  take_grains(generation, work_);
+  while (pending_.load(std::memory_order_acquire) != 0) {  // the last grains, on other threads
+    std::unique_lock lock(mu_);
+    done_.wait_for(lock, std::chrono::microseconds(50),
+                   [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
+  std::lock_guard lock(mu_);
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 

@@ -1,8 +1,12 @@
-// The parallel update: a fixed pool of threads that runs one chunk's kernel in parts.
-// The kernels are element-wise (int8 ones block-wise), so parts cut at block boundaries
+// The parallel update: a fixed pool of threads that runs one chunk's kernel in grains.
+// The kernels are element-wise (int8 ones block-wise), so grains cut at block boundaries
 // give the same bits as one thread. One chunk at a time: devices sharing a pool take
-// turns, each with every thread (a memory-bound kernel gains nothing from more).
+// turns, each with every thread (a memory-bound kernel gains nothing from more). Chunks
+// come one after another (a 7 B step is 6,300 of 1 Mi params, 0.3 ms each on 14 threads):
+// grains taken as threads come free keep them even, and a worker spins a little before it
+// sleeps, so the next chunk finds it awake.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -31,23 +35,31 @@ class ComputePool {
   ComputePool& operator=(const ComputePool&) = delete;
 
   unsigned threads() const { return threads_; }
-  // Calls fn(lo, hi) over [0, n) cut into parts of a multiple of `grain` elements (the last
-  // one the rest), on the pool's threads and the caller's; returns when all are done and
-  // rethrows the first exception.
+  // Calls fn(lo, hi) over [0, n) cut into grains of `grain` elements (the last one the
+  // rest), each taken by whichever thread is free (the caller's too), so threads that
+  // finish early take more; returns when all are done and rethrows the first exception.
   void run(uint64_t n, uint64_t grain, const std::function<void(uint64_t, uint64_t)>& fn);
 
  private:
+  // One run's work, read by a worker under mu_ when it sees a new generation.
+  struct Work {
+    const std::function<void(uint64_t, uint64_t)>* fn = nullptr;
+    uint64_t n = 0, grain = 0, grains = 0;
+  };
   void work();
-  bool take_part(std::unique_lock<std::mutex>& lock);  // runs one part unlocked; false: none left
+  // Takes and runs grains of `w` while the run of `generation` has any left.
+  void take_grains(uint32_t generation, const Work& w);
+  void done_grain(std::exception_ptr error);
 
   const unsigned threads_;
   std::mutex turn_;  // one run() at a time
   std::mutex mu_;
   std::condition_variable wake_, done_;
-  const std::function<void(uint64_t, uint64_t)>* fn_ = nullptr;
-  uint64_t n_ = 0, part_ = 0, next_ = 0;
-  unsigned running_ = 0;
-  uint64_t generation_ = 0;
+  Work work_;
+  // The run's generation (upper 32 bits) and its next grain (lower 32): a grain is taken by
+  // one compare-exchange, and a worker late for a run that ended takes none of the next.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<uint64_t> pending_{0};  // grains of the current run not yet done
   std::exception_ptr error_;
   bool stop_ = false;
   std::vector<std::thread> workers_;
