@@ -64,6 +64,15 @@ store_beats:
   }
 }
 
+// load (kStore false) or store (true): a tile's arrays moved in and out by one description.
+template <bool kStore, class T>
+inline void transfer(Beat* beats, std::size_t start, int count, T* tile) {
+  if constexpr (kStore)
+    store(beats, start, count, tile);
+  else
+    load(beats, start, count, tile);
+}
+
 // Element i of a T array (for the sparse top-k pairs, read in order).
 template <class T>
 inline T element(const Beat* src, std::size_t i) {

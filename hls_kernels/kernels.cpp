@@ -90,8 +90,8 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* codes[2] = {m_codes, v_codes};                                                       \
     Beat* scales[2] = {m_scales, v_scales};                                                    \
-    h::update_chunk_int##BITS<h::AdamQuantMath, G, P>(param, codes, scales, grad, out, n,      \
-                                                       h::AdamQuantMath{step});                \
+    h::update_chunk_quantized<h::Int##BITS##Tile, h::AdamQuantMath, G, P>(                      \
+        param, codes, scales, grad, out, n, h::AdamQuantMath{step});                            \
   }
 
 // Lion on quantized states: fp32 params, the BITS-bit codes of exp_avg and their scales.
@@ -105,8 +105,8 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* codes[1] = {m_codes};                                                                \
     Beat* scales[1] = {m_scales};                                                              \
-    h::update_chunk_int##BITS<h::LionQuantMath, G, P>(param, codes, scales, grad, out, n,      \
-                                                       h::LionQuantMath{step});                \
+    h::update_chunk_quantized<h::Int##BITS##Tile, h::LionQuantMath, G, P>(                      \
+        param, codes, scales, grad, out, n, h::LionQuantMath{step});                            \
   }
 
 SMARTINF_ADAM(smartinf_adam_f32_f16, float, k::f16)

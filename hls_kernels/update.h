@@ -114,11 +114,6 @@ tiles:
   }
 }
 
-// int8 states (store/layout.h, coded as kernels/quant8.h says) go in tiles of TILE8 params:
-// whole blocks of 256, and a whole number of beats of block scales (4096 / 256 = 16 floats =
-// one beat).
-constexpr int TILE8 = 4096;
-
 // The math of one optimizer on quantized states (an int8 or an int4 tile, kernels/quantized.h's
 // one update): M coded moments.
 struct AdamQuantMath {
@@ -139,78 +134,84 @@ struct LionQuantMath {
   }
 };
 
-// One chunk of n params with int8 states: fp32 params, Math::M code arrays and their
-// per-block fp32 scale arrays (moment order), a dense G gradient.
-template <class Math, class G, class P>
-inline void update_chunk_int8(Beat* param, Beat* const* codes, Beat* const* scales,
-                              const Beat* grad, Beat* out, int n, const Math& math) {
-  constexpr int kBlocks = TILE8 / static_cast<int>(store::kQuantBlock);
-  float p[TILE8], sc[Math::M][kBlocks];
-  uint8_t q[Math::M][TILE8];
-  G g[TILE8];
-  P o[TILE8];
-  store::Int8States st{p, {}, {}};
-  for (int k = 0; k < Math::M; ++k) {
-    st.code[k] = q[k];
-    st.scale[k] = sc[k];
+// A quantized format's tile in on-chip buffers: `states` (the view kernels/quantized.h
+// updates), and the load and store of the tile's codes and scales at param `start`.
+// int8 (store/layout.h, coded as kernels/quant8.h says): tiles of 4096 params, whole
+// blocks of 256 and a whole number of beats of block scales (16 floats = one beat); M code
+// arrays and M per-block scale arrays.
+template <int M>
+struct Int8Tile {
+  static constexpr int kSize = 4096;
+  static constexpr int kBlocks = kSize / static_cast<int>(store::kQuantBlock);
+  float sc[M][kBlocks];
+  uint8_t q[M][kSize];
+  store::Int8States states(float* p) {
+    store::Int8States st{p, {}, {}};
+    for (int k = 0; k < M; ++k) {
+      st.code[k] = q[k];
+      st.scale[k] = sc[k];
+    }
+    return st;
   }
-int8_tiles:
-  for (int start = 0; start < n; start += TILE8) {
-    const int count = n - start < TILE8 ? n - start : TILE8;
+  template <bool kStore>
+  void move(Beat* const* codes, Beat* const* scales, int start, int count) {
     const int blocks = static_cast<int>(store::quant_blocks(static_cast<std::size_t>(count)));
     const std::size_t first_block = static_cast<std::size_t>(start) / store::kQuantBlock;
-    load(param, start, count, p);
-    for (int k = 0; k < Math::M; ++k) {
-      load(codes[k], start, count, q[k]);
-      load(scales[k], first_block, blocks, sc[k]);
+    for (int k = 0; k < M; ++k) {
+      transfer<kStore>(codes[k], start, count, q[k]);
+      transfer<kStore>(scales[k], first_block, blocks, sc[k]);
     }
-    load(grad, start, count, g);
-    math(count, st, g, o);
-    store(param, start, count, p);
-    for (int k = 0; k < Math::M; ++k) {
-      store(codes[k], start, count, q[k]);
-      store(scales[k], first_block, blocks, sc[k]);
-    }
-    store(out, start, count, o);
   }
-}
+};
 
-// int4 states (store/layout.h, coded as kernels/quant4.h says) go in tiles of TILE4 params:
-// one rank-1 tile of 128 x 128 (the second moment's scales need the whole tile's new values
-// before any is coded), i.e. 128 first-moment blocks, 8192 code bytes and 256 tile scales:
-// whole beats of each.
-constexpr int TILE4 = static_cast<int>(store::kQuant4Tile);
-
-// One chunk of n params with int4 states: fp32 params, Math::M packed code arrays (two codes
-// a byte), the first moment's per-block fp32 scales and (M = 2) the second moment's per-tile
-// row and column maxima; a dense G gradient.
-template <class Math, class G, class P>
-inline void update_chunk_int4(Beat* param, Beat* const* codes, Beat* const* scales,
-                              const Beat* grad, Beat* out, int n, const Math& math) {
-  constexpr int kBlock = static_cast<int>(store::kQuant4Block);
-  float p[TILE4], block_scale[TILE4 / kBlock], tile_scale[2 * kBlock];
-  uint8_t q[Math::M][TILE4 / 2];
-  G g[TILE4];
-  P o[TILE4];
-  store::Int4States st{p, {}, {block_scale, Math::M > 1 ? tile_scale : nullptr}};
-  for (int k = 0; k < Math::M; ++k) st.code[k] = q[k];
-int4_tiles:
-  for (int start = 0; start < n; start += TILE4) {
-    const int count = n - start < TILE4 ? n - start : TILE4;
-    const int bytes = (count + 1) / 2;
+// int4 (coded as kernels/quant4.h says): tiles of one rank-1 tile of 128 x 128 (the second
+// moment's scales need the whole tile's new values before any is coded), i.e. 128
+// first-moment blocks, 8192 code bytes and 256 tile scales: whole beats of each. M packed
+// code arrays (two codes a byte), the first moment's per-block scales and (M = 2) the second
+// moment's per-tile row and column maxima.
+template <int M>
+struct Int4Tile {
+  static constexpr int kSize = static_cast<int>(store::kQuant4Tile);
+  static constexpr int kBlock = static_cast<int>(store::kQuant4Block);
+  float block_scale[kSize / kBlock], tile_scale[2 * kBlock];
+  uint8_t q[M][kSize / 2];
+  store::Int4States states(float* p) {
+    store::Int4States st{p, {}, {block_scale, M > 1 ? tile_scale : nullptr}};
+    for (int k = 0; k < M; ++k) st.code[k] = q[k];
+    return st;
+  }
+  template <bool kStore>
+  void move(Beat* const* codes, Beat* const* scales, int start, int count) {
     const int blocks = static_cast<int>(store::quant4_blocks(static_cast<std::size_t>(count)));
-    const std::size_t first_block = static_cast<std::size_t>(start) / store::kQuant4Block;
-    const std::size_t tile_at = static_cast<std::size_t>(start) / store::kQuant4Tile * 2 * kBlock;
+    for (int k = 0; k < M; ++k)
+      transfer<kStore>(codes[k], static_cast<std::size_t>(start) / 2, (count + 1) / 2, q[k]);
+    transfer<kStore>(scales[0], static_cast<std::size_t>(start) / store::kQuant4Block, blocks, block_scale);
+    if (M > 1)
+      transfer<kStore>(scales[1], static_cast<std::size_t>(start) / store::kQuant4Tile * 2 * kBlock,
+                       2 * kBlock, tile_scale);
+  }
+};
+
+// One chunk of n params with quantized states (Tile: Int8Tile or Int4Tile of Math::M
+// moments): fp32 params, the tile's codes and scales, a dense G gradient.
+template <template <int> class Tile, class Math, class G, class P>
+inline void update_chunk_quantized(Beat* param, Beat* const* codes, Beat* const* scales,
+                                   const Beat* grad, Beat* out, int n, const Math& math) {
+  constexpr int kSize = Tile<Math::M>::kSize;
+  float p[kSize];
+  G g[kSize];
+  P o[kSize];
+  Tile<Math::M> tile;
+  const auto st = tile.states(p);
+quantized_tiles:
+  for (int start = 0; start < n; start += kSize) {
+    const int count = n - start < kSize ? n - start : kSize;
     load(param, start, count, p);
-    for (int k = 0; k < Math::M; ++k) load(codes[k], static_cast<std::size_t>(start) / 2, bytes, q[k]);
-    load(scales[0], first_block, blocks, block_scale);
-    if (Math::M > 1) load(scales[1], tile_at, 2 * kBlock, tile_scale);
+    tile.template move<false>(codes, scales, start, count);
     load(grad, start, count, g);
     math(count, st, g, o);
     store(param, start, count, p);
-    for (int k = 0; k < Math::M; ++k) store(codes[k], static_cast<std::size_t>(start) / 2, bytes, q[k]);
-    store(scales[0], first_block, blocks, block_scale);
-    if (Math::M > 1) store(scales[1], tile_at, 2 * kBlock, tile_scale);
+    tile.template move<true>(codes, scales, start, count);
     store(out, start, count, o);
   }
 }
