@@ -84,3 +84,9 @@ def test_a_budget_that_holds_every_state_counts_as_all_resident(tmp_path):
                         master="split")
         assert (c.state_dtype, c.master) == ("fp32", "split")
         assert all(r["resident"] == 1.0 for r in c.weighed)
+
+
+def test_refuses_no_params_or_no_directory(tmp_path):
+    for params, dirs in ((0, [str(tmp_path)]), (-5, [str(tmp_path)]), (10, [])):
+        with pytest.raises(ValueError, match="positive param count and at least one directory"):
+            plan.choose(params, dirs, memory=1 << 30, figures={})
