@@ -293,6 +293,11 @@ template <class G, class P>
 void launch(const kernels::Step& step, const store::StateLayout& layout, void* states,
             std::size_t n, const Master& ms, const G* grad, P* out, cudaStream_t stream) {
   const bool adam = step.rule == kernels::Rule::adam || step.rule == kernels::Rule::adamw;
+  // Quantized moments: Adam's and Lion's kernels only (the rows marked int8/int4); any other
+  // rule is refused here, not run as one of them.
+  if (layout.moments != store::Moments::fp32 && !adam && step.rule != kernels::Rule::lion)
+    throw std::logic_error(std::string("the CUDA device has no quantized kernel for rule ") +
+                           kernels::rule_row(step.rule).name);
   switch (layout.moments) {
     case store::Moments::fp32: {
       Arrays arrays{};
