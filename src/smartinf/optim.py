@@ -20,24 +20,22 @@ import logging
 import math
 import os
 import tempfile
-import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from . import defaults, edits, plan, subgroups, update_rules
+from . import defaults, edits, plan, subgroups, torch_state, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import small_tensor, speculate_on_cpu
 from .devices import DEVICE_TYPES, DeviceLike, rank_directory, with_gpu
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
-from .rounding import round_to
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from .speculation import ParamHooks, Speculation
-from .subgroups import Slice, Subgroup
+from .subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
 
@@ -46,7 +44,6 @@ logger = logging.getLogger("smartinf")
 DEFAULT_SUBGROUP_SIZE = 16 << 20
 _UNSUPPORTED = {"capturable": False, "differentiable": False}
 _IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
-MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
 
 
 class StorageOptions(TypedDict, total=False):
@@ -585,191 +582,22 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _stored_steps(self, state: dict, group: dict) -> int:
         return int(state["step"]) if "step" in state else 0
 
-    def _subgroup_steps(self, sg: Subgroup, states: dict, ids: dict, group: dict) -> int:
-        """The one step count a sub-group keeps, from its params' torch states."""
-        steps = {self._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices}
-        if len(steps) > 1:
-            shapes = [tuple(s.param.shape) for s in sg.slices]
-            raise ValueError(
-                f"the state_dict's params of sub-group {sg.id} (shapes {shapes}) were stepped "
-                f"{sorted(steps)} times: smartinf keeps one step count per sub-group, and "
-                f"torch's bias correction (or momentum start) depends on it, so loading would "
-                f"change their next update. Params whose counts differ (e.g. unused for some "
-                f"steps) need param groups of their own, or a state_dict saved by smartinf")
-        return steps.pop()
-
-    def _export_tensor(self, shape: torch.Size) -> torch.Tensor:
-        """An fp32 tensor backed by an unlinked file in the first device directory: the
-        exported states live in the page cache (evictable, written back to disk), not in
-        anonymous host memory, so a state_dict of a model larger than RAM still works."""
-        fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=self.pipeline.devices[0].path)
-        size = max(1, math.prod(shape))
-        try:
-            # Reserved now: a page of a sparse mapping that finds the disk full is a SIGBUS.
-            os.posix_fallocate(fd, 0, size * 4)
-            flat = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
-        finally:
-            os.close(fd)
-            os.remove(path)  # the mapping keeps the data until the tensor is freed
-        return flat[:math.prod(shape)].view(shape)
-
     def state_dict(self) -> dict:
         """torch's optimizer ``state_dict`` (loadable by the torch optimizer this one
-        stands in for). The states are read from the devices one sub-group at a time into
-        per-param tensors backed by unlinked files (page cache, not anonymous memory);
-        ``torch.save`` streams them. Params never stepped have no entry, as in torch (so
-        this costs nothing before the first step); an fp16/bf16 param's entry also holds
-        its fp32 master weights (``"fp32_master"``, ignored by torch), so loading it
-        resumes exactly. Params the caller edited since the last step are taken as the
-        masters first, as a step would."""
+        stands in for; ``smartinf.torch_state``): the states read from the devices one
+        sub-group at a time into per-param tensors backed by unlinked files, which
+        ``torch.save`` streams; an fp16/bf16 param's entry also holds its fp32 master
+        weights (``"fp32_master"``, ignored by torch). Params the caller edited since the
+        last step are taken as the masters first, as a step would."""
         self._settle()
         self._adopt(self._edited())
-        ids = subgroups.param_ids(self.param_groups)
-        per_param: dict[int, dict] = {}
-        for sg in self._plan:
-            steps = self.pipeline.subgroup_steps(sg.id)
-            if steps == 0:
-                continue  # initial states: torch has none either
-            params = self._flat_params(sg).to("cpu").contiguous() if self._split else None
-            stored = self.pipeline.read_states(
-                sg.id, self._driver.host_arrays(1 + len(self._state_names()), sg.numel),
-                params=params)
-            group = self.param_groups[sg.group]
-            names = self._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
-            for s in sg.slices:
-                entry = per_param.get(ids[id(s.param)])
-                if entry is None:
-                    arrays = {n: self._export_tensor(s.param.shape) for n in self._state_names()}
-                    entry = per_param[ids[id(s.param)]] = self._torch_state(steps, arrays, group)
-                    if MASTER in names:
-                        entry[MASTER] = self._export_tensor(s.param.shape)
-                for n in names:
-                    if isinstance(entry.get(n), torch.Tensor):
-                        entry[n].view(-1)[s.start:s.stop] = \
-                            stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start]
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [ids[id(p)] for p in group["params"]]
-            groups.append(packed)
-        # torch has no entry for a param without states (SGD before momentum is used).
-        state = {k: v for k, v in per_param.items()
-                 if any(x is not None for n, x in v.items() if n != MASTER)}
-        self._export = (self.pipeline.step_count,
-                        [(k, n, weakref.ref(t), t._version) for k, v in state.items()
-                         for n, t in v.items() if isinstance(t, torch.Tensor)])
-        return {"state": state, "param_groups": groups}
-
-    def _is_own_export(self, states: dict) -> bool:
-        """Whether ``states`` is what state_dict() last returned, untouched, with no step
-        since: loading it changes nothing on the devices (Accelerate's prepare() does
-        that round trip)."""
-        if self._export is None or self._export[0] != self.pipeline.step_count:
-            return False
-        tensors = self._export[1]
-        count = sum(isinstance(t, torch.Tensor) for v in states.values() for t in v.values())
-        return count == len(tensors) and all(
-            states.get(k, {}).get(n) is ref() and ref()._version == version
-            for k, n, ref, version in tensors)
+        return torch_state.export(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads torch's optimizer ``state_dict`` format (from this class or the torch
         optimizer): hyper-parameters into ``param_groups``, states onto the devices one
-        sub-group at a time, committed atomically. The master weights are taken from the
-        model's current params (torch's format has none)."""
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError("state_dict must be an optimizer state_dict with 'state' and "
-                             "'param_groups'")
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(saved)} param groups, this optimizer "
-                             f"{len(self.param_groups)}")
-        ids: dict[int, int] = {}
-        states = state_dict["state"]
-        for mine, theirs in zip(self.param_groups, saved):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError(f"a param group has {len(theirs['params'])} params in the "
-                                 f"state_dict and {len(mine['params'])} here")
-            for p, i in zip(mine["params"], theirs["params"]):
-                ids[id(p)] = i
-                for n in self._state_names():
-                    value = states.get(i, {}).get(n)
-                    if value is not None and not isinstance(value, torch.Tensor):
-                        raise TypeError(f"state {n!r} of param {i} is {type(value).__name__}, "
-                                        f"expected a tensor")
-                    if value is not None and value.numel() != p.numel():
-                        raise ValueError(f"state {n!r} of param {i} has {value.numel()} "
-                                         f"elements, the param {p.numel()}")
-        new_groups = []
-        for mine, theirs in zip(self.param_groups, saved):
-            group = dict(theirs, params=mine["params"])
-            self._check_group(group)
-            self._rule(group)  # validates the hyper-parameters before anything is written
-            new_groups.append(group)
-        if self._is_own_export(states):
-            self._set_groups(new_groups)
-            return
-        steps = [self._subgroup_steps(sg, states, ids, new_groups[sg.group]) for sg in self._plan]
-        self._refuse_mixing_resumed_run(steps)
-        self._settle()
-        with self.pipeline.step():
-            for sg in self._plan:
-                arrays = {"param": self._driver.staging.grad(0, torch.float32, sg.numel)}
-                arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
-                               for n in self._state_names()})
-                for s in sg.slices:
-                    n_elems = s.stop - s.start
-                    dst = slice(s.offset, s.offset + n_elems)
-                    entry = states.get(ids[id(s.param)], {})
-                    arrays["param"][dst].copy_(self._master(s, entry.get(MASTER)))
-                    for n in self._state_names():
-                        value = entry.get(n)
-                        if value is None:
-                            arrays[n][dst].fill_(self.pipeline.optimizer.initial_state)
-                        else:
-                            arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
-                self.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
-                                           steps[sg.id])
-        self._stepped = True
-        for sg in self._plan:  # the masters are what the model holds now
-            if self._watch is not None:
-                self._watch.record(sg.id)
-        self._set_groups(new_groups)
-
-    def _set_groups(self, new_groups: list) -> None:
-        for group, new in zip(self.param_groups, new_groups):
-            group.clear()
-            group.update(new)
-
-    @staticmethod
-    def _master(s: Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
-        """A slice's fp32 master weights on load: the state_dict's, where they round to the
-        model's param (exact resume of fp16/bf16 params), else the param itself (weights
-        the caller loaded win)."""
-        held = subgroups.read(s.param, s.start, s.stop)
-        if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
-            master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
-            if torch.equal(round_to(master, held.dtype).to(held.device), held):
-                return master
-        return held
-
-    def _refuse_mixing_resumed_run(self, steps: list) -> None:
-        """A state_dict of another point of the run than the directories this optimizer
-        resumed (whose weights it put into the model) would pair those weights with other
-        states: ambiguous, so refused."""
-        resumed = [sg for sg in self._plan if self.pipeline.resumed(sg.id)]
-        if not resumed or self._stepped:
-            return
-        stored = {self.pipeline.subgroup_steps(sg.id) for sg in resumed}
-        loaded = {steps[sg.id] for sg in resumed}
-        if stored != loaded:
-            raise ValueError(
-                f"this optimizer resumed {[d.path for d in self.pipeline.devices]} (sub-group "
-                f"steps {sorted(stored)}, whose weights it put into the model), and the "
-                f"state_dict is of steps {sorted(loaded)}: to continue from the state_dict's "
-                f"checkpoint, create the optimizer with if_exists='overwrite' after loading "
-                f"the checkpoint's weights into the model; to continue from the directories, "
-                f"do not load it")
+        sub-group at a time, committed atomically (``smartinf.torch_state``)."""
+        torch_state.load(self, state_dict)
 
     # -- native checkpoint ----------------------------------------------------------------
     def save(self, directory: str) -> list[str]:

@@ -1,0 +1,208 @@
+"""torch's optimizer ``state_dict`` format for ``smartinf.optim``'s optimizers.
+
+``export`` reads the states from the devices one sub-group at a time into per-param tensors
+backed by unlinked files in the first device directory (page cache, not anonymous memory),
+so a state_dict of a model larger than RAM still works; params never stepped have no entry,
+as in torch; an fp16/bf16 param's entry also holds its fp32 master weights (``MASTER``,
+ignored by torch), so loading it resumes exactly. ``load`` checks a state_dict (from this
+class or the torch optimizer) and writes its states onto the devices in one atomic step,
+the masters from the model's params where the state_dict has none. Each optimizer class
+says how its states map to torch's entries (``_state_names``, ``_torch_state``,
+``_stored_steps``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from . import subgroups
+from .rounding import round_to
+from .subgroups import Slice, Subgroup
+
+MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
+
+
+def export(opt: Any) -> dict:
+    """torch's optimizer ``state_dict`` of ``opt``'s states (see the module)."""
+    ids = subgroups.param_ids(opt.param_groups)
+    per_param: dict[int, dict] = {}
+    for sg in opt._plan:
+        steps = opt.pipeline.subgroup_steps(sg.id)
+        if steps == 0:
+            continue  # initial states: torch has none either
+        params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
+        stored = opt.pipeline.read_states(
+            sg.id, opt._driver.host_arrays(1 + len(opt._state_names()), sg.numel),
+            params=params)
+        group = opt.param_groups[sg.group]
+        names = opt._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
+        for s in sg.slices:
+            entry = per_param.get(ids[id(s.param)])
+            if entry is None:
+                arrays = {n: _export_tensor(opt, s.param.shape) for n in opt._state_names()}
+                entry = per_param[ids[id(s.param)]] = opt._torch_state(steps, arrays, group)
+                if MASTER in names:
+                    entry[MASTER] = _export_tensor(opt, s.param.shape)
+            for n in names:
+                if isinstance(entry.get(n), torch.Tensor):
+                    entry[n].view(-1)[s.start:s.stop] = \
+                        stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start]
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [ids[id(p)] for p in group["params"]]
+        groups.append(packed)
+    # torch has no entry for a param without states (SGD before momentum is used).
+    state = {k: v for k, v in per_param.items()
+             if any(x is not None for n, x in v.items() if n != MASTER)}
+    opt._export = (opt.pipeline.step_count,
+                   [(k, n, weakref.ref(t), t._version) for k, v in state.items()
+                    for n, t in v.items() if isinstance(t, torch.Tensor)])
+    return {"state": state, "param_groups": groups}
+
+
+def load(opt: Any, state_dict: dict) -> None:
+    """Loads torch's optimizer ``state_dict`` into ``opt`` (see the module)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("state_dict must be an optimizer state_dict with 'state' and "
+                         "'param_groups'")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(saved)} param groups, this optimizer "
+                         f"{len(opt.param_groups)}")
+    ids: dict[int, int] = {}
+    states = state_dict["state"]
+    for mine, theirs in zip(opt.param_groups, saved):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError(f"a param group has {len(theirs['params'])} params in the "
+                             f"state_dict and {len(mine['params'])} here")
+        for p, i in zip(mine["params"], theirs["params"]):
+            ids[id(p)] = i
+            for n in opt._state_names():
+                value = states.get(i, {}).get(n)
+                if value is not None and not isinstance(value, torch.Tensor):
+                    raise TypeError(f"state {n!r} of param {i} is {type(value).__name__}, "
+                                    f"expected a tensor")
+                if value is not None and value.numel() != p.numel():
+                    raise ValueError(f"state {n!r} of param {i} has {value.numel()} "
+                                     f"elements, the param {p.numel()}")
+    new_groups = []
+    for mine, theirs in zip(opt.param_groups, saved):
+        group = dict(theirs, params=mine["params"])
+        opt._check_group(group)
+        opt._rule(group)  # validates the hyper-parameters before anything is written
+        new_groups.append(group)
+    if _is_own_export(opt, states):
+        _set_groups(opt, new_groups)
+        return
+    steps = [_subgroup_steps(opt, sg, states, ids, new_groups[sg.group]) for sg in opt._plan]
+    _refuse_mixing_resumed_run(opt, steps)
+    opt._settle()
+    with opt.pipeline.step():
+        for sg in opt._plan:
+            arrays = {"param": opt._driver.staging.grad(0, torch.float32, sg.numel)}
+            arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
+                           for n in opt._state_names()})
+            for s in sg.slices:
+                n_elems = s.stop - s.start
+                dst = slice(s.offset, s.offset + n_elems)
+                entry = states.get(ids[id(s.param)], {})
+                arrays["param"][dst].copy_(_master(s, entry.get(MASTER)))
+                for n in opt._state_names():
+                    value = entry.get(n)
+                    if value is None:
+                        arrays[n][dst].fill_(opt.pipeline.optimizer.initial_state)
+                    else:
+                        arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
+            opt.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
+                                      steps[sg.id])
+    opt._stepped = True
+    for sg in opt._plan:  # the masters are what the model holds now
+        if opt._watch is not None:
+            opt._watch.record(sg.id)
+    _set_groups(opt, new_groups)
+
+
+def _subgroup_steps(opt: Any, sg: Subgroup, states: dict, ids: dict, group: dict) -> int:
+    """The one step count a sub-group keeps, from its params' torch states."""
+    steps = {opt._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices}
+    if len(steps) > 1:
+        shapes = [tuple(s.param.shape) for s in sg.slices]
+        raise ValueError(
+            f"the state_dict's params of sub-group {sg.id} (shapes {shapes}) were stepped "
+            f"{sorted(steps)} times: smartinf keeps one step count per sub-group, and "
+            f"torch's bias correction (or momentum start) depends on it, so loading would "
+            f"change their next update. Params whose counts differ (e.g. unused for some "
+            f"steps) need param groups of their own, or a state_dict saved by smartinf")
+    return steps.pop()
+
+
+def _export_tensor(opt: Any, shape: torch.Size) -> torch.Tensor:
+    """An fp32 tensor backed by an unlinked file in the first device directory: the
+    exported states live in the page cache (evictable, written back to disk), not in
+    anonymous host memory, so a state_dict of a model larger than RAM still works."""
+    fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=opt.pipeline.devices[0].path)
+    size = max(1, math.prod(shape))
+    try:
+        # Reserved now: a page of a sparse mapping that finds the disk full is a SIGBUS.
+        os.posix_fallocate(fd, 0, size * 4)
+        flat = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
+    finally:
+        os.close(fd)
+        os.remove(path)  # the mapping keeps the data until the tensor is freed
+    return flat[:math.prod(shape)].view(shape)
+
+
+def _is_own_export(opt: Any, states: dict) -> bool:
+    """Whether ``states`` is what state_dict() last returned, untouched, with no step
+    since: loading it changes nothing on the devices (Accelerate's prepare() does
+    that round trip)."""
+    if opt._export is None or opt._export[0] != opt.pipeline.step_count:
+        return False
+    tensors = opt._export[1]
+    count = sum(isinstance(t, torch.Tensor) for v in states.values() for t in v.values())
+    return count == len(tensors) and all(
+        states.get(k, {}).get(n) is ref() and ref()._version == version
+        for k, n, ref, version in tensors)
+
+
+def _set_groups(opt: Any, new_groups: list) -> None:
+    for group, new in zip(opt.param_groups, new_groups):
+        group.clear()
+        group.update(new)
+
+
+def _master(s: Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
+    """A slice's fp32 master weights on load: the state_dict's, where they round to the
+    model's param (exact resume of fp16/bf16 params), else the param itself (weights
+    the caller loaded win)."""
+    held = subgroups.read(s.param, s.start, s.stop)
+    if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
+        master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
+        if torch.equal(round_to(master, held.dtype).to(held.device), held):
+            return master
+    return held
+
+
+def _refuse_mixing_resumed_run(opt: Any, steps: list) -> None:
+    """A state_dict of another point of the run than the directories this optimizer
+    resumed (whose weights it put into the model) would pair those weights with other
+    states: ambiguous, so refused."""
+    resumed = [sg for sg in opt._plan if opt.pipeline.resumed(sg.id)]
+    if not resumed or opt._stepped:
+        return
+    stored = {opt.pipeline.subgroup_steps(sg.id) for sg in resumed}
+    loaded = {steps[sg.id] for sg in resumed}
+    if stored != loaded:
+        raise ValueError(
+            f"this optimizer resumed {[d.path for d in opt.pipeline.devices]} (sub-group "
+            f"steps {sorted(stored)}, whose weights it put into the model), and the "
+            f"state_dict is of steps {sorted(loaded)}: to continue from the state_dict's "
+            f"checkpoint, create the optimizer with if_exists='overwrite' after loading "
+            f"the checkpoint's weights into the model; to continue from the directories, "
+            f"do not load it")
