@@ -90,3 +90,17 @@ def test_refuses_no_params_or_no_directory(tmp_path):
     for params, dirs in ((0, [str(tmp_path)]), (-5, [str(tmp_path)]), (10, [])):
         with pytest.raises(ValueError, match="positive param count and at least one directory"):
             plan.choose(params, dirs, memory=1 << 30, figures={})
+
+
+def test_optim_auto_weighs_only_the_params_it_keeps_states_for(tmp_path, monkeypatch):
+    """Frozen params (requires_grad=False) get no sub-group and no states: auto does not
+    count them, nor their dtype."""
+    asked = []
+    choose = plan.choose
+    monkeypatch.setattr(plan, "choose", lambda params, *a, **k: asked.append((params, k)) or choose(params, *a, **k))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 64))
+    model[1].requires_grad_(False)
+    opt = smartinf.optim.AdamW(model.parameters(), devices=[str(tmp_path)], state_dtype="auto")
+    assert asked == [(64 * 64 + 64, asked[0][1])]
+    assert asked[0][1]["bf16_params"] is True  # the trained params are bf16: a split master may be weighed
+    opt.close()

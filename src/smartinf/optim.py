@@ -217,7 +217,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
         params and devices (explicit ``master``, ``memory_budget`` and ``commit_every`` kept),
         reported once."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # frozen: no states
         budget = storage.get("memory_budget")
         choice = plan.choose(
             sum(p.numel() for p in params), [getattr(d, "path", d) for d in resolve_devices(devices)],
