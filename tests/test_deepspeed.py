@@ -255,6 +255,23 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
           fails_with="hold different durable steps (rank 0: step 8, rank 1: step 4)")
 
 
+def test_a_split_master_resumes_from_a_checkpoint_and_refuses_without_its_weights(work, disk_dir):
+    """bf16 with a split master: the directories hold the masters' low halves only. Loading a
+    checkpoint puts the high halves back (the partitions from the checkpoint's masters, which
+    a ZeRO-3 module file does not hold): steps 5-8 repeat exactly. Resuming the directories
+    without the weights of their step (a freshly built model) is refused at the first step,
+    before it commits (it used to train on from the initial weights with a warning)."""
+    split = ("--dtype", "bf16", "--split-master")
+    ckpt = str(work / "split-ckpt")
+    first = train(work, disk_dir, "split-ckpt-first", extra=(*split, "--save", ckpt, "--save-at", "4"))
+    again = train(work, disk_dir, "split-ckpt-again",
+                  extra=(*split, "--load", ckpt, "--if-exists", "overwrite"))
+    assert losses(again) == losses(first)[4:]
+    assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
+    train(work, disk_dir, "split-no-weights", extra=(*split, "--if-exists", "resume"),
+          fails_with="whose directories hold only the low halves of the fp32 masters")
+
+
 # -- DeepSpeed's accessors and checkpoint tools (one run of tests/deepspeed_api.py) --------
 TOL = 1e-5  # ours vs DeepSpeed's torch AdamW, relative: float rounding of the two kernels
 

@@ -345,3 +345,28 @@ def test_directories_with_whole_chunk_params_checksums_resume_without_adopting(t
     plain, _ = two_runs(tmp_path / "plain", False)
     assert stats.get("foreign_chunks", 0) == 0
     assert torch.equal(legacy.view(torch.int16), plain.view(torch.int16))
+
+
+def test_a_resumed_split_master_refuses_params_other_than_its_steps(tmp_path):
+    """The directories hold the masters' low halves: the first step after a resume with
+    params other than the ones its last step emitted (a model built afresh, weights not
+    loaded) is discarded and refused before it commits; with the right ones it goes on."""
+    params, _, _ = run(tmp_path, "split", steps=3)
+    emitted = params[0]
+    fresh = to_bf16(torch.from_numpy(np.random.default_rng(0).standard_normal(12_345).astype(np.float32)))
+    grad = torch.ones(12_345, dtype=torch.bfloat16)
+    with smartinf.Pipeline(tmp_path, smartinf.AdamW(lr=1e-2, weight_decay=0.1), chunk=CHUNK,
+                           master="split") as pipe:
+        pipe.add_subgroup(12_345)
+        with pytest.raises(ValueError, match=r"sub-groups \[0\] were resumed from .* at step 3"):
+            with pipe.step():
+                pipe.update(0, grad, fresh.clone()).wait()
+        assert pipe.step_count == 3  # nothing committed
+    with smartinf.Pipeline(tmp_path, smartinf.AdamW(lr=1e-2, weight_decay=0.1), chunk=CHUNK,
+                           master="split") as pipe:
+        pipe.add_subgroup(12_345)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ParamsChangedWarning)
+            with pipe.step():
+                pipe.update(0, grad, emitted.clone()).wait()
+        assert pipe.step_count == 4

@@ -177,7 +177,8 @@ class Pipeline:
 
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
                  "_small",
-                 "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins")
+                 "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins",
+                 "_params_unchecked")
 
     def __init__(
         self,
@@ -239,6 +240,8 @@ class Pipeline:
         self._final_stats: dict[str, float] = {}
         self._final_device_stats: list[dict[str, float]] = []
         self._resumed: set[int] = set()
+        # Split master: the first step's commit checks the resumed sub-groups' params (commit)
+        self._params_unchecked = True
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
         holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
@@ -458,11 +461,37 @@ class Pipeline:
         resident states are written in the background: ``commit_pending``). If that fails,
         the pipeline is back at ``durable_step_count``."""
         native = self._open()
+        self._refuse_other_params_after_resume()
         try:
             native.commit()
+            self._params_unchecked = False
         finally:
             self._inflight.clear()
             self._warn_foreign()
+
+    def _refuse_other_params_after_resume(self) -> None:
+        """The first step after a resume with a split master: the directories hold only the
+        masters' low halves, so the resumed sub-groups' bf16 params must be the ones of the
+        step they were committed at. Other params (a model freshly built whose weights were
+        not loaded) would pair their weights with the stored moments and low halves: the
+        step is discarded and refused, before it commits. (Params changed later, between
+        steps, are taken as the masters with a warning.)"""
+        if not self._params_unchecked or self.settings.master != "split":
+            return
+        found = self._native.take_foreign()
+        resumed = sorted({sg for sg, _ in found if sg in self._resumed})
+        if not resumed:
+            self._warn_foreign(found)
+            return
+        step = self.step_count
+        self.discard()
+        raise ValueError(
+            f"master='split': sub-groups {resumed} were resumed from "
+            f"{[d.path for d in self.devices]} at step {step}, whose directories hold only the "
+            f"low halves of the fp32 masters, and the model's bf16 params are not the ones of "
+            f"that step (its weights not loaded?). The step was discarded. Load the model's "
+            f"weights of step {step} (the checkpoint saved with it) before training on, or start "
+            f"afresh with if_exists='overwrite'")
 
     def flush(self) -> None:
         """Makes the committed steps durable now (between steps; a no-op when they are)."""
@@ -643,10 +672,10 @@ class Pipeline:
                              f"{rule.name}: it is fixed for the directories")
         return rule
 
-    def _warn_foreign(self) -> None:
+    def _warn_foreign(self, found: Optional[list] = None) -> None:
         if self._native is None or self.settings.master != "split":
             return
-        found = self._native.take_foreign()
+        found = self._native.take_foreign() if found is None else found
         if found:
             groups = sorted({sg for sg, _ in found})
             warnings.warn(ParamsChangedWarning(

@@ -773,9 +773,17 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         return state
 
     def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
-        """DeepSpeed's load without the file's masters: the devices' copies carry them."""
+        """DeepSpeed's load without the file's masters: the devices' copies carry them. With
+        a split master the devices hold only their low halves: the partitions take the high
+        halves, the file's masters rounded as the devices round them (the params the step
+        that saved them emitted), which the module file of a ZeRO-3 checkpoint does not hold."""
         super()._rigid_load_state_dict({**state_dict, FP32_FLAT_GROUPS: []},
                                        load_optimizer_states)
+        if self._split:
+            for i, (flat, master) in enumerate(zip(self.fp16_partitioned_groups_flat,
+                                                   state_dict[FP32_FLAT_GROUPS])):
+                flat.copy_(to_bf16(master.float()).to(flat.device))
+                self._unflatten_partitioned_parameters(i)
 
     def save_states(self, directory: str) -> None:
         """Copies this rank's device directories (the last committed step) to ``directory``,
