@@ -713,14 +713,47 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
         else:
             pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]))
     finally:
-        procs = [run.pid] + [c.pid for c in psutil.Process(run.pid).children(recursive=True)]
-        for pid in procs:
+        launcher = psutil.Process(run.pid)
+        procs = [launcher] + launcher.children(recursive=True)
+        for proc in procs:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
                 pass
         run.wait()
         run.stdout.close()
+        # The ranks are the launcher's children: their directories' locks are free only once
+        # the kernel has torn them down (dead, or a zombie nobody reaps), which a kill does
+        # not wait for.
+        deadline = time.monotonic() + 60
+        while any(_running(p) for p in procs):
+            assert time.monotonic() < deadline, f"still running after SIGKILL: {procs}"
+            time.sleep(0.05)
+
+
+def _reopened(directory: str):
+    """The directory opened once its killed owner's lock is free: a killed process's files
+    are released when its in-flight io_uring requests have finished, after it is a zombie."""
+    import errno
+    import time
+
+    import smartinf
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return smartinf.Pipeline(directory, smartinf.AdamW(), if_exists="resume")
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _running(proc) -> bool:
+    import psutil
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize("trial", range(2))
@@ -730,14 +763,12 @@ def test_two_ranks_killed_at_random_resume_at_one_durable_step(work, disk_dir, t
     one apart); the next run resumes every rank at the same one and trains bit for bit as a
     run that stopped there."""
     import random
-    import smartinf
     extra = ("--memory-budget", "8MiB", "--commit-every", "2", "--compute-threads", "1")
     killed = os.path.join(disk_dir, "killed")
     killed_at_random(work, killed, random.Random(20261126 + trial), extra)
     durable = []
     for rank in range(2):
-        with smartinf.Pipeline(os.path.join(killed, "smartinf", f"rank{rank:05d}"), smartinf.AdamW(),
-                               if_exists="resume") as pipe:
+        with _reopened(os.path.join(killed, "smartinf", f"rank{rank:05d}")) as pipe:
             durable.append(pipe.durable_step_count)
     assert all(d % 2 == 0 for d in durable) and abs(durable[0] - durable[1]) <= 2, durable
     step = min(durable)
