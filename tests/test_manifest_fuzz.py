@@ -12,7 +12,7 @@ def fuzz(examples):
     return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
-CURRENT = 8  # the version the core writes
+CURRENT = 9  # the version the core writes
 u64 = st.integers(0, 2**64 - 1)
 word = st.text("abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=12)
 
@@ -25,7 +25,7 @@ def with_crc(body: bytes) -> bytes:
 def manifests(draw):
     """A well-formed manifest, written the way the core writes one."""
     chunk = draw(st.integers(1, 5000))
-    version = draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8]))
+    version = draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8, 9]))
     lines = [f"smartinf-manifest {version}", f"chunk {chunk}",
              f"state_dtype {draw(st.sampled_from(['fp32', 'int8', 'int4']))}"]
     if version >= 7:
@@ -39,6 +39,11 @@ def manifests(draw):
         lines.append(f"previous {draw(st.integers(0, step))}")
     if version >= 5 and draw(st.booleans()):
         lines.append(f"attached {draw(st.integers(0, 2**63 - 1))}")
+    if version >= 9:
+        copies = draw(st.sampled_from([1, 2]))
+        lines.append(f"copies {copies}")
+        if copies == 1 and draw(st.booleans()):
+            lines.append("rewriting")
     count = draw(st.integers(1, 8))
     if draw(st.booleans()):
         index = draw(st.integers(0, count - 1))
@@ -77,6 +82,9 @@ def test_well_formed_manifests_round_trip(text):
     if version < 7:  # before version 7 masters were fp32
         dtype = body.split(b"\nstate_dtype ")[1].split(b"\n")[0]
         body = body.replace(b"\nstate_dtype %s\n" % dtype, b"\nstate_dtype %s\nmaster fp32\n" % dtype, 1)
+    if version < 9:  # before version 9 every directory held two copies
+        at = min(i for i in (body.find(b"\nmember "), body.find(b"\nsubgroups ")) if i >= 0)
+        body = body[:at] + b"\ncopies 2" + body[at:]
     assert got == with_crc(body.replace(f"smartinf-manifest {version}".encode(), current, 1)) \
         or version < 4  # older versions are rewritten as the current one
     assert native.manifest_roundtrip(got) == got

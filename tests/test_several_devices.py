@@ -124,8 +124,8 @@ def test_version_2_manifest_without_membership_opens(tmp_path):
         lines = open(path).read().splitlines()
         body = "".join(line + "\n" for line in lines[:-1]
                        if not line.startswith(("member ", "sums ", "attached ", "fingerprint ",
-                                               "previous ", "master "))
-                       ).replace("smartinf-manifest 8", "smartinf-manifest 2")
+                                               "previous ", "master ", "copies "))
+                       ).replace("smartinf-manifest 9", "smartinf-manifest 2")
         assert body.startswith("smartinf-manifest 2\n")
         with open(path, "w") as f:
             f.write(body + f"crc32 {zlib.crc32(body.encode()):08x}\n")

@@ -1,7 +1,7 @@
 # cython: language_level=3, binding=False
 # distutils: language = c++
 """Binding of the C++ core: translates arguments and errors, releases the GIL. No logic."""
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.map cimport map as cmap
 from libcpp.memory cimport shared_ptr
@@ -143,6 +143,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         string if_exists
         uint64_t memory_budget
         uint64_t commit_every
+        uint32_t copies
         cbool background_commit
         unsigned compute_threads
         RingOptions ring
@@ -381,6 +382,7 @@ cdef class NativePipeline:
         options.if_exists = settings.if_exists.encode()
         options.memory_budget = settings.memory_budget
         options.commit_every = settings.commit_every
+        options.copies = settings.copies
         options.background_commit = settings.overlap
         options.compute_threads = settings.compute_threads
         options.ring.io = settings.io.encode()

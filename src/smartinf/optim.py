@@ -53,10 +53,10 @@ class StorageOptions(TypedDict, total=False):
     ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
     ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
-    ``overlap`` as for ``smartinf.Pipeline``
+    ``overlap``, ``copies`` as for ``smartinf.Pipeline``
     (``smartinf.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
-    budget and commit interval ``smartinf.plan`` picks for these params, devices and host,
-    reported as a warning, explicit ``master``/``memory_budget``/``commit_every`` kept); ``if_exists`` what to do with directories holding an
+    budget, commit interval and copies ``smartinf.plan`` picks for these params, devices and
+    host, reported as a warning, explicit ``master``/``memory_budget``/``commit_every``/``copies`` kept); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
@@ -215,7 +215,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     # -- hyper-parameters -------------------------------------------------------------
     def _auto(self, storage: dict, devices, gpu_memory_budget) -> dict:
         """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
-        params and devices (explicit ``master``, ``memory_budget`` and ``commit_every`` kept),
+        params and devices (explicit ``master``, ``memory_budget``, ``commit_every`` and ``copies`` kept),
         reported once."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # frozen: no states
         budget = storage.get("memory_budget")
@@ -224,6 +224,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             bf16_params=all(p.dtype == torch.bfloat16 for p in params),
             gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
             master=storage.get("master"), commit_every=storage.get("commit_every"),
+            copies=storage.get("copies"),
             memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
         logger.warning("%s", choice.report())
         return choice.settings()

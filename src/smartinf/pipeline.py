@@ -31,7 +31,7 @@ _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
                          verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
                          commit_every=None, compute_threads=None, master="fp32",
-                         io_schedule=None, overlap=None)
+                         io_schedule=None, overlap=None, copies=2)
 
 
 class ParamsChangedWarning(UserWarning):
@@ -130,6 +130,14 @@ class Pipeline:
         ``commit()`` writes the resident states, syncs and switches the manifests; the
         others only advance ``step_count``. A crash reopens at ``durable_step_count``,
         bit for bit; ``discard()`` and a failed step go back to it as well.
+    copies
+        Extents of each chunk in a directory, fixed when it is made (2). 2: the committed
+        copy and the one a step writes, so a crash at any instant reopens at the last
+        durable step. 1: half the disk, for a model whose two copies do not fit: every
+        sub-group must be resident (refused before any byte is written otherwise), and a
+        durable commit writes the states in place, so a crash while it writes loses them
+        (the reopen refuses the directory, naming the step; ``if_exists="overwrite"``
+        starts afresh). ``discard()`` after ``write_states`` closes the pipeline likewise.
     compute_threads
         Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
         process may use, less two from 8 on); the same bits with any number.
@@ -200,6 +208,7 @@ class Pipeline:
         master: str = "fp32",
         io_schedule: Optional[str] = None,
         overlap: Optional[bool] = None,
+        copies: int = 2,
         settings: Optional[PipelineSettings] = None,
         subgroup_sizes: Sequence[int] = (),
         small_sizes: Optional[Sequence[int]] = None,
@@ -223,7 +232,7 @@ class Pipeline:
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
                      if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
                      compute_threads=compute_threads, master=master, io_schedule=io_schedule,
-                     overlap=overlap)
+                     overlap=overlap, copies=copies)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
@@ -278,13 +287,13 @@ class Pipeline:
         directories it made (not in ``held``) are left as they were found."""
         if not sizes and not small:
             return
-        grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
-                                          [False] * len(sizes) + [True] * len(small))
         dirs = [d.path for d in self._devices] + ([small_dir] if small_dir else [])
-        try:
+        try:  # copies=1 refuses a sub-group placed to stream here
+            grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
+                                              [False] * len(sizes) + [True] * len(small))
             space.check_disk(dirs, grow, sum(sizes) + sum(small), self.settings.state_dtype,
-                             self.settings.master)
-        except OSError:
+                             self.settings.master, self.settings.copies)
+        except (OSError, ValueError):
             self.close()
             for d in dirs:  # those this open made (nothing held) are left as they were found
                 if d not in held:

@@ -3,8 +3,12 @@ and of those the fastest by the performance model (``model.predict_placed``) wit
 probe's record of the first directory (``python -m smartinf.probe DIR --record``); without
 a record, the most precise format whose states all fit in memory, else the one with the
 fewest bytes (a streamed step is storage-bound: its time follows its bytes). Explicit
-settings win: a given ``master`` or ``memory_budget`` is kept, and only formats allowing it
-are weighed. Nothing fits: an ENOSPC ``OSError`` that lists what each format needs.
+settings win: a given ``master``, ``memory_budget`` or ``copies`` is kept, and only formats
+allowing it are weighed. Each directory keeps two copies of its states where its disk holds
+them (a crash at any instant reopens at the last durable commit), else one where every
+sub-group is resident (``copies=1``: a crash while a durable commit writes loses the states;
+the report says so, and what free space two copies need). Nothing fits: an ENOSPC
+``OSError`` that lists what each format needs.
 
 ``python -m smartinf.plan --params 13e9 DIR...`` prints the choice and why.
 """
@@ -47,6 +51,7 @@ class Choice:
     master: str
     memory_budget: int
     commit_every: int
+    copies: int
     ram_bytes: int
     disk_bytes: dict
     step_s: Optional[float]
@@ -55,21 +60,23 @@ class Choice:
 
     def settings(self) -> dict:
         return {"state_dtype": self.state_dtype, "master": self.master,
-                "memory_budget": self.memory_budget, "commit_every": self.commit_every}
+                "memory_budget": self.memory_budget, "commit_every": self.commit_every,
+                "copies": self.copies}
 
     def report(self) -> str:
         disks = ", ".join(f"{d}: {space._size(b)}" for d, b in self.disk_bytes.items())
         step = f"; predicted step {self.step_s:.2f} s" if self.step_s is not None else ""
         return (f"smartinf auto: state_dtype={self.state_dtype!r}, master={self.master!r}, "
                 f"memory_budget={space._size(self.memory_budget)} a device, commit_every="
-                f"{self.commit_every}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
+                f"{self.commit_every}, copies={self.copies}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
                 f"{self.why}")
 
 
-def _disk_need(params: float, state_bytes: float, directories: Sequence[str]) -> dict:
-    """Bytes each directory's states files take: two copies (the committed one and the one a
-    step writes) of an even share of the states."""
-    share = 2 * params * state_bytes / len(directories)
+def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
+               copies: int = 2) -> dict:
+    """Bytes each directory's states files take: ``copies`` copies (the committed one and
+    the one a step writes, or the one written in place) of an even share of the states."""
+    share = copies * params * state_bytes / len(directories)
     return {d: int(math.ceil(share)) for d in directories}
 
 
@@ -100,12 +107,12 @@ def _disk_fits(need: dict, share: int = 1) -> Optional[str]:
 def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            memory: Optional[int] = None, gpu_budget: int = 0,
            master: Optional[str] = None, memory_budget: Optional[int] = None,
-           commit_every: Optional[int] = None, figures: Optional[dict] = None,
-           ranks: int = 1) -> Choice:
+           commit_every: Optional[int] = None, copies: Optional[int] = None,
+           figures: Optional[dict] = None, ranks: int = 1) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
-    device), ``commit_every``: explicit settings, kept; ``figures``: a probe record (None:
+    device), ``commit_every``, ``copies``: explicit settings, kept; ``figures``: a probe record (None:
     the one found for the first directory, if any); ``ranks``: processes of this host making
     the same choice for as many params each (each gets that share of the host's memory and
     of each file system's free space)."""
@@ -136,15 +143,27 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             twinned if twinned <= memory // devices else min(whole, memory // devices)
         resident = 1.0 if budget >= whole else min(1.0, budget * devices / states)
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
-        need = _disk_need(params, per_param, directories)
+        # two copies where the disk holds them, else one where every state is resident
+        kept = copies or 2
+        need = _disk_need(params, per_param, directories, kept)
         not_fit = _disk_fits(need, ranks)
+        if not_fit and copies is None and resident >= 1.0 and \
+                _disk_fits(_disk_need(params, per_param, directories, 1), ranks) is None:
+            two_copies, kept = not_fit, 1
+            need, not_fit = _disk_need(params, per_param, directories, 1), None
+        else:
+            two_copies = None
+        if not_fit and kept == 2 and resident < 1.0 and copies is None:
+            not_fit += " (one copy would need every state resident: more host memory)"
+
         step_s = None
         rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
         if rates is not None:
             placed = place(params, per_param, gpu_budget, budget * devices)
             step_s = predict_placed(placed, **rates, state_bytes=per_param, commit_every=every).step_s
         row = dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
-                   commit_every=every, resident=resident, ram_bytes=budget * devices,
+                   commit_every=every, copies=kept, two_copies=two_copies,
+                   resident=resident, ram_bytes=budget * devices,
                    disk_bytes=need, step_s=step_s, refused=not_fit, twins=budget >= twinned)
         weighed.append(row)
         if not_fit is None:
@@ -168,6 +187,10 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in weighed if r["refused"]]
     if refused:
         why += "; refused for the disk: " + ", ".join(refused)
+    if best["two_copies"]:
+        why += (f"; copies=1: the disk holds one copy of these states, not two (which {best['two_copies']}):"
+                f" durable at each commit (every {best['commit_every']} steps), but a crash while a "
+                f"commit writes them loses them (the reopen refuses the directory)")
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
     elif memory_budget is None:
@@ -175,7 +198,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                 if best["twins"] else "; no room for twins: an update waits for its sub-group's "
                 "background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
-                  best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
+                  best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -197,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for r in choice.weighed:
         step = f"{r['step_s']:.2f} s" if r["step_s"] is not None else "-"
         print(f"  {r['state_dtype']:>4}/{r['master']:<5} resident {r['resident']:>4.0%}  "
-              f"disk {space._size(sum(r['disk_bytes'].values())):>8}  step {step:>8}  "
+              f"disk {space._size(sum(r['disk_bytes'].values())):>8} ({r['copies']} "
+              f"cop{'y' if r['copies'] == 1 else 'ies'})  step {step:>8}  "
               f"{'refused: ' + r['refused'] if r['refused'] else ''}")
     return 0
 

@@ -34,7 +34,11 @@ class PipelineSettings:
     them); ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
     (from the probe's mix curve recorded in its directory or above it, else ``mixed``), ``mixed``
     (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
-    one storage request."""
+    one storage request; ``copies`` extents of each chunk in a directory, fixed when it is
+    made: 2 (the committed copy and the one a step writes: a crash at any instant reopens at
+    the last durable step) or 1 (half the disk; every sub-group must be resident, and is
+    written in place at durable commits: a crash while one is written loses the states, and
+    the reopen refuses them)."""
 
     slots: Optional[int]
     chunk: int
@@ -51,6 +55,7 @@ class PipelineSettings:
     io_schedule: str = defaults.IO_SCHEDULE
     overlap: bool = True
     piece_bytes: int = defaults.PIECE_BYTES
+    copies: int = 2
 
     @classmethod
     def resolve(cls, *, slots: Optional[int] = None, chunk: Optional[int] = None,
@@ -60,7 +65,7 @@ class PipelineSettings:
                 memory_budget=None, commit_every: Optional[int] = None,
                 compute_threads: Optional[int] = None,
                 master: str = "fp32", io_schedule: Optional[str] = None,
-                overlap: Optional[bool] = None) -> "PipelineSettings":
+                overlap: Optional[bool] = None, copies: int = 2) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -74,7 +79,7 @@ class PipelineSettings:
         overlap = defaults.overlap() if overlap is None else overlap
         checked = (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
                    ("queue_depth", queue_depth, 1, 4096), ("commit_every", commit_every, 1, 1 << 20),
-                   ("compute_threads", compute_threads, 0, 4096))
+                   ("compute_threads", compute_threads, 0, 4096), ("copies", copies, 1, 2))
         for name, value, low, high in checked:
             if name == "slots" and value is None:  # the core sizes the ring
                 continue
@@ -99,7 +104,8 @@ class PipelineSettings:
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
-                   memory_budget, commit_every, compute_threads, master, io_schedule, overlap)
+                   memory_budget, commit_every, compute_threads, master, io_schedule, overlap,
+                   copies=copies)
 
 
 #: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s

@@ -52,10 +52,10 @@ def check_memory(needed: int, what: str) -> None:
 
 
 def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
-               state_dtype: str, master: str) -> None:
+               state_dtype: str, master: str, copies: int = 2) -> None:
     """Refuses states files growing by ``grow`` bytes in ``directories`` (one each) where
-    their file system has less free; ``params``, ``state_dtype`` and ``master`` say what
-    would fit instead."""
+    their file system has less free; ``params``, ``state_dtype``, ``master`` and ``copies``
+    say what would fit instead."""
     from .model import state_bytes_per_param  # the layout's bytes per param
     need: dict[int, tuple[int, list[str]]] = {}
     for path, nbytes in zip(directories, grow):
@@ -66,16 +66,21 @@ def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
         free = shutil.disk_usage(paths[0]).free
         if total <= free:
             continue
-        per_param = total / max(params, 1)  # both copies of every chunk (crash consistency)
+        per_param = total / max(params, 1)
         ours = state_bytes_per_param(state_dtype, master)
         scaled = {(d, m): per_param * state_bytes_per_param(d, m) / ours * params for d, m in FORMATS}
         fits = [f"state_dtype={d!r}, master={m!r}: {_size(b)}" for (d, m), b in scaled.items()
                 if b <= free]
+        if copies == 2 and total / 2 <= free:
+            fits.insert(0, f"copies=1 (every sub-group resident, written in place at durable "
+                           f"commits: a crash during one loses the states): {_size(total / 2)}")
+        what = ("two copies of its", "the committed one and the one a step writes") if copies == 2 \
+            else ("one copy of its", "written in place")
         raise OSError(errno.ENOSPC,
                       f"the states of {_count(params)} params need {_size(total)} in "
-                      f"{', '.join(paths)} ({per_param:.1f} B a param: two copies of its "
-                      f"state_dtype={state_dtype!r}, master={master!r} states, the committed one "
-                      f"and the one a step writes), and that file system has {_size(free)} free. "
+                      f"{', '.join(paths)} ({per_param:.1f} B a param: {what[0]} "
+                      f"state_dtype={state_dtype!r}, master={master!r} states, {what[1]}), and "
+                      f"that file system has {_size(free)} free. "
                       + (f"What would fit: {'; '.join(fits)}; or another directory."
                          if fits else f"No state format fits: at most "
                          f"{_count(free / scaled[FORMATS[-1]] * params)} params would, with "

@@ -3,17 +3,35 @@
 // make_durable, land), flush, settle, going back to the durable commit after a failure
 // (back_to_durable, discard) and close. Placement, membership and the updates are in
 // pipeline.cc.
+#include <algorithm>
+
 #include "fault.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/timer.h"
 
 namespace smartinf::pipeline {
 
+bool Pipeline::rewritten() const {
+  return std::any_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+    return u.store->rewriting();
+  });
+}
+
+void Pipeline::lose_one_copy(const std::string& why) {
+  abandon();
+  throw std::runtime_error(why + " after states were written over directories of one copy "
+                           "(copies=1), which hold no earlier step: their states are lost, and "
+                           "the pipeline is closed. Restore a checkpoint, or reopen them with "
+                           "if_exists=\"overwrite\" to start afresh");
+}
+
 void Pipeline::back_to_durable() {
   try {
     land();  // a commit the caller was promised; if it fails it went back before it
   } catch (...) {
+    if (devices_.empty()) throw;  // abandoned: nothing to go back to
   }
+  if (rewritten()) lose_one_copy("going back to step " + std::to_string(durable_step_));
   try {
     for (size_t sg = 0; sg < placement_.size(); ++sg) {
       Placement& p = placement_[sg];
@@ -84,6 +102,7 @@ void Pipeline::make_durable(uint64_t step) {
     c.subgroups.emplace_back(sg, p.steps);
     if (!p.behind) continue;
     Unit& u = devices_[p.unit];
+    u.store->begin_rewrite();  // one copy: written over the committed states from here
     if (options_.background_commit) give_twin(p);
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
@@ -153,6 +172,16 @@ void Pipeline::land() {
       fault::check("pipeline.device_committed", u.store->dir());
     }
   } catch (...) {
+    if (rewritten()) {  // one copy, written over: nothing to go back to
+      std::string what = "unknown error";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      lose_one_copy("the durable commit of step " + std::to_string(c.step) + " failed (" + what + ")");
+    }
     // Some devices may be at `step` already: put them back, so the pipeline stays at the
     // last step every device has (its updates are lost; the caller may redo them).
     try {

@@ -99,6 +99,9 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                 options.if_exists + "'");
   store::StoreConfig config{options.chunk, options.optimizer, layout};
   config.if_exists = options.if_exists;
+  if (options.copies != 1 && options.copies != 2)
+    throw std::invalid_argument("copies must be 1 or 2, got " + std::to_string(options.copies));
+  config.copies = options.copies;
   if (!options_.slots)
     options_.slots = auto_slots(options, store::extent_bytes(options.chunk, layout));
   const device::SlotGeometry geometry{options_.slots, options.chunk, layout};
@@ -112,8 +115,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
   small_cpu.resident_bytes = 0;
   if (options.memory_budget)
     for (uint64_t n : options.small_numels)
-      small_cpu.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.bytes(n) /
-                                  (options.background_commit ? 1 : 2);
+      small_cpu.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.copy_bytes(n) *
+                                  (options.background_commit ? 2 : 1);
   if (!options.small_dir.empty()) {
     if (layout.moments == store::Moments::fp32)
       throw std::invalid_argument("small_dir keeps small tensors' moments in fp32 beside int8/int4 "
@@ -171,6 +174,12 @@ Pipeline::Pipeline(const PipelineOptions& options)
     lo = std::min(lo, u.store->step());
     hi = std::max(hi, u.store->step());
   }
+  if (hi != lo && options.copies == 1)
+    throw std::invalid_argument(
+        "device directories of one copy (copies=1) are at steps " + std::to_string(lo) + " and " +
+        std::to_string(hi) + ": a crash between their durable commits left them apart, and one "
+        "copy holds no earlier step to bring them together. Restore a checkpoint, or open them "
+        "with if_exists=\"overwrite\" to start afresh");
   for (const Unit& u : devices_)
     if (u.store->step() != lo && u.store->previous_step() != lo)
       throw std::invalid_argument("device directories are at steps " + std::to_string(lo) +
@@ -312,7 +321,7 @@ uint64_t Pipeline::current_steps(const Placement& p) const {
 
 uint64_t Pipeline::resident_size(const Placement& p) const {
   const Unit& u = devices_[p.unit];
-  return store::ChunkLayout{options_.chunk, u.layout}.bytes(u.store->record(p.local).numel) / 2;
+  return store::ChunkLayout{options_.chunk, u.layout}.copy_bytes(u.store->record(p.local).numel);
 }
 
 bool Pipeline::twin_fits(const Placement& p) const {
@@ -350,9 +359,10 @@ std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numel
     const auto id = static_cast<int64_t>(placement_.size() + k);
     const bool is_small = k < small.size() && small[k];
     const size_t unit =
-        place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numels[k]) / 2, is_small, planned);
-    const store::ChunkLayout chunks{options_.chunk, devices_[unit].layout};
-    settle_load(unit, numels[k], chunks.bytes(numels[k]) / 2, planned);
+        place(id, store::ChunkLayout{options_.chunk, layout_}.copy_bytes(numels[k]), is_small, planned);
+    const store::ChunkLayout chunks{options_.chunk, devices_[unit].layout, options_.copies};
+    if (!settle_load(unit, numels[k], chunks.copy_bytes(numels[k]), planned))
+      refuse_streamed_one_copy(id, numels[k], unit);
     if (!devices_[unit].store->holds(id)) grow[unit] += chunks.bytes(numels[k]);  // else reopened
   }
   return grow;
@@ -410,8 +420,8 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   require_open();
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   const auto id = static_cast<int64_t>(placement_.size());
-  const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.bytes(numel) / 2, small, loads());
-  const uint64_t bytes = store::ChunkLayout{options_.chunk, devices_[unit].layout}.bytes(numel) / 2;
+  const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.copy_bytes(numel), small, loads());
+  const uint64_t bytes = store::ChunkLayout{options_.chunk, devices_[unit].layout}.copy_bytes(numel);
   const size_t multiple = devices_[unit].device->param_multiple();
   if (numel % multiple != 0)
     throw std::invalid_argument("a sub-group of " + std::to_string(numel) + " params on " +
@@ -419,12 +429,14 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
                                 std::to_string(multiple) + " (pad the sub-group)");
   store::StateStore& store = *devices_[unit].store;
   Unit& u = devices_[unit];
-  bool created = false;
-  Placement p{unit, store.attach(id, numel, fingerprint, created)};
   // Resident if its states (and its twin, where the device keeps twins) fit in what is
   // left of the budget: decided here, once.
   std::vector<Load> after = loads();
-  if (settle_load(unit, numel, bytes, after)) {
+  const bool resident = settle_load(unit, numel, bytes, after);
+  if (!resident) refuse_streamed_one_copy(id, numel, unit);
+  bool created = false;
+  Placement p{unit, store.attach(id, numel, fingerprint, created)};
+  if (resident) {
     p.resident = u.resident_used;
     if (u.twins) p.twin = u.resident_used + bytes;
   }
@@ -453,6 +465,18 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   placement_.push_back(p);
   updated_.push_back(false);
   return static_cast<size_t>(id);
+}
+
+void Pipeline::refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const {
+  if (options_.copies != 1) return;
+  const Unit& u = devices_[unit];
+  throw std::invalid_argument(
+      "sub-group " + std::to_string(id) + " (" + std::to_string(numel) + " params) does not fit "
+      "what is left of " + u.device->describe() + "'s resident memory (" +
+      std::to_string(u.device->resident_bytes() - u.resident_used) + " of " +
+      std::to_string(u.device->resident_bytes()) + " bytes): with copies=1 every sub-group "
+      "must be resident (a streamed one would be written over its committed states every "
+      "step). Give a larger memory_budget, or copies=2");
 }
 
 std::vector<Job> Pipeline::chunk_jobs(const Placement& p, JobKind kind) const {
@@ -625,6 +649,7 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
   land();
   mark_written(sg, steps);
   placement_[sg].behind = false;  // init jobs write the shadow extents too
+  devices_[p.unit].store->begin_rewrite();  // one copy: the shadow extents are the committed ones
   const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
   std::vector<Job> jobs = init_jobs(p, shadow, arrays);
   completions_.push_back(jobs.front().completion);

@@ -51,6 +51,10 @@ struct PipelineOptions {
   // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
   // others keep the step in resident memory and the working copies. 1: every step.
   uint64_t commit_every = 1;
+  // Extents per chunk in each directory (store/state_store.h), fixed when it is made: 2 (every
+  // instant recoverable) or 1 (half the disk: every sub-group resident, written in place at
+  // durable commits; a crash during one loses the states, and the reopen says so).
+  uint32_t copies = 2;
   // A durable commit's resident states are written in the background while later steps
   // run; it becomes durable when they are written (see make_durable). false: commit() waits.
   bool background_commit = true;
@@ -242,6 +246,11 @@ class Pipeline {
   void abandon();  // drops every device without saving: after a failure it cannot undo
   void mark_written(size_t sg, uint64_t steps);
   bool step_in_progress() const;
+  // With one copy, a sub-group placed to stream would be written over its committed states
+  // every step: refused, naming what would hold it (`id`, `numel` params on `unit`).
+  void refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const;
+  bool rewritten() const;  // a directory of one copy written over since its durable step
+  [[noreturn]] void lose_one_copy(const std::string& why);  // abandons, then says so
 
   PipelineOptions options_;
   kernels::Rule rule_;

@@ -192,20 +192,23 @@ inline uint64_t extent_bytes(uint64_t numel, const StateLayout& layout) {
 }
 
 // A sub-group's chunks in states.bin: full chunks first, each a pair of extents (copy A,
-// then B), then the tail's pair.
+// then B), then the tail's pair; a directory of one copy (StoreConfig::copies) has one
+// extent per chunk, which both copies name.
 struct ChunkLayout {
   uint64_t chunk = 0;  // params per chunk
   StateLayout layout;
+  uint32_t copies = 2;
   uint64_t chunks(uint64_t numel) const { return (numel + chunk - 1) / chunk; }
   uint64_t numel_of(uint64_t numel, uint64_t c) const {
     return c * chunk + chunk <= numel ? chunk : numel - c * chunk;
   }
-  // Offset of chunk c's pair from the sub-group's first byte; copy B follows copy A.
-  uint64_t pair_offset(uint64_t c) const { return 2 * c * extent_bytes(chunk, layout); }
-  uint64_t bytes(uint64_t numel) const {  // the whole sub-group, both copies
+  // Offset of chunk c's extents from the sub-group's first byte; copy B follows copy A.
+  uint64_t pair_offset(uint64_t c) const { return copies * c * extent_bytes(chunk, layout); }
+  uint64_t bytes(uint64_t numel) const {  // the whole sub-group, every copy
     const uint64_t last = chunks(numel) - 1;
-    return pair_offset(last) + 2 * extent_bytes(numel_of(numel, last), layout);
+    return pair_offset(last) + copies * extent_bytes(numel_of(numel, last), layout);
   }
+  uint64_t copy_bytes(uint64_t numel) const { return ChunkLayout{chunk, layout, 1}.bytes(numel); }
 };
 
 }  // namespace smartinf::store

@@ -95,6 +95,8 @@ std::string Manifest::serialize() const {
   append(body, "step %" PRIu64 "\n", step);
   append(body, "previous %" PRIu64 "\n", previous);
   if (attached >= 0) append(body, "attached %" PRId64 "\n", attached);
+  append(body, "copies %" PRIu32 "\n", copies);
+  if (rewriting) append(body, "rewriting\n");
   if (member.count)
     append(body, "member %s %" PRIu32 " %" PRIu32 "\n", member.pipeline.c_str(), member.index,
            member.count);
@@ -153,6 +155,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     else if (key == "step") ok = in.number(m.step);
     else if (key == "previous") ok = in.number(m.previous) && (have_previous = true);
     else if (key == "attached") ok = in.number(m.attached) && m.attached >= 0;
+    else if (key == "copies") ok = in.number(m.copies) && (m.copies == 1 || m.copies == 2);
+    else if (key == "rewriting") m.rewriting = true;
     else if (key == "member")
       ok = in.next(m.member.pipeline) && in.number(m.member.index) &&
            in.number(m.member.count) && m.member.index < m.member.count;
@@ -199,6 +203,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (!have_count || count != m.subgroups.size()) bad(path, "sub-group count mismatch");
   if (!have_previous) m.previous = m.step ? m.step - 1 : 0;  // before version 6: every step
   if (m.previous > m.step) bad(path, "previous step after the step");
+  if (m.rewriting && m.copies != 1) bad(path, "'rewriting' in a directory of two copies");
   return m;
 }
 

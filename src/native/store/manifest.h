@@ -40,8 +40,9 @@ struct Membership {
 
 struct Manifest {
   // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous;
-  // 7: master; 8: int4's second moment on the powers of two (kernels/quant4.h)
-  static constexpr int kVersion = 8;
+  // 7: master; 8: int4's second moment on the powers of two (kernels/quant4.h); 9: copies,
+  // rewriting
+  static constexpr int kVersion = 9;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   int version = kVersion;        // the format it was read in (written: always kVersion)
@@ -57,6 +58,12 @@ struct Manifest {
   // Sub-groups the pipeline had when it last wrote the manifest; held ones at or above it
   // were left behind by a smaller model since and are stale. -1: not known (version < 5).
   int64_t attached = -1;
+  // Extents per chunk: 2 (the committed copy and the one a step writes: every instant
+  // recoverable) or 1 (written in place at durable commits; before version 9: 2).
+  uint32_t copies = 2;
+  // One copy only: a durable commit is rewriting it in place, so the states are those of
+  // no step until the commit's manifest replaces this one (a reopen refuses them).
+  bool rewriting = false;
   Membership member;
   std::vector<SubgroupRecord> subgroups;
 

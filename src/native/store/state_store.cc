@@ -82,6 +82,15 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       mismatch(dir, "state dtype", manifest_.state_dtype, config.layout.dtype());
     if (manifest_.master != config.layout.master_format())
       mismatch(dir, "master", manifest_.master, config.layout.master_format());
+    if (manifest_.copies != config.copies)
+      mismatch(dir, "copies", std::to_string(manifest_.copies), std::to_string(config.copies));
+    if (manifest_.rewriting)
+      throw std::invalid_argument(
+          dir + " was being rewritten in place by a durable commit after step " +
+          std::to_string(manifest_.step) + " when its run stopped: a directory of one copy "
+          "(copies=1) holds no step while a commit writes it, so its states are lost. Restore a "
+          "checkpoint, or open it with if_exists=\"overwrite\" to start afresh (copies=2 keeps "
+          "every instant recoverable, at twice the disk)");
     if (manifest_.state_dtype == "int4" && manifest_.version < 8)
       throw std::invalid_argument(
           dir + " holds int4 states of an earlier smartinf (manifest version " +
@@ -93,6 +102,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     manifest_.optimizer = config.optimizer;
     manifest_.state_dtype = config.layout.dtype();
     manifest_.master = config.layout.master_format();
+    manifest_.copies = config.copies;
     if (config.if_exists != "overwrite") refuse_orphan_states();
   }
 
@@ -107,6 +117,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     fd = ::open(states_path_.c_str(), flags, 0644);
   }
   fd_.reset(check_errno(fd, "cannot open the states file", states_path_));
+  chunks_.copies = manifest_.copies;
   if (!resume) fsync_dir(dir_);  // the new file's name survives a power loss
 
   struct stat st {};
@@ -239,7 +250,7 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const SubgroupRecord& r = manifest_.subgroups[local];
   const uint64_t numel = chunks_.numel_of(r.numel, chunk);
   const uint64_t bytes = extent_bytes(numel, layout_);
-  return Extent{r.offset + chunks_.pair_offset(chunk) + copy * bytes, bytes, numel,
+  return Extent{r.offset + chunks_.pair_offset(chunk) + (chunks_.copies == 2 ? copy * bytes : 0), bytes, numel,
                 &r.sums->copy[copy][chunk]};
 }
 
@@ -257,6 +268,7 @@ void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_s
   }
   next.previous = next.step;
   next.step = pipeline_step;
+  next.rewriting = false;
   next.attached = static_cast<int64_t>(attached);
   if (!hyper.empty()) next.hyper = hyper;
   write_manifest(next);
@@ -276,7 +288,17 @@ void StateStore::set_membership(const Membership& m) {
   write_manifest(next);  // claims the directory for this pipeline at once
 }
 
+void StateStore::begin_rewrite() {
+  if (manifest_.copies != 1 || manifest_.rewriting) return;
+  Manifest next = manifest_;
+  next.rewriting = true;
+  write_manifest(next);
+}
+
 void StateStore::rollback_last_step() {
+  if (manifest_.copies == 1)
+    throw std::logic_error(dir_ + " holds one copy of its states (copies=1): no step before " +
+                           std::to_string(manifest_.step) + " to go back to");
   Manifest next = manifest_;
   for (SubgroupRecord& r : next.subgroups) {
     if (r.last != next.step) continue;

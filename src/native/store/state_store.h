@@ -3,6 +3,9 @@
 // fp32 arrays, or fp32 params and int8 moments), `manifest` and `lock`. A step reads each
 // sub-group's committed copy and writes the other one; commit() makes those writes
 // durable and then flips the copies in a manifest replaced atomically (shadow paging).
+// A directory of one copy (`copies` 1: half the disk) is rewritten in place at a durable
+// commit, marked `rewriting` in its manifest meanwhile: it holds the states of its step
+// between commits, none while one is written (a reopen then refuses it).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -22,6 +25,7 @@ struct StoreConfig {
   bool direct = true;  // O_DIRECT where the file system has it (false: the slots cannot take it)
   // A directory that holds a run: "resume" it, "overwrite" it (start afresh), or "error".
   std::string if_exists = "resume";
+  uint32_t copies = 2;  // extents per chunk, fixed when the directory is made: 2 or 1
 };
 
 // A sub-group written in the step being committed, and its optimizer step count after it.
@@ -69,10 +73,17 @@ class StateStore {
   // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
   void save_layout(uint64_t attached);
   // Undoes the last commit (its shadow copies are still intact): back to previous_step().
+  // A directory of one copy holds no earlier step: refused.
   void rollback_last_step();
+  // Before states are written over the committed ones (one copy only; else a no-op): the
+  // manifest says so, durably, until commit() replaces it.
+  void begin_rewrite();
 
   uint64_t step() const { return manifest_.step; }
-  uint64_t previous_step() const { return manifest_.previous; }  // what a rollback returns to
+  // What a rollback returns to (one copy: the step itself, nothing earlier is held).
+  uint64_t previous_step() const { return copies() == 1 ? manifest_.step : manifest_.previous; }
+  uint32_t copies() const { return manifest_.copies; }
+  bool rewriting() const { return manifest_.rewriting; }
   const Membership& membership() const { return manifest_.member; }
   void set_membership(const Membership& m);  // written to the manifest at once
   int fd() const { return fd_.get(); }

@@ -139,7 +139,7 @@ class Settings:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
-                   auto=tuple(k for k in ("master", "memory_budget", "commit_every") if k in given)
+                   auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
                    + ("auto",) if auto else ())
 
     def rank_devices(self, rank: int, gpu: int) -> list:
