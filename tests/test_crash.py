@@ -197,6 +197,6 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
           f"killed while written); reached step {step}")
     assert killed >= min_killed
     if config.get("copies") == 1:  # both outcomes were exercised
-        assert lost >= 1 and len(trials) - lost >= min_killed // 2
+        assert lost >= 1 and len(trials) - lost >= 5
     else:
         assert step >= len(trials)  # training made progress through the kills

@@ -7,7 +7,6 @@ test_crash.py.)"""
 import errno
 import os
 
-import numpy as np
 import pytest
 
 import smartinf
@@ -131,9 +130,33 @@ def test_discard_after_write_states_closes_the_pipeline(tmp_path):
         arrays = pipe.read_states(0)
         with pipe.step():
             pipe.write_states(0, {k: v + 1 for k, v in arrays.items()}, steps=1)
-        with pytest.raises(RuntimeError, match="going back to step 1 after states were written over"):
+        with pytest.raises(RuntimeError, match=r"going back to step 1: directories of one copy \(copies=1\) hold no step"):
             with pipe.step():
                 pipe.write_states(0, arrays, steps=1)
                 raise KeyError("the caller's step fails")
     with pytest.raises(ValueError, match="being rewritten in place"):
         open_one(d)
+
+
+def test_a_new_directory_is_written_first_by_its_first_durable_commit(tmp_path):
+    """A resident sub-group's first states stay in memory until the first durable commit
+    (13 B: 51 GB not written before the first step); until then the directory holds no step:
+    a reopen refuses it, and a failed step before that commit closes the pipeline."""
+    d = str(tmp_path / "d")
+    plain = train(str(tmp_path / "plain"), 3)
+    pipe = open_one(d)
+    assert pipe.stats["storage_write"] == 0
+    manifest = os.path.join(d, "manifest")
+    assert b"\nrewriting\n" in open(manifest, "rb").read()  # a crash now: refused (test_crash)
+    for step in range(3):
+        run_step(pipe, step)
+    pipe.settle()
+    assert pipe.durable_step_count == 3 and pipe.stats["storage_write"] == ALL_STATES
+    assert b"\nrewriting\n" not in open(manifest, "rb").read()
+    pipe.close()
+    with open_one(d) as pipe:
+        assert_same(states(pipe), plain[2][1])
+    with open_one(str(tmp_path / "e")) as pipe:
+        with pytest.raises(RuntimeError, match="going back to step 0: directories of one copy"):
+            with pipe.step():
+                raise KeyError("the first step fails")

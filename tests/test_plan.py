@@ -104,3 +104,26 @@ def test_optim_auto_weighs_only_the_params_it_keeps_states_for(tmp_path, monkeyp
     assert asked == [(64 * 64 + 64, asked[0][1])]
     assert asked[0][1]["bf16_params"] is True  # the trained params are bf16: a split master may be weighed
     opt.close()
+
+
+def test_one_copy_where_the_disk_holds_one_and_memory_every_state(tmp_path, monkeypatch):
+    """Two copies of int4 + split states do not fit the disk, one does, and host memory holds
+    them all: copies=1, and the report says what a crash during a commit then costs. Where
+    memory does not hold every state, or two copies are asked for, nothing fits."""
+    params = 100_000_000
+    one = params * state_bytes_per_param("int4", "split")
+    free = int(1.5 * one)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    c = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={})
+    # the most precise whose one copy fits: int8 + split (fp32's would not)
+    assert (c.state_dtype, c.master, c.copies) == ("int8", "split", 1)
+    assert c.settings()["copies"] == 1 and sum(c.disk_bytes.values()) <= free
+    assert "copies=1: the disk holds one copy" in c.why and "loses them" in c.why
+    assert "copies=1" in c.report()
+    with pytest.raises(OSError, match="one copy would need every state resident"):
+        plan.choose(params, [str(tmp_path)], memory=0, figures={})
+    with pytest.raises(OSError, match="int4/split: needs"):
+        plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}, copies=2)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
+    assert plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}).copies == 2

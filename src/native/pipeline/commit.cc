@@ -19,10 +19,11 @@ bool Pipeline::rewritten() const {
 
 void Pipeline::lose_one_copy(const std::string& why) {
   abandon();
-  throw std::runtime_error(why + " after states were written over directories of one copy "
-                           "(copies=1), which hold no earlier step: their states are lost, and "
-                           "the pipeline is closed. Restore a checkpoint, or reopen them with "
-                           "if_exists=\"overwrite\" to start afresh");
+  throw std::runtime_error(why + ": directories of one copy (copies=1) hold no step while "
+                           "their states are written over in place, or before their first "
+                           "durable commit: their states are lost, and the pipeline is closed. "
+                           "Restore a checkpoint, or reopen them with if_exists=\"overwrite\" "
+                           "to start afresh");
 }
 
 void Pipeline::back_to_durable() {
@@ -74,7 +75,7 @@ void Pipeline::flush() {
   if (step_in_progress())
     throw std::invalid_argument("a step is in progress: commit() or discard() it before flush()");
   land();
-  if (step_ > durable_step_) make_durable(step_);
+  if (step_ > durable_step_ || rewritten()) make_durable(step_);  // one copy: new states too
   land();
 }
 
@@ -240,7 +241,7 @@ void Pipeline::close() {
       back_to_durable();
     } else {
       land();
-      if (step_ > durable_step_) make_durable(step_);
+      if (step_ > durable_step_ || rewritten()) make_durable(step_);  // one copy: new states too
       land();
     }
   } catch (...) {

@@ -444,6 +444,15 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
     if (created) {
       const float* arrays[device::kMaxStateArrays] = {init};
       std::vector<Job> jobs = init_jobs(p, store.record(p.local).copy, arrays);
+      // One copy: a resident sub-group's first states reach storage at the first durable
+      // commit, not now (13 B: 51 GB written before the first step); until then the
+      // directory says it holds no step.
+      const bool later = options_.copies == 1 && p.resident != device::kOwnStates;
+      if (later) {
+        store.begin_rewrite();
+        for (Job& job : jobs) job.write_back = false;
+        p.dirty = p.behind = true;
+      }
       submit_and_wait(unit, jobs);
     } else {  // states from disk: checked against their checksums before any use
       std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);

@@ -290,7 +290,10 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       finish_host(link);
     }
     if (job.kind == JobKind::init) {
-      writing_.push(Loaded{std::move(job), slot});
+      if (job.write_back)
+        writing_.push(Loaded{std::move(job), slot});
+      else  // resident, reaching storage at the first durable commit
+        release(job, slot, nullptr);
       return false;
     }
     if (job.copy_from != device::kOwnStates) {

@@ -57,7 +57,7 @@ struct Job {
   // Where the states are held: a byte of the device's resident memory, or streamed
   // through the slot (kOwnStates).
   uint64_t resident = device::kOwnStates;
-  bool write_back = true;  // update: write the new states to `dst` (else they stay resident)
+  bool write_back = true;  // update, init: write the new states to `dst` (else they stay resident)
   // update of a resident chunk: its current states are at this byte of resident memory,
   // copied to `resident` before the kernel (a background commit is writing them); else
   // kOwnStates.
