@@ -127,3 +127,15 @@ def test_one_copy_where_the_disk_holds_one_and_memory_every_state(tmp_path, monk
         plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}, copies=2)
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
     assert plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}).copies == 2
+
+
+def test_two_copies_of_a_compact_format_win_over_one_of_a_precise_one(tmp_path, monkeypatch):
+    """Where some format's two copies fit, auto keeps two copies (every instant recoverable)
+    rather than take one copy of a more precise format: fp32 + split would fit once here."""
+    params = 100_000_000
+    free = int(1.05 * params * state_bytes_per_param("fp32", "split")) + (1 << 20)
+    assert 2 * params * state_bytes_per_param("int8", "split") < free
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    c = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={})
+    assert (c.state_dtype, c.master, c.copies) == ("int8", "split", 2)

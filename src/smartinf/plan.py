@@ -6,7 +6,8 @@ fewest bytes (a streamed step is storage-bound: its time follows its bytes). Exp
 settings win: a given ``master``, ``memory_budget`` or ``copies`` is kept, and only formats
 allowing it are weighed. Each directory keeps two copies of its states where its disk holds
 them (a crash at any instant reopens at the last durable commit), else one where every
-sub-group is resident (``copies=1``: a crash while a durable commit writes loses the states;
+sub-group is resident, where no format's two copies fit (``copies=1``: a crash while a
+durable commit writes loses the states;
 the report says so, and what free space two copies need). Nothing fits: an ENOSPC
 ``OSError`` that lists what each format needs.
 
@@ -168,6 +169,9 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         weighed.append(row)
         if not_fit is None:
             fitting.append(row)
+    two = [r for r in fitting if r["copies"] == 2]
+    if two:  # one copy only where no format's two copies fit: it trades crash consistency
+        fitting = two
     if not fitting:
         raise OSError(errno.ENOSPC, "no state format's states fit the directories: " + "; ".join(
             f"{r['state_dtype']}/{r['master']}: {r['refused']}" for r in weighed)
