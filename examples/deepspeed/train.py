@@ -90,7 +90,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["smartinf"]["state_dtype"] = args.state_dtype
         if args.split_master:
             config["smartinf"]["master"] = "split"
-        for key in ("memory_budget", "commit_every", "compute_threads"):
+        for key in ("memory_budget", "commit_every", "compute_threads", "copies"):
             if getattr(args, key) is not None:
                 config["smartinf"][key] = getattr(args, key)
         if args.no_overlap:
@@ -151,6 +151,9 @@ def main() -> None:
                    "states offloaded to the CPU, the rest updated on the GPU (ZeRO-Offload++)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
+    p.add_argument("--copies", type=int, choices=(1, 2),
+                   help="smartinf: copies of the states on disk (1: half the disk, every state "
+                        "resident, a crash during a durable commit loses them)")
     p.add_argument("--no-overlap", action="store_true",
                    help="smartinf: overlap=False (updates wait for step(); durable commits are "
                         "written before commit() returns)")
