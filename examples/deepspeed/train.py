@@ -53,6 +53,7 @@ MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's
     "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
     "270m": (1024, 21, 16, None),        # 266 M: the CPU head-to-head benchmark
     "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
+    "3b": (3200, 26, 32, 32000),         # 3.3 B: OpenLLaMA 3B's (the peers' largest here)
     "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
     "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
 }
