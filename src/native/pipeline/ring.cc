@@ -270,6 +270,10 @@ void Ring::load_loop() {
   }
 }
 
+bool Ring::update_hashes_params(const Job& job) const {
+  return device_.hashes_params() && job.kind == JobKind::update;
+}
+
 bool Ring::reads_storage(const Job& job) {
   if (job.kind == JobKind::init) return false;
   return job.resident == device::kOwnStates || job.kind == JobKind::verify;
@@ -328,8 +332,7 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
       const uint64_t bytes = job.src.numel * 2;
       const Deadline link = reserve_host(true, bytes);
       // A device that hashes them in its update is asked to once the stored sum is in.
-      if (!device_.hashes_params() || job.kind != JobKind::update)
-        l.sent = store::params_checksum(job.output, job.src.numel);
+      if (!update_hashes_params(job)) l.sent = store::params_checksum(job.output, job.src.numel);
       if (!out_there) device_.copy_in_params(slot, job.output, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
@@ -380,7 +383,7 @@ void Ring::finish_load(Loading& l) {
     if (l.send_params) {
       const uint64_t stored = device_.params_sum(slot, store_.layout().params_sum_offset(job.src.numel));
       bool ours = false;
-      if (device_.hashes_params() && job.kind == JobKind::update) {
+      if (update_hashes_params(job)) {
         std::lock_guard lock(mu_);
         const auto it = emitted_.find(chunk_key(job));
         ours = it != emitted_.end() && it->second == stored;
@@ -389,7 +392,7 @@ void Ring::finish_load(Loading& l) {
         l.item.hashes_sent = true;
         l.item.stored = stored;
       } else {
-        if (device_.hashes_params() && job.kind == JobKind::update) {
+        if (update_hashes_params(job)) {  // not hashed above: now, before the update
           Timer h(counters_.busy_ns[kHostToDevice]);
           l.sent = store::params_checksum(job.output, job.src.numel);
         }

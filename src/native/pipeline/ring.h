@@ -157,6 +157,8 @@ class Ring {
   // writer; or failed), true when it is under way.
   bool start_load(Job& job, size_t slot, Loading& loading);
   static bool reads_storage(const Job& job);  // loads its states from storage
+  // A split master's sent params hashed by the device's update (Kernel::sent_sum), not here.
+  bool update_hashes_params(const Job& job) const;
   void finish_load(Loading& loading);
   void compute_loop();
   void write_loop();
