@@ -3,6 +3,7 @@ settings win, that split masters need bf16 params, the refusal when no format fi
 disk, and smartinf.optim resolving "auto" into the settings its pipeline runs with."""
 import errno
 import math
+import os
 import shutil
 
 import pytest
@@ -139,3 +140,28 @@ def test_two_copies_of_a_compact_format_win_over_one_of_a_precise_one(tmp_path, 
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
     c = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={})
     assert (c.state_dtype, c.master, c.copies) == ("int8", "split", 2)
+
+
+def test_a_resumed_run_keeps_its_format_and_its_disk(tmp_path, monkeypatch):
+    """Re-running a script with auto and if_exists="resume": the directory's format (fixed
+    for it) is taken, and the bytes its states file holds count as free, so a run that
+    filled its disk resumes rather than be refused. Overwritten: a free choice."""
+    d = str(tmp_path / "d")
+    params = 3 << 20
+    with smartinf.Pipeline(d, smartinf.AdamW(), chunk=1 << 20, state_dtype="int8", master="split",
+                           memory_budget=1 << 30, copies=1) as pipe:
+        pipe.add_subgroup(params)
+    held = os.stat(os.path.join(d, "states.bin")).st_blocks * 512
+    assert held > 0
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=held // 10))
+    c = plan.choose(params, [d], memory=1 << 40, figures={}, if_exists="resume")
+    assert (c.state_dtype, c.master, c.copies) == ("int8", "split", 1)
+    assert c.why.startswith(f"resumes the run in {d} in its format")
+    with smartinf.Pipeline(d, smartinf.AdamW(), chunk=1 << 20, **{k: v for k, v in c.settings().items()
+                                                                  if k != "commit_every"}) as pipe:
+        pipe.add_subgroup(params)
+        assert pipe.resumed(0)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
+    fresh = plan.choose(params, [d], memory=1 << 40, figures={}, if_exists="overwrite")
+    assert (fresh.state_dtype, fresh.master, fresh.copies) == ("fp32", "fp32", 2)

@@ -160,7 +160,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_params(group)
         self._subgroup_size = subgroup_size
         if storage.get("state_dtype") == "auto":
-            storage.update(self._auto(storage, devices, gpu_memory_budget))
+            storage.update(self._auto(storage, devices, gpu_memory_budget, if_exists))
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
@@ -213,7 +213,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return with_gpu(devices, budget, gpus.pop().index, twins)
 
     # -- hyper-parameters -------------------------------------------------------------
-    def _auto(self, storage: dict, devices, gpu_memory_budget) -> dict:
+    def _auto(self, storage: dict, devices, gpu_memory_budget, if_exists: str) -> dict:
         """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
         params and devices (explicit ``master``, ``memory_budget``, ``commit_every`` and ``copies`` kept),
         reported once."""
@@ -224,7 +224,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             bf16_params=all(p.dtype == torch.bfloat16 for p in params),
             gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
             master=storage.get("master"), commit_every=storage.get("commit_every"),
-            copies=storage.get("copies"),
+            copies=storage.get("copies"), if_exists=if_exists,
             memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
         logger.warning("%s", choice.report())
         return choice.settings()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import space
+from .checkpoint import MANIFEST, STATES
 from .io_schedule import find_record, load_record
 from .model import place, predict_placed, recorded_rates, state_bytes_per_param
 
@@ -81,6 +82,29 @@ def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
     return {d: int(math.ceil(share)) for d in directories}
 
 
+def _held_run(directories: Sequence[str]) -> Optional[dict]:
+    """The format of the run the first directory holds (``state_dtype``, ``master``,
+    ``copies``, from its manifest), and the bytes every directory's states file holds
+    (``held``: space a resumed or overwritten run takes back); None where it holds none."""
+    manifest = os.path.join(directories[0], MANIFEST)
+    if not os.path.isfile(manifest):
+        return None
+    fields = {"state_dtype": "fp32", "master": "fp32", "copies": "2"}  # before versions 7, 9
+    with open(manifest, errors="replace") as f:
+        for line in f:
+            key, _, value = line.strip().partition(" ")
+            if key in fields:
+                fields[key] = value
+    held = {}
+    for d in directories:
+        try:
+            held[d] = os.stat(os.path.join(d, STATES)).st_blocks * 512
+        except FileNotFoundError:
+            held[d] = 0
+    return dict(fields, copies=int(fields["copies"]) if fields["copies"] in ("1", "2") else 2,
+                held=held)
+
+
 def _existing(path: str) -> str:
     """``path`` or its nearest existing parent (a directory the pipeline will make)."""
     path = os.path.abspath(path)
@@ -89,17 +113,19 @@ def _existing(path: str) -> str:
     return path
 
 
-def _disk_fits(need: dict, share: int = 1) -> Optional[str]:
-    """None where every file system holds what its directories need (of its free space, the
-    ``share``-th: ranks of one host each take as much), else why not."""
+def _disk_fits(need: dict, share: int = 1, held: Optional[dict] = None) -> Optional[str]:
+    """None where every file system holds what its directories need (of its free space and
+    what their states files hold already, ``held``, the ``share``-th: ranks of one host each
+    take as much), else why not."""
     by_device: dict = {}
     for d, nbytes in need.items():
+        reused = (held or {}).get(d, 0)
         d = _existing(d)
         dev = os.stat(d).st_dev
-        total, first = by_device.get(dev, (0, d))
-        by_device[dev] = (total + nbytes, first)
-    for total, first in by_device.values():
-        free = shutil.disk_usage(first).free // share
+        total, first, back = by_device.get(dev, (0, d, 0))
+        by_device[dev] = (total + nbytes, first, back + reused)
+    for total, first, back in by_device.values():
+        free = (shutil.disk_usage(first).free + back) // share
         if total > free:
             return f"needs {space._size(total)} on {first}'s file system, {space._size(free)} free"
     return None
@@ -109,14 +135,16 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            memory: Optional[int] = None, gpu_budget: int = 0,
            master: Optional[str] = None, memory_budget: Optional[int] = None,
            commit_every: Optional[int] = None, copies: Optional[int] = None,
-           figures: Optional[dict] = None, ranks: int = 1) -> Choice:
+           figures: Optional[dict] = None, ranks: int = 1, if_exists: str = "overwrite") -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
     device), ``commit_every``, ``copies``: explicit settings, kept; ``figures``: a probe record (None:
     the one found for the first directory, if any); ``ranks``: processes of this host making
     the same choice for as many params each (each gets that share of the host's memory and
-    of each file system's free space)."""
+    of each file system's free space); ``if_exists``: what the pipeline will do with a run
+    the directories hold: ``"resume"`` takes its format (state dtype, master and copies are
+    fixed for a directory); either way the bytes its states files hold count as free."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if figures is None:
@@ -126,8 +154,13 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         available = space.available_memory()
         memory = max(0, available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks
     devices = len(directories)
+    run = _held_run(directories)
+    formats = FORMATS
+    if run and if_exists == "resume":  # its format is fixed: the pipeline refuses another
+        formats = [(run["state_dtype"], run["master"])]
+        copies = run["copies"] if copies is None else copies
     weighed, fitting = [], []
-    for state_dtype, fmt_master in FORMATS:
+    for state_dtype, fmt_master in formats:
         if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master):
             continue
         per_param = state_bytes_per_param(state_dtype, fmt_master)
@@ -146,10 +179,11 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         # two copies where the disk holds them, else one where every state is resident
         kept = copies or 2
+        held = run["held"] if run else None
         need = _disk_need(params, per_param, directories, kept)
-        not_fit = _disk_fits(need, ranks)
+        not_fit = _disk_fits(need, ranks, held)
         if not_fit and copies is None and resident >= 1.0 and \
-                _disk_fits(_disk_need(params, per_param, directories, 1), ranks) is None:
+                _disk_fits(_disk_need(params, per_param, directories, 1), ranks, held) is None:
             two_copies, kept = not_fit, 1
             need, not_fit = _disk_need(params, per_param, directories, 1), None
         else:
@@ -188,6 +222,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                + ("the most precise format whose states all fit in host memory" if whole else
                   "no format's states all fit in host memory: the one with the fewest bytes, "
                   "as a streamed step's time follows its bytes"))
+    if run and if_exists == "resume":
+        why = f"resumes the run in {directories[0]} in its format; " + why
     refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in weighed if r["refused"]]
     if refused:
         why += "; refused for the disk: " + ", ".join(refused)

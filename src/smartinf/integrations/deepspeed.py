@@ -412,6 +412,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                 sum(p.ds_numel for p in params) // world,
                 [d if isinstance(d, str) else d.path for d in devices],
                 bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
+                if_exists=given.if_exists,
                 gpu_budget=self.settings.gpu_memory_budget,
                 **{k: getattr(given, k) for k in self.settings.auto if k != "auto"})
             logger.warning("%s (each of %d ranks)", choice.report(), world)
