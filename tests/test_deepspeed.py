@@ -222,6 +222,24 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     assert abs(saved - 2) < 0.2  # + 4 KiB extents
 
 
+def test_one_copy_on_disk_trains_as_two_and_resumes(work, disk_dir):
+    """The block's copies=1 (every state resident, durable every 3 steps, two ranks): the
+    same losses and params, bit for bit, as streaming with two copies, on half the disk per
+    state; a run again with if_exists="resume" goes on from the last durable step."""
+    plain = train(work, os.path.join(disk_dir, "plain"), "plain-two-copies", world=2)
+    one = ("--memory-budget", "8MiB", "--commit-every", "3", "--copies", "1")
+    storage = os.path.join(disk_dir, "one")
+    first = train(work, storage, "one-copy", world=2, extra=one)
+    assert losses(first) == losses(plain) and params_rel_diff(first, plain) == 0.0
+    assert first["smartinf"]["copies"] == 1
+    for rank in range(2):
+        held = os.path.getsize(os.path.join(storage, "smartinf", f"rank{rank:05d}", "states.bin"))
+        two = os.path.getsize(os.path.join(disk_dir, "plain", "smartinf", f"rank{rank:05d}", "states.bin"))
+        assert 2 * held == two
+    again = train(work, storage, "one-copy-again", world=2, extra=(*one, "--if-exists", "resume"))
+    assert losses(again)[0] < losses(first)[0] - 0.05
+
+
 def test_reopened_directories_resume_where_the_last_run_stopped(work, disk_dir):
     """Without a checkpoint, a new run on the same directories continues from their last
     committed step (master weights back into the model), as smartinf.optim does."""
