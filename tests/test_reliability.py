@@ -86,6 +86,32 @@ def test_one_directory_one_writer(disk_dir):
         assert pipe.resumed(0)
 
 
+def test_a_lock_whose_holder_has_exited_is_waited_for(disk_dir):
+    """A killed process's lock outlives it while the kernel finishes its in-flight I/O: an
+    open that finds the recorded holder gone waits for the lock instead of refusing (here
+    another process holds it a moment under a dead holder's pid)."""
+    with open_pipe(disk_dir):
+        pass
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    holder = textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fd = os.open({os.path.join(disk_dir, "lock")!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0); os.pwrite(fd, b"{dead}", 0)
+        print("held", flush=True)
+        time.sleep(1.0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with open_pipe(disk_dir) as pipe:  # EBUSY without the wait
+            assert pipe.resumed(0)
+        assert proc.wait(timeout=60) == 0  # it let go first
+    finally:
+        proc.kill()
+
+
 # -- failed commits ----------------------------------------------------------------------
 @pytest.mark.parametrize("point", ["store.synced", "manifest.written", "manifest.renamed"])
 def test_failed_commit_changes_nothing(tmp_path, reference, point):

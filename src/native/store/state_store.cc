@@ -1,11 +1,13 @@
 #include "store/state_store.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "error.h"
@@ -164,14 +166,27 @@ void StateStore::lock_directory() {
   const std::string path = dir_ + "/lock";
   UniqueFd fd(check_errno(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644),
                           "cannot create the lock file", path));
-  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+  // A killed holder's lock lasts until the kernel has finished its in-flight I/O (io_uring
+  // requests): where the recorded holder has exited, wait for that, up to kDeadHolderWaitMs.
+  constexpr int kDeadHolderWaitMs = 10000, kPollMs = 50;
+  for (int waited = 0;; waited += kPollMs) {
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) == 0) break;
     const int code = errno;
     char holder[32] = {};
     (void)!::pread(fd.get(), holder, sizeof holder - 1, 0);
+    const long pid = std::strtol(holder, nullptr, 10);
+    const bool dead = code == EWOULDBLOCK && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    if (dead && waited < kDeadHolderWaitMs) {
+      ::usleep(kPollMs * 1000);
+      continue;
+    }
     if (code == EWOULDBLOCK)
       throw SystemError(EBUSY, std::string("the directory is open in another pipeline (process ") +
                                    (holder[0] ? holder : "?") +
-                                   "); close that one first: two writers would mix their steps",
+                                   (dead ? ", which has exited; its I/O still held the lock "
+                                           "after 10 s): try again in a moment"
+                                         : "); close that one first: two writers would mix "
+                                           "their steps"),
                         dir_);
     throw SystemError(code, "cannot lock the directory", path);
   }
