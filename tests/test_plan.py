@@ -165,3 +165,20 @@ def test_a_resumed_run_keeps_its_format_and_its_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
     fresh = plan.choose(params, [d], memory=1 << 40, figures={}, if_exists="overwrite")
     assert (fresh.state_dtype, fresh.master, fresh.copies) == ("fp32", "fp32", 2)
+
+
+def test_the_runs_host_buffers_leave_less_memory_for_states(tmp_path, monkeypatch):
+    """Where host memory is read, not given: the bytes the run holds besides the states
+    (DeepSpeed's pinned partition copies with overlap on a GPU) come off it first, so a
+    budget with twins that would have fit beside nothing is not planned beside them."""
+    params = 50_000_000
+    states = params * state_bytes_per_param("int8", "split")
+    whole = math.ceil(states * (1 + plan.BUDGET_SLACK)) + (16 << 20)
+    available = int((2 * whole + (64 << 20)) / (1 - plan.RESERVE_SHARE)) + plan.MIN_RESERVE
+    monkeypatch.setattr(plan.space, "available_memory", lambda: available)
+    roomy = plan.choose(params, [str(tmp_path)], figures={}, master="split")
+    buffers = 4 * params  # bf16 gradients in and params out
+    tight = plan.choose(params, [str(tmp_path)], figures={}, master="split", host_buffers=buffers)
+    assert roomy.memory_budget > tight.memory_budget
+    assert tight.ram_bytes + buffers <= roomy.ram_bytes + buffers <= available
+    assert tight.ram_bytes <= (available - max(plan.MIN_RESERVE, int(available * plan.RESERVE_SHARE))) - buffers

@@ -135,7 +135,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            memory: Optional[int] = None, gpu_budget: int = 0,
            master: Optional[str] = None, memory_budget: Optional[int] = None,
            commit_every: Optional[int] = None, copies: Optional[int] = None,
-           figures: Optional[dict] = None, ranks: int = 1, if_exists: str = "overwrite") -> Choice:
+           figures: Optional[dict] = None, ranks: int = 1, if_exists: str = "overwrite",
+           host_buffers: int = 0) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
@@ -144,7 +145,10 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     the same choice for as many params each (each gets that share of the host's memory and
     of each file system's free space); ``if_exists``: what the pipeline will do with a run
     the directories hold: ``"resume"`` takes its format (state dtype, master and copies are
-    fixed for a directory); either way the bytes its states files hold count as free."""
+    fixed for a directory); either way the bytes its states files hold count as free;
+    ``host_buffers``: bytes of host memory each rank's run holds besides the states (the
+    DeepSpeed integration's pinned gradient and param copies with ``overlap`` on a GPU: 51 GB
+    at 13 B), taken from ``memory`` where it is not given."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if figures is None:
@@ -152,7 +156,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         figures = load_record(record, "move it away") if record else None
     if memory is None:
         available = space.available_memory()
-        memory = max(0, available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks
+        memory = max(0, (available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks
+                     - host_buffers)
     devices = len(directories)
     run = _held_run(directories)
     formats = FORMATS

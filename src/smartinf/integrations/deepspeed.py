@@ -408,11 +408,16 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         if dist.get_rank() == 0:
             given = self.settings.pipeline
             devices = self.settings.rank_devices(0, 0)
+            numel = sum(p.ds_numel for p in params) // world
+            # with overlap on a GPU, the pinned copies of the partitions (gradients in, params
+            # out: _start_speculation) hold host memory beside the states
+            speculates = given.overlap and self._compress is None and torch.cuda.is_available()
+            buffers = 2 * numel * max(p.element_size() for p in params) if speculates else 0
             choice = plan.choose(
-                sum(p.ds_numel for p in params) // world,
+                numel,
                 [d if isinstance(d, str) else d.path for d in devices],
                 bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
-                if_exists=given.if_exists,
+                if_exists=given.if_exists, host_buffers=buffers,
                 gpu_budget=self.settings.gpu_memory_budget,
                 **{k: getattr(given, k) for k in self.settings.auto if k != "auto"})
             logger.warning("%s (each of %d ranks)", choice.report(), world)
