@@ -527,9 +527,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
                                "to step %d", rank, self._dirs, steps[rank], low)
             return
         held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        why = ("of one copy (copies=1), which holds no earlier step to bring them together"
+               if self.settings.pipeline.copies == 1 else "more than one commit apart")
         raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
-                           f"durable steps ({held}), more than one commit apart: load a "
-                           f"checkpoint or use fresh directories")
+                           f"durable steps ({held}), {why}: load a checkpoint or use fresh "
+                           f"directories")
 
     def _agree_on_resume(self) -> None:
         """All ranks resume or none do (at one step: ``_agree_on_step`` saw to it at open)."""
