@@ -679,6 +679,21 @@ def test_auto_chooses_once_for_every_rank_and_trains_as_chosen(work, disk_dir, w
         assert torch.equal(a, b)
 
 
+def test_ranks_of_one_copy_at_different_steps_are_refused(work, disk_dir):
+    """One copy holds no earlier step: a rank a commit ahead of the other (here made so: rank
+    1's directory put back as it was a commit before) cannot go back, and the run says so."""
+    one = ("--memory-budget", "8MiB", "--commit-every", "2", "--copies", "1")
+    storage = f"{disk_dir}/one-apart"
+    train(work, storage, "one-apart-first", world=2, extra=(*one, "--steps", "2"))
+    rank1 = Path(storage) / "smartinf" / "rank00001"
+    shutil.copytree(rank1, f"{rank1}.at2")
+    train(work, storage, "one-apart-second", world=2, extra=(*one, "--steps", "2", "--if-exists", "resume"))
+    shutil.rmtree(rank1)
+    shutil.move(f"{rank1}.at2", rank1)
+    train(work, storage, "one-apart-third", world=2, extra=(*one, "--if-exists", "resume"),
+          fails_with="(rank 0: step 4, rank 1: step 2), of one copy (copies=1)")
+
+
 def test_a_rank_one_commit_ahead_goes_back_to_the_others_step(work, disk_dir):
     """A crash between the ranks' commits leaves one rank's directories a commit ahead (here
     made so: rank 1's rolled back one commit by hand). Reopened, that rank goes back to the
