@@ -5,10 +5,10 @@ a record, the most precise format whose states all fit in memory, else the one w
 fewest bytes (a streamed step is storage-bound: its time follows its bytes). Explicit
 settings win: a given ``master``, ``memory_budget`` or ``copies`` is kept, and only formats
 allowing it are weighed. Each directory keeps two copies of its states where its disk holds
-them (a crash at any instant reopens at the last durable commit), else one where every
-sub-group is resident, where no format's two copies fit (``copies=1``: a crash while a
-durable commit writes loses the states;
-the report says so, and what free space two copies need). Nothing fits: an ENOSPC
+them (a crash at any instant reopens at the last durable commit); only where no format's
+two copies fit, one copy of a format whose states are all resident (``copies=1``: a crash
+while a durable commit writes loses the states; the report says so, and what free space
+two copies need). A resumed run keeps its directory's format. Nothing fits: an ENOSPC
 ``OSError`` that lists what each format needs.
 
 ``python -m smartinf.plan --params 13e9 DIR...`` prints the choice and why.
