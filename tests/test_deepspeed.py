@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -216,9 +217,12 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     assert losses(split) == losses(fp32) and len(losses(fp32)) == 120
     for a, b in zip(split["params"], fp32["params"]):
         assert torch.equal(a, b)
-    # over the run: with overlap a step's reads come during the next forward; /proc/self/io
-    # counts every read of the process (CI once saw a step 133 KB off: a module page read)
-    saved = (total_read(fp32) - total_read(split)) / fp32["num_params"] / 120
+    # the median step's reads: /proc/self/io counts every read of the process, and module
+    # pages read during a run (30-36 MB over these, unevenly: the totals' difference came
+    # out at 2.2 and 3.5 B/param) fall in some steps (with overlap a step's reads come during
+    # the next forward; in steady state each step's window holds one step's)
+    saved = (statistics.median(s["storage_read"] for s in fp32["steps"]) -
+             statistics.median(s["storage_read"] for s in split["steps"])) / fp32["num_params"]
     assert abs(saved - 2) < 0.2  # + 4 KiB extents
 
 

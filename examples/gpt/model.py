@@ -89,10 +89,12 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int,
                          whole: Callable[[nn.Parameter], ContextManager]) -> None:
-        """GPT-2 init, each param from a generator of its own seeded by ``seed`` and its
-        index, on the device it is made on: the weights depend on ``seed`` and that device
-        only (built whole or under zero.Init alike). Why there: a 13 B model's draws on one
-        host thread took over 5 minutes; on its GPU they take a moment."""
+        """GPT-2 init from private generators: the weights depend on ``seed`` and on where
+        the params are made. On the host, one generator draws every param in turn (built whole,
+        or under zero.Init on the CPU: the same values). On a GPU (zero.Init), each param draws
+        from a generator of its own there, seeded by ``seed`` and its index: a 13 B model's
+        draws on one host thread took over 5 minutes; on its GPU they take a moment."""
+        gen = torch.Generator().manual_seed(seed)
         # Residual projections are scaled down so the residual stream's variance does not
         # grow with depth.
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
@@ -104,10 +106,12 @@ class GPT(nn.Module):
                     nn.init.ones_(p)
                 else:
                     std = resid_std if name.endswith("proj.weight") else 0.02
-                    gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-                    # fp32 draws (torch.normal: zero.Init makes torch.empty's in its dtype)
-                    p.copy_(torch.normal(0.0, std, tuple(p.shape), generator=gen,
-                                         device=p.device, dtype=torch.float32))
+                    if p.device.type == "cpu":
+                        p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen))
+                    else:  # fp32 draws (torch.normal: zero.Init makes torch.empty's in its dtype)
+                        own = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+                        p.copy_(torch.normal(0.0, std, tuple(p.shape), generator=own,
+                                             device=p.device, dtype=torch.float32))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
