@@ -71,8 +71,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``whole(param)``: a context in which ``param`` is whole, for the init (a model built
     partitioned, under ``deepspeed.zero.Init``: ``GatheredParameters([param],
-    modifier_rank=0)``; on the host, the same values as built whole). ``checkpoint``: each block's
-    activations recomputed in backward instead of kept (activation checkpointing)."""
+    modifier_rank=0)``; on the host, the same values as built whole). ``checkpoint``: each
+    block's activations recomputed in backward instead of kept (activation checkpointing)."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0,
                  whole: Optional[Callable[[nn.Parameter], ContextManager]] = None,
