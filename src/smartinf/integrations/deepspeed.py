@@ -259,6 +259,13 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         self._start_speculation()
 
     # -- updates during backward (overlap) ----------------------------------------------
+    def _speculates(self, backward_on_gpu: bool) -> bool:
+        """Whether updates start during backward: with ``overlap``, not with top-k compression
+        (whose error feedback a retracted update would have advanced), and where backward runs
+        on the CPU only when asked (it holds the cores the update needs)."""
+        return self.settings.pipeline.overlap and self._compress is None and \
+            (backward_on_gpu or defaults.speculate_on_cpu())
+
     def _start_speculation(self) -> None:
         """With ``overlap`` (not with top-k compression, whose error feedback a retracted
         update would have advanced): a sub-group's update starts when the last of its
@@ -268,9 +275,7 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
         gather waiting for its own sub-group (``StepTail``)."""
         self._speculation: Optional[Speculation] = None
         self._tail: Optional[StepTail] = None
-        on_cpu = not self.grad_partitions_flat_buffer.is_cuda
-        if not self.settings.pipeline.overlap or self._compress is not None or \
-                (on_cpu and not defaults.speculate_on_cpu()):  # a CPU backward holds the cores
+        if not self._speculates(self.grad_partitions_flat_buffer.is_cuda):
             return
         self._speculation = Speculation(self.pipeline)
         self._subgroup_of = {p.ds_id: i for i, group in enumerate(self.fp16_groups) for p in group}
@@ -409,10 +414,11 @@ class SmartInfinityStage3(stage3.DeepSpeedZeroOptimizer_Stage3):
             given = self.settings.pipeline
             devices = self.settings.rank_devices(0, 0)
             numel = sum(p.ds_numel for p in params) // world
-            # with overlap on a GPU, the pinned copies of the partitions (gradients in, params
-            # out: _start_speculation) hold host memory beside the states
-            speculates = given.overlap and self._compress is None and torch.cuda.is_available()
-            buffers = 2 * numel * max(p.element_size() for p in params) if speculates else 0
+            # with speculation, the host copies of the partitions (params out, and on a GPU
+            # gradients in: _start_speculation) hold host memory beside the states
+            on_gpu = torch.cuda.is_available()
+            partition_copies = (2 if on_gpu else 1) if self._speculates(on_gpu) else 0
+            buffers = partition_copies * numel * max(p.element_size() for p in params)
             choice = plan.choose(
                 numel,
                 [d if isinstance(d, str) else d.path for d in devices],
