@@ -245,6 +245,33 @@ def main() -> None:
         load.__name__ = "load_" + next(iter(how))
         check(load)
 
+    @check
+    def failed_commit_puts_params_back():
+        """A durable commit that fails (the disk full at its sync) raises, from step() or,
+        with overlap, where the step's tail drains (settle); the devices are back at the
+        step before, and so are the model's params (fp32: the masters bit for bit)."""
+        import smartinf._native as native
+        eng = engine(str(root / "ours-fail"))
+        d = batches(LANG, 4, 32, seed=3000 + rank)
+        train(eng, d, 1)
+        eng.optimizer.settle()
+        before, steps = gathered(eng), eng.optimizer.pipeline.step_count
+        native.arm_fault("store.synced", "error", errno=28)
+        errno = None
+        try:
+            train(eng, d, 1)
+            eng.optimizer.settle()
+        except OSError as e:
+            errno = e.errno
+        finally:
+            native.disarm_fault()
+        after = gathered(eng)
+        out = {"errno": errno, "moved": rel(list(after.values()), list(before.values())),
+               "steps": [steps, eng.optimizer.pipeline.step_count]}
+        out["then"] = train(eng, d, 1)  # training goes on
+        eng.destroy()
+        return out
+
     if rank == 0:
         Path(a.out).write_text(json.dumps(results, indent=1))
     for eng in (ours, ref):

@@ -22,6 +22,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
 import smartinf.integrations.deepspeed as sds  # noqa: E402
+import smartinf.integrations.deepspeed_config as sds_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
@@ -342,6 +343,17 @@ def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
     assert got["None"] <= TOL and got["local"] <= TOL, got
 
 
+def test_a_failed_commit_puts_the_params_back_with_the_devices(api):
+    """The step session's restore, under DeepSpeed: a durable commit that fails leaves the
+    devices at the step before, and the partitions with them, bit for bit (they kept the
+    failed step's update before); training goes on."""
+    got = ok(api["failed_commit_puts_params_back"])
+    assert got["errno"] == 28
+    assert got["steps"][0] == got["steps"][1] > 0
+    assert got["moved"] == 0.0, got
+    assert all(math.isfinite(x) for x in got["then"])
+
+
 def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):
     """deepspeed.utils.safe_get_full_fp32_param / _optimizer_state / safe_get_local_fp32_param
     give the same masters and Adam states as DeepSpeed's after two steps."""
@@ -547,7 +559,7 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
 ])
 def test_base_optimizer_maps_to_its_update_rule(make, rule):
     opt = make([torch.nn.Parameter(torch.zeros(2))])
-    got = sds._rule(sds._rule_class(opt), opt.param_groups[0])
+    got = sds_config._rule(sds_config._rule_class(opt), opt.param_groups[0])
     assert got.name == rule and got.lr == 1e-3
     assert got.maximize == opt.param_groups[0]["maximize"]
 
@@ -563,9 +575,9 @@ def test_a_config_lion_block_is_checked_before_anything_is_built():
 def test_unsupported_base_optimizers_and_options_are_refused():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="RMSprop"):
-        sds._rule_class(torch.optim.RMSprop(p))
+        sds_config._rule_class(torch.optim.RMSprop(p))
     with pytest.raises(ValueError, match="bias_correction"):
-        sds._rule(sds._rule_class(torch.optim.AdamW(p)), {"lr": 1e-3, "bias_correction": False})
+        sds_config._rule(sds_config._rule_class(torch.optim.AdamW(p)), {"lr": 1e-3, "bias_correction": False})
 
 
 # -- the block takes effect wherever deepspeed.initialize is called -------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from . import _build_info, defaults, smartssd
 
@@ -226,3 +226,30 @@ def resolve(devices: DeviceLike | Sequence[DeviceLike]) -> list[Device]:
     if len(set(paths)) != len(paths):
         raise ValueError(f"two devices share a directory: {paths}")
     return resolved
+
+
+def resolve_devices(devices: Any) -> list:
+    """The ``devices`` argument, or ``SMARTINF_DEVICES`` (directories separated by
+    ``os.pathsep``) when it is None; under ``torch.distributed`` each rank gets its own:
+    ``{rank}`` in a path is replaced by the rank, a path without it gets ``rank<R>/``."""
+    if devices is None:
+        raw = os.environ.get("SMARTINF_DEVICES", "")
+        devices = [d for d in raw.split(os.pathsep) if d]
+        if not devices:
+            raise ValueError("pass devices=[directories] (where the states live), or set "
+                             "SMARTINF_DEVICES to directories separated by ':'")
+    import torch  # (the optimizers' argument: torch is there)
+    if isinstance(devices, (str, os.PathLike, *DEVICE_TYPES)):
+        devices = [devices]
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    split = distributed and torch.distributed.get_world_size() > 1
+
+    def for_rank(path: str) -> str:
+        if "{rank}" in path:
+            return path.replace("{rank}", str(rank))
+        return rank_directory(path, rank) if split else path
+
+    return [replace(d, path=for_rank(d.path)) if isinstance(d, DEVICE_TYPES)
+            else for_rank(os.fspath(d)) if isinstance(d, (str, os.PathLike)) else d
+            for d in devices]

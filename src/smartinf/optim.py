@@ -20,21 +20,21 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from . import defaults, edits, plan, subgroups, torch_state, update_rules
+from . import defaults, edits, gradients, plan, subgroups, torch_state, update_rules
 from .checkpoint import save_devices
 from .compress import TopK
 from .defaults import small_tensor, speculate_on_cpu
-from .devices import DEVICE_TYPES, DeviceLike, rank_directory, with_gpu
+from .devices import DeviceLike, resolve_devices, with_gpu
 from .driver import Driver, overrides, rule_for, stored_rule
 from .pipeline import Pipeline
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from .speculation import ParamHooks, Speculation
+from .step_session import StepSession
 from .subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
@@ -82,38 +82,6 @@ class StorageOptions(TypedDict, total=False):
     compute_threads: int
     overlap: bool
     gpu_memory_budget: "int | str"
-
-
-def resolve_devices(devices: Any) -> list:
-    """The ``devices`` argument, or ``SMARTINF_DEVICES`` (directories separated by
-    ``os.pathsep``) when it is None; under ``torch.distributed`` each rank gets its own:
-    ``{rank}`` in a path is replaced by the rank, a path without it gets ``rank<R>/``."""
-    if devices is None:
-        raw = os.environ.get("SMARTINF_DEVICES", "")
-        devices = [d for d in raw.split(os.pathsep) if d]
-        if not devices:
-            raise ValueError("pass devices=[directories] (where the states live), or set "
-                             "SMARTINF_DEVICES to directories separated by ':'")
-    if isinstance(devices, (str, os.PathLike, *DEVICE_TYPES)):
-        devices = [devices]
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if distributed else 0
-    split = distributed and torch.distributed.get_world_size() > 1
-
-    def for_rank(path: str) -> str:
-        if "{rank}" in path:
-            return path.replace("{rank}", str(rank))
-        return rank_directory(path, rank) if split else path
-
-    return [replace(d, path=for_rank(d.path)) if isinstance(d, DEVICE_TYPES)
-            else for_rank(os.fspath(d)) if isinstance(d, (str, os.PathLike)) else d
-            for d in devices]
-
-
-def _total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync)."""
-    norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0).cpu()
 
 
 class _StorageOptimizer(torch.optim.Optimizer):
@@ -194,8 +162,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._speculation = Speculation(pipeline)
             self._hooks = ParamHooks(self._speculation, self._send_speculative,
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
-                                     self._gather_grad)
+                                     gradients.flat)
             self._hooks.register(self._plan)
+        self._session = StepSession(pipeline, self._driver,
+                                    lambda i, flat: self._scatter(self._plan[i], flat),
+                                    self._speculation)
 
     def _devices_with_gpu(self, devices: list, budget: "int | str | None",
                           twins: Optional[bool]) -> list:
@@ -372,43 +343,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if self._watch is not None:
             self._watch.record(sg.id, pieces if hashed else None)
 
-    def _grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
-        sparse gradients: the same update, absent entries being zeros)."""
-        g = p.grad
-        if g is None:
-            return None
-        if id(p) not in self._stored:
-            raise ValueError(f"a param of shape {tuple(p.shape)} has a gradient, but it was "
-                             f"frozen (requires_grad=False) when smartinf.optim."
-                             f"{type(self).__name__} was created, so the devices hold no "
-                             f"states for it: create the optimizer after unfreezing, or put "
-                             f"newly trained params in a group of their own (add_param_group)")
-        if g.is_sparse:
-            if issubclass(self.rule_class, update_rules.Adam):
-                raise RuntimeError("Adam does not support sparse gradients, please consider "
-                                   "SparseAdam instead (or nn.Embedding(sparse=False))")
-            if self.rule_class not in (update_rules.SGD, update_rules.Adagrad):
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                                   f"(use nn.Embedding(sparse=False))")
-            if any(q is p for group in self.param_groups if group["weight_decay"] != 0
-                   for q in group["params"]):
-                raise RuntimeError("weight_decay option is not compatible with sparse gradients")
-            g = g.to_dense()
-        return g.detach()
-
-    def _gather_grad(self, sg: Subgroup, grads: dict) -> torch.Tensor:
-        """The sub-group's gradient as one flat tensor on its own device. A param without
-        a gradient gets zeros when others in its sub-group have one (torch would skip it;
-        here its states still decay: warned once); a sub-group without any gradient is not
-        updated."""
-        parts = []
-        for s in sg.slices:
-            g = grads.get(id(s.param))
-            parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
-                         if g is None else g.reshape(-1)[s.start:s.stop])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
     def _warn_partial(self, active: Sequence[Subgroup]) -> None:
         partial = [sg.id for sg in active if any(s.param.grad is None for s in sg.slices)]
         if partial and not self._warned_partial:
@@ -420,25 +354,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
                 "the optimizer, or give them a param group of their own (warned once)", partial)
 
     # -- step -------------------------------------------------------------------------
-    def _grad_scale(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> Optional[float]:
-        """The factor every gradient is multiplied by (1/loss scale, then clipping), or
-        None when a gradient holds inf/NaN (the step must be skipped)."""
-        if not grads:
-            return grad_scale
-        total = _total_norm(grads, torch.float32)  # fp16's own norm overflows at 65504
-        if not torch.isfinite(total):
-            if not all(bool(torch.isfinite(g).all()) for g in grads):
-                return None
-            total = _total_norm(grads, torch.float64)  # finite, only the fp32 sum overflowed
-        self.last_grad_norm = float(total) * grad_scale
-        if self.max_grad_norm is None:
-            return grad_scale
-        # torch.nn.utils.clip_grad_norm_ on the unscaled gradients: the same coefficient,
-        # rounded to fp32 as torch multiplies the gradients by an fp32 tensor.
-        coef = torch.clamp(self.max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
-        return grad_scale * float(coef)
-
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
         """One optimizer step over every sub-group. ``grad_scale`` multiplies the
@@ -455,24 +370,24 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._check_group(group)
         hyper = [overrides(self._rule(group)) for group in self.param_groups]
         grads = {id(p): g for group in self.param_groups for p in group["params"]
-                 if (g := self._grad(p)) is not None}  # dense, checked: once per step
-        scale = self._grad_scale(grad_scale, list(grads.values()))
-        scattered: list[Subgroup] = []
-        before = self.pipeline.step_count
+                 if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
+        scale, norm = gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm)
+        if norm is not None:
+            self.last_grad_norm = norm
+        session = self._session
+        session.begin()
         try:
             self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
             # The updates started during backward that assumed rightly; the others retracted.
-            kept = {}
-            if self._speculation is not None:
-                try:
-                    kept = self._speculation.take(scale, lambda i: hyper[self._plan[i].group])
-                finally:
+            try:
+                kept = session.take(scale, lambda i: hyper[self._plan[i].group])
+            finally:
+                if self._speculation is not None:
                     self._hooks.end_step()
         except BaseException:
-            self._fail(before, scattered, discard=True)
+            session.fail(discard=True)
             raise
-        if self._speculation is not None:  # the next step is expected to scale as this one
-            self._speculation.predict(grad_scale if scale == grad_scale else None)
+        session.predict(grad_scale if scale == grad_scale else None)  # the next step's, expected
         self.last_step_skipped = scale is None
         if scale is None:
             self.skipped_steps += 1
@@ -482,20 +397,13 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._export = None
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
         self._warn_partial([sg for sg in active if sg.id not in kept])
-        try:
-            with self.pipeline.step():
-                for sg in active:
-                    if sg.id in kept:
-                        scattered.append(sg)
-                        self._scatter(sg, kept[sg.id])
-                self._driver.run(
-                    [sg for sg in active if sg.id not in kept], lambda sg, b: self._driver.send(
-                        sg.id, self._gather_grad(sg, grads), b, scale, hyper[sg.group],
-                        params=self._flat_params(sg) if self._split else None),
-                    lambda sg, future, b: self._finish(sg, future, b, scattered))
-        except BaseException:
-            self._fail(before, scattered)
-            raise
+        session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept},
+                    [sg.id for sg in active if sg.id not in kept],
+                    lambda i, b: self._driver.send(
+                        i, gradients.flat(self._plan[i], grads), b, scale,
+                        hyper[self._plan[i].group],
+                        params=self._flat_params(self._plan[i]) if self._split else None),
+                    self._finish)
         return loss
 
     def _send_speculative(self, sg: Subgroup, grad: torch.Tensor, scale: float, hyper: dict,
@@ -504,65 +412,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                  params=self._flat_params(sg) if self._split else None,
                                  speculative=True)
 
-    def _fail(self, before: int, scattered: list, discard: bool = False) -> None:
-        """After a failed step: the devices back at their last durable commit (``discard``:
-        the step is still open), and so the model's params."""
-        if discard:
-            try:
-                self.pipeline.discard()
-            except Exception as e:  # the original error is the one to raise
-                logger.error("discarding the failed step failed too: %s", e)
-        if self.pipeline.step_count < before:  # back to a durable commit further back
-            logger.warning("the step failed: the devices are back at step %d, their last "
-                           "durable commit (commit_every=%d), and so are the model's params",
-                           self.pipeline.step_count, self.pipeline.settings.commit_every)
-            scattered[:] = self._plan
-        self._restore(scattered)
-
-    def _finish(self, sg: Subgroup, future: Any, buffer: int, scattered: list) -> None:
-        future.wait()
-        scattered.append(sg)
+    def _finish(self, i: int, buffer: int) -> None:
+        sg = self._plan[i]
         self._scatter(sg, self._driver.out(buffer, sg.dtype, sg.numel))
         if sg.device.type == "cuda":
             torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
-
-    def _settle(self) -> None:
-        """Lands a durable commit still being written in the background (``overlap``),
-        before the states are read, written or copied. If it failed, the devices are back at
-        the durable commit before it: so are the model's params, and the error is raised.
-        (In ``step()`` a failure is found by the updates and the commit, inside its own
-        restore.)"""
-        before = self.pipeline.step_count
-        try:
-            if self._speculation is not None:
-                self._speculation.cancel()  # the step will redo them
-            self.pipeline.settle()
-        except BaseException:
-            if self.pipeline.step_count < before:
-                logger.warning("a durable commit written in the background failed: the devices "
-                               "are back at step %d, their last durable commit, and so are the "
-                               "model's params", self.pipeline.step_count)
-                self._restore(self._plan)
-            raise
-
-    def _restore(self, scattered: Sequence[Subgroup]) -> None:
-        """After a failed step (an I/O error, a failed commit) the devices are at the last
-        durable commit: so are the model's params, rebuilt from its masters."""
-        if self._split:
-            if scattered:
-                logger.error("the step failed after sub-groups %s had their params updated; "
-                             "with master='split' the params are the masters' high halves, so "
-                             "they cannot be put back: they keep the failed step's values and "
-                             "are taken as the masters at the next step (ParamsChangedWarning)",
-                             [sg.id for sg in scattered])
-            return
-        try:
-            for sg in scattered:
-                self._scatter(sg, torch.from_numpy(self.pipeline.read_states(sg.id)["param"]))
-        except Exception as e:  # the original error is the one to raise
-            logger.error("the step failed and the model's params could not be restored (%s): "
-                         "%d sub-groups hold the failed step's update; reopen the directories "
-                         "to put the committed weights back", e, len(scattered))
 
     # -- traffic ----------------------------------------------------------------------
     def traffic(self) -> dict[str, float]:
@@ -590,7 +444,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         ``torch.save`` streams; an fp16/bf16 param's entry also holds its fp32 master
         weights (``"fp32_master"``, ignored by torch). Params the caller edited since the
         last step are taken as the masters first, as a step would."""
-        self._settle()
+        self._session.settle()
         self._adopt(self._edited())
         return torch_state.export(self)
 
@@ -606,7 +460,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
         steps (params the caller edited since the last step taken as the masters first).
         Resume by constructing the optimizer with ``devices=`` the returned paths."""
-        self._settle()
+        self._session.settle()
         self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
@@ -620,7 +474,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Closes the pipeline (the devices keep the last committed step; params the caller
         edited since the last step taken as the masters first, as a step would)."""
         if not self.pipeline.closed:
-            self._settle()
+            self._session.settle()
             self._adopt(self._edited())
         if self._speculation is not None:
             self._hooks.close()

@@ -102,7 +102,7 @@ def load(opt: Any, state_dict: dict) -> None:
         return
     steps = [_subgroup_steps(opt, sg, states, ids, new_groups[sg.group]) for sg in opt._plan]
     _refuse_mixing_resumed_run(opt, steps)
-    opt._settle()
+    opt._session.settle()
     with opt.pipeline.step():
         for sg in opt._plan:
             arrays = {"param": opt._driver.staging.grad(0, torch.float32, sg.numel)}

@@ -1,0 +1,78 @@
+"""A ``smartinf.optim`` step's gradients as torch's optimizers take them: each param's dense
+and checked (``dense``), each sub-group's as one flat tensor (``flat``), and the factor
+they are multiplied by after the inf/NaN check and clipping (``scale``)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import update_rules
+from .subgroups import Subgroup
+
+
+def dense(p: torch.Tensor, optimizer: torch.optim.Optimizer, stored: set,
+          rule_class: type) -> Optional[torch.Tensor]:
+    """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
+    sparse gradients: the same update, absent entries being zeros); ``stored``: the ids of
+    the params the devices hold states for."""
+    g = p.grad
+    if g is None:
+        return None
+    if id(p) not in stored:
+        raise ValueError(f"a param of shape {tuple(p.shape)} has a gradient, but it was "
+                         f"frozen (requires_grad=False) when smartinf.optim."
+                         f"{type(optimizer).__name__} was created, so the devices hold no "
+                         f"states for it: create the optimizer after unfreezing, or put "
+                         f"newly trained params in a group of their own (add_param_group)")
+    if g.is_sparse:
+        if issubclass(rule_class, update_rules.Adam):
+            raise RuntimeError("Adam does not support sparse gradients, please consider "
+                               "SparseAdam instead (or nn.Embedding(sparse=False))")
+        if rule_class not in (update_rules.SGD, update_rules.Adagrad):
+            raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients "
+                               f"(use nn.Embedding(sparse=False))")
+        if any(q is p for group in optimizer.param_groups if group["weight_decay"] != 0
+               for q in group["params"]):
+            raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+        g = g.to_dense()
+    return g.detach()
+
+
+def flat(sg: Subgroup, grads: dict) -> torch.Tensor:
+    """The sub-group's gradient as one flat tensor on its own device. A param without a
+    gradient gets zeros when others in its sub-group have one (torch would skip it; here
+    its states still decay: the optimizer warns once)."""
+    parts = []
+    for s in sg.slices:
+        g = grads.get(id(s.param))
+        parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
+                     if g is None else g.reshape(-1)[s.start:s.stop])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync)."""
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0).cpu()
+
+
+def scale(grad_scale: float, grads: Sequence[torch.Tensor],
+          max_grad_norm: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """(the factor every gradient is multiplied by: ``grad_scale``, 1/loss scale, then
+    clipping; None when a gradient holds inf/NaN and the step must be skipped, the norm of
+    the unscaled gradients, or None where there are none)."""
+    if not grads:
+        return grad_scale, None
+    total = total_norm(grads, torch.float32)  # fp16's own norm overflows at 65504
+    if not torch.isfinite(total):
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return None, None
+        total = total_norm(grads, torch.float64)  # finite, only the fp32 sum overflowed
+    norm = float(total) * grad_scale
+    if max_grad_norm is None:
+        return grad_scale, norm
+    # torch.nn.utils.clip_grad_norm_ on the unscaled gradients: the same coefficient,
+    # rounded to fp32 as torch multiplies the gradients by an fp32 tensor.
+    coef = torch.clamp(max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
+    return grad_scale * float(coef), norm

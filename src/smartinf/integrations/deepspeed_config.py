@@ -1,0 +1,225 @@
+"""The DeepSpeed config as smartinf reads it: the ``"smartinf"`` block (``Settings``), the
+ZeRO options and the ``"optimizer"`` block it runs (``check_config``), the update rule of
+DeepSpeed's base optimizer (``_rule_class``, ``_rule``), and the base optimizers it gives
+DeepSpeed in place of ones that would build CUDA ops only to hold hyper-parameters
+(``LionParams``, torch's Adam)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from deepspeed.runtime.zero.config import get_zero_config
+
+from .. import defaults, update_rules
+from ..compress import TopK
+from ..devices import rank_directory, with_gpu
+from ..driver import rule_for
+from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from . import deepspeed_hook
+
+CONFIG_KEY = deepspeed_hook.CONFIG_KEY
+
+
+@dataclass
+class Settings:
+    """The ``"smartinf"`` block of a DeepSpeed config."""
+
+    devices: list
+    pipeline: PipelineSettings  # the rest of the block but compress and gpu, checked
+    compress: Optional[dict] = None
+    gpu_memory_budget: int = 0  # "gpu": {"memory_budget": ...}: the rank's GPU as a device
+    gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
+    auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Settings":
+        block = config.get(CONFIG_KEY)
+        if not isinstance(block, dict):
+            raise ValueError(f'the DeepSpeed config needs a "{CONFIG_KEY}" block (a dict with at '
+                             f'least "devices": [directories]), got {block!r}')
+        pipeline_keys = set(PIPELINE_KEYWORDS)
+        known = {"devices", "compress", "gpu"} | pipeline_keys
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ValueError(f'unknown keys {unknown} in the "{CONFIG_KEY}" config block; '
+                             f'known: {sorted(known)}')
+        devices = block.get("devices")
+        if isinstance(devices, str):
+            devices = [devices]
+        if not isinstance(devices, list) or not devices or \
+                not all(isinstance(d, str) and d for d in devices):
+            raise ValueError(f'"{CONFIG_KEY}.devices" must be a non-empty list of directories, '
+                             f'got {devices!r}')
+        compress = block.get("compress")
+        if compress is not None:
+            if not isinstance(compress, dict) or not set(compress) <= {"ratio", "value_dtype",
+                                                                       "error_feedback"}:
+                raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
+                                 f'optionally "value_dtype", "error_feedback"; got {compress!r}')
+        gpu = block.get("gpu")
+        if gpu is not None and (not isinstance(gpu, dict) or "memory_budget" not in gpu
+                                or not set(gpu) <= {"memory_budget", "twins"}
+                                or not isinstance(gpu.get("twins", False), (bool, type(None)))):
+            raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
+                             f'the rank\'s GPU memory for states, e.g. "8GiB") and optionally '
+                             f'"twins" (true, false or null: the model chooses); got {gpu!r}')
+        try:
+            gpu_budget = defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
+        given = {k: block[k] for k in pipeline_keys if k in block}
+        auto = given.get("state_dtype") == "auto"
+        if auto:  # chosen when the partition's size is known (SmartInfinityStage3._choose)
+            given["state_dtype"] = "fp32"
+        try:
+            pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
+        return cls(devices=devices, pipeline=pipeline, compress=compress,
+                   gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
+                   auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
+                   + ("auto",) if auto else ())
+
+    def rank_devices(self, rank: int, gpu: int) -> list:
+        """Each rank keeps its partition's states in its own sub-directories; with a GPU
+        budget its GPU (``gpu``) is a device in front of them."""
+        dirs = [rank_directory(d, rank) for d in self.devices]
+        return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins) \
+            if self.gpu_memory_budget else dirs
+
+    def top_k(self) -> Optional[TopK]:
+        if self.compress is None:
+            return None
+        c = dict(self.compress)
+        if "value_dtype" in c:
+            c["value_dtype"] = getattr(torch, str(c["value_dtype"]).replace("torch.", ""))
+        return TopK(**c)
+
+
+def check_config(config: dict) -> Settings:
+    """Refuses configurations the integration does not run, before anything is built;
+    returns the ``"smartinf"`` block's settings."""
+    settings = Settings.from_config(config)
+    zero = get_zero_config(config)  # DeepSpeed's reading, legacy spellings ("cpu_offload") included
+    if zero.stage != 3:
+        raise ValueError(f'smartinf runs the ZeRO stage 3 optimizer step: set '
+                         f'"zero_optimization": {{"stage": 3}} (got stage {int(zero.stage)})')
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        key = "cpu_offload" if "cpu_offload" in config["zero_optimization"] else "offload_optimizer"
+        raise ValueError(f'"zero_optimization.{key}" offloads the optimizer to '
+                         f'{zero.offload_optimizer.device!r}: the optimizer states live on the '
+                         f'smartinf devices; remove {key}')
+    if zero.offload_param is not None and zero.offload_param.device == "nvme":
+        raise ValueError('"zero_optimization.offload_param" to nvme is not supported with '
+                         'smartinf yet; use "cpu" or "none"')
+    if (config.get("checkpoint") or {}).get("load_universal"):
+        raise ValueError('"checkpoint.load_universal" is not supported with smartinf: a '
+                         'universal checkpoint has no device directories; load a checkpoint '
+                         'saved by this integration')
+    if config.get("hybrid_engine", {}).get("enabled"):
+        raise ValueError("the DeepSpeed hybrid engine is not supported with smartinf")
+    _check_optimizer_block(config.get("optimizer"))
+    return settings
+
+
+# The params of a config "Lion" block: LionParams's. (DeepSpeed's CPU Lion and FusedLion
+# options choose their own kernels and state dtypes; the devices keep fp32 states.)
+LION_KEYS = ("lr", "betas", "weight_decay", "maximize")
+
+
+def _check_optimizer_block(block: Any) -> None:
+    """Refuses options of a config "optimizer" block that its base optimizer here would not
+    carry to the devices (the rest are checked where the rule is read: ``_rule``)."""
+    if not isinstance(block, dict):
+        return
+    kind = str(block.get("type", "")).lower()
+    params = block.get("params") or {}
+    if kind in ("adam", "adamw") and "torch_adam" in params and not params["torch_adam"]:
+        for key in ("amsgrad", "maximize"):
+            if params.get(key):
+                raise ValueError(f'"optimizer.params.{key}" needs torch\'s Adam(W) as the base '
+                                 f'optimizer (smartinf\'s default): remove "torch_adam": false '
+                                 f'(it builds DeepSpeed\'s FusedAdam, which has no {key})')
+    if kind in ("sgd", "adagrad", "lion") and "amsgrad" in params:
+        raise ValueError(f'"optimizer.params.amsgrad" is an option of Adam and AdamW (a fourth '
+                         f'state array); the {block["type"]} block has none: remove it')
+    if kind == "lion":
+        unknown = sorted(set(params) - set(LION_KEYS))
+        if unknown:
+            raise ValueError(f'"optimizer.params" {unknown} of the Lion block: smartinf\'s Lion '
+                             f'takes {list(LION_KEYS)} (its states are fp32 on the devices): '
+                             f'remove {"it" if len(unknown) == 1 else "them"}')
+
+
+# The update rule for DeepSpeed's base optimizer: its Adam variants and torch's Adam(W)
+# by their decoupled-weight-decay flag, SGD, Adagrad, Lion; any other optimizer is refused.
+# amsgrad and maximize come with the param groups (rule_for).
+def _rule_class(optimizer: torch.optim.Optimizer) -> type:
+    name = type(optimizer).__name__
+    if name in ("DeepSpeedCPUAdam", "FusedAdam", "ZenFlowCPUAdam"):
+        decoupled = bool(getattr(optimizer, "adamw_mode", getattr(optimizer, "adam_w_mode", True)))
+        return update_rules.AdamW if decoupled else update_rules.Adam
+    if isinstance(optimizer, torch.optim.Adam):  # torch's AdamW is an Adam subclass
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or \
+            optimizer.defaults.get("decoupled_weight_decay", False)
+        return update_rules.AdamW if decoupled else update_rules.Adam
+    if isinstance(optimizer, torch.optim.SGD):
+        return update_rules.SGD
+    if name in ("Adagrad", "DeepSpeedCPUAdagrad"):
+        return update_rules.Adagrad
+    if name in ("FusedLion", "DeepSpeedCPULion", "LionParams"):
+        return update_rules.Lion
+    raise ValueError(f"smartinf runs Adam, AdamW, SGD, Adagrad and Lion; the DeepSpeed optimizer is "
+                     f"{name}")
+
+
+def _rule(rule_class: type, group: dict) -> Any:
+    """The update rule with a param group's current hyper-parameters (read every step)."""
+    if not group.get("bias_correction", True):
+        raise ValueError("bias_correction=False is not supported by smartinf")
+    return rule_for(rule_class, group)
+
+
+class LionParams(torch.optim.Optimizer):
+    """The base optimizer of a config's ``"Lion"`` block: it only holds the param groups'
+    hyper-parameters (the update runs on the devices), where DeepSpeed would build its
+    FusedLion, a CUDA op (none on CPU)."""
+
+    def __init__(self, params: Any, lr: float = update_rules.Lion.lr,
+                 betas: tuple = update_rules.Lion.betas,
+                 weight_decay: float = update_rules.Lion.weight_decay,
+                 maximize: bool = False) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      maximize=maximize))
+
+    def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
+        raise RuntimeError("LionParams holds hyper-parameters; the devices run the update")
+
+
+def _with_lion_params(config: dict, args: tuple, kwargs: dict) -> tuple:
+    """A config "Lion" block becomes a LionParams client optimizer (see there)."""
+    opt = config.get("optimizer")
+    if not (isinstance(opt, dict) and str(opt.get("type", "")).lower() == "lion"):
+        return config, kwargs
+    if kwargs.get("optimizer") is not None:
+        raise ValueError('the config has an "optimizer" block and an optimizer was passed too')
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    params = kwargs.get("model_parameters")
+    params = list(params) if params is not None else list(model.parameters())
+    kwargs = dict(kwargs, model_parameters=params,
+                  optimizer=LionParams(params, **opt.get("params", {})))
+    config = {k: v for k, v in config.items() if k != "optimizer"}
+    config["zero_allow_untested_optimizer"] = True  # it never steps: the devices do
+    return config, kwargs
+
+
+def _with_torch_adam(config: dict) -> dict:
+    """The base optimizer only holds hyper-parameters here; torch's Adam(W) does that
+    without DeepSpeed's FusedAdam, which would compile a CUDA op on first use."""
+    opt = config.get("optimizer")
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        params = dict(opt.get("params", {}))
+        params.setdefault("torch_adam", True)
+        config = dict(config, optimizer=dict(opt, params=params))
+    return config

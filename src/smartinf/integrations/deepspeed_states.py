@@ -1,0 +1,201 @@
+"""``SmartInfinityStage3``'s stored states as DeepSpeed reaches them: its fp32 accessors
+(``safe_get_*``/``safe_set_*``) and ``refresh_fp32_params`` on the devices, its checkpoint's
+masters and the device directories copied with it, and the ranks' agreement on the step
+they open at."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
+
+from ..checkpoint import restore_devices, save_devices
+from ..rounding import to_bf16
+
+logger = logging.getLogger("smartinf")
+
+
+class StoredStates:
+    """Mixed into ``SmartInfinityStage3``."""
+
+    def _all_ranks(self, action: Any) -> Any:
+        """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
+        waiting in the next collective would hang)."""
+        error: Optional[BaseException] = None
+        try:
+            result = action()
+        except (ValueError, OSError) as e:
+            error, result = e, None
+        failed = torch.tensor([float(error is not None)], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("another rank could not open its smartinf directories (its error "
+                               "says why); nothing was changed here")
+        return result
+
+    def _agree_on_step(self) -> None:
+        """Every rank opens at one durable step: a crash between the ranks' commits leaves
+        some one commit ahead, whose shadow copies hold the others' step: they go back to it
+        (before any sub-group is attached). Ranks further apart are refused, naming each
+        rank's step."""
+        world = dist.get_world_size()
+        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
+        rank = dist.get_rank()
+        mine[2 * rank] = float(self.pipeline.durable_step_count)
+        mine[2 * rank + 1] = float(self.pipeline.previous_step_count)
+        dist.all_reduce(mine, op=dist.ReduceOp.SUM)
+        steps, previous = [int(x) for x in mine[0::2].tolist()], [int(x) for x in mine[1::2].tolist()]
+        low = min(steps)
+        if all(s == low or p == low for s, p in zip(steps, previous)):
+            if steps[rank] != low:
+                self.pipeline.roll_back_to(low)
+                logger.warning("rank %d's directories %s were one commit ahead of the other "
+                               "ranks' (step %d; a crash between the ranks' commits): rolled back "
+                               "to step %d", rank, self._dirs, steps[rank], low)
+            return
+        held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        why = ("of one copy (copies=1), which holds no earlier step to bring them together"
+               if self.settings.pipeline.copies == 1 else "more than one commit apart")
+        raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
+                           f"durable steps ({held}), {why}: load a checkpoint or use fresh "
+                           f"directories")
+
+    def _agree_on_resume(self) -> None:
+        """All ranks resume or none do (at one step: ``_agree_on_step`` saw to it at open)."""
+        flags = torch.tensor([float(self._resumed), -float(self._resumed)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] != -flags[1]:
+            raise RuntimeError(f"some ranks found stored states in {self.settings.devices} and "
+                               f"others did not: load a checkpoint or use fresh directories")
+        if self._resumed:
+            logger.warning("resumed %d sub-groups at step %d from %s (if_exists=\"resume\"): "
+                           "their stored weights replaced the model's", self.pipeline.num_subgroups,
+                           self.pipeline.step_count, self._dirs)
+            self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
+        """The kept-whole (persistent) params gathered again from their partitions: an
+        all-gather skips params still gathered, so they are released first."""
+        if self.persistent_parameters:
+            self.persistent_parameters[0].partition(self.persistent_parameters)
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+        for p in self.persistent_parameters:
+            self._whole.record(p)
+
+    def _get_fp32_opt_state_partition(self, param: Any, release_swap_buffers: bool,
+                                      optim_state_key: Optional[str] = None) -> tuple:
+        """This rank's part of ``param``'s master (or optimizer state), from the devices'
+        committed step: what DeepSpeed's safe_get_*/safe_set_* read and write in place."""
+        self.settle()
+        names = self.pipeline.optimizer.state_names
+        if optim_state_key not in (None, *names):
+            raise KeyError(f"{optim_state_key!r} is not an optimizer state of smartinf's "
+                           f"{self.pipeline.optimizer.name}: it keeps {list(names)}")
+        group_idx, offset, numel = self.grad_position[self.get_param_id(param)]
+        states = self.pipeline.read_states(group_idx, params=self._host_params(group_idx))
+        # DeepSpeed's setters keep the buffers (release_swap_buffers=False) to write them
+        self._read = None if release_swap_buffers else (group_idx, states)
+        part = states["param" if optim_state_key is None else optim_state_key]
+        return torch.from_numpy(part[offset:offset + numel]), group_idx
+
+    def set_full_hp_param(self, value: Any, param: Any, optim_state_key: Any = None) -> None:
+        self._write_through(super().set_full_hp_param, value, param, optim_state_key)
+
+    def set_local_hp_param(self, value: Any, param: Any, optim_state_key: Any = None) -> None:
+        self._write_through(super().set_local_hp_param, value, param, optim_state_key)
+
+    def _write_through(self, setter: Any, *args: Any) -> None:
+        """DeepSpeed's setter on the states read from the devices, which then go back as a
+        step. As with DeepSpeed's own fp32 partitions, the model's param takes a new master
+        at the next step."""
+        self.settle()
+        self._read = None
+        setter(*args)
+        read, self._read = self._read, None
+        if read is not None:  # else the setter returned early (a frozen param)
+            group_idx, states = read
+            with self.pipeline.step():
+                self.pipeline.write_states(group_idx, states,
+                                           self.pipeline.subgroup_steps(group_idx))
+            if self._split:  # the new master's high halves are the params now
+                flat = self.fp16_partitioned_groups_flat[group_idx]
+                flat.copy_(to_bf16(torch.from_numpy(states["param"])).to(flat.device))
+                self._unflatten_partitioned_parameters(group_idx)
+
+    def _host_params(self, i: int) -> Optional[torch.Tensor]:
+        """Sub-group ``i``'s bf16 params on the host: a split master is rebuilt from them."""
+        return self.fp16_partitioned_groups_flat[i].to("cpu").contiguous() if self._split else None
+
+    def _restore_from_bit16_weights(self) -> None:
+        """DeepSpeed's masters := the model's partitions (``refresh_fp32_params``, loads
+        without optimizer states): written to the devices as a step; the optimizer states
+        stay, as DeepSpeed's do."""
+        self.settle()
+        with self.pipeline.step():
+            for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+                self.pipeline.write_master(i, flat.detach().to("cpu", torch.float32))
+        for i in range(len(self.fp16_groups)):
+            self._put(i)
+
+    def state_dict(self) -> dict:
+        """DeepSpeed's, with the devices' committed masters in place of the empty fp32
+        partitions, so that zero_to_fp32 consolidates the true fp32 weights (``save_checkpoint``
+        has taken params edited since the last step as the masters: ``save_states``)."""
+        self.settle()
+        state = super().state_dict()
+        state[FP32_FLAT_GROUPS] = [
+            torch.from_numpy(self.pipeline.read_states(i, params=self._host_params(i))["param"])
+            for i in range(len(self.fp16_groups))]
+        return state
+
+    def _rigid_load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """DeepSpeed's load without the file's masters: the devices' copies carry them. With
+        a split master the devices hold only their low halves: the partitions take the high
+        halves, the file's masters rounded as the devices round them (the params the step
+        that saved them emitted), which the module file of a ZeRO-3 checkpoint does not hold."""
+        super()._rigid_load_state_dict({**state_dict, FP32_FLAT_GROUPS: []},
+                                       load_optimizer_states)
+        if self._split:
+            for i, (flat, master) in enumerate(zip(self.fp16_partitioned_groups_flat,
+                                                   state_dict[FP32_FLAT_GROUPS])):
+                flat.copy_(to_bf16(master.float()).to(flat.device))
+                self._unflatten_partitioned_parameters(i)
+
+    def save_states(self, directory: str) -> None:
+        """Copies this rank's device directories (the last committed step) to ``directory``,
+        replacing an earlier copy under the same tag (the transformers Trainer saves a tag
+        twice), as DeepSpeed replaces its own files. Params edited since the last step are
+        taken as the masters first, as a step would (every rank saves: ``_adopt`` is a
+        collective)."""
+        self.settle()
+        self._adopt(self._edited())
+        self.pipeline.flush()  # the directories hold every committed step
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        save_devices(self._dirs, directory)
+
+    def restore_states(self, directory: str) -> None:
+        """Replaces this rank's device directories with a copy saved by ``save_states`` and
+        puts the restored master weights into the model's partitions."""
+        self.settle()
+        self.pipeline.close()
+        restore_devices(directory, self._dirs)
+        self.pipeline = self._driver.pipeline = self._session.pipeline = self._open_pipeline("resume")
+        if self._speculation is not None:
+            self._speculation.pipeline = self.pipeline
+        self._attach()
+        missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
+        if missing:
+            raise ValueError(f"the checkpoint in {directory} lacks sub-groups {missing} of "
+                             f"this model; was it saved with another model or world size?")
+        self._regather_persistent()
+
+    def traffic(self) -> dict[str, float]:
+        """Bytes moved so far per link and the steps committed (this rank)."""
+        return self._driver.traffic()

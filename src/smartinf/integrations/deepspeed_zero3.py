@@ -1,0 +1,319 @@
+"""``SmartInfinityStage3``: DeepSpeed's ZeRO-3 optimizer whose per-sub-group step runs in a
+``smartinf.Pipeline`` (see ``smartinf.integrations.deepspeed``): its layout (sub-groups on
+the devices, the kept-whole and small params in sub-groups of their own, ``auto``'s choice)
+and its step (DeepSpeed's overflow check, loss scale, norm and clipping; the updates through
+the ``StepSession``, now or, with overlap, in the tail). Updates during backward:
+``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero import stage3
+
+from .. import defaults, edits, plan
+from ..driver import Driver, overrides, stored_rule
+from ..pipeline import Pipeline
+from ..step_session import StepSession
+from .deepspeed_config import _rule, _rule_class, check_config
+from .deepspeed_overlap import Overlap
+from .deepspeed_states import StoredStates
+
+logger = logging.getLogger("smartinf")
+
+
+class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
+    """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
+
+    def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any,
+                 ds_config: dict, **kwargs: Any) -> None:
+        self.settings = check_config(ds_config)
+        self._rule_class = _rule_class(init_optimizer)
+        self._compress = self.settings.top_k()
+        self.pipeline: Optional[Pipeline] = None
+        self._read: Optional[tuple] = None  # states read by an accessor, for a setter to write
+        self.last_step_seconds = 0.0
+        self._resumed = False
+        super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        self._agree_on_resume()
+        self._start_speculation()
+
+    # -- layout: sub-groups live on the devices ---------------------------------------
+    def _create_fp16_sub_groups(self, params_group: list) -> list:
+        """DeepSpeed's, with the kept-whole (persistent) params in sub-groups of their own
+        in front: ``step()`` updates those before it returns (they are small: DeepSpeed's
+        ``stage3_param_persistence_threshold``), so they are gathered again with their new
+        values however much of the rest finishes during the next forward (``overlap``).
+        With overlap or without, so that both group the norm's sums alike. With int8/int4
+        states the small tensors (``defaults.SMALL_TENSOR`` elements) come first, in
+        sub-groups of their own: their moments stay fp32 (``Pipeline(small_sizes=)``)."""
+        self._choose(params_group)
+        small = defaults.small_tensor(self.settings.pipeline.state_dtype)
+        kinds = [[p for p in params_group if p.ds_numel <= small],
+                 [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
+                 [p for p in params_group if p.ds_numel > small and not getattr(p, "ds_persist", False)]]
+        split = super()._create_fp16_sub_groups  # (no super() inside the comprehension)
+        if sum(bool(k) for k in kinds) < 2:
+            return split(params_group)
+        return [g for k in kinds if k for g in split(k)]
+
+    def _choose(self, params: list) -> None:
+        """``"state_dtype": "auto"``: rank 0 asks ``plan.choose`` for its share of the params
+        (the host's memory and disks shared by its ranks), every rank takes that choice."""
+        if not self.settings.auto:
+            return
+        world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        chosen = [None]
+        if dist.get_rank() == 0:
+            given = self.settings.pipeline
+            devices = self.settings.rank_devices(0, 0)
+            numel = sum(p.ds_numel for p in params) // world
+            # with speculation, the host copies of the partitions (params out, and on a GPU
+            # gradients in: _start_speculation) hold host memory beside the states
+            on_gpu = torch.cuda.is_available()
+            partition_copies = (2 if on_gpu else 1) if self._speculates(on_gpu) else 0
+            buffers = partition_copies * numel * max(p.element_size() for p in params)
+            choice = plan.choose(
+                numel,
+                [d if isinstance(d, str) else d.path for d in devices],
+                bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
+                if_exists=given.if_exists, host_buffers=buffers,
+                gpu_budget=self.settings.gpu_memory_budget,
+                **{k: getattr(given, k) for k in self.settings.auto if k != "auto"})
+            logger.warning("%s (each of %d ranks)", choice.report(), world)
+            chosen = [choice.settings()]
+        dist.broadcast_object_list(chosen, src=0)
+        self.settings = dataclasses.replace(
+            self.settings, auto=(), pipeline=dataclasses.replace(self.settings.pipeline, **chosen[0]))
+
+    def _create_fp32_partitions(self) -> None:
+        """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
+        started from the partition's params (or resumed from the devices)."""
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        if any(flat is None for flat in self.fp16_partitioned_groups_flat):
+            raise ValueError("parameter partitions swapped to NVMe are not supported with smartinf")
+        self._offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self._persistent_subgroups = [i for i, group in enumerate(self.fp16_groups) if group and all(
+            getattr(p, "ds_persist", False) for p in group)]
+        small = defaults.small_tensor(self.settings.pipeline.state_dtype)
+        self._small = [bool(group) and all(p.ds_numel <= small for p in group)
+                       for group in self.fp16_groups]
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
+        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
+        self._split = self.settings.pipeline.master == "split"
+        if self._split and any(f.dtype != torch.bfloat16 for f in self.fp16_partitioned_groups_flat):
+            raise ValueError("master='split' keeps the low halves of the fp32 masters of bf16 "
+                             "params: enable \"bf16\" in the DeepSpeed config, or use "
+                             "master='fp32'")
+        self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
+        self._agree_on_step()
+        self._driver = Driver(self.pipeline, max(numels), self._compress)
+        self._session = StepSession(self.pipeline, self._driver, self._put_params)
+        # What the partitions held when the step last put them (a split master's devices
+        # check their own), and what the kept-whole params held when last gathered: edits
+        # since become the masters at the next step.
+        self._watch = None if self._split else \
+            edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
+        self._whole = edits.ParamWatch(lambda p: [p.data])
+        self._attach()
+        for i, numel in enumerate(numels):
+            placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
+            ids = self.fp16_partitioned_groups_flat_id[i]
+            placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
+            self.fp32_partitioned_groups_flat.append(placeholder)
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+
+    def _open_pipeline(self, if_exists: str) -> Pipeline:
+        rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        quantized = self.settings.pipeline.state_dtype != "fp32"
+        return Pipeline(self._devices, rule,
+                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
+                        subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
+                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None)
+
+    def _attach(self) -> None:
+        """Registers every sub-group; resumed ones put their master weights into the model."""
+        for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+            master = self._driver.staging.grad(0, torch.float32, flat.numel())
+            master.copy_(flat)
+            if self.pipeline.add_subgroup(flat.numel(), init=master, small=self._small[i]) != i:
+                raise RuntimeError(f"sub-group {i} was registered out of order")
+            if self.pipeline.resumed(i):
+                self._resumed = True
+                if self._split:  # the partitions hold the high halves: loaded with the model
+                    continue
+                flat.copy_(torch.from_numpy(self.pipeline.read_states(i)["param"]))
+                self._unflatten_partitioned_parameters(i)
+            if self._watch is not None:
+                self._watch.record(i)
+
+    def initialize_optimizer_states(self) -> None:
+        """Nothing to allocate: the states were created on the devices with the sub-groups."""
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """DeepSpeed's ZeRO-3 step (overflow check, loss scale, norm, clipping) with the
+        per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices
+        (with ``overlap``: the updates not done during backward finish while the next
+        forward runs)."""
+        if self._tail is not None:
+            self._tail.drain()  # a step without a backward since the last one
+        self._pre_step()
+        self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_norm = None
+        if not self.overflow:
+            scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
+            if is_invalid_grad_norm(scaled_norm):
+                self.overflow = True
+        hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
+        if self._loss_scale_update_and_overflow_cleanup():
+            self._take_speculated(None, hyper)  # all retracted
+            self._session.predict(None)
+            return  # skipped: the stored states are untouched
+        self._global_grad_norm = scaled_norm / self.loss_scale
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
+        start = time.perf_counter()
+        self.zero_grad(set_to_none=True)
+        combined = self._combined_scale(scaled_norm)
+        scale = float(1.0 / combined)
+        self._session.begin()
+        if self._tail is None:
+            kept = self._take_speculated(scale, hyper)
+            self._session.now(kept, [i for i in range(len(self.fp16_groups)) if i not in kept],
+                              lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
+                              self._finish)
+        else:
+            self._finish_later(scale, hyper)
+        # the next step: the same scale, unless clipped
+        self._session.predict(scale if float(combined) == float(self.loss_scale) else None)
+        self.last_step_seconds = time.perf_counter() - start
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
+        self._post_step({stage3.OPTIMIZER_STEP_TIMER})
+
+    def _edited(self) -> list[int]:
+        """The sub-groups whose partitions the caller changed since the step put them
+        (through ``GatheredParameters(modifier_rank=...)``, or in a kept-whole param's
+        gathered copy, which is written into its partition here, as DeepSpeed's
+        ``partition(has_been_updated=True)`` would)."""
+        whole = [p for p in self.persistent_parameters if p.data.numel() == p.ds_numel]
+        for p in self._whole.changed(whole):  # (one partitioned since holds its edits there)
+            part, flat = p.ds_tensor, p.data.reshape(-1)
+            start = part.ds_numel * dist.get_rank(group=self.dp_process_group)
+            count = max(0, min(part.ds_numel, p.ds_numel - start))
+            part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+        return [] if self._watch is None else self._watch.changed(range(len(self.fp16_groups)))
+
+    def _adopt(self, edited: list) -> None:
+        """The edited partitions become the masters (``ParamWatch.adopt``), as a step of their
+        own on every rank at once (the ranks' directories keep one step count)."""
+        anywhere = torch.tensor([float(bool(edited))], device=self.device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if not anywhere.item():
+            return
+        flats = self.fp16_partitioned_groups_flat
+        self._watch.adopt(self.pipeline, edited,
+                          lambda i: (flats[i].detach().to("cpu", torch.float32), flats[i].dtype),
+                          self._speculation)
+
+    def _finish_later(self, scale: float, hyper: list) -> None:
+        """The updates started during backward that held are put; the rest are launched in
+        the order the next forward gathers their params, and the step is committed when
+        the tail drains."""
+        self._tail.begin()
+        try:
+            # those that held finish in the tail too (their params put when the forward
+            # gathers them), in the speculation's buffers, where the others' go
+            kept = self._take_speculated(scale, hyper, later=self._tail.start)
+            # Sub-groups on this GPU are updated where they are, now (milliseconds), and so
+            # are the kept-whole params' (gathered again with their new values before
+            # step() returns); the others through the host buffers, while the forward runs.
+            self._tail.wait(self._persistent_subgroups)
+            rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
+            here = [i for i in rest if i in self._persistent_subgroups or (
+                self._in_place(i) and not self.fp16_partitioned_groups_flat[i].is_cpu)]
+            self._session.run(here, lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
+                              self._finish)
+            for i in rest:
+                if i not in here:
+                    send, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
+                                                    speculative=False)
+                    self._tail.start(i, self._speculation.launch(partial(send, scale), ready))
+        except BaseException:
+            self._tail.abort()
+            raise
+
+    def _post_step(self, timer_names: Any) -> None:
+        """DeepSpeed's (the kept-whole params gathered again: their sub-groups are done),
+        then what they hold is what an edit is told from."""
+        super()._post_step(timer_names)
+        for p in self.persistent_parameters:
+            self._whole.record(p)
+
+    def _combined_scale(self, total_norm: Any) -> Any:
+        """What DeepSpeed divides the gradients by: loss scale times the clip coefficient."""
+        combined = self.loss_scale
+        if self.clip_grad > 0.0:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined = torch.clamp(clip, min=1.0) * self.loss_scale
+        return combined
+
+    def _grad_partition(self, i: int) -> torch.Tensor:
+        flat = self.fp16_partitioned_groups_flat[i]
+        return self.grad_partitions_flat_buffer.narrow(0, self._offsets[i], flat.numel())
+
+    def _send(self, i: int, buffer: int, scale: float, hyper: dict) -> Any:
+        flat = self.fp16_partitioned_groups_flat[i]
+        return self._driver.send(i, self._grad_partition(i), buffer, scale, hyper,
+                                 out=flat if self._in_place(i) else None, out_dtype=flat.dtype,
+                                 params=flat if self._split else None)
+
+    def _in_place(self, i: int) -> bool:
+        """Whether the device writes sub-group ``i``'s params into its partition itself: one
+        in host memory, or in the memory of the GPU that updates it (but a split master's,
+        which are checksummed on the host)."""
+        flat = self.fp16_partitioned_groups_flat[i]
+        return flat.is_cpu or (not self._split and self.pipeline.gpu_of(i) == flat.device.index)
+
+    def _finish(self, i: int, buffer: int) -> None:
+        flat = self.fp16_partitioned_groups_flat[i]
+        if self._in_place(i):
+            self._unflatten_partitioned_parameters(i)
+            self._put(i)
+        else:
+            self._put_params(i, self._driver.out(buffer, flat.dtype, flat.numel()))
+
+    def _put_params(self, i: int, params: torch.Tensor) -> None:
+        """Sub-group ``i``'s updated params (a host buffer), or its fp32 masters, into its
+        partition."""
+        flat = self.fp16_partitioned_groups_flat[i]
+        flat.copy_(params, non_blocking=True)
+        if not flat.is_cpu:
+            torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
+        self._unflatten_partitioned_parameters(i)
+        self._put(i)
+
+    def _put(self, i: int) -> None:
+        """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
+        if self._watch is not None:
+            self._watch.record(i)
+
+    def destroy(self) -> None:
+        self.settle()
+        if getattr(self, "_speculation", None) is not None:
+            self._speculation.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
+        super().destroy()
