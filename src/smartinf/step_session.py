@@ -32,15 +32,18 @@ logger = logging.getLogger("smartinf")
 
 class StepSession:
     """The steps of one front-end's pipeline. ``put(sg, params)`` writes a flat tensor of
-    sub-group ``sg``'s params (updated ones, or fp32 masters) into the model."""
+    sub-group ``sg``'s params (updated ones, or fp32 masters) into the model;
+    ``restored(subgroups)``, if given, is told which were put back after a failure."""
 
     def __init__(self, pipeline: Pipeline, driver: Driver, put: Callable[[int, torch.Tensor], None],
-                 speculation: Optional[Speculation] = None) -> None:
+                 speculation: Optional[Speculation] = None,
+                 restored: Optional[Callable[[list], None]] = None) -> None:
         self.pipeline = pipeline
         self.driver = driver
         self.speculation = speculation
         self.tail: Optional[StepTail] = None
         self._put = put
+        self._restored = restored  # told which sub-groups' params were put back
         self._before = 0  # the step count when the step began
         self._touched: list[int] = []  # sub-groups whose params this step put
 
@@ -138,6 +141,8 @@ class StepSession:
         try:
             for sg in subgroups:
                 self._put(sg, torch.from_numpy(self.pipeline.read_states(sg)["param"]))
+            if self._restored is not None and subgroups:
+                self._restored(subgroups)
         except Exception as e:  # the original error is the one to raise
             logger.error("the step failed and the model's params could not be restored (%s): "
                          "%d sub-groups hold the failed step's update; reopen the directories "

@@ -116,7 +116,8 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(numels), self._compress)
-        self._session = StepSession(self.pipeline, self._driver, self._put_params)
+        self._session = StepSession(self.pipeline, self._driver, self._put_params,
+                                    restored=self._warn_kept_whole)
         # What the partitions held when the step last put them (a split master's devices
         # check their own), and what the kept-whole params held when last gathered: edits
         # since become the masters at the next step.
@@ -304,6 +305,18 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
         self._put(i)
+
+    def _warn_kept_whole(self, restored: list) -> None:
+        """After a failure the partitions are back at the last durable commit; the gathered
+        copies of kept-whole params are not: gathering them again is a collective, which a
+        failure on one rank only would leave the others never joining."""
+        whole = sorted(set(restored) & set(self._persistent_subgroups))
+        if whole:
+            logger.warning("the step failed: the partitions of sub-groups %s are back at the "
+                           "last durable commit, but the gathered copies of their kept-whole "
+                           "params hold the failed step's values until the next step gathers "
+                           "them again: load a checkpoint (or reopen the directories) before "
+                           "training on for the same bits as a run that did not fail", whole)
 
     def _put(self, i: int) -> None:
         """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
