@@ -11,8 +11,10 @@ has them), so no copy passes through Python buffers.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import tempfile
 from typing import Sequence
 
 from .devices import SMALL_DIRECTORY
@@ -53,6 +55,15 @@ def save_devices(paths: Sequence[str], directory: str) -> list[str]:
     for path, target in zip(paths, targets):
         copy_device_dir(path, target)
     return targets
+
+
+def save_param_groups(param_groups: Sequence[dict], directory: str) -> None:
+    """The param groups' hyper-parameters (``param_groups.json``, written whole or not at
+    all) beside the device directories ``save_devices`` copied."""
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
+        json.dump(hyper, f, default=str)
+    os.replace(f.name, os.path.join(directory, "param_groups.json"))
 
 
 def restore_devices(directory: str, paths: Sequence[str]) -> None:

@@ -76,3 +76,16 @@ def scale(grad_scale: float, grads: Sequence[torch.Tensor],
     # rounded to fp32 as torch multiplies the gradients by an fp32 tensor.
     coef = torch.clamp(max_grad_norm / (total * grad_scale + 1e-6), max=1.0)
     return grad_scale * float(coef), norm
+
+
+#: said once (with the sub-groups) where ``partial`` finds any
+PARTIAL = ("sub-groups %s hold params without a gradient beside params with one: those get a "
+           "zero gradient (their moments decay and weight decay applies), where torch leaves "
+           "them untouched. Freeze them (requires_grad=False) before creating the optimizer, or "
+           "give them a param group of their own (warned once)")
+
+
+def partial(subgroups: Sequence[Subgroup]) -> list[int]:
+    """The sub-groups with params without a gradient beside params with one (``flat``
+    gives those zeros)."""
+    return [sg.id for sg in subgroups if any(s.param.grad is None for s in sg.slices)]

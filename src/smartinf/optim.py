@@ -15,24 +15,21 @@ constructing the optimizer on them.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import tempfile
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-from typing_extensions import TypedDict, Unpack
+from typing_extensions import Unpack
 
-from . import defaults, edits, gradients, plan, subgroups, torch_state, update_rules
-from .checkpoint import save_devices
+from . import edits, gradients, optim_options, subgroups, torch_state, update_rules
+from .checkpoint import save_devices, save_param_groups
 from .compress import TopK
 from .defaults import small_tensor, speculate_on_cpu
-from .devices import DeviceLike, resolve_devices, with_gpu
-from .driver import Driver, overrides, rule_for, stored_rule
+from .devices import DeviceLike, resolve_devices
+from .driver import Driver, overrides, rule_for
+from .optim_options import StorageOptions
 from .pipeline import Pipeline
-from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from .settings import PipelineSettings
 from .speculation import ParamHooks, Speculation
 from .step_session import StepSession
 from .subgroups import Subgroup
@@ -42,46 +39,6 @@ logger = logging.getLogger("smartinf")
 #: Parameters per sub-group unless ``subgroup_size`` says otherwise (DeepSpeed's
 #: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
 DEFAULT_SUBGROUP_SIZE = 16 << 20
-_UNSUPPORTED = {"capturable": False, "differentiable": False}
-_IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
-
-
-class StorageOptions(TypedDict, total=False):
-    """Keyword arguments every ``smartinf.optim`` optimizer takes besides torch's.
-
-    ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
-    ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
-    ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
-    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
-    ``overlap``, ``copies`` as for ``smartinf.Pipeline``
-    (``smartinf.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
-    budget, commit interval and copies ``smartinf.plan`` picks for these params, devices and
-    host, reported as a warning, explicit ``master``/``memory_budget``/``commit_every``/``copies`` kept); ``if_exists`` what to do with directories holding an
-    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
-    ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
-    there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
-    directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
-    (None: the model chooses, ``smartinf.twins``).
-    """
-
-    subgroup_size: int
-    compress: Optional[TopK]
-    max_grad_norm: Optional[float]
-    slots: Optional[int]
-    chunk: Optional[int]
-    io: Optional[str]
-    queue_depth: Optional[int]
-    host_link_gbps: Optional[float]
-    verify: bool
-    state_dtype: str
-    if_exists: str
-    memory_budget: "int | str"
-    master: str
-    io_schedule: str
-    commit_every: int
-    compute_threads: int
-    overlap: bool
-    gpu_memory_budget: "int | str"
 
 
 class _StorageOptimizer(torch.optim.Optimizer):
@@ -96,23 +53,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
                  gpu_memory_budget: "int | str | None" = None,
                  gpu_twins: Optional[bool] = None, **options: Any) -> None:
-        # The pipeline's settings (PIPELINE_KEYWORDS) and torch's own options, apart.
-        storage = {k: options.pop(k) for k in PIPELINE_KEYWORDS if k in options}
-        torch_options = options
-        if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
-            raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
-        if compress is not None and not isinstance(compress, TopK):
-            raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
-        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
-        # torch's own defaults, so param_groups carry exactly torch's keys and a state_dict
-        # moves between this optimizer and the torch one.
-        for key in _IGNORED:
-            if torch_options.pop(key, None):
-                logger.info("%s=True ignored: smartinf.optim runs the update on its devices", key)
-        probe = torch.nn.Parameter(torch.zeros(1))
-        full = dict(self.torch_class([probe], **defaults, **torch_options).defaults) \
-            if self.torch_class is not None else {**defaults, **torch_options}
+        optim_options.check_keywords(subgroup_size, compress, max_grad_norm)
+        storage, full = optim_options.split(options, self.torch_class, defaults)
         self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
         super().__init__(params, full)
         self.compress = compress
@@ -124,24 +66,26 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
         for group in self.param_groups:
-            self._check_group(group)
-            self._check_params(group)
+            optim_options.check_group(self, group)
+            optim_options.check_params(self, group)
         self._subgroup_size = subgroup_size
         if storage.get("state_dtype") == "auto":
-            storage.update(self._auto(storage, devices, gpu_memory_budget, if_exists))
+            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            storage.update(optim_options.auto(params, storage, resolve_devices(devices),
+                                              gpu_memory_budget, if_exists))
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
         self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
         self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
         self._split = settings.master == "split"
-        self._refuse_split_of_other_dtypes(self._plan)
+        optim_options.refuse_split_of_other_dtypes(self._split, self._plan)
         # What the model's params held when the optimizer last put or took them: an edit
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
             lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
-        pipeline = Pipeline(self._devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
-                                                   gpu_twins),
+        pipeline = Pipeline(optim_options.devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
+                                                           gpu_twins, self._plan),
                             self._rule(self.param_groups[0]), settings=settings,
                             subgroup_sizes=[sg.numel for sg in self._plan if not sg.small],
                             small_sizes=[sg.numel for sg in self._plan if sg.small]
@@ -160,7 +104,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         gpu = any(sg.device.type == "cuda" for sg in self._plan)
         if settings.overlap and compress is None and (gpu or speculate_on_cpu()):
             self._speculation = Speculation(pipeline)
-            self._hooks = ParamHooks(self._speculation, self._send_speculative,
+            self._hooks = ParamHooks(self._speculation, lambda sg, grad, scale, hyper, out: self._driver.send(
+                                         sg.id, grad, 0, scale, hyper, out=out, speculative=True,
+                                         params=self._flat_params(sg) if self._split else None),
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      gradients.flat)
             self._hooks.register(self._plan)
@@ -168,71 +114,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                     lambda i, flat: self._scatter(self._plan[i], flat),
                                     self._speculation)
 
-    def _devices_with_gpu(self, devices: list, budget: "int | str | None",
-                          twins: Optional[bool]) -> list:
-        """``devices``, with the GPU the params are on in front when given a budget."""
-        if budget is None:
-            if twins is not None:
-                raise ValueError("gpu_twins is for the states a gpu_memory_budget keeps in the "
-                                 "GPU's memory: give a budget, or leave gpu_twins out")
-            return devices
-        gpus = {sg.device for sg in self._plan if sg.device.type == "cuda"}
-        if len(gpus) != 1:
-            raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
-                             f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
-                             f": move the model to one GPU, or leave gpu_memory_budget out")
-        return with_gpu(devices, budget, gpus.pop().index, twins)
-
     # -- hyper-parameters -------------------------------------------------------------
-    def _auto(self, storage: dict, devices, gpu_memory_budget, if_exists: str) -> dict:
-        """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
-        params and devices (explicit ``master``, ``memory_budget``, ``commit_every`` and ``copies`` kept),
-        reported once."""
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # frozen: no states
-        budget = storage.get("memory_budget")
-        choice = plan.choose(
-            sum(p.numel() for p in params), [getattr(d, "path", d) for d in resolve_devices(devices)],
-            bf16_params=all(p.dtype == torch.bfloat16 for p in params),
-            gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
-            master=storage.get("master"), commit_every=storage.get("commit_every"),
-            copies=storage.get("copies"), if_exists=if_exists,
-            memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
-        logger.warning("%s", choice.report())
-        return choice.settings()
-
-    def _check_group(self, group: dict) -> None:
-        decoupled = self.rule_class is update_rules.AdamW
-        if group.get("decoupled_weight_decay", decoupled) != decoupled:
-            raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']} does not "
-                             f"match {type(self).__name__}; use smartinf.optim."
-                             f"{'AdamW' if not decoupled else 'Adam'}")
-        for key, allowed in _UNSUPPORTED.items():
-            if key in group and group[key] not in (allowed, None, False):
-                raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim."
-                                 f"{type(self).__name__}")
-        if self.param_groups:  # amsgrad, initial_accumulator_value: as the first group's
-            stored_rule([self._rule(self.param_groups[0]), self._rule(group)])
-
-    def _check_params(self, group: dict) -> None:
-        """Refuses params the devices cannot hold, before anything is stored."""
-        seen: set[int] = set()
-        for p in group["params"]:
-            if id(p) in seen:
-                raise ValueError(f"a param appears twice in one param group (torch warns and "
-                                 f"updates it twice per step; it will refuse it): pass each "
-                                 f"param once to smartinf.optim.{type(self).__name__}")
-            seen.add(id(p))
-            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
-                                f"float32, float16 and bfloat16 parameters")
-            if p.is_meta:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is on the meta device "
-                                 f"(no data): materialize the model (to_empty() and load the "
-                                 f"weights) before creating the optimizer, whose devices "
-                                 f"store the params' values")
-            if p.is_sparse:
-                raise ValueError("a parameter is a sparse tensor; smartinf updates dense params")
-
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group``: the new group's params get new
         sub-groups on the devices (resumed, when reopened directories hold them), after
@@ -243,11 +125,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         new: list[Subgroup] = []
         try:
-            self._check_group(group)
-            self._check_params(group)
+            optim_options.check_group(self, group)
+            optim_options.check_params(self, group)
             new = subgroups.plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
                                            len(self._plan), self._small)
-            self._refuse_split_of_other_dtypes(new)
+            optim_options.refuse_split_of_other_dtypes(self._split, new)
             self._driver.grow(max((sg.numel for sg in new), default=0))
             self._plan.extend(new)
             self._attach(self.pipeline, new)
@@ -262,14 +144,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
-
-    def _refuse_split_of_other_dtypes(self, plan: Sequence[Subgroup]) -> None:
-        other = sorted({str(sg.dtype) for sg in plan if sg.dtype != torch.bfloat16})
-        if self._split and other:
-            raise ValueError(f"master='split' keeps the low halves of the fp32 masters of "
-                             f"bfloat16 params (the params are the high ones); this model also "
-                             f"has {', '.join(other)} params: use master='fp32', or a bfloat16 "
-                             f"model")
 
     # -- layout -----------------------------------------------------------------------
     def _attach(self, pipeline: Pipeline, plan: Sequence[Subgroup]) -> None:
@@ -343,16 +217,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if self._watch is not None:
             self._watch.record(sg.id, pieces if hashed else None)
 
-    def _warn_partial(self, active: Sequence[Subgroup]) -> None:
-        partial = [sg.id for sg in active if any(s.param.grad is None for s in sg.slices)]
-        if partial and not self._warned_partial:
-            self._warned_partial = True
-            logger.warning(
-                "sub-groups %s hold params without a gradient beside params with one: those "
-                "get a zero gradient (their moments decay and weight decay applies), where "
-                "torch leaves them untouched. Freeze them (requires_grad=False) before creating "
-                "the optimizer, or give them a param group of their own (warned once)", partial)
-
     # -- step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
@@ -367,7 +231,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # Every group's hyper-parameters are checked before any sub-group is sent: a bad
         # one found halfway would leave earlier sub-groups' params updated in the model.
         for group in self.param_groups:
-            self._check_group(group)
+            optim_options.check_group(self, group)
         hyper = [overrides(self._rule(group)) for group in self.param_groups]
         grads = {id(p): g for group in self.param_groups for p in group["params"]
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
@@ -396,7 +260,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._stepped = True
         self._export = None
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
-        self._warn_partial([sg for sg in active if sg.id not in kept])
+        partial = gradients.partial([sg for sg in active if sg.id not in kept])
+        if partial and not self._warned_partial:
+            self._warned_partial = True
+            logger.warning(gradients.PARTIAL, partial)
         session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept},
                     [sg.id for sg in active if sg.id not in kept],
                     lambda i, b: self._driver.send(
@@ -405,12 +272,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
                         params=self._flat_params(self._plan[i]) if self._split else None),
                     self._finish)
         return loss
-
-    def _send_speculative(self, sg: Subgroup, grad: torch.Tensor, scale: float, hyper: dict,
-                          out: torch.Tensor) -> Any:
-        return self._driver.send(sg.id, grad, 0, scale, hyper, out=out,
-                                 params=self._flat_params(sg) if self._split else None,
-                                 speculative=True)
 
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]
@@ -425,9 +286,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         return self._driver.traffic()
 
     # -- torch state_dict ---------------------------------------------------------------
-    def _state_names(self) -> tuple:
-        return self.pipeline.optimizer.state_names
-
     def _torch_state(self, steps: int, arrays: dict, group: dict) -> dict:
         """One param's entry of torch's optimizer state from the stored arrays."""
         state = {"step": torch.tensor(float(steps))}
@@ -464,10 +322,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
-            json.dump(hyper, f, default=str)
-        os.replace(f.name, os.path.join(directory, "param_groups.json"))
+        save_param_groups(self.param_groups, directory)
         return targets
 
     def close(self) -> None:

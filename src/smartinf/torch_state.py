@@ -7,8 +7,7 @@ as in torch; an fp16/bf16 param's entry also holds its fp32 master weights (``MA
 ignored by torch), so loading it resumes exactly. ``load`` checks a state_dict (from this
 class or the torch optimizer) and writes its states onto the devices in one atomic step,
 the masters from the model's params where the state_dict has none. Each optimizer class
-says how its states map to torch's entries (``_state_names``, ``_torch_state``,
-``_stored_steps``).
+says how its states map to torch's entries (``_torch_state``, ``_stored_steps``).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import subgroups
+from . import optim_options, subgroups
 from .rounding import round_to
 from .subgroups import Slice, Subgroup
 
@@ -37,14 +36,14 @@ def export(opt: Any) -> dict:
             continue  # initial states: torch has none either
         params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
         stored = opt.pipeline.read_states(
-            sg.id, opt._driver.host_arrays(1 + len(opt._state_names()), sg.numel),
+            sg.id, opt._driver.host_arrays(1 + len(opt.pipeline.optimizer.state_names), sg.numel),
             params=params)
         group = opt.param_groups[sg.group]
-        names = opt._state_names() + ((MASTER,) if sg.dtype != torch.float32 else ())
+        names = opt.pipeline.optimizer.state_names + ((MASTER,) if sg.dtype != torch.float32 else ())
         for s in sg.slices:
             entry = per_param.get(ids[id(s.param)])
             if entry is None:
-                arrays = {n: _export_tensor(opt, s.param.shape) for n in opt._state_names()}
+                arrays = {n: _export_tensor(opt, s.param.shape) for n in opt.pipeline.optimizer.state_names}
                 entry = per_param[ids[id(s.param)]] = opt._torch_state(steps, arrays, group)
                 if MASTER in names:
                     entry[MASTER] = _export_tensor(opt, s.param.shape)
@@ -83,7 +82,7 @@ def load(opt: Any, state_dict: dict) -> None:
                              f"state_dict and {len(mine['params'])} here")
         for p, i in zip(mine["params"], theirs["params"]):
             ids[id(p)] = i
-            for n in opt._state_names():
+            for n in opt.pipeline.optimizer.state_names:
                 value = states.get(i, {}).get(n)
                 if value is not None and not isinstance(value, torch.Tensor):
                     raise TypeError(f"state {n!r} of param {i} is {type(value).__name__}, "
@@ -94,7 +93,7 @@ def load(opt: Any, state_dict: dict) -> None:
     new_groups = []
     for mine, theirs in zip(opt.param_groups, saved):
         group = dict(theirs, params=mine["params"])
-        opt._check_group(group)
+        optim_options.check_group(opt, group)
         opt._rule(group)  # validates the hyper-parameters before anything is written
         new_groups.append(group)
     if _is_own_export(opt, states):
@@ -107,13 +106,13 @@ def load(opt: Any, state_dict: dict) -> None:
         for sg in opt._plan:
             arrays = {"param": opt._driver.staging.grad(0, torch.float32, sg.numel)}
             arrays.update({n: torch.empty(sg.numel, dtype=torch.float32)
-                           for n in opt._state_names()})
+                           for n in opt.pipeline.optimizer.state_names})
             for s in sg.slices:
                 n_elems = s.stop - s.start
                 dst = slice(s.offset, s.offset + n_elems)
                 entry = states.get(ids[id(s.param)], {})
                 arrays["param"][dst].copy_(_master(s, entry.get(MASTER)))
-                for n in opt._state_names():
+                for n in opt.pipeline.optimizer.state_names:
                     value = entry.get(n)
                     if value is None:
                         arrays[n][dst].fill_(opt.pipeline.optimizer.initial_state)

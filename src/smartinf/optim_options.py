@@ -1,0 +1,164 @@
+"""``smartinf.optim``'s arguments: the pipeline's keywords and torch's own apart, torch's
+defaults filled in (so that ``param_groups`` carry exactly torch's keys and a ``state_dict``
+moves between a smartinf optimizer and the torch one), and what is refused before anything
+is stored: bad keyword values, a param group's options, params the devices cannot hold, a
+split master of other dtypes, a GPU budget without one GPU."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from typing_extensions import TypedDict
+
+from . import defaults, plan, update_rules
+from .compress import TopK
+from .devices import with_gpu
+from .driver import rule_for, stored_rule
+from .settings import KEYWORDS as PIPELINE_KEYWORDS
+from .subgroups import Subgroup
+
+logger = logging.getLogger("smartinf")
+
+class StorageOptions(TypedDict, total=False):
+    """Keyword arguments every ``smartinf.optim`` optimizer takes besides torch's.
+
+    ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
+    ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
+    ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
+    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
+    ``overlap``, ``copies`` as for ``smartinf.Pipeline``
+    (``smartinf.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
+    budget, commit interval and copies ``smartinf.plan`` picks for these params, devices and
+    host, reported as a warning, explicit ``master``/``memory_budget``/``commit_every``/``copies`` kept); ``if_exists`` what to do with directories holding an
+    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
+    ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
+    there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
+    directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
+    (None: the model chooses, ``smartinf.twins``).
+    """
+
+    subgroup_size: int
+    compress: Optional[TopK]
+    max_grad_norm: Optional[float]
+    slots: Optional[int]
+    chunk: Optional[int]
+    io: Optional[str]
+    queue_depth: Optional[int]
+    host_link_gbps: Optional[float]
+    verify: bool
+    state_dtype: str
+    if_exists: str
+    memory_budget: "int | str"
+    master: str
+    io_schedule: str
+    commit_every: int
+    compute_threads: int
+    overlap: bool
+    gpu_memory_budget: "int | str"
+
+
+_UNSUPPORTED = {"capturable": False, "differentiable": False}
+_IGNORED = ("fused", "foreach")  # torch's kernel choices: the update runs on the devices
+
+
+def split(options: dict, torch_class: Optional[type], defaults: dict) -> tuple[dict, dict]:
+    """(the pipeline's settings among ``options``, every torch option with torch's defaults
+    for ``torch_class``; None: torch has no such optimizer)."""
+    storage = {k: options.pop(k) for k in PIPELINE_KEYWORDS if k in options}
+    for key in _IGNORED:
+        if options.pop(key, None):
+            logger.info("%s=True ignored: smartinf.optim runs the update on its devices", key)
+    if torch_class is None:
+        return storage, {**defaults, **options}
+    probe = torch.nn.Parameter(torch.zeros(1))
+    return storage, dict(torch_class([probe], **defaults, **options).defaults)
+
+
+def check_keywords(subgroup_size: Any, compress: Any, max_grad_norm: Any) -> None:
+    if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
+        raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
+    if compress is not None and not isinstance(compress, TopK):
+        raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+
+
+def check_group(optimizer: Any, group: dict) -> None:
+    """A param group's options against ``optimizer``'s rule (and, for what fixes the
+    stored states, against its first group)."""
+    name = type(optimizer).__name__
+    decoupled = optimizer.rule_class is update_rules.AdamW
+    if group.get("decoupled_weight_decay", decoupled) != decoupled:
+        raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']} does not "
+                         f"match {name}; use smartinf.optim.{'AdamW' if not decoupled else 'Adam'}")
+    for key, allowed in _UNSUPPORTED.items():
+        if key in group and group[key] not in (allowed, None, False):
+            raise ValueError(f"{key}={group[key]!r} is not supported by smartinf.optim.{name}")
+    if optimizer.param_groups:  # amsgrad, initial_accumulator_value: as the first group's
+        stored_rule([rule_for(optimizer.rule_class, optimizer.param_groups[0]),
+                     rule_for(optimizer.rule_class, group)])
+
+
+def check_params(optimizer: Any, group: dict) -> None:
+    """Refuses params the devices cannot hold."""
+    seen: set[int] = set()
+    for p in group["params"]:
+        if id(p) in seen:
+            raise ValueError(f"a param appears twice in one param group (torch warns and "
+                             f"updates it twice per step; it will refuse it): pass each "
+                             f"param once to smartinf.optim.{type(optimizer).__name__}")
+        seen.add(id(p))
+        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"a parameter has dtype {p.dtype}; smartinf optimizes "
+                            f"float32, float16 and bfloat16 parameters")
+        if p.is_meta:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is on the meta device "
+                             f"(no data): materialize the model (to_empty() and load the "
+                             f"weights) before creating the optimizer, whose devices "
+                             f"store the params' values")
+        if p.is_sparse:
+            raise ValueError("a parameter is a sparse tensor; smartinf updates dense params")
+
+
+def refuse_split_of_other_dtypes(split: bool, plan: Sequence[Subgroup]) -> None:
+    other = sorted({str(sg.dtype) for sg in plan if sg.dtype != torch.bfloat16})
+    if split and other:
+        raise ValueError(f"master='split' keeps the low halves of the fp32 masters of "
+                         f"bfloat16 params (the params are the high ones); this model also "
+                         f"has {', '.join(other)} params: use master='fp32', or a bfloat16 "
+                         f"model")
+
+
+def devices_with_gpu(devices: list, budget: "int | str | None", twins: Optional[bool],
+                     plan: Sequence[Subgroup]) -> list:
+    """``devices``, with the GPU the params are on in front when given a budget."""
+    if budget is None:
+        if twins is not None:
+            raise ValueError("gpu_twins is for the states a gpu_memory_budget keeps in the "
+                             "GPU's memory: give a budget, or leave gpu_twins out")
+        return devices
+    gpus = {sg.device for sg in plan if sg.device.type == "cuda"}
+    if len(gpus) != 1:
+        raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
+                         f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
+                         f": move the model to one GPU, or leave gpu_memory_budget out")
+    return with_gpu(devices, budget, gpus.pop().index, twins)
+
+
+def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
+         gpu_memory_budget: "int | str | None", if_exists: str) -> dict:
+    """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
+    (trainable) params and devices (explicit ``master``, ``memory_budget``, ``commit_every``
+    and ``copies`` kept), reported once."""
+    budget = storage.get("memory_budget")
+    choice = plan.choose(
+        sum(p.numel() for p in params), [getattr(d, "path", d) for d in devices],
+        bf16_params=all(p.dtype == torch.bfloat16 for p in params),
+        gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
+        master=storage.get("master"), commit_every=storage.get("commit_every"),
+        copies=storage.get("copies"), if_exists=if_exists,
+        memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
+    logger.warning("%s", choice.report())
+    return choice.settings()
