@@ -181,6 +181,26 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world, monkeypatc
                        if i not in (2, 3)), name
 
 
+def test_four_ranks_with_overlap_train_bit_for_bit_as_without(work, disk_dir, monkeypatch):
+    """World 4 (one host's ranks, each with its own slice of the cores and its own
+    directories): updates during backward and the step's tail change no bit against
+    --no-overlap, and every rank ends at the same durable step."""
+    extra = ("--nan-at", "3", "--sub-group-size", "60000", "--clip", "0")
+    on = train(work, os.path.join(disk_dir, "spec-4"), "spec-4", world=4, extra=extra)
+    off = train(work, os.path.join(disk_dir, "nospec-4"), "nospec-4", world=4,
+                extra=(*extra, "--no-overlap"))
+    assert on["world_size"] == off["world_size"] == 4
+    assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)]
+    assert params_rel_diff(on, off) == 0.0
+    assert sum(s["pipeline"]["speculative_updates"] for s in on["steps"]) > 0
+    for run in ("spec-4", "nospec-4"):
+        steps = []
+        for rank in range(4):
+            with _reopened(os.path.join(disk_dir, run, "smartinf", f"rank{rank:05d}")) as pipe:
+                steps.append(pipe.durable_step_count)
+        assert steps == [STEPS - 1] * 4, (run, steps)  # every step but the skipped one
+
+
 def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
     """A config "Lion" block: loss-for-loss DeepSpeed's own Lion (ZeRO-3, CPU offload,
     DeepSpeedCPULion), with 8 B/param of states on storage. The params are not compared:

@@ -307,16 +307,14 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._put(i)
 
     def _warn_kept_whole(self, restored: list) -> None:
-        """After a failure the partitions are back at the last durable commit; the gathered
-        copies of kept-whole params are not: gathering them again is a collective, which a
-        failure on one rank only would leave the others never joining."""
+        """After a failure: gathering kept-whole params again is a collective, which a
+        failure on one rank only would leave unjoined; said instead."""
         whole = sorted(set(restored) & set(self._persistent_subgroups))
         if whole:
-            logger.warning("the step failed: the partitions of sub-groups %s are back at the "
-                           "last durable commit, but the gathered copies of their kept-whole "
-                           "params hold the failed step's values until the next step gathers "
-                           "them again: load a checkpoint (or reopen the directories) before "
-                           "training on for the same bits as a run that did not fail", whole)
+            logger.warning("the step failed: the partitions of sub-groups %s are back at the last "
+                           "durable commit, but the gathered copies of their kept-whole params "
+                           "hold the failed step's values until the next step gathers them: load "
+                           "a checkpoint (or reopen the directories) before training on", whole)
 
     def _put(self, i: int) -> None:
         """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
