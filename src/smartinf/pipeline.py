@@ -4,27 +4,32 @@ A sub-group is a flat range of parameters. Its fp32 master copy and optimizer st
 live on a device's storage; ``update`` sends the gradient in and gets the updated
 parameters out, while the transfer handler overlaps storage reads, the update kernel,
 the parameter copy-out and the write-back of the states of different chunks.
+
+This file: opening the devices, the layout (``add_subgroup``, where each sub-group is)
+and the lifetime; ``pipeline_steps``: the step protocol (``update``, ``retract``,
+``commit``/``discard``/``settle``); ``pipeline_states``: the states between steps. Their
+keywords' owner: ``smartinf.PipelineSettings``.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import numbers
 import os
-import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 
 from . import _native, buffers, space, twins
 from . import io_schedule as schedules
-from .compress import Compressed
 from .checkpoint import MANIFEST
 from .devices import DeviceLike, resolve, small_directory
+from .pipeline_states import States
+from .pipeline_steps import ParamsChangedWarning, Steps, UpdateFuture
 from .settings import PipelineSettings
 from .update_rules import AdamW, UpdateRule
+
+__all__ = ["Pipeline", "UpdateFuture", "ParamsChangedWarning"]
 
 logger = logging.getLogger("smartinf")
 _warned: set[str] = set()
@@ -34,36 +39,7 @@ _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host
                          io_schedule=None, overlap=None, copies=2)
 
 
-class ParamsChangedWarning(UserWarning):
-    """With ``master="split"``: params came back other than the devices emitted them, so
-    the changed ones were taken as the new fp32 masters (where a stored low half does not
-    round back to its param)."""
-
-
-class UpdateFuture:
-    """Completion of one ``Pipeline.update``: done when every updated param is in ``out``.
-
-    The gradient and ``out`` buffers must stay untouched until then; the future keeps
-    them alive. Write-back of the states continues after it is done.
-    """
-
-    __slots__ = ("_native", "_buffers")
-
-    def __init__(self, native: Any, keep_alive: tuple) -> None:
-        self._native = native
-        self._buffers = keep_alive
-
-    def done(self) -> bool:
-        return self._native.done()
-
-    def wait(self) -> None:
-        """Blocks until the params are out; raises the update's error, if any."""
-        self._native.wait()
-
-    get = result = wait
-
-
-class Pipeline:
+class Pipeline(Steps, States):
     """Near-storage optimizer over one or more devices.
 
     Parameters
@@ -75,90 +51,15 @@ class Pipeline:
     optimizer
         The update rule and its hyper-parameters: ``smartinf.AdamW()`` (the default),
         ``Adam``, ``SGD`` or ``Adagrad``; fixed for a directory.
-    slots
-        Ring slots per device (``SMARTINF_SLOTS``; unset: 4, and where a device's storage
-        runs phased enough more to hold one turn of its burst, at most 64): memory is
-        ``slots`` chunks per device, whatever the model size (``stats["slots"]``).
-    chunk
-        Parameters per chunk (``SMARTINF_CHUNK``, 1 Mi); fixed for a directory.
     param_dtype
         If given, every ``out`` must have this dtype (float32, float16 or bfloat16).
-    io
-        Storage engine: ``auto`` (io_uring, else threads), ``uring`` or ``threads``
-        (``SMARTINF_IO``).
-    host_link_gbps
-        Cap on the host link the devices share, GB/s in each direction
-        (``SMARTINF_HOST_LINK_GBPS``; none by default): gradients in and params out of
-        all devices together wait for it, as behind one PCIe switch.
-
-    state_dtype
-        ``"fp32"`` (default) or ``"int8"``: the rule's moments stored 8-bit, block-wise
-        quantized (256 per block, a non-linear code scaled by each block's maximum), so an
-        Adam param takes ~6 B of storage instead of 12 and a step moves half the bytes
-        (Lion: ~5 B instead of 8). ``"int4"``: 4-bit moments (Li et al., NeurIPS 2023), ~1.1
-        B per param for Adam's two. The master weights stay fp32 (see ``master``). Fixed for
-        a directory; for the rules whose row in ``kernels/rules.h`` allows it (Adam, AdamW,
-        Lion).
-    master
-        ``"fp32"`` (default): fp32 master weights stored, 4 B per param. ``"split"``, for
-        bfloat16 params: bf16 is the upper half of an fp32, so only each master's low 16 bits
-        are stored (2 B) and every ``update`` sends the current params in with the gradient
-        (``out`` holds them on entry): the device rebuilds the exact fp32 master, updates it
-        and emits the new params and low halves -- the same bits as ``"fp32"`` (bf16 rounds
-        to nearest, ties away from zero, with either). Params that come back other than
-        emitted (weights loaded or edited) are found by a checksum per chunk and taken as the
-        new masters, with a ``ParamsChangedWarning``. Reading the masters takes the params
-        (``read_states(params=)``). Fixed for a directory; cpu devices.
-    verify
-        Check every extent loaded in a step against the checksum (XXH3-64) written with
-        it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,
-        chunk and step. Reopened sub-groups are always checked once, when added.
-    if_exists
-        What to do with directories that hold an earlier run (committed steps or
-        sub-groups): ``"resume"`` it (the default here: ``add_subgroup`` keeps the stored
-        states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
-        starts from its ``init``), or ``"error"`` (refused, nothing changed).
-    memory_budget
-        Bytes of states per ``cpu`` device kept resident in host RAM
-        (``SMARTINF_MEMORY_BUDGET``; 0), allocated when the pipeline is created (memory
-        stays fixed whatever the model); a ``CudaDevice`` takes a GPU memory budget of its
-        own. Each sub-group whose states fit in what is left
-        stays resident from ``add_subgroup`` on (``resident(sg)``): it is updated in memory
-        and only written to storage, never read; the others stream through the slots.
-    commit_every
-        Steps per durable commit (``SMARTINF_COMMIT_EVERY``; 1). Every ``commit_every``-th
-        ``commit()`` writes the resident states, syncs and switches the manifests; the
-        others only advance ``step_count``. A crash reopens at ``durable_step_count``,
-        bit for bit; ``discard()`` and a failed step go back to it as well.
-    copies
-        Extents of each chunk in a directory, fixed when it is made (2). 2: the committed
-        copy and the one a step writes, so a crash at any instant reopens at the last
-        durable step. 1: half the disk, for a model whose two copies do not fit: every
-        sub-group must be resident (refused before any byte is written otherwise), and a
-        durable commit writes the states in place, so a crash while it writes loses them
-        (the reopen refuses the directory, naming the step; ``if_exists="overwrite"``
-        starts afresh). ``discard()`` after ``write_states`` closes the pipeline likewise.
-    compute_threads
-        Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
-        process may use, less two from 8 on); the same bits with any number.
-    io_schedule
-        How each device's reads and write-backs share its storage (``SMARTINF_IO_SCHEDULE``;
-        ``auto``): ``mixed`` (in flight together), ``phased`` (turns of one direction), or
-        ``auto``, per directory from the probe's mix curve recorded there or above it
-        (``python -m smartinf.probe DIR --record``; ``mixed`` without one). The same bits
-        either way; ``io_schedules`` lists each device's choice and why.
-    overlap
-        Hide the optimizer's work behind the caller's (``SMARTINF_OVERLAP``; on): a durable
-        commit writes the resident states in the background while later steps run, and is
-        durable (``durable_step_count``) once they are written; a resident sub-group updated
-        meanwhile works on a second copy when what is left of ``memory_budget`` holds one
-        (else its update waits, as a streamed one's does; a device's ``twins`` places its
-        resident sub-groups with room for both, ``twins`` here lists each device's choice
-        and why). The same bits either way; a crash reopens at the last commit that was
-        durable. ``False``: ``commit()`` waits for the writes.
+    slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, master, if_exists, \
+    memory_budget, commit_every, copies, compute_threads, io_schedule, overlap
+        The storage settings, as keywords: see ``smartinf.PipelineSettings``, which owns
+        and documents them (unset ones come from the environment, ``SMARTINF_*``).
     settings
-        All of the above but ``param_dtype`` at once (``smartinf.PipelineSettings``, as
-        ``smartinf.optim`` and the DeepSpeed integration build it), instead of the keywords.
+        The storage settings at once (a ``smartinf.PipelineSettings``, as ``smartinf.optim``
+        and the DeepSpeed integration build it), instead of the keywords.
     subgroup_sizes
         The sizes of the sub-groups the caller will add, in order, where it knows them (the
         front-ends do): a ``CudaDevice(twins=None)`` then takes twins by the model's
@@ -214,12 +115,7 @@ class Pipeline:
         small_sizes: Optional[Sequence[int]] = None,
     ) -> None:
         self._native = None
-        for name, sizes in (("subgroup_sizes", subgroup_sizes), ("small_sizes", small_sizes or ())):
-            bad = [n for n in sizes
-                   if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
-            if bad:
-                raise ValueError(f"{name} must be positive ints (the params of each "
-                                 f"sub-group to come), got {bad[0]!r} among them")
+        _check_sizes(subgroup_sizes, small_sizes)
         self._devices = resolve(devices)
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
         self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]
@@ -237,14 +133,7 @@ class Pipeline:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
             raise TypeError("pass the settings either as settings= or as keywords, not both")
-        # directories that held a run before this open: a refusal leaves them as they are
-        held = {p for p in (*(d.path for d in self._devices), small_directory(self._devices[0].path))
-                if os.path.isfile(os.path.join(p, MANIFEST))}
-        for d in self._devices:
-            if os.path.exists(d.path) and not os.path.isdir(d.path):
-                raise NotADirectoryError(f"device path {d.path} is a file: pass a directory "
-                                         f"(it will hold states.bin, manifest and lock)")
-            os.makedirs(d.path, exist_ok=True)
+        held = _make_directories([d.path for d in self._devices])
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
         self._final_device_stats: list[dict[str, float]] = []
@@ -262,12 +151,7 @@ class Pipeline:
                       for d, c in zip(self._devices, self.io_schedules)]
         specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
-        small = small_directory(self._devices[0].path)
-        quantized = settings.state_dtype != "fp32"
-        if not quantized or (small_sizes is None and not os.path.isfile(os.path.join(small, MANIFEST))):
-            small = ""
-        else:
-            os.makedirs(small, exist_ok=True)
+        small = _small_directory(self._devices[0].path, settings.state_dtype, small_sizes)
         self._small = bool(small)
         if small:
             self._gpus.append(None)  # the small sub-groups' device, last
@@ -283,8 +167,8 @@ class Pipeline:
     def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str,
                     held: set) -> None:
         """Before any sub-group is added: the sub-groups to come fit their file systems, or
-        the pipeline is closed and refused with what would fit (``space.check_disk``); the
-        directories it made (not in ``held``) are left as they were found."""
+        the pipeline is closed and refused (``space.check_disk``), the directories it made
+        (not in ``held``) left as they were found."""
         if not sizes and not small:
             return
         dirs = [d.path for d in self._devices] + ([small_dir] if small_dir else [])
@@ -346,32 +230,10 @@ class Pipeline:
     def numel(self, sg: int) -> int:
         return self._open().numel(self._subgroup(sg))
 
-    @property
-    def step_count(self) -> int:
-        """Steps committed (with ``commit_every`` > 1, durable or not)."""
-        return self._open().step
-
-    @property
-    def durable_step_count(self) -> int:
-        """Steps committed durably: what reopening the directories resumes at."""
-        return self._open().durable_step
-
-    @property
-    def previous_step_count(self) -> int:
-        """The durable step before ``durable_step_count`` that the directories still hold
-        (their shadow copies), or ``durable_step_count`` where they hold none in common."""
-        return self._open().previous_step
-
-    def roll_back_to(self, step: int) -> None:
-        """Before any sub-group is added: back to ``step``, the durable step or the one
-        before it (``previous_step_count``), as other ranks are after a crash between their
-        commits; another step is refused (ValueError) naming what the directories hold."""
-        self._open().roll_back_to(step)
-
-    @property
-    def commit_pending(self) -> bool:
-        """Whether a durable commit is being written in the background (``overlap``)."""
-        return self._open().commit_pending
+    def gpu_of(self, sg: int) -> Optional[int]:
+        """The CUDA ordinal of the GPU sub-group ``sg`` is updated on (its gradient and
+        params may be CUDA tensors there), or None: a CPU or SmartSSD device."""
+        return self._gpus[self._open().device_of(self._subgroup(sg))]
 
     def resident(self, sg: int) -> bool:
         """Whether ``sg``'s states stay in the device's memory (the memory budget)."""
@@ -381,218 +243,6 @@ class Pipeline:
     def subgroup_steps(self, sg: int) -> int:
         """Optimizer steps applied to sub-group ``sg`` (Adam's ``t``, AdaGrad's ``step``)."""
         return self._open().subgroup_steps(self._subgroup(sg))
-
-    # -- steps ------------------------------------------------------------------------
-    def update(self, sg: int, grad: Any, out: Any, *, grad_scale: float = 1.0,
-               speculative: bool = False, **overrides: Any) -> UpdateFuture:
-        """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
-
-        ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
-        ``smartinf.compress.Compressed`` (top-k int32 indices + fp16/bf16 values, on the
-        CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
-        tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
-        clipping coefficient) before use. ``out`` receives the updated params
-        (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry).
-        On a ``CudaDevice`` (``gpu_of(sg)``) ``grad``, and ``out`` but with a split master,
-        may be CUDA tensors on its GPU: read and written there, nothing crosses PCIe (what the
-        caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
-        for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
-        schedulers, param groups). Each sub-group is updated at most once per step; the
-        step becomes durable with ``commit()`` (or ``with pipe.step():``).
-        ``speculative=True`` (where ``retractable(sg)``): the update may be taken back with
-        ``retract(sg)`` before the step is committed (its gradient or the step's global
-        decisions turned out other than assumed).
-        """
-        native = self._open()
-        sg = self._subgroup(sg)
-        numel = native.numel(sg)
-        allowed = [self._param_dtype] if self._param_dtype is not None else \
-            [buffers.F32, buffers.F16, buffers.BF16]
-        gpu = self.gpu_of(sg)
-        o = buffers.host_buffer("out", out, numel, allowed, writable=True,
-                                gpu=None if self.settings.master == "split" else gpu)
-        if isinstance(grad, Compressed):
-            if grad.numel != numel:
-                raise ValueError(f"the compressed gradient is of {grad.numel} params, "
-                                 f"sub-group {sg} has {numel}")
-            nnz = len(grad.values)
-            g = buffers.host_buffer("grad.values", grad.values, nnz, [buffers.F16, buffers.BF16],
-                                    writable=False)
-            index = buffers.index_buffer("grad.indices", grad.indices, nnz)
-            keep = (g.owner, index.owner, o.owner)
-            spans = [(g, nnz), (index, nnz)]
-        else:
-            g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
-                                    writable=False, gpu=gpu)
-            index, nnz, keep, spans = None, 0, (g.owner, o.owner), [(g, numel)]
-        if any(_overlaps(b, n, o, numel) for b, n in spans):
-            raise ValueError("grad and out overlap; give out its own memory")
-        rule = self._rule(overrides)
-        if not np.isfinite(grad_scale) or grad_scale <= 0:
-            raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
-        # maximize: torch negates the gradient first; a negated scale is the same, exactly
-        hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
-        on_gpu = [b.owner for b in (g, o) if isinstance(b.owner, torch.Tensor) and b.owner.is_cuda]
-        if on_gpu:  # the device's own stream reads them: what the caller's queued must land
-            torch.cuda.current_stream(on_gpu[0].device).synchronize()
-        done = native.update(sg, g.address, g.dtype, index is not None,
-                             index.address if index else 0, nnz, o.address, o.dtype, hyper,
-                             bool(speculative))
-        future = UpdateFuture(done, keep)
-        self._inflight.append(future)
-        return future
-
-    def gpu_of(self, sg: int) -> Optional[int]:
-        """The CUDA ordinal of the GPU sub-group ``sg`` is updated on (its gradient and
-        params may be CUDA tensors there), or None: a CPU or SmartSSD device."""
-        return self._gpus[self._open().device_of(self._subgroup(sg))]
-
-    def retractable(self, sg: int) -> bool:
-        """Whether ``sg`` can be updated speculatively now: its update would leave the states
-        it reads untouched (a streamed sub-group not updated since the last durable commit;
-        a resident one with a twin, see ``overlap``), and it was not updated in this step."""
-        return self._open().retractable(self._subgroup(sg))
-
-    def retract(self, sg: int) -> None:
-        """Takes back ``sg``'s speculative update of the step in progress (waiting for it):
-        its states and step count are as before it; its ``out`` holds params to ignore."""
-        self._open().retract(self._subgroup(sg))
-
-    def wait(self) -> None:
-        """Waits until every update started so far has its params out."""
-        for future in self._inflight:
-            future.wait()
-
-    def commit(self) -> None:
-        """Ends the step: waits for its write-backs; every ``commit_every``-th step also
-        writes the resident states, makes the writes durable, then flips the sub-groups'
-        shadow copies in one atomic manifest update per device (with ``overlap``, once the
-        resident states are written in the background: ``commit_pending``). If that fails,
-        the pipeline is back at ``durable_step_count``."""
-        native = self._open()
-        self._refuse_other_params_after_resume()
-        try:
-            native.commit()
-            self._params_unchecked = False
-        finally:
-            self._inflight.clear()
-            self._warn_foreign()
-
-    def _refuse_other_params_after_resume(self) -> None:
-        """The first step after a resume with a split master: the directories hold only the
-        masters' low halves, so the resumed sub-groups' bf16 params must be the ones of the
-        step they were committed at. Other params (a model freshly built whose weights were
-        not loaded) would pair their weights with the stored moments and low halves: the
-        step is discarded and refused, before it commits. (Params changed later, between
-        steps, are taken as the masters with a warning.)"""
-        if not self._params_unchecked or self.settings.master != "split":
-            return
-        found = self._native.take_foreign()
-        resumed = sorted({sg for sg, _ in found if sg in self._resumed})
-        if not resumed:
-            self._warn_foreign(found)
-            return
-        step = self.step_count
-        self.discard()
-        raise ValueError(
-            f"master='split': sub-groups {resumed} were resumed from "
-            f"{[d.path for d in self.devices]} at step {step}, whose directories hold only the "
-            f"low halves of the fp32 masters, and the model's bf16 params are not the ones of "
-            f"that step (its weights not loaded?). The step was discarded. Load the model's "
-            f"weights of step {step} (the checkpoint saved with it) before training on, or start "
-            f"afresh with if_exists='overwrite'")
-
-    def flush(self) -> None:
-        """Makes the committed steps durable now (between steps; a no-op when they are)."""
-        self._open().flush()
-
-    def settle(self) -> None:
-        """Waits for a durable commit being written in the background (``overlap``) to
-        land. If it fails, the pipeline is back at the durable commit before it
-        (``step_count`` tells) and its error is raised here."""
-        self._open().settle()
-
-    def discard(self) -> None:
-        """Ends the step without committing it and goes back to the last durable commit
-        (with ``commit_every`` 1: the last committed step)."""
-        native = self._open()
-        try:
-            native.discard()
-        finally:
-            self._inflight.clear()
-            self._warn_foreign()
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator["Pipeline"]:
-        """``with pipe.step(): pipe.update(...)`` commits on success, discards on error."""
-        self._open()
-        try:
-            yield self
-        except BaseException:
-            self.discard()
-            raise
-        self.commit()
-
-    # -- states -----------------------------------------------------------------------
-    def read_states(self, sg: int, into: Optional[Sequence[Any]] = None, *,
-                    params: Any = None) -> dict[str, Any]:
-        """The fp32 states of ``sg`` at ``step_count``: ``param`` and the optimizer's
-        (``exp_avg``/``exp_avg_sq``, ``momentum_buffer``, ``sum`` ...), in new numpy arrays,
-        or in ``into``: one writable fp32 buffer of the sub-group's size per name, in order.
-        With ``master="split"`` the masters are rebuilt from ``params`` (the sub-group's bf16
-        params as they are now); without them ``param`` is left out."""
-        native = self._open()
-        sg = self._subgroup(sg)
-        split = self.settings.master == "split"
-        names = ("param", *self.optimizer.state_names)
-        if split and params is None:
-            names = names[1:]
-        numel = native.numel(sg)
-        address, params_owner = 0, None
-        if split and params is not None:
-            address, _, params_owner = buffers.host_buffer("params", params, numel,
-                                                           [buffers.BF16], writable=False)
-        if into is None:
-            into = [np.empty(numel, np.float32) for _ in names]
-        if len(into) != len(names):
-            raise ValueError(f"into has {len(into)} buffers, the states are {names}")
-        held = [buffers.host_buffer(k, a, numel, [buffers.F32], writable=True)
-                for k, a in zip(names, into)]
-        arrays = {k: b.owner for k, b in zip(names, held)}
-        addresses = [b.address for b in held]
-        native.read_states(sg, addresses if names[0] == "param" else [0, *addresses], address)
-        del params_owner
-        self._warn_foreign()
-        return arrays
-
-    def write_master(self, sg: int, param: Any) -> None:
-        """Replaces the fp32 master weights of ``sg`` (``param``, fp32 of the sub-group's
-        size) as part of the current step; its optimizer states and step count stay. (With
-        ``master="split"`` the params must then be ``param`` rounded: ``rounding.to_bf16``.)"""
-        states = self.read_states(sg)
-        states["param"] = param
-        self.write_states(sg, states, self.subgroup_steps(sg))
-
-    def write_states(self, sg: int, states: dict, steps: int) -> None:
-        """Replaces the states of ``sg`` as part of the current step (current once it is
-        committed, like an update): ``states`` maps ``param`` and the optimizer's state
-        names (see ``read_states``) to fp32 buffers of the sub-group's size; a missing
-        state starts at the optimizer's initial value. ``steps`` is the sub-group's
-        optimizer step count from then on (Adam's ``t``)."""
-        native = self._open()
-        sg = self._subgroup(sg)
-        numel = native.numel(sg)
-        names = ("param", *self.optimizer.state_names)
-        unknown = set(states) - set(names)
-        if unknown:
-            raise ValueError(f"unknown states {sorted(unknown)}: {self.optimizer.name} keeps {names}")
-        if "param" not in states:
-            raise ValueError("states must include 'param' (the fp32 master weights)")
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 0:
-            raise ValueError(f"steps must be a non-negative int, got {steps!r}")
-        held = [buffers.host_buffer(k, states[k], numel, [buffers.F32], writable=False)
-                if k in states else None for k in names]
-        native.write_states(sg, [b.address if b else 0 for b in held], int(steps))
 
     @property
     def stats(self) -> dict[str, float]:
@@ -665,34 +315,6 @@ class Pipeline:
             raise ValueError("the pipeline is closed")
         return self._native
 
-    def _rule(self, overrides: dict) -> UpdateRule:
-        """The optimizer with this update's hyper-parameter overrides (validated)."""
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        if not overrides:
-            return self.optimizer
-        fields = {f.name for f in dataclasses.fields(self.optimizer)}
-        unknown = set(overrides) - fields
-        if unknown:
-            raise TypeError(f"unknown hyper-parameters {sorted(unknown)} for "
-                            f"{type(self.optimizer).__name__}: expected some of {sorted(fields)}")
-        rule = dataclasses.replace(self.optimizer, **overrides)
-        if rule.name != self.optimizer.name:  # amsgrad: another state layout
-            raise ValueError(f"an update cannot change the rule from {self.optimizer.name} to "
-                             f"{rule.name}: it is fixed for the directories")
-        return rule
-
-    def _warn_foreign(self, found: Optional[list] = None) -> None:
-        if self._native is None or self.settings.master != "split":
-            return
-        found = self._native.take_foreign() if found is None else found
-        if found:
-            groups = sorted({sg for sg, _ in found})
-            warnings.warn(ParamsChangedWarning(
-                f"master='split': the bf16 params of sub-groups {groups} ({len(found)} chunks) "
-                f"were not the ones the devices emitted (weights loaded or edited since?): the "
-                f"changed params were taken as the new fp32 masters, the others' kept"),
-                stacklevel=3)
-
     def _subgroup(self, sg: Any) -> int:
         if not isinstance(sg, (int, np.integer)) or isinstance(sg, bool):
             raise TypeError(f"sub-group id must be an int, got {type(sg).__name__}")
@@ -702,7 +324,32 @@ class Pipeline:
         return int(sg)
 
 
-def _overlaps(a: buffers.Buffer, a_numel: int, out: buffers.Buffer, numel: int) -> bool:
-    size = {buffers.F32: 4, buffers.F16: 2, buffers.BF16: 2, -1: 4}  # -1: int32 indices
-    return (a.address < out.address + numel * size[out.dtype]
-            and out.address < a.address + a_numel * size[a.dtype])
+def _check_sizes(subgroup_sizes: Sequence[int], small_sizes: Optional[Sequence[int]]) -> None:
+    for name, sizes in (("subgroup_sizes", subgroup_sizes), ("small_sizes", small_sizes or ())):
+        bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
+        if bad:
+            raise ValueError(f"{name} must be positive ints (the params of each "
+                             f"sub-group to come), got {bad[0]!r} among them")
+
+
+def _make_directories(paths: Sequence[str]) -> set:
+    """The devices' directories made where missing; returns those (and the small tensors'
+    directory) that held a run before this open: a refusal leaves them as they are."""
+    held = {p for p in (*paths, small_directory(paths[0]))
+            if os.path.isfile(os.path.join(p, MANIFEST))}
+    for path in paths:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(f"device path {path} is a file: pass a directory "
+                                     f"(it will hold states.bin, manifest and lock)")
+        os.makedirs(path, exist_ok=True)
+    return held
+
+
+def _small_directory(first: str, state_dtype: str, small_sizes: Optional[Sequence[int]]) -> str:
+    """The small tensors' directory (made), where quantized states expect small sub-groups
+    or an earlier run left one; else ""."""
+    small = small_directory(first)
+    if state_dtype == "fp32" or (small_sizes is None and not os.path.isfile(os.path.join(small, MANIFEST))):
+        return ""
+    os.makedirs(small, exist_ok=True)
+    return small

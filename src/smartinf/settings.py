@@ -20,25 +20,95 @@ IF_EXISTS = ("resume", "overwrite", "error")
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """``slots`` ring slots per device (None: 4, or enough for a phased turn); ``chunk`` params per chunk (fixed for a directory);
-    ``io`` storage engine; ``queue_depth`` requests in flight per engine;
-    ``host_link_gbps`` cap on the shared host link (None: none); ``verify`` checksum every
-    load; ``state_dtype`` fp32, int8 or int4 moments; ``master`` fp32 masters or, for
-    bf16 params, ``"split"``: only their low 16 bits stored (the params are the high ones); ``if_exists`` resume, overwrite or error
-    for directories holding a run; ``memory_budget`` bytes of states per device kept
-    resident in memory (the rest streams from storage); ``commit_every`` steps per durable
-    commit; ``compute_threads`` threads of the update kernel (0: the usable cores, less two from 8 on;
-    each of a host's ranks its share);
-    ``overlap`` the optimizer's work hidden behind the caller's: a durable commit's resident
-    states written in the background while later steps run (False: ``commit()`` waits for
-    them); ``io_schedule`` how each device's reads and write-backs share its storage: ``auto``
-    (from the probe's mix curve recorded in its directory or above it, else ``mixed``), ``mixed``
-    (in flight together) or ``phased`` (turns of one direction); ``piece_bytes`` size of
-    one storage request; ``copies`` extents of each chunk in a directory, fixed when it is
-    made: 2 (the committed copy and the one a step writes: a crash at any instant reopens at
-    the last durable step) or 1 (half the disk; every sub-group must be resident, and is
-    written in place at durable commits: a crash while one is written loses the states, and
-    the reopen refuses them)."""
+    """The settings of a ``Pipeline``'s storage and update: one per pipeline, fixed at
+    creation (``resolve`` checks them and fills unset ones from the environment).
+
+    Attributes
+    ----------
+    slots
+        Ring slots per device (``SMARTINF_SLOTS``; unset: 4, and where a device's storage
+        runs phased enough more to hold one turn of its burst, at most 64): memory is
+        ``slots`` chunks per device, whatever the model size (``stats["slots"]``).
+    chunk
+        Parameters per chunk (``SMARTINF_CHUNK``, 1 Mi); fixed for a directory.
+    io
+        Storage engine: ``auto`` (io_uring, else threads), ``uring`` or ``threads``
+        (``SMARTINF_IO``).
+    host_link_gbps
+        Cap on the host link the devices share, GB/s in each direction
+        (``SMARTINF_HOST_LINK_GBPS``; none by default): gradients in and params out of
+        all devices together wait for it, as behind one PCIe switch.
+
+    state_dtype
+        ``"fp32"`` (default) or ``"int8"``: the rule's moments stored 8-bit, block-wise
+        quantized (256 per block, a non-linear code scaled by each block's maximum), so an
+        Adam param takes ~6 B of storage instead of 12 and a step moves half the bytes
+        (Lion: ~5 B instead of 8). ``"int4"``: 4-bit moments (Li et al., NeurIPS 2023), ~1.1
+        B per param for Adam's two. The master weights stay fp32 (see ``master``). Fixed for
+        a directory; for the rules whose row in ``kernels/rules.h`` allows it (Adam, AdamW,
+        Lion).
+    master
+        ``"fp32"`` (default): fp32 master weights stored, 4 B per param. ``"split"``, for
+        bfloat16 params: bf16 is the upper half of an fp32, so only each master's low 16 bits
+        are stored (2 B) and every ``update`` sends the current params in with the gradient
+        (``out`` holds them on entry): the device rebuilds the exact fp32 master, updates it
+        and emits the new params and low halves -- the same bits as ``"fp32"`` (bf16 rounds
+        to nearest, ties away from zero, with either). Params that come back other than
+        emitted (weights loaded or edited) are found by a checksum per chunk and taken as the
+        new masters, with a ``ParamsChangedWarning``. Reading the masters takes the params
+        (``read_states(params=)``). Fixed for a directory; cpu devices.
+    verify
+        Check every extent loaded in a step against the checksum (XXH3-64) written with
+        it; a mismatch fails the update with ``OSError(EBADMSG)`` naming the sub-group,
+        chunk and step. Reopened sub-groups are always checked once, when added.
+    if_exists
+        What to do with directories that hold an earlier run (committed steps or
+        sub-groups): ``"resume"`` it (the default here: ``add_subgroup`` keeps the stored
+        states and ``resumed()`` says so), ``"overwrite"`` it (discarded; every sub-group
+        starts from its ``init``), or ``"error"`` (refused, nothing changed).
+    memory_budget
+        Bytes of states per ``cpu`` device kept resident in host RAM
+        (``SMARTINF_MEMORY_BUDGET``; 0), allocated when the pipeline is created (memory
+        stays fixed whatever the model); a ``CudaDevice`` takes a GPU memory budget of its
+        own. Each sub-group whose states fit in what is left
+        stays resident from ``add_subgroup`` on (``resident(sg)``): it is updated in memory
+        and only written to storage, never read; the others stream through the slots.
+    commit_every
+        Steps per durable commit (``SMARTINF_COMMIT_EVERY``; 1). Every ``commit_every``-th
+        ``commit()`` writes the resident states, syncs and switches the manifests; the
+        others only advance ``step_count``. A crash reopens at ``durable_step_count``,
+        bit for bit; ``discard()`` and a failed step go back to it as well.
+    copies
+        Extents of each chunk in a directory, fixed when it is made (2). 2: the committed
+        copy and the one a step writes, so a crash at any instant reopens at the last
+        durable step. 1: half the disk, for a model whose two copies do not fit: every
+        sub-group must be resident (refused before any byte is written otherwise), and a
+        durable commit writes the states in place, so a crash while it writes loses them
+        (the reopen refuses the directory, naming the step; ``if_exists="overwrite"``
+        starts afresh). ``discard()`` after ``write_states`` closes the pipeline likewise.
+    compute_threads
+        Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
+        process may use, less two from 8 on); the same bits with any number.
+    io_schedule
+        How each device's reads and write-backs share its storage (``SMARTINF_IO_SCHEDULE``;
+        ``auto``): ``mixed`` (in flight together), ``phased`` (turns of one direction), or
+        ``auto``, per directory from the probe's mix curve recorded there or above it
+        (``python -m smartinf.probe DIR --record``; ``mixed`` without one). The same bits
+        either way; ``io_schedules`` lists each device's choice and why.
+    overlap
+        Hide the optimizer's work behind the caller's (``SMARTINF_OVERLAP``; on): a durable
+        commit writes the resident states in the background while later steps run, and is
+        durable (``durable_step_count``) once they are written; a resident sub-group updated
+        meanwhile works on a second copy when what is left of ``memory_budget`` holds one
+        (else its update waits, as a streamed one's does; a device's ``twins`` places its
+        resident sub-groups with room for both, ``twins`` here lists each device's choice
+        and why). The same bits either way; a crash reopens at the last commit that was
+        durable. ``False``: ``commit()`` waits for the writes.
+    queue_depth
+        Storage requests in flight per engine (``SMARTINF_QUEUE_DEPTH``; 32).
+    piece_bytes
+        The size of one storage request (1 MiB; not a keyword).
+    """
 
     slots: Optional[int]
     chunk: int

@@ -1,0 +1,260 @@
+"""The step protocol of a ``Pipeline``: ``update`` (a sub-group's gradient in, its params
+out, as a future: ``UpdateFuture``), ``retract`` a speculative one, and the step ended:
+``commit``, ``discard``, ``settle`` a background commit, ``with pipe.step():``."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from . import buffers
+from .compress import Compressed
+from .update_rules import UpdateRule
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+
+class ParamsChangedWarning(UserWarning):
+    """With ``master="split"``: params came back other than the devices emitted them, so
+    the changed ones were taken as the new fp32 masters (where a stored low half does not
+    round back to its param)."""
+
+
+class UpdateFuture:
+    """Completion of one ``Pipeline.update``: done when every updated param is in ``out``.
+
+    The gradient and ``out`` buffers must stay untouched until then; the future keeps
+    them alive. Write-back of the states continues after it is done.
+    """
+
+    __slots__ = ("_native", "_buffers")
+
+    def __init__(self, native: Any, keep_alive: tuple) -> None:
+        self._native = native
+        self._buffers = keep_alive
+
+    def done(self) -> bool:
+        return self._native.done()
+
+    def wait(self) -> None:
+        """Blocks until the params are out; raises the update's error, if any."""
+        self._native.wait()
+
+    get = result = wait
+
+
+class Steps:
+    """Mixed into ``Pipeline`` (its ``_open``, ``_subgroup``, ``gpu_of``, ``_warn_foreign``)."""
+
+    __slots__ = ()
+
+    @property
+    def step_count(self) -> int:
+        """Steps committed (with ``commit_every`` > 1, durable or not)."""
+        return self._open().step
+
+    @property
+    def durable_step_count(self) -> int:
+        """Steps committed durably: what reopening the directories resumes at."""
+        return self._open().durable_step
+
+    @property
+    def previous_step_count(self) -> int:
+        """The durable step before ``durable_step_count`` that the directories still hold
+        (their shadow copies), or ``durable_step_count`` where they hold none in common."""
+        return self._open().previous_step
+
+    def roll_back_to(self, step: int) -> None:
+        """Before any sub-group is added: back to ``step``, the durable step or the one
+        before it (``previous_step_count``), as other ranks are after a crash between their
+        commits; another step is refused (ValueError) naming what the directories hold."""
+        self._open().roll_back_to(step)
+
+    @property
+    def commit_pending(self) -> bool:
+        """Whether a durable commit is being written in the background (``overlap``)."""
+        return self._open().commit_pending
+
+    def _warn_foreign(self, found: Optional[list] = None) -> None:
+        if self._native is None or self.settings.master != "split":
+            return
+        found = self._native.take_foreign() if found is None else found
+        if found:
+            groups = sorted({sg for sg, _ in found})
+            warnings.warn(ParamsChangedWarning(
+                f"master='split': the bf16 params of sub-groups {groups} ({len(found)} chunks) "
+                f"were not the ones the devices emitted (weights loaded or edited since?): the "
+                f"changed params were taken as the new fp32 masters, the others' kept"),
+                stacklevel=3)
+
+    def update(self, sg: int, grad: Any, out: Any, *, grad_scale: float = 1.0,
+               speculative: bool = False, **overrides: Any) -> UpdateFuture:
+        """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
+
+        ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
+        ``smartinf.compress.Compressed`` (top-k int32 indices + fp16/bf16 values, on the
+        CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
+        tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
+        clipping coefficient) before use. ``out`` receives the updated params
+        (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry).
+        On a ``CudaDevice`` (``gpu_of(sg)``) ``grad``, and ``out`` but with a split master,
+        may be CUDA tensors on its GPU: read and written there, nothing crosses PCIe (what the
+        caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
+        schedulers, param groups). Each sub-group is updated at most once per step; the
+        step becomes durable with ``commit()`` (or ``with pipe.step():``).
+        ``speculative=True`` (where ``retractable(sg)``): the update may be taken back with
+        ``retract(sg)`` before the step is committed (its gradient or the step's global
+        decisions turned out other than assumed).
+        """
+        native = self._open()
+        sg = self._subgroup(sg)
+        numel = native.numel(sg)
+        allowed = [self._param_dtype] if self._param_dtype is not None else \
+            [buffers.F32, buffers.F16, buffers.BF16]
+        gpu = self.gpu_of(sg)
+        o = buffers.host_buffer("out", out, numel, allowed, writable=True,
+                                gpu=None if self.settings.master == "split" else gpu)
+        if isinstance(grad, Compressed):
+            if grad.numel != numel:
+                raise ValueError(f"the compressed gradient is of {grad.numel} params, "
+                                 f"sub-group {sg} has {numel}")
+            nnz = len(grad.values)
+            g = buffers.host_buffer("grad.values", grad.values, nnz, [buffers.F16, buffers.BF16],
+                                    writable=False)
+            index = buffers.index_buffer("grad.indices", grad.indices, nnz)
+            keep = (g.owner, index.owner, o.owner)
+            spans = [(g, nnz), (index, nnz)]
+        else:
+            g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
+                                    writable=False, gpu=gpu)
+            index, nnz, keep, spans = None, 0, (g.owner, o.owner), [(g, numel)]
+        if any(_overlaps(b, n, o, numel) for b, n in spans):
+            raise ValueError("grad and out overlap; give out its own memory")
+        rule = self._rule(overrides)
+        if not np.isfinite(grad_scale) or grad_scale <= 0:
+            raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
+        # maximize: torch negates the gradient first; a negated scale is the same, exactly
+        hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
+        on_gpu = [b.owner for b in (g, o) if isinstance(b.owner, torch.Tensor) and b.owner.is_cuda]
+        if on_gpu:  # the device's own stream reads them: what the caller's queued must land
+            torch.cuda.current_stream(on_gpu[0].device).synchronize()
+        done = native.update(sg, g.address, g.dtype, index is not None,
+                             index.address if index else 0, nnz, o.address, o.dtype, hyper,
+                             bool(speculative))
+        future = UpdateFuture(done, keep)
+        self._inflight.append(future)
+        return future
+
+    def retractable(self, sg: int) -> bool:
+        """Whether ``sg`` can be updated speculatively now: its update would leave the states
+        it reads untouched (a streamed sub-group not updated since the last durable commit;
+        a resident one with a twin, see ``overlap``), and it was not updated in this step."""
+        return self._open().retractable(self._subgroup(sg))
+
+    def retract(self, sg: int) -> None:
+        """Takes back ``sg``'s speculative update of the step in progress (waiting for it):
+        its states and step count are as before it; its ``out`` holds params to ignore."""
+        self._open().retract(self._subgroup(sg))
+
+    def wait(self) -> None:
+        """Waits until every update started so far has its params out."""
+        for future in self._inflight:
+            future.wait()
+
+    def commit(self) -> None:
+        """Ends the step: waits for its write-backs; every ``commit_every``-th step also
+        writes the resident states, makes the writes durable, then flips the sub-groups'
+        shadow copies in one atomic manifest update per device (with ``overlap``, once the
+        resident states are written in the background: ``commit_pending``). If that fails,
+        the pipeline is back at ``durable_step_count``."""
+        native = self._open()
+        self._refuse_other_params_after_resume()
+        try:
+            native.commit()
+            self._params_unchecked = False
+        finally:
+            self._inflight.clear()
+            self._warn_foreign()
+
+    def _refuse_other_params_after_resume(self) -> None:
+        """The first step after a resume with a split master: the directories hold only the
+        masters' low halves, so the resumed sub-groups' bf16 params must be the ones of the
+        step they were committed at. Other params (a model freshly built whose weights were
+        not loaded) would pair their weights with the stored moments and low halves: the
+        step is discarded and refused, before it commits. (Params changed later, between
+        steps, are taken as the masters with a warning.)"""
+        if not self._params_unchecked or self.settings.master != "split":
+            return
+        found = self._native.take_foreign()
+        resumed = sorted({sg for sg, _ in found if sg in self._resumed})
+        if not resumed:
+            self._warn_foreign(found)
+            return
+        step = self.step_count
+        self.discard()
+        raise ValueError(
+            f"master='split': sub-groups {resumed} were resumed from "
+            f"{[d.path for d in self.devices]} at step {step}, whose directories hold only the "
+            f"low halves of the fp32 masters, and the model's bf16 params are not the ones of "
+            f"that step (its weights not loaded?). The step was discarded. Load the model's "
+            f"weights of step {step} (the checkpoint saved with it) before training on, or start "
+            f"afresh with if_exists='overwrite'")
+
+    def flush(self) -> None:
+        """Makes the committed steps durable now (between steps; a no-op when they are)."""
+        self._open().flush()
+
+    def settle(self) -> None:
+        """Waits for a durable commit being written in the background (``overlap``) to
+        land. If it fails, the pipeline is back at the durable commit before it
+        (``step_count`` tells) and its error is raised here."""
+        self._open().settle()
+
+    def discard(self) -> None:
+        """Ends the step without committing it and goes back to the last durable commit
+        (with ``commit_every`` 1: the last committed step)."""
+        native = self._open()
+        try:
+            native.discard()
+        finally:
+            self._inflight.clear()
+            self._warn_foreign()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Pipeline"]:
+        """``with pipe.step(): pipe.update(...)`` commits on success, discards on error."""
+        self._open()
+        try:
+            yield self
+        except BaseException:
+            self.discard()
+            raise
+        self.commit()
+
+    def _rule(self, overrides: dict) -> UpdateRule:
+        """The optimizer with this update's hyper-parameter overrides (validated)."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if not overrides:
+            return self.optimizer
+        fields = {f.name for f in dataclasses.fields(self.optimizer)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise TypeError(f"unknown hyper-parameters {sorted(unknown)} for "
+                            f"{type(self.optimizer).__name__}: expected some of {sorted(fields)}")
+        rule = dataclasses.replace(self.optimizer, **overrides)
+        if rule.name != self.optimizer.name:  # amsgrad: another state layout
+            raise ValueError(f"an update cannot change the rule from {self.optimizer.name} to "
+                             f"{rule.name}: it is fixed for the directories")
+        return rule
+
+
+def _overlaps(a: buffers.Buffer, a_numel: int, out: buffers.Buffer, numel: int) -> bool:
+    size = {buffers.F32: 4, buffers.F16: 2, buffers.BF16: 2, -1: 4}  # -1: int32 indices
+    return (a.address < out.address + numel * size[out.dtype]
+            and out.address < a.address + a_numel * size[a.dtype])
