@@ -5,19 +5,24 @@ DeepSpeed in place of ones that would build CUDA ops only to hold hyper-paramete
 (``LionParams``, torch's Adam)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
-from .. import defaults, update_rules
+from .. import defaults, plan, update_rules
 from ..compress import TopK
 from ..devices import rank_directory, with_gpu
 from ..driver import rule_for
 from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from . import deepspeed_hook
 
+logger = logging.getLogger("smartinf")
 CONFIG_KEY = deepspeed_hook.CONFIG_KEY
 
 
@@ -70,7 +75,7 @@ class Settings:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         given = {k: block[k] for k in pipeline_keys if k in block}
         auto = given.get("state_dtype") == "auto"
-        if auto:  # chosen when the partition's size is known (SmartInfinityStage3._choose)
+        if auto:  # chosen when the partition's size is known (``choose``, below)
             given["state_dtype"] = "fp32"
         try:
             pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
@@ -122,6 +127,35 @@ def check_config(config: dict) -> Settings:
     _check_optimizer_block(config.get("optimizer"))
     return settings
 
+
+
+def choose(settings: Settings, params: list, speculates: Callable[[bool], bool]) -> Settings:
+    """``"state_dtype": "auto"``: rank 0 asks ``plan.choose`` for its share of the params
+    (the host's memory and disks shared by its ranks), every rank takes that choice.
+    ``speculates(on_gpu)``: whether updates start during backward (their host copies of
+    the partitions hold host memory beside the states)."""
+    if not settings.auto:
+        return settings
+    world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    chosen = [None]
+    if dist.get_rank() == 0:
+        given = settings.pipeline
+        numel = sum(p.ds_numel for p in params) // world
+        # the speculation's host copies: params out, and on a GPU gradients in
+        on_gpu = torch.cuda.is_available()
+        partition_copies = (2 if on_gpu else 1) if speculates(on_gpu) else 0
+        choice = plan.choose(
+            numel, [d if isinstance(d, str) else d.path for d in settings.rank_devices(0, 0)],
+            bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
+            if_exists=given.if_exists,
+            host_buffers=partition_copies * numel * max(p.element_size() for p in params),
+            gpu_budget=settings.gpu_memory_budget,
+            **{k: getattr(given, k) for k in settings.auto if k != "auto"})
+        logger.warning("%s (each of %d ranks)", choice.report(), world)
+        chosen = [choice.settings()]
+    dist.broadcast_object_list(chosen, src=0)
+    return dataclasses.replace(settings, auto=(),
+                               pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
 # The params of a config "Lion" block: LionParams's. (DeepSpeed's CPU Lion and FusedLion
 # options choose their own kernels and state dtypes; the devices keep fp32 states.)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from functools import partial
 from typing import Any, Optional
@@ -18,11 +17,11 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
 
-from .. import defaults, edits, plan
+from .. import defaults, edits
 from ..driver import Driver, overrides, stored_rule
 from ..pipeline import Pipeline
 from ..step_session import StepSession
-from .deepspeed_config import _rule, _rule_class, check_config
+from .deepspeed_config import _rule, _rule_class, check_config, choose
 from .deepspeed_overlap import Overlap
 from .deepspeed_states import StoredStates
 
@@ -54,7 +53,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         With overlap or without, so that both group the norm's sums alike. With int8/int4
         states the small tensors (``defaults.SMALL_TENSOR`` elements) come first, in
         sub-groups of their own: their moments stay fp32 (``Pipeline(small_sizes=)``)."""
-        self._choose(params_group)
+        self.settings = choose(self.settings, params_group, self._speculates)
         small = defaults.small_tensor(self.settings.pipeline.state_dtype)
         kinds = [[p for p in params_group if p.ds_numel <= small],
                  [p for p in params_group if p.ds_numel > small and getattr(p, "ds_persist", False)],
@@ -63,35 +62,6 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         if sum(bool(k) for k in kinds) < 2:
             return split(params_group)
         return [g for k in kinds if k for g in split(k)]
-
-    def _choose(self, params: list) -> None:
-        """``"state_dtype": "auto"``: rank 0 asks ``plan.choose`` for its share of the params
-        (the host's memory and disks shared by its ranks), every rank takes that choice."""
-        if not self.settings.auto:
-            return
-        world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        chosen = [None]
-        if dist.get_rank() == 0:
-            given = self.settings.pipeline
-            devices = self.settings.rank_devices(0, 0)
-            numel = sum(p.ds_numel for p in params) // world
-            # with speculation, the host copies of the partitions (params out, and on a GPU
-            # gradients in: _start_speculation) hold host memory beside the states
-            on_gpu = torch.cuda.is_available()
-            partition_copies = (2 if on_gpu else 1) if self._speculates(on_gpu) else 0
-            buffers = partition_copies * numel * max(p.element_size() for p in params)
-            choice = plan.choose(
-                numel,
-                [d if isinstance(d, str) else d.path for d in devices],
-                bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
-                if_exists=given.if_exists, host_buffers=buffers,
-                gpu_budget=self.settings.gpu_memory_budget,
-                **{k: getattr(given, k) for k in self.settings.auto if k != "auto"})
-            logger.warning("%s (each of %d ranks)", choice.report(), world)
-            chosen = [choice.settings()]
-        dist.broadcast_object_list(chosen, src=0)
-        self.settings = dataclasses.replace(
-            self.settings, auto=(), pipeline=dataclasses.replace(self.settings.pipeline, **chosen[0]))
 
     def _create_fp32_partitions(self) -> None:
         """Instead of fp32 partitions in memory: one pipeline sub-group per ZeRO sub-group,
@@ -192,7 +162,11 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         scale = float(1.0 / combined)
         self._session.begin()
         if self._tail is None:
-            kept = self._take_speculated(scale, hyper)
+            try:
+                kept = self._take_speculated(scale, hyper)
+            except BaseException:
+                self._session.fail(discard=True)
+                raise
             self._session.now(kept, [i for i in range(len(self.fp16_groups)) if i not in kept],
                               lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
                               self._finish)
