@@ -249,8 +249,8 @@ def main() -> None:
     def failed_commit_puts_params_back():
         """A durable commit that fails (the disk full at its sync) raises, from step() or,
         with overlap, where the step's tail drains (settle); the devices are back at the
-        step before, and so are the model's partitioned params (fp32: the masters bit for
-        bit)."""
+        step before, and so are the model's params, the kept-whole ones gathered again from
+        their partitions (fp32: the masters bit for bit)."""
         import smartinf._native as native
         eng = engine(str(root / "ours-fail"))
         d = batches(LANG, 4, 32, seed=3000 + rank)
@@ -267,11 +267,9 @@ def main() -> None:
         finally:
             native.disarm_fault()
         after = gathered(eng)
-        # the partitioned params (a kept-whole one's gathered copy is gathered again only by
-        # the next step: a warning says so)
-        parts = [n for n, q in named(eng).items() if not getattr(q, "ds_persist", False)]
-        out = {"errno": errno, "partitioned": len(parts),
-               "moved": rel([after[n] for n in parts], [before[n] for n in parts]),
+        whole = [n for n, q in named(eng).items() if getattr(q, "ds_persist", False)]
+        out = {"errno": errno, "kept_whole": len(whole),
+               "moved": rel(list(after.values()), list(before.values())),
                "steps": [steps, eng.optimizer.pipeline.step_count]}
         out["then"] = train(eng, d, 1)  # training goes on
         eng.destroy()

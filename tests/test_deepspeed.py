@@ -365,13 +365,13 @@ def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
 
 def test_a_failed_commit_puts_the_params_back_with_the_devices(api):
     """The step session's restore, under DeepSpeed: a durable commit that fails leaves the
-    devices at the step before, and the partitioned params with them, bit for bit (they
-    kept the failed step's update before; kept-whole params are gathered again by the next
-    step, and a warning says so); training goes on."""
+    devices at the step before, and the params with them, bit for bit (they kept the failed
+    step's update before), the kept-whole ones gathered again from their partitions;
+    training goes on."""
     got = ok(api["failed_commit_puts_params_back"])
     assert got["errno"] == 28
     assert got["steps"][0] == got["steps"][1] > 0
-    assert got["partitioned"] > 0 and got["moved"] == 0.0, got
+    assert got["kept_whole"] > 0 and got["moved"] == 0.0, got
     assert all(math.isfinite(x) for x in got["then"])
 
 

@@ -87,7 +87,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(numels), self._compress)
         self._session = StepSession(self.pipeline, self._driver, self._put_params,
-                                    restored=self._warn_kept_whole)
+                                    restored=self._release_kept_whole)
         # What the partitions held when the step last put them (a split master's devices
         # check their own), and what the kept-whole params held when last gathered: edits
         # since become the masters at the next step.
@@ -280,15 +280,12 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._unflatten_partitioned_parameters(i)
         self._put(i)
 
-    def _warn_kept_whole(self, restored: list) -> None:
-        """After a failure: gathering kept-whole params again is a collective, which a
-        failure on one rank only would leave unjoined; said instead."""
-        whole = sorted(set(restored) & set(self._persistent_subgroups))
-        if whole:
-            logger.warning("the step failed: the partitions of sub-groups %s are back at the last "
-                           "durable commit, but the gathered copies of their kept-whole params "
-                           "hold the failed step's values until the next step gathers them: load "
-                           "a checkpoint (or reopen the directories) before training on", whole)
+    def _release_kept_whole(self, restored: list) -> None:
+        """After a failure, the kept-whole params' gathered copies hold the failed step's
+        values: released (a local operation), so the next gather (the forward's, a
+        ``GatheredParameters``) takes them from the restored partitions."""
+        if set(restored) & set(self._persistent_subgroups):
+            self.persistent_parameters[0].partition(self.persistent_parameters)
 
     def _put(self, i: int) -> None:
         """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
