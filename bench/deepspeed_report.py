@@ -27,8 +27,10 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     """Medians over the iterations after the first (warm-up); the storage limit of the
     iteration's bytes at the bandwidths measured in the same run."""
     steps = record["steps"][1:]
-    median = {k: statistics.median(s[k] for s in steps)
-              for k in ("fwd_s", "bwd_s", "step_s", "storage_read", "storage_written")}
+    median = {k: statistics.median(s[k] for s in steps) for k in ("fwd_s", "bwd_s", "step_s")}
+    # the host's disk: every rank's bytes where the record sums them (world > 1)
+    for k in ("storage_read", "storage_written"):
+        median[k] = statistics.median(s.get("host_" + k, s[k]) for s in steps)
     mean_step = statistics.mean(s["step_s"] for s in steps)
     # Where the step finishes during the next forward, its storage time is there too: the
     # forward's waits for its sub-groups (0 for the other modes and for DeepSpeed's). Writes

@@ -193,6 +193,9 @@ def test_four_ranks_with_overlap_train_bit_for_bit_as_without(work, disk_dir, mo
     assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)]
     assert params_rel_diff(on, off) == 0.0
     assert sum(s["pipeline"]["speculative_updates"] for s in on["steps"]) > 0
+    # the record sums the host's disk over the ranks (each writes its own partition's states)
+    written = sum(s["storage_written"] for s in off["steps"])
+    assert written > 0 and sum(s["host_storage_written"] for s in off["steps"]) > 3 * written
     for run in ("spec-4", "nospec-4"):
         steps = []
         for rank in range(4):

@@ -11,7 +11,8 @@ DeepSpeed config and ``smartinf.integrations.deepspeed.initialize`` in place of
 sub-group during backward, speculative) and ``zero-infinity`` (ZeRO-3, optimizer states swapped to NVMe: ZeRO-Infinity). Each rank
 reads its own batches; every mode sees the same ones. Per step the script prints the
 loss (mean over ranks), the forward / backward / optimizer-step seconds and the bytes
-this process read from and wrote to storage during the step; ``--json`` writes them.
+this process read from and wrote to storage during the step; ``--json`` writes them, with
+every rank's bytes summed (``host_storage_read``, ``host_storage_written``: the host's disk).
 Without a GPU, run with ``DS_ACCELERATOR=cpu`` (gloo; fp32 or bf16).
 """
 from __future__ import annotations
@@ -251,9 +252,13 @@ def main() -> None:
         io1 = storage_bytes()
         mean_loss = loss.detach().float().clone()
         torch.distributed.all_reduce(mean_loss)
+        # every rank's storage bytes: the host's disk is one, whatever the world size
+        host_io = torch.tensor([io1[0] - io0[0], io1[1] - io0[1]], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(host_io)
         rec = {"step": step + 1, "loss": mean_loss.item() / world, "fwd_s": t1 - t0,
                "bwd_s": t2 - t1, "step_s": t3 - t2, "storage_read": io1[0] - io0[0],
                "storage_written": io1[1] - io0[1],
+               "host_storage_read": int(host_io[0]), "host_storage_written": int(host_io[1]),
                "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
                "skipped": bool(engine.optimizer.overflow),
                "grad_norm": float(engine.get_global_grad_norm() or 0.0),
