@@ -31,10 +31,10 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
-class CpuDevice final : public Device {
+class CpuDevice final : public SlottedDevice<HostSlots> {
  public:
   CpuDevice(std::string dir, const SlotGeometry& g, const CpuOptions& options)
-      : dir_(std::move(dir)), geometry_(g), pool_(options.pool), slots_(g) {
+      : SlottedDevice(std::move(dir), g, g), pool_(options.pool) {
     if (!pool_) pool_ = std::make_shared<ComputePool>(1);
     for (size_t i = 0; i < slots_.size(); ++i) own_.push_back(slots_[i]);
     params_sums_.assign(slots_.size(), std::vector<uint64_t>(store::params_pieces(g.chunk)));
@@ -57,10 +57,6 @@ class CpuDevice final : public Device {
   }
 
   std::string describe() const override { return "cpu:" + dir_; }
-  const std::string& storage_dir() const override { return dir_; }
-  size_t slot_count() const override { return slots_.size(); }
-  Slot slot(size_t i) override { return slots_[i]; }
-  size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   bool registrable() const override { return true; }
   uint64_t resident_bytes() const override { return resident_bytes_; }
   void bind_states(size_t i, uint64_t at) override {
@@ -203,10 +199,7 @@ class CpuDevice final : public Device {
     return p;
   }
 
-  std::string dir_;
-  SlotGeometry geometry_;
   std::shared_ptr<ComputePool> pool_;
-  HostSlots slots_;
   // Each slot's own buffers, while others are bound (bind_states, bind_caller).
   std::vector<Slot> own_;
   // Per slot: the checksums of the pieces of params its last update emitted, and of those

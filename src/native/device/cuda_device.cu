@@ -34,10 +34,10 @@ struct Mirror {
   cudaStream_t stream = nullptr;
 };
 
-class CudaDevice final : public Device {
+class CudaDevice final : public SlottedDevice<HostSlots> {
  public:
   CudaDevice(std::string dir, const SlotGeometry& g, const CudaOptions& o)
-      : dir_(std::move(dir)), geometry_(g), gpu_(o.gpu), slots_(g) {
+      : SlottedDevice(std::move(dir), g, g), gpu_(o.gpu) {
     int count = 0;
     const cudaError_t found = cudaGetDeviceCount(&count);
     if (found != cudaSuccess || count == 0)
@@ -73,10 +73,6 @@ class CudaDevice final : public Device {
   ~CudaDevice() override { release(); }
 
   std::string describe() const override { return "cuda:" + std::to_string(gpu_) + ":" + dir_; }
-  const std::string& storage_dir() const override { return dir_; }
-  size_t slot_count() const override { return slots_.size(); }
-  Slot slot(size_t i) override { return slots_[i]; }
-  size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   bool registrable() const override { return true; }
 
   // Resident states in GPU memory (the budget, allocated at creation).
@@ -263,10 +259,7 @@ class CudaDevice final : public Device {
     check(cudaStreamSynchronize(m.stream), "a split master's params checksum");
   }
 
-  std::string dir_;
-  SlotGeometry geometry_;
   int gpu_;
-  HostSlots slots_;
   size_t registered_ = 0;  // slots page-locked so far (a failed constructor unlocks them)
   std::vector<Mirror> mirrors_;
   void* resident_ = nullptr;

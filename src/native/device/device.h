@@ -7,6 +7,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/numeric.h"
 #include "kernels/rules.h"
@@ -142,6 +143,26 @@ class Device {
   // The slot's states to the host, one array each (a null array is skipped); a split master
   // from the params copied in (copy_in_params), `adopt` as in Kernel.
   virtual void export_states(size_t slot, float* const* arrays, size_t numel, bool adopt) = 0;
+};
+
+// What every device with slots of its own shares: its storage directory, the slots'
+// geometry and the slots (`Slots`: host memory, HostSlots; or device-mapped, a vector).
+template <class Slots>
+class SlottedDevice : public Device {
+ public:
+  const std::string& storage_dir() const override { return dir_; }
+  size_t slot_count() const override { return slots_.size(); }
+  Slot slot(size_t i) override { return slots_[i]; }
+  size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
+
+ protected:
+  template <class... SlotsArgs>
+  SlottedDevice(std::string dir, const SlotGeometry& g, SlotsArgs&&... slots)
+      : dir_(std::move(dir)), geometry_(g), slots_(std::forward<SlotsArgs>(slots)...) {}
+
+  std::string dir_;
+  SlotGeometry geometry_;
+  Slots slots_;
 };
 
 inline void Device::bind_states(size_t, uint64_t at) {

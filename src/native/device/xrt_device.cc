@@ -35,10 +35,10 @@ std::string kernel_name(const Kernel& k) {
   return std::string(kernels::rule_row(k.step.rule).hls) + (k.compressed ? "_topk_" : "_") + types;
 }
 
-class XrtDevice final : public Device {
+class XrtDevice final : public SlottedDevice<std::vector<Slot>> {
  public:
   XrtDevice(std::string dir, const SlotGeometry& g, const XrtOptions& o)
-      : dir_(std::move(dir)), geometry_(g), device_(open(o)) {
+      : SlottedDevice(std::move(dir), g), device_(open(o)) {
     if (!o.xclbin.empty()) {
       try {
         uuid_ = device_.load_xclbin(o.xclbin);
@@ -74,10 +74,6 @@ class XrtDevice final : public Device {
 
   std::string describe() const override { return "xrt:" + dir_; }
   xrt::device& xrt() { return device_; }
-  const std::string& storage_dir() const override { return dir_; }
-  size_t slot_count() const override { return slots_.size(); }
-  Slot slot(size_t i) override { return slots_[i]; }
-  size_t slot_states_bytes() const override { return geometry_.states_bytes(); }
   // P2P pages cannot be pinned as io_uring fixed buffers: plain reads into the mapping.
   bool registrable() const override { return false; }
   bool host_visible_states() const override { return false; }
@@ -186,15 +182,12 @@ class XrtDevice final : public Device {
     }
   }
 
-  std::string dir_;
-  SlotGeometry geometry_;
   xrt::device device_;
   xrt::uuid uuid_;
   bool loaded_ = false;
   size_t io_ = 0;
   std::map<std::string, xrt::kernel> kernels_;
   std::vector<Buffers> buffers_;
-  std::vector<Slot> slots_;
 };
 
 // Whole-buffer file I/O in 1 MiB requests (the pipeline's piece size), timed.
