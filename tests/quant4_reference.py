@@ -9,6 +9,8 @@ Second moment (v itself): 128 x 128 tiles of the chunk's flat params, row by row
 Nearest value, ties to the smaller one (the count of midpoints strictly below x)."""
 import numpy as np
 
+from quant8_reference import adam_first_moment
+
 F = np.float32
 BLOCK = 128
 TILE = BLOCK * BLOCK
@@ -173,21 +175,11 @@ class Int4Adam(Int4States):
 
     def step(self, grad, t, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=1.0):
         """One step (adam.h's formula on decoded moments); returns the fp32 params out."""
-        one_minus_beta1, one_minus_beta2 = F(1.0 - beta1), F(1.0 - beta2)
-        neg_step = F(-(lr / (1.0 - beta1 ** t)))
-        bias2_sqrt = F(np.sqrt(1.0 - beta2 ** t))
-        g = np.asarray(grad, np.float32) * F(grad_scale)
-        p = self.param
-        if decoupled:
-            p = p * F(1.0 - lr * weight_decay)
-        else:
-            g = g + F(weight_decay) * p
-        m_old, v_old = self.exp_avg(), self.exp_avg_sq()
-        if abs(one_minus_beta1) < 0.5:
-            m = m_old + one_minus_beta1 * (g - m_old)
-        else:
-            m = g - (g - m_old) * (F(1.0) - one_minus_beta1)
-        v = v_old * F(beta2) + one_minus_beta2 * g * g
+        p, g, m, neg_step, bias2_sqrt = adam_first_moment(
+            self.param, grad, self.exp_avg(), t, lr, beta1, beta2, weight_decay, decoupled,
+            grad_scale)
+        one_minus_beta2 = F(1.0 - beta2)
+        v = self.exp_avg_sq() * F(beta2) + one_minus_beta2 * g * g
         denom = np.sqrt(v) / bias2_sqrt + F(eps)
         self.param = (p + neg_step * (m / denom)).astype(np.float32)
         self.store(m.astype(np.float32), v.astype(np.float32))

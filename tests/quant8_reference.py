@@ -8,6 +8,27 @@ SIGNED_BIAS, UNSIGNED_BIAS = 15, 31
 F = np.float32
 
 
+def adam_first_moment(param, grad, m_old, t, lr, beta1, beta2, weight_decay, decoupled,
+                      grad_scale):
+    """adam.h's start of a step on decoded moments, as the int8 and int4 references share
+    it: (params after decoupled decay, the gradient (scaled, with L2 decay), the new first
+    moment, -lr / bias1, sqrt(bias2))."""
+    one_minus_beta1 = F(1.0 - beta1)
+    neg_step = F(-(lr / (1.0 - beta1 ** t)))
+    bias2_sqrt = F(np.sqrt(1.0 - beta2 ** t))
+    g = np.asarray(grad, np.float32) * F(grad_scale)
+    p = param
+    if decoupled:
+        p = p * F(1.0 - lr * weight_decay)
+    else:
+        g = g + F(weight_decay) * p
+    if abs(one_minus_beta1) < 0.5:
+        m = m_old + one_minus_beta1 * (g - m_old)
+    else:
+        m = g - (g - m_old) * (F(1.0) - one_minus_beta1)
+    return p, g, m, neg_step, bias2_sqrt
+
+
 def encode_magnitude(a, bias):
     a = np.asarray(a, np.float32)
     subnormal = a < F(2.0 ** (1 - bias))
@@ -102,22 +123,11 @@ class Int8Adam:
 
     def step(self, grad, t, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=1.0):
         """One step (adam.h's formula on decoded moments); returns the fp32 params out."""
-        one_minus_beta1, one_minus_beta2 = F(1.0 - beta1), F(1.0 - beta2)
-        neg_step = F(-(lr / (1.0 - beta1 ** t)))
-        bias2_sqrt = F(np.sqrt(1.0 - beta2 ** t))
-        g = np.asarray(grad, np.float32) * F(grad_scale)
-        p = self.param
-        if decoupled:
-            p = p * F(1.0 - lr * weight_decay)
-        else:
-            g = g + F(weight_decay) * p
-        old = self.states()
-        m_old = old["exp_avg"]
-        if abs(one_minus_beta1) < 0.5:
-            m = m_old + one_minus_beta1 * (g - m_old)
-        else:
-            m = g - (g - m_old) * (F(1.0) - one_minus_beta1)
-        w_dec = np.empty_like(m_old)
+        p, g, m, neg_step, bias2_sqrt = adam_first_moment(
+            self.param, grad, self.states()["exp_avg"], t, lr, beta1, beta2, weight_decay,
+            decoupled, grad_scale)
+        one_minus_beta2 = F(1.0 - beta2)
+        w_dec = np.empty_like(m)
         for b, (lo, hi) in enumerate(self.blocks):
             w_dec[lo:hi] = decode_w(self.wq[lo:hi], self.ws[b])
         v = (w_dec * w_dec) * F(beta2) + one_minus_beta2 * g * g

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import smartinf
-from conftest import step_traffic_per_param
 import smartinf.optim as so
 from quant4_reference import (BLOCK, TILE, Int4Adam, Int4Lion, bf16_round,
                               bf16_value, chunk_spans)
@@ -227,23 +226,6 @@ def test_extents_hold_the_layout_of_store_layout_h(disk_dir, rule):
         expected = ref.extent(lo, min(lo + CHUNK, n))
         at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
         assert data[at:at + len(expected)] == expected, f"chunk {c}"
-
-
-@pytest.mark.parametrize("rule, fp32, int4", [
-    # 4 (param) + 2 x 0.5 (codes) + 4 / 128 (block scales) + 2 x 128 x 4 / 16384 (tile maxima)
-    (smartinf.AdamW(), 12, 5.09375),
-    # 4 (param) + 0.5 (codes) + 4 / 128
-    (smartinf.Lion(), 8, 4.53125),
-])
-def test_storage_bytes_per_param(tmp_path, rule, fp32, int4):
-    n = 1 << 20
-    moved = {dtype: step_traffic_per_param(tmp_path / dtype, rule, n, np.ones(n, np.float32),
-                                           np.empty(n, np.float16), chunk=n, state_dtype=dtype)
-             for dtype in ("fp32", "int4")}
-    moved = {d: {k: m[k] for k in ("storage_read", "storage_write")} for d, m in moved.items()}
-    assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
-    # 1 Mi params a chunk fill 4 KiB pages exactly.
-    assert moved["int4"] == {"storage_read": int4, "storage_write": int4}
 
 
 @pytest.mark.parametrize("rule", [smartinf.Adam(), smartinf.Lion()], ids=["adam", "lion"])

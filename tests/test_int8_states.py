@@ -79,21 +79,26 @@ def test_update_matches_the_reference_bit_for_bit(disk_dir, rule, decoupled):
         assert np.array_equal(got[k], v), k
 
 
-@pytest.mark.parametrize("rule, fp32, int8", [
+@pytest.mark.parametrize("rule, dtype, fp32, quantized", [
     # 4 (param) + 1 + 1 (codes) + 8 / 256 (two fp32 scales per block)
-    (smartinf.AdamW(), 12, 6.03125),
+    (smartinf.AdamW(), "int8", 12, 6.03125),
     # 4 (param) + 1 (codes) + 4 / 256 (one fp32 scale per block)
-    (smartinf.Lion(), 8, 5.015625),
+    (smartinf.Lion(), "int8", 8, 5.015625),
+    # 4 (param) + 2 x 0.5 (codes) + 4 / 128 (block scales) + 2 x 128 x 4 / 16384 (tile maxima)
+    (smartinf.AdamW(), "int4", 12, 5.09375),
+    # 4 (param) + 0.5 (codes) + 4 / 128
+    (smartinf.Lion(), "int4", 8, 4.53125),
 ])
-def test_storage_bytes_per_param(tmp_path, rule, fp32, int8):
+def test_storage_bytes_per_param(tmp_path, rule, dtype, fp32, quantized):
+    """int8 and int4 states: a step moves these bytes per param each way."""
     n = 1 << 20
-    moved = {dtype: step_traffic_per_param(tmp_path / dtype, rule, n, np.ones(n, np.float32),
-                                           np.empty(n, np.float16), chunk=n, state_dtype=dtype)
-             for dtype in ("fp32", "int8")}
+    moved = {d: step_traffic_per_param(tmp_path / d, rule, n, np.ones(n, np.float32),
+                                       np.empty(n, np.float16), chunk=n, state_dtype=d)
+             for d in ("fp32", dtype)}
     moved = {d: {k: m[k] for k in ("storage_read", "storage_write")} for d, m in moved.items()}
     assert moved["fp32"] == {"storage_read": fp32, "storage_write": fp32}
     # 1 Mi params a chunk fill 4 KiB pages exactly.
-    assert moved["int8"] == {"storage_read": int8, "storage_write": int8}
+    assert moved[dtype] == {"storage_read": quantized, "storage_write": quantized}
 
 
 @pytest.mark.parametrize("rule", [smartinf.Adam(), smartinf.Lion()], ids=["adam", "lion"])
