@@ -96,6 +96,7 @@ class SGD:
     nesterov: bool = False
     maximize: bool = False
     name = "sgd"
+    base_optimizers = ("SGD",)  # the optimizers (by class name) whose param groups it runs
     state_names = ("momentum_buffer",)
     initial_state = 0.0
 
@@ -124,6 +125,7 @@ class Adagrad:
     eps: float = 1e-10
     maximize: bool = False
     name = "adagrad"
+    base_optimizers = ("Adagrad", "DeepSpeedCPUAdagrad")
     state_names = ("sum",)
 
     def __post_init__(self) -> None:
@@ -154,6 +156,7 @@ class Lion:
     weight_decay: float = 0.0
     maximize: bool = False
     name = "lion"
+    base_optimizers = ("FusedLion", "DeepSpeedCPULion", "LionParams")
     state_names = ("exp_avg",)
     initial_state = 0.0
 

@@ -187,8 +187,9 @@ def _check_optimizer_block(block: Any) -> None:
 
 
 # The update rule for DeepSpeed's base optimizer: its Adam variants and torch's Adam(W)
-# by their decoupled-weight-decay flag, SGD, Adagrad, Lion; any other optimizer is refused.
-# amsgrad and maximize come with the param groups (rule_for).
+# by their decoupled-weight-decay flag; the others by each rule's ``base_optimizers``
+# (class names, a subclass's too); any other optimizer is refused. amsgrad and maximize
+# come with the param groups (rule_for).
 def _rule_class(optimizer: torch.optim.Optimizer) -> type:
     name = type(optimizer).__name__
     if name in ("DeepSpeedCPUAdam", "FusedAdam", "ZenFlowCPUAdam"):
@@ -198,14 +199,12 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type:
         decoupled = isinstance(optimizer, torch.optim.AdamW) or \
             optimizer.defaults.get("decoupled_weight_decay", False)
         return update_rules.AdamW if decoupled else update_rules.Adam
-    if isinstance(optimizer, torch.optim.SGD):
-        return update_rules.SGD
-    if name in ("Adagrad", "DeepSpeedCPUAdagrad"):
-        return update_rules.Adagrad
-    if name in ("FusedLion", "DeepSpeedCPULion", "LionParams"):
-        return update_rules.Lion
-    raise ValueError(f"smartinf runs Adam, AdamW, SGD, Adagrad and Lion; the DeepSpeed optimizer is "
-                     f"{name}")
+    rules = list(dict.fromkeys(update_rules.RULES.values()))
+    for rule in rules:
+        if any(c.__name__ in getattr(rule, "base_optimizers", ()) for c in type(optimizer).__mro__):
+            return rule
+    raise ValueError(f"smartinf runs {', '.join(r.__name__ for r in rules)}; the DeepSpeed "
+                     f"optimizer is {name}")
 
 
 def _rule(rule_class: type, group: dict) -> Any:
