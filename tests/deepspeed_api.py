@@ -250,30 +250,34 @@ def main() -> None:
         """A durable commit that fails (the disk full at its sync) raises, from step() or,
         with overlap, where the step's tail drains (settle); the devices are back at the
         step before, and so are the model's params, the kept-whole ones gathered again from
-        their partitions (fp32: the masters bit for bit)."""
+        their partitions: fp32, and bf16 over fp32 masters (rounded as the devices round
+        them), bit for bit."""
         import smartinf._native as native
-        eng = engine(str(root / "ours-fail"))
-        d = batches(LANG, 4, 32, seed=3000 + rank)
-        train(eng, d, 1)
-        eng.optimizer.settle()
-        before, steps = gathered(eng), eng.optimizer.pipeline.step_count
-        native.arm_fault("store.synced", "error", errno=28)
-        errno = None
-        try:
+
+        def one(bf16):
+            eng = engine(str(root / f"ours-fail-{bf16}"), bf16=bf16)
+            d = batches(LANG, 4, 32, seed=3000 + rank)
             train(eng, d, 1)
             eng.optimizer.settle()
-        except OSError as e:
-            errno = e.errno
-        finally:
-            native.disarm_fault()
-        after = gathered(eng)
-        whole = [n for n, q in named(eng).items() if getattr(q, "ds_persist", False)]
-        out = {"errno": errno, "kept_whole": len(whole),
-               "moved": rel(list(after.values()), list(before.values())),
-               "steps": [steps, eng.optimizer.pipeline.step_count]}
-        out["then"] = train(eng, d, 1)  # training goes on
-        eng.destroy()
-        return out
+            before, steps = gathered(eng), eng.optimizer.pipeline.step_count
+            native.arm_fault("store.synced", "error", errno=28)
+            errno = None
+            try:
+                train(eng, d, 1)
+                eng.optimizer.settle()
+            except OSError as e:
+                errno = e.errno
+            finally:
+                native.disarm_fault()
+            after = gathered(eng)
+            whole = [n for n, q in named(eng).items() if getattr(q, "ds_persist", False)]
+            out = {"errno": errno, "kept_whole": len(whole),
+                   "moved": rel(list(after.values()), list(before.values())),
+                   "steps": [steps, eng.optimizer.pipeline.step_count]}
+            out["then"] = train(eng, d, 1)  # training goes on
+            eng.destroy()
+            return out
+        return {"fp32": one(False), "bf16": one(True)}
 
     if rank == 0:
         Path(a.out).write_text(json.dumps(results, indent=1))

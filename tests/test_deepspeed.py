@@ -301,6 +301,17 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
           fails_with="hold different durable steps (rank 0: step 8, rank 1: step 4)")
 
 
+def test_a_bf16_checkpoint_resumes_bit_for_bit(work, disk_dir):
+    """bf16 params over fp32 masters (no split): a checkpoint loaded in a new process puts
+    the masters into the partitions rounded as the devices round them (ties away from
+    zero, not torch's nearest-even), so steps 5-8 repeat bit for bit."""
+    ckpt, bf16 = str(work / "ckpt-bf16"), ("--dtype", "bf16")
+    first = train(work, disk_dir, "bf16-first", extra=(*bf16, "--save", ckpt, "--save-at", "4"))
+    again = train(work, disk_dir, "bf16-again", extra=(*bf16, "--load", ckpt, "--if-exists", "overwrite"))
+    assert losses(again) == losses(first)[4:]
+    assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
+
+
 def test_a_split_master_resumes_from_a_checkpoint_and_refuses_without_its_weights(work, disk_dir):
     """bf16 with a split master: the directories hold the masters' low halves only. Loading a
     checkpoint puts the high halves back (the partitions from the checkpoint's masters, which
@@ -369,13 +380,13 @@ def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
 def test_a_failed_commit_puts_the_params_back_with_the_devices(api):
     """The step session's restore, under DeepSpeed: a durable commit that fails leaves the
     devices at the step before, and the params with them, bit for bit (they kept the failed
-    step's update before), the kept-whole ones gathered again from their partitions;
-    training goes on."""
-    got = ok(api["failed_commit_puts_params_back"])
-    assert got["errno"] == 28
-    assert got["steps"][0] == got["steps"][1] > 0
-    assert got["kept_whole"] > 0 and got["moved"] == 0.0, got
-    assert all(math.isfinite(x) for x in got["then"])
+    step's update before), the kept-whole ones gathered again from their partitions, in
+    fp32 and in bf16 (the masters rounded as the devices round them); training goes on."""
+    for dtype, got in ok(api["failed_commit_puts_params_back"]).items():
+        assert got["errno"] == 28, dtype
+        assert got["steps"][0] == got["steps"][1] > 0, dtype
+        assert got["kept_whole"] > 0 and got["moved"] == 0.0, (dtype, got)
+        assert all(math.isfinite(x) for x in got["then"]), dtype
 
 
 def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):

@@ -20,6 +20,7 @@ from deepspeed.runtime.zero import stage3
 from .. import defaults, edits
 from ..driver import Driver, overrides, stored_rule
 from ..pipeline import Pipeline
+from ..rounding import round_to
 from ..step_session import StepSession
 from .deepspeed_config import _rule, _rule_class, check_config, choose
 from .deepspeed_overlap import Overlap
@@ -121,12 +122,10 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
                 raise RuntimeError(f"sub-group {i} was registered out of order")
             if self.pipeline.resumed(i):
                 self._resumed = True
-                if self._split:  # the partitions hold the high halves: loaded with the model
-                    continue
-                flat.copy_(torch.from_numpy(self.pipeline.read_states(i)["param"]))
-                self._unflatten_partitioned_parameters(i)
-            if self._watch is not None:
-                self._watch.record(i)
+                if not self._split:  # (else the partitions hold the high halves: loaded with the model)
+                    self._put_params(i, torch.from_numpy(self.pipeline.read_states(i)["param"]))
+                continue
+            self._put(i)
 
     def initialize_optimizer_states(self) -> None:
         """Nothing to allocate: the states were created on the devices with the sub-groups."""
@@ -271,10 +270,10 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             self._put_params(i, self._driver.out(buffer, flat.dtype, flat.numel()))
 
     def _put_params(self, i: int, params: torch.Tensor) -> None:
-        """Sub-group ``i``'s updated params (a host buffer), or its fp32 masters, into its
-        partition."""
+        """Sub-group ``i``'s updated params (a host buffer), or its fp32 masters (rounded as
+        the devices round them: ``rounding.round_to``), into its partition."""
         flat = self.fp16_partitioned_groups_flat[i]
-        flat.copy_(params, non_blocking=True)
+        flat.copy_(round_to(params, flat.dtype), non_blocking=True)
         if not flat.is_cpu:
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
