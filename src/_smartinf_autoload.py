@@ -1,6 +1,7 @@
 """Run at interpreter start by ``_smartinf_autoload.pth``: a ``"smartinf"`` block in a
 DeepSpeed config takes effect even where the script never imports smartinf. It only
-registers a hook on the import of ``deepspeed`` (see smartinf.integrations.deepspeed_hook);
+registers a hook on the import of ``deepspeed`` and of ``accelerate.utils.dataclasses``
+(see smartinf.integrations.deepspeed_hook);
 ``SMARTINF_AUTOLOAD=0`` turns it off."""
 import os
 import sys
@@ -12,12 +13,12 @@ def _install() -> None:
     import importlib.abc  # noqa: PLC0415
 
     class _Deferred(importlib.abc.MetaPathFinder):
-        """Imports the real hook only when deepspeed is looked for (torch is loaded then)."""
+        """Imports the real hook only when a module it patches is looked for."""
 
         smartinf_hook = True
 
         def find_spec(self, name, path, target=None):
-            if name != "deepspeed":
+            if name not in ("deepspeed", "accelerate.utils.dataclasses"):
                 return None
             try:
                 from smartinf.integrations import deepspeed_hook  # noqa: PLC0415

@@ -121,3 +121,16 @@ def test_from_config_built_partitioned_under_zero3(tmp_path, world):
         off = ~torch.isclose(ours["weights"][key], value, rtol=1e-5, atol=1e-5)
         assert off.sum() <= 1e-3 * value.numel(), (key, int(off.sum()))
         assert torch.all((ours["weights"][key] - value).abs() <= adam_bound), key
+
+
+def test_a_blocks_auto_is_left_to_smartinf_by_accelerate(tmp_path):
+    """Accelerate (under the Trainer) takes every "auto" in a DeepSpeed config for one of its
+    own arguments and refused the block's ``"state_dtype": "auto"`` before training began.
+    The block's keys are now smartinf's: the run trains, bit for bit as the one with the
+    format auto chose spelled out (fp32 states, for a model this small)."""
+    extra = ("--arch", "llama", "--partitioned", "--steps", "4")
+    auto = run(tmp_path, "auto", "trainer-deepspeed", extra=(*extra, "--state-dtype", "auto"))
+    spelled = run(tmp_path, "fp32", "trainer-deepspeed", extra=(*extra, "--state-dtype", "fp32"))
+    assert auto["losses"] == spelled["losses"] and len(auto["losses"]) == 4
+    for key, value in spelled["weights"].items():
+        assert torch.equal(auto["weights"][key], value), key

@@ -4,6 +4,9 @@ optimizer states on smartinf devices and no smartinf code beyond the import.
     torchrun --nproc_per_node=2 examples/huggingface/train.py --via trainer-deepspeed --dir /nvme/run
     python examples/huggingface/train.py --via trainer-optimizers --dir /nvme/run
     python examples/huggingface/train.py --via accelerate --dir /nvme/run
+    torchrun --nproc_per_node=1 examples/huggingface/train.py --arch llama --size 13b --partitioned \
+        --bf16 --batch 8 --seq 1024 --gradient-checkpointing --state-dtype auto --save-every 0 \
+        --steps 10 --dir /nvme/run --out 13b.json
 
 ``--via``:
   * ``trainer-deepspeed``: ``TrainingArguments(deepspeed=config)`` with a ZeRO-3 config holding
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,17 +42,24 @@ import smartinf.optim  # noqa: E402,F401  (the only smartinf line a DeepSpeed us
 from examples.gpt.data import Language, batches  # noqa: E402
 
 SEQ, BATCH, LR, WEIGHT_DECAY = 32, 4, 3e-3, 0.1
+LLAMA_SIZES = {  # name: (hidden, intermediate, layers, heads, vocabulary or None for the data's)
+    "tiny": (64, 172, 2, 4, None),
+    "7b": (4096, 11008, 32, 32, 32000),   # Llama-2 7B's shape, 6.7 B params
+    "13b": (5120, 13824, 40, 40, 32000),  # Llama-2 13B's, 13.0 B params
+}
 
 
-def model(arch: str = "gpt2") -> transformers.PreTrainedModel:
-    """The tiny model: GPT-2's layout, or Llama's (``AutoModelForCausalLM.from_config``,
-    which a ZeRO-3 DeepSpeed config given to the Trainer first builds partitioned:
-    ``deepspeed.zero.Init``, never whole in memory)."""
+def model(arch: str = "gpt2", size: str = "tiny", seq: int = SEQ) -> transformers.PreTrainedModel:
+    """GPT-2's layout (tiny), or Llama's (``AutoModelForCausalLM.from_config``, which a ZeRO-3
+    DeepSpeed config given to the Trainer first builds partitioned: ``deepspeed.zero.Init``,
+    never whole in memory)."""
     torch.manual_seed(0)
     if arch == "llama":
-        config = transformers.LlamaConfig(vocab_size=len(Language().vocab), hidden_size=64,
-                                          intermediate_size=172, num_hidden_layers=2,
-                                          num_attention_heads=4, max_position_embeddings=SEQ)
+        hidden, intermediate, layers, heads, vocab = LLAMA_SIZES[size]
+        config = transformers.LlamaConfig(vocab_size=vocab or len(Language().vocab),
+                                          hidden_size=hidden, intermediate_size=intermediate,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          max_position_embeddings=seq)
         return transformers.AutoModelForCausalLM.from_config(config)
     config = transformers.GPT2Config(vocab_size=len(Language().vocab), n_positions=SEQ, n_embd=64,
                                      n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -59,8 +70,8 @@ def model(arch: str = "gpt2") -> transformers.PreTrainedModel:
 class Text(torch.utils.data.Dataset):
     """Rows of the generated language, the same in every run."""
 
-    def __init__(self, rows: int) -> None:
-        stream = batches(Language(), rows, SEQ, seed=1)
+    def __init__(self, rows: int, seq: int = SEQ) -> None:
+        stream = batches(Language(), rows, seq, seed=1)
         self.inputs = next(stream)[0]
 
     def __len__(self) -> int:
@@ -77,8 +88,12 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
                                                         "betas": "auto", "eps": "auto"}},
               "zero_optimization": zero}
+    if args.bf16:
+        config["bf16"] = {"enabled": "auto"}
     if args.mode == "smartinf":
         config["smartinf"] = {"devices": [args.dir], "if_exists": "overwrite"}
+        if args.state_dtype:
+            config["smartinf"]["state_dtype"] = args.state_dtype
     else:
         zero["offload_optimizer"] = {"device": "cpu"}
     return config
@@ -92,14 +107,37 @@ def make_optimizer(args: argparse.Namespace, net: torch.nn.Module) -> torch.opti
 
 
 def training_args(args: argparse.Namespace, **extra) -> transformers.TrainingArguments:
+    saves = {"save_strategy": "steps", "save_steps": args.save_every} if args.save_every else \
+        {"save_strategy": "no"}
     return transformers.TrainingArguments(
-        output_dir=args.checkpoints, max_steps=args.steps, per_device_train_batch_size=BATCH,
+        output_dir=args.checkpoints, max_steps=args.steps, per_device_train_batch_size=args.batch,
         learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, lr_scheduler_type="constant",
-        logging_steps=1, save_strategy="steps", save_steps=args.save_every, report_to=[],
-        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **extra)
+        logging_steps=1, report_to=[], bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **saves, **extra)
 
 
 BUILT = {}  # how the model was built: partitioned (ZeRO-3's zero.Init) or whole
+
+
+class StepTimes(transformers.TrainerCallback):
+    """Seconds of each optimizer step's iteration (forward, backward and step), end to end."""
+
+    def __init__(self) -> None:
+        self.ends: list = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.ends:
+            self.ends.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def seconds(self) -> list:
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+TIMES = StepTimes()
 
 
 def with_trainer(args: argparse.Namespace) -> tuple[list, dict]:
@@ -108,17 +146,20 @@ def with_trainer(args: argparse.Namespace) -> tuple[list, dict]:
         extra["deepspeed"] = deepspeed_config(args)
     if args.partitioned:  # built after the ZeRO-3 config is known: partitioned as made
         training = training_args(args, **extra)
-        net = model(args.arch)
+        net = model(args.arch, args.size, args.seq)
     else:
-        net = model(args.arch)
+        net = model(args.arch, args.size, args.seq)
         training = training_args(args, **extra)
     BUILT["partitioned"] = all(hasattr(q, "ds_id") for q in net.parameters())
     if args.via != "trainer-deepspeed":
         optimizers = (make_optimizer(args, net), None)
-    trainer = transformers.Trainer(model=net, args=training,
-                                   train_dataset=Text(BATCH * args.steps * 2), optimizers=optimizers)
+    trainer = transformers.Trainer(model=net, args=training, callbacks=[TIMES],
+                                   train_dataset=Text(args.batch * args.steps * 2, args.seq),
+                                   optimizers=optimizers)
     trainer.train(resume_from_checkpoint=args.resume_from)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    if not args.save_every:
+        return losses, {}
     if args.via == "trainer-deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         last = os.path.join(args.checkpoints, f"checkpoint-{args.steps}")
@@ -161,12 +202,22 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="checkpoint directory (default: DIR/checkpoints)")
     parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
                         help="llama: AutoModelForCausalLM.from_config of a Llama config")
+    parser.add_argument("--size", choices=sorted(LLAMA_SIZES), default="tiny",
+                        help="llama: the model's shape (7b, 13b: Llama-2's)")
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows per GPU (or process)")
+    parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--state-dtype", choices=("fp32", "int8", "int4", "auto"),
+                        help="trainer-deepspeed, smartinf: the block's state_dtype (auto: the "
+                             "format, master, memory and copies that fit the box)")
     parser.add_argument("--partitioned", action="store_true",
                         help="trainer-deepspeed, llama: build the model after "
                              "TrainingArguments(deepspeed=), so that from_config builds it "
                              "partitioned under ZeRO-3 (deepspeed.zero.Init)")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--save-every", type=int, default=4,
+                        help="checkpoint every N steps (0: none, and no weights exported)")
     parser.add_argument("--resume-from", help="a checkpoint directory to resume from")
     parser.add_argument("--out", help="JSON of the per-step losses; weights beside it (.pt)")
     args = parser.parse_args()
@@ -175,9 +226,12 @@ def main() -> None:
     losses, weights = run(args)
     rank = int(os.environ.get("RANK", "0"))
     print("losses", " ".join(f"{x:.6f}" for x in losses))
+    print("step_s", " ".join(f"{x:.3f}" for x in TIMES.seconds()), flush=True)
     if args.out and rank == 0:
-        Path(args.out).write_text(json.dumps({"losses": losses, **BUILT}))
-        torch.save(weights, Path(args.out).with_suffix(".pt"))
+        Path(args.out).write_text(json.dumps({"losses": losses, "step_s": TIMES.seconds(),
+                                              "argv": sys.argv[1:], **BUILT}))
+        if weights:
+            torch.save(weights, Path(args.out).with_suffix(".pt"))
 
 
 if __name__ == "__main__":

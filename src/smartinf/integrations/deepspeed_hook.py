@@ -7,8 +7,14 @@ from ``import smartinf`` and, through the ``_smartinf_autoload.pth`` file the wh
 in site-packages, at interpreter start, so the block is never silently ignored). The
 wrapper hands calls whose config holds the block, or whose optimizer is a
 ``smartinf.optim`` one, to :func:`smartinf.integrations.deepspeed.initialize`, which calls
-the original function; every other call goes straight to DeepSpeed. Nothing here imports
-DeepSpeed.
+the original function; every other call goes straight to DeepSpeed.
+
+Accelerate (under the transformers ``Trainer`` too) reads every ``"auto"`` in a DeepSpeed
+config as a placeholder for one of its own arguments and refuses those it has none for,
+so ``"state_dtype": "auto"`` in the block would stop a Trainer run before it starts. When
+``accelerate.utils.dataclasses`` is imported, its ``DeepSpeedPlugin.fill_match`` is
+wrapped to leave the block's keys to smartinf. Nothing here imports DeepSpeed or
+Accelerate.
 """
 from __future__ import annotations
 
@@ -24,12 +30,28 @@ CONFIG_KEY = "smartinf"
 
 
 def install() -> None:
-    """Wraps ``deepspeed.initialize`` now if DeepSpeed is imported, else when it is."""
-    module = sys.modules.get("deepspeed")
-    if module is not None:
-        patch(module)
-    elif not any(getattr(f, "smartinf_hook", False) for f in sys.meta_path):
+    """Patches each module of ``PATCHES`` now if it is imported, else when it is."""
+    for name, patch_module in PATCHES.items():
+        if name in sys.modules:
+            patch_module(sys.modules[name])
+    if not any(getattr(f, "smartinf_hook", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnImport())
+
+
+def patch_accelerate(dataclasses: Any) -> None:
+    """Accelerate's placeholder filling leaves the ``"smartinf"`` block alone."""
+    plugin = getattr(dataclasses, "DeepSpeedPlugin", None)
+    original = getattr(plugin, "fill_match", None)
+    if original is None or hasattr(original, "__wrapped__"):
+        return
+
+    @functools.wraps(original)
+    def fill_match(self: Any, ds_key_long: str, *args: Any, **kwargs: Any) -> Any:
+        if ds_key_long.startswith(CONFIG_KEY + "."):
+            return None  # smartinf's own "auto"s: not Accelerate's arguments
+        return original(self, ds_key_long, *args, **kwargs)
+
+    plugin.fill_match = fill_match
 
 
 def patch(deepspeed: Any) -> None:
@@ -80,11 +102,12 @@ _finding = False  # inside find_and_patch: the other finders answer
 
 
 def find_and_patch(name: str) -> Any:
-    """The import spec of ``deepspeed`` from the other finders, made to patch the module
-    once it is executed (a post-import hook). A spec asked for without an import (an
-    availability probe) is dropped, and the next one asked for is made the same way."""
+    """The import spec of module ``name`` (one of ``PATCHES``) from the other finders, made
+    to patch the module once it is executed (a post-import hook). A spec asked for without
+    an import (an availability probe) is dropped, and the next one asked for is made the
+    same way."""
     global _finding
-    if _finding:
+    if _finding or name not in PATCHES:
         return None
     _finding = True
     try:
@@ -97,15 +120,19 @@ def find_and_patch(name: str) -> Any:
 
     def exec_module(module: Any) -> None:
         execute(module)
-        sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "smartinf_hook", False)]
-        patch(module)
+        if all(n in sys.modules for n in PATCHES):  # every one patched: the finders go
+            sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "smartinf_hook", False)]
+        PATCHES[name](module)
 
     spec.loader.exec_module = exec_module
     return spec
+
+
+PATCHES = {"deepspeed": patch, "accelerate.utils.dataclasses": patch_accelerate}
 
 
 class _OnImport(importlib.abc.MetaPathFinder):
     smartinf_hook = True
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        return find_and_patch(name) if name == "deepspeed" else None
+        return find_and_patch(name)
