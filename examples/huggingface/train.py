@@ -132,6 +132,8 @@ class StepTimes(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
+        if state.is_world_process_zero:
+            print(f"step {state.global_step} {self.ends[-1] - self.ends[-2]:.3f} s", flush=True)
 
     def seconds(self) -> list:
         return [b - a for a, b in zip(self.ends, self.ends[1:])]
