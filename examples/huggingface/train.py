@@ -111,7 +111,9 @@ def training_args(args: argparse.Namespace, **extra) -> transformers.TrainingArg
         {"save_strategy": "no"}
     return transformers.TrainingArguments(
         output_dir=args.checkpoints, max_steps=args.steps, per_device_train_batch_size=args.batch,
-        learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, lr_scheduler_type="constant",
+        learning_rate=args.lr, weight_decay=WEIGHT_DECAY, max_grad_norm=1.0,
+        lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant",
+        warmup_steps=args.warmup_steps,
         logging_steps=1, report_to=[], bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **saves, **extra)
@@ -209,6 +211,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--batch", type=int, default=BATCH, help="rows per GPU (or process)")
     parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
+    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up of the lr")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--state-dtype", choices=("fp32", "int8", "int4", "auto"),
                         help="trainer-deepspeed, smartinf: the block's state_dtype (auto: the "
