@@ -38,6 +38,7 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     result = json.loads((tmp / f"{name}.json").read_text())
     result["weights"] = torch.load(tmp / f"{name}.pt")
+    result["log"] = done.stdout + done.stderr
     return result
 
 
@@ -127,10 +128,12 @@ def test_a_blocks_auto_is_left_to_smartinf_by_accelerate(tmp_path):
     """Accelerate (under the Trainer) takes every "auto" in a DeepSpeed config for one of its
     own arguments and refused the block's ``"state_dtype": "auto"`` before training began.
     The block's keys are now smartinf's: the run trains, bit for bit as the one with the
-    format auto chose spelled out (fp32 states, for a model this small)."""
+    format auto chose spelled out (fp32 states, for a model this small); torch's LR scheduler
+    sees the optimizer step (it warned that the schedule's first value was skipped)."""
     extra = ("--arch", "llama", "--partitioned", "--steps", "4")
     auto = run(tmp_path, "auto", "trainer-deepspeed", extra=(*extra, "--state-dtype", "auto"))
     spelled = run(tmp_path, "fp32", "trainer-deepspeed", extra=(*extra, "--state-dtype", "fp32"))
     assert auto["losses"] == spelled["losses"] and len(auto["losses"]) == 4
+    assert "lr_scheduler.step()` before `optimizer.step()" not in auto["log"]
     for key, value in spelled["weights"].items():
         assert torch.equal(auto["weights"][key], value), key

@@ -156,6 +156,9 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._global_grad_norm = scaled_norm / self.loss_scale
         self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
         start = time.perf_counter()
+        # torch's LR schedulers warn that the schedule's first value was skipped unless the
+        # base optimizer's step ran: DeepSpeed's ZeRO-3 runs it, this class the pipeline
+        self.optimizer._opt_called = True
         self.zero_grad(set_to_none=True)
         combined = self._combined_scale(scaled_norm)
         scale = float(1.0 / combined)
