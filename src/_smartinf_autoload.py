@@ -18,7 +18,7 @@ def _install() -> None:
         smartinf_hook = True
 
         def find_spec(self, name, path, target=None):
-            if name not in ("deepspeed", "accelerate.utils.dataclasses"):
+            if name not in ("deepspeed", "accelerate.utils.dataclasses"):  # deepspeed_hook.PATCHES
                 return None
             try:
                 from smartinf.integrations import deepspeed_hook  # noqa: PLC0415
