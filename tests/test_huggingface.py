@@ -137,3 +137,15 @@ def test_a_blocks_auto_is_left_to_smartinf_by_accelerate(tmp_path):
     assert "lr_scheduler.step()` before `optimizer.step()" not in auto["log"]
     for key, value in spelled["weights"].items():
         assert torch.equal(auto["weights"][key], value), key
+
+
+def test_accelerate_leaves_the_block_alone_without_smartinf_code():
+    """A script that never imports smartinf (the Trainer's own launcher) gets the patch from
+    the autoload at interpreter start; SMARTINF_AUTOLOAD=0 turns it off."""
+    probe = ("import accelerate.utils.dataclasses as d, sys; "
+             "print(hasattr(d.DeepSpeedPlugin.fill_match, '__wrapped__'), 'smartinf' in sys.modules)")
+    for autoload, expected in (("1", "True True"), ("0", "False False")):
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env=dict(os.environ, SMARTINF_AUTOLOAD=autoload), timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1] == expected, (autoload, done.stdout)
