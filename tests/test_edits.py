@@ -301,3 +301,34 @@ def test_the_gpu_digest_counts_words_from_the_first_byte():
         flipped = part.clone()
         flipped[-1] ^= 1
         assert int(edits._words_digest(flipped)) != int(edits._words_digest(part))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_gpu_tensors_are_digested_together_as_alone(device):
+    """The GPU's digest of many small tensors at once (DeepSpeed's kept-whole params, run
+    here on the host's tensors too): a tensor's digest is its own whatever else is in the
+    call; every changed bit, two bytes swapped, and changes that cancel in a plain or a
+    position-weighted sum ((+1, -2, +1) on bytes 1-3) each change it."""
+    torch.manual_seed(0)
+    whole = torch.randn(1000, device=device).view(torch.uint8)
+    runs = [whole[3:517], whole[0:1], whole[1000:1000], whole[5:4001]]
+
+    def alone(b):
+        return int(edits._small_digests(b.clone(), [b.numel()])[0])
+    together = edits._small_digests(torch.cat(runs), [b.numel() for b in runs]).tolist()
+    assert together == [alone(b) for b in runs]
+    part = runs[3]
+    base = alone(part)
+    for i in {0, part.numel() // 2, part.numel() - 1}:
+        for bit in (0, 7):
+            flipped = part.clone()
+            flipped[i] ^= 1 << bit
+            assert alone(flipped) != base, (i, bit)
+    swapped = part.clone()
+    swapped[[2, 37]] = part[[37, 2]]
+    assert torch.equal(swapped, part) or alone(swapped) != base
+    cancel = torch.full((8,), 100, dtype=torch.uint8, device=device)
+    edited = cancel.clone()
+    edited[1:4] += torch.tensor([1, -2 % 256, 1], dtype=torch.uint8, device=device)
+    assert alone(edited) != alone(cancel)
+    assert alone(part[:-1]) != alone(torch.cat([part[:-1], part[:1] * 0]))  # the length counts

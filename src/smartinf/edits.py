@@ -11,7 +11,10 @@ copies the params into the model, while copying them (``copy``: in cache); on a 
 hashing would need a kernel of our own, position-weighted sums of the 64-bit words counted
 from each slice's first byte (torch's integer reductions, which wrap and so are
 order-free): any single changed word changes the plain sum, and moving words between rows
-of 8 changes the weighted one. What it cannot tell from no edit is an edit that writes the
+of 8 changes the weighted one. Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's
+kept-whole params, hundreds a step) are digested together, a few kernels for all of them
+(``digests``): each byte weighted by a mixed hash of its position in its tensor, summed
+per tensor. What it cannot tell from no edit is an edit that writes the
 bits already there: with a bf16/fp16 param over an fp32 master, writing the master's
 rounding keeps the master (see ``merge``).
 """
@@ -30,8 +33,10 @@ logger = logging.getLogger("smartinf")
 
 Digest = Union[int, torch.Tensor]  # a host int, or a 0-d int64 tensor on the params' GPU
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
+_MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64)  # another (splitmix64's)
 _ROW = 8  # words per row of the GPU digest's weighted sum
 PIECE = 256 << 10  # bytes per XXH3 of the host digest: hashed in cache right after a copy
+SMALL = 1 << 20  # bytes up to which a GPU tensor's digest is taken with the others' (digests)
 _THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -47,6 +52,45 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
         return fold(sums)
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
     return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
+
+
+def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
+    """``digest`` of each key's parts, the small ones on a GPU together (``SMALL``): what a
+    key's digest is depends on its own parts only, never on the others in the call."""
+    out: list = [None] * len(keys_parts)
+    small: dict = {}
+    for i, parts in enumerate(keys_parts):
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        if parts[0].device.type != "cpu" and nbytes <= SMALL:
+            small.setdefault(parts[0].device, []).append(i)
+        else:
+            out[i] = digest(parts)
+    for keys in small.values():
+        raw = [t.detach().contiguous().view(-1).view(torch.uint8)
+               for i in keys for t in keys_parts[i]]
+        sizes = [sum(t.numel() * t.element_size() for t in keys_parts[i]) for i in keys]
+        out_small = _small_digests(torch.cat(raw), sizes)
+        for i, d in zip(keys, out_small.unbind()):
+            out[i] = d
+    return out
+
+
+def _small_digests(b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """For consecutive runs of ``sizes`` bytes of ``b`` (1-D uint8), each run's sum of its
+    bytes and their sum weighted by a mixed hash of each byte's position in its run (a
+    changed byte changes the first; moved ones, or changes that cancel in it, the second:
+    the weights are not linear in the position), with its length: int64, wrapping."""
+    device = b.device
+    key = torch.repeat_interleave(torch.arange(len(sizes), device=device),
+                                  torch.tensor(sizes, device=device))
+    starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
+    pos = torch.arange(b.numel(), device=device) - starts[key] + 1
+    weight = pos * _MIX
+    weight = (weight ^ (weight >> 29)) * _MIX2
+    value = b.to(torch.int64)
+    plain = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, key, value)
+    mixed = torch.zeros_like(plain).index_add_(0, key, value * weight)
+    return (plain * _MIX + mixed) * _MIX + torch.tensor(sizes, device=device)
 
 
 def fold(sums: Sequence[Sequence[int]]) -> int:
@@ -103,13 +147,17 @@ class ParamWatch:
     def record(self, key: Hashable, pieces: Optional[Sequence[Sequence[int]]] = None) -> None:
         """The params of ``key`` are what the optimizer put (or took) now; ``pieces``: their
         parts' piece checksums, where ``copy`` put them (else read now)."""
-        self._held[key] = digest(self._parts(key)) if pieces is None else fold(pieces)
+        self._held[key] = digests([self._parts(key)])[0] if pieces is None else fold(pieces)
+
+    def record_all(self, keys: Sequence[Hashable]) -> None:
+        """``record`` of each of ``keys``, their digests taken together (``digests``)."""
+        self._held.update(zip(keys, digests([self._parts(k) for k in keys])))
 
     def changed(self, keys: Iterable[Hashable]) -> list:
         """The sub-groups among ``keys`` whose params differ from the last record (one host
         sync per GPU); ``record`` them once the devices hold their edits."""
         keys = [k for k in keys if k in self._held]
-        now = {k: digest(self._parts(k)) for k in keys}
+        now = dict(zip(keys, digests([self._parts(k) for k in keys])))
         same = {k: now[k] == self._held[k] for k in keys if not isinstance(now[k], torch.Tensor)}
         by_device: dict = {}
         for k in keys:

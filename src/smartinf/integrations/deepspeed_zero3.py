@@ -236,8 +236,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         """DeepSpeed's (the kept-whole params gathered again: their sub-groups are done),
         then what they hold is what an edit is told from."""
         super()._post_step(timer_names)
-        for p in self.persistent_parameters:
-            self._whole.record(p)
+        self._whole.record_all(self.persistent_parameters)
 
     def _combined_scale(self, total_norm: Any) -> Any:
         """What DeepSpeed divides the gradients by: loss scale times the clip coefficient."""
