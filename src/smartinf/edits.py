@@ -81,16 +81,15 @@ def _small_digests(b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     changed byte changes the first; moved ones, or changes that cancel in it, the second:
     the weights are not linear in the position), with its length: int64, wrapping."""
     device = b.device
-    key = torch.repeat_interleave(torch.arange(len(sizes), device=device),
-                                  torch.tensor(sizes, device=device))
-    starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
-    pos = torch.arange(b.numel(), device=device) - starts[key] + 1
+    lengths = torch.tensor(sizes, device=device)  # one copy to the device
+    key = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)
+    pos = torch.arange(b.numel(), device=device) - (lengths.cumsum(0) - lengths)[key] + 1
     weight = pos * _MIX
     weight = (weight ^ (weight >> 29)) * _MIX2
     value = b.to(torch.int64)
     plain = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, key, value)
     mixed = torch.zeros_like(plain).index_add_(0, key, value * weight)
-    return (plain * _MIX + mixed) * _MIX + torch.tensor(sizes, device=device)
+    return (plain * _MIX + mixed) * _MIX + lengths
 
 
 def fold(sums: Sequence[Sequence[int]]) -> int:

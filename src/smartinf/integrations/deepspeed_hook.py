@@ -34,7 +34,8 @@ def install() -> None:
     for name, patch_module in PATCHES.items():
         if name in sys.modules:
             patch_module(sys.modules[name])
-    if not any(getattr(f, "smartinf_hook", False) for f in sys.meta_path):
+    waiting = any(name not in sys.modules for name in PATCHES)
+    if waiting and not any(getattr(f, "smartinf_hook", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnImport())
 
 
