@@ -288,13 +288,49 @@ def test_cuda_tensors_go_only_to_their_gpus_sub_groups(disk_dir):
     with pytest.raises(ValueError, match="grad is on cuda:0; pass a CPU"):
         pipe.update(0, torch.zeros(100, device="cuda"), torch.zeros(100))
     pipe.close()
-    pipe = smartinf.Pipeline(smartinf.CudaDevice(disk_dir + "-split"), smartinf.AdamW(),
-                             chunk=CHUNK, master="split")
-    pipe.add_subgroup(100, None)
-    with pytest.raises(ValueError, match="out is on cuda:0; pass a CPU"):
-        pipe.update(0, torch.zeros(100, device="cuda", dtype=torch.bfloat16),
-                    torch.zeros(100, device="cuda", dtype=torch.bfloat16))
-    pipe.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
+def test_a_split_masters_params_in_gpu_memory_stay_there(disk_dir, state_dtype):
+    """A split master's params as CUDA tensors of the GPU that updates them (what the
+    DeepSpeed integration passes for its GPU's sub-groups): read, checksummed
+    (device/cuda_checksum.cu) and written there, nothing crosses PCIe; commits every 3 steps
+    and a reopen, bit for bit a cpu device's with host params, none taken as foreign."""
+    gpu_device, cpu_device, size = budget_devices(disk_dir, "all")
+    gpu = train_resident(gpu_device, RULES["adamw"], torch.bfloat16, on="cuda", master="split",
+                         state_dtype=state_dtype)
+    cpu = train_resident(cpu_device, RULES["adamw"], torch.bfloat16, memory_budget=size,
+                         master="split", state_dtype=state_dtype)
+    assert gpu[3]["foreign_chunks"] == cpu[3]["foreign_chunks"] == 0
+    assert gpu[3]["host_to_device"] == gpu[3]["device_to_host"] == 0
+    assert_same_bits(gpu, cpu)
+
+
+@needs_gpu
+def test_a_split_masters_params_edited_in_gpu_memory_become_the_masters(disk_dir):
+    """Params edited on the GPU between steps are told from the stored checksum as on the
+    host: the edited chunk's params become its masters, the same bits as a cpu device's."""
+    def run(device, on):
+        rng = np.random.default_rng(3)
+        sizes = (12_345,)
+        params = [to_bf16(torch.from_numpy(rng.standard_normal(12_345).astype(np.float32)))]
+        pipe = smartinf.Pipeline(device, smartinf.AdamW(lr=1e-2), chunk=CHUNK, master="split",
+                                 memory_budget=None if on else 8 << 20)
+        pipe.add_subgroup(12_345, params[0].float())
+        params = [p.to(on) if on else p for p in params]
+        run_steps(pipe, params, rng, sizes, 2, [on])
+        params[0][CHUNK + 7] += 0.5  # the second chunk's params edited
+        with pytest.warns(smartinf.ParamsChangedWarning):
+            run_steps(pipe, params, rng, sizes, 2, [on])
+        foreign = pipe.stats["foreign_chunks"]
+        states = pipe.read_states(0, params=params[0].cpu())
+        pipe.close()
+        return [params[0].cpu()], [states], foreign
+    gpu = run(smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=8 << 20), "cuda")
+    cpu = run(smartinf.CpuDevice(os.path.join(disk_dir, "cpu")), None)
+    assert gpu[2] == cpu[2] == 1
+    assert_same_bits(gpu[:2], cpu[:2])
 
 
 def test_a_host_memory_budget_needs_a_cpu_device(tmp_path):

@@ -42,3 +42,19 @@ def test_gpu_kernels_match_the_host_bit_for_bit(tmp_path):
     print(ran.stdout[-4000:])
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
     assert ", 0 differ" in ran.stdout
+
+
+def test_gpu_params_checksum_matches_the_host(tmp_path):
+    """A split master's params checksum hashed in GPU memory (device/cuda_checksum.cu, for
+    params that never leave the GPU) is the host's: XXH3 of every piece, lane by lane."""
+    exe = tmp_path / "checksum_match"
+    built = subprocess.run(
+        [nvcc(), "-std=c++17", "-O2", "-arch=native", f"-I{NATIVE}",
+         str(ROOT / "tests" / "cuda" / "checksum_match.cu"),
+         str(NATIVE / "device" / "cuda_checksum.cu"), "-lxxhash", "-o", str(exe)],
+        capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    print(ran.stdout[-4000:])
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
+    assert "48 cases, 0 differ" in ran.stdout

@@ -668,6 +668,10 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
     # bits (within half an ulp of the edit, where DeepSpeed told takes the edit): every
     # element within one bf16 ulp of DeepSpeed's
     "2-overlap-bf16-split": (2, True, ("--bf16", "--block", '{"master": "split"}'), BF16_ULP),
+    # (a CUDA GPU only) the same, states resident in the GPU's memory: its sub-groups' params
+    # read, checksummed and written in their partitions there
+    "1-overlap-bf16-split-gpu": (1, True, ("--bf16", "--block", '{"master": "split", "gpu": '
+                                                              '{"memory_budget": "64MiB"}}'), BF16_ULP),
 }
 
 
@@ -679,6 +683,8 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch
     without a gather right after step() are DeepSpeed's, with the step's tail running during
     the next forward (overlap: updates during backward, as on a GPU) or not."""
     world, overlap, flags, tol = EDIT_CASES[case]
+    if case.endswith("-gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "1" if overlap else "0")
     out = work / f"edits-{case}.json"
     done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py",

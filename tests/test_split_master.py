@@ -370,3 +370,21 @@ def test_a_resumed_split_master_refuses_params_other_than_its_steps(tmp_path):
             with pipe.step():
                 pipe.update(0, grad, emitted.clone()).wait()
         assert pipe.step_count == 4
+
+
+def test_xxh3_by_lanes_is_libxxhash(tmp_path):
+    """The lane-by-lane XXH3 a GPU hashes a split master's params with (store/xxh3_lanes.h,
+    compiled here for the host) gives libxxhash's value for every long input."""
+    import shutil
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    cxx = shutil.which("g++") or pytest.skip("no C++ compiler here")
+    exe = tmp_path / "xxh3_lanes_match"
+    built = subprocess.run([cxx, "-std=c++17", "-O2", f"-I{root / 'src' / 'native'}",
+                            str(root / "tests" / "native" / "xxh3_lanes_match.cc"), "-lxxhash",
+                            "-o", str(exe)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout[-4000:]
+    assert ran.stdout.strip().endswith(", 0 differ")
+    assert int(ran.stdout.split()[-4]) > 5000  # cases run

@@ -94,7 +94,7 @@ class Driver:
         else:
             g = self.staging.grad(buffer, grad.dtype, grad.numel())
             g.copy_(grad, non_blocking=True)
-        if out is None and on_its_gpu and params is None:  # params never leave the GPU
+        if out is None and on_its_gpu:  # params never leave the GPU
             out = self._gpu_out(buffer, grad.device, out_dtype or grad.dtype, grad.numel())
         if out is None:
             out = self.staging.out(buffer, out_dtype or grad.dtype, grad.numel())

@@ -102,9 +102,9 @@ class Steps:
         tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
         clipping coefficient) before use. ``out`` receives the updated params
         (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry).
-        On a ``CudaDevice`` (``gpu_of(sg)``) ``grad``, and ``out`` but with a split master,
-        may be CUDA tensors on its GPU: read and written there, nothing crosses PCIe (what the
-        caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        On a ``CudaDevice`` (``gpu_of(sg)``) ``grad`` and ``out`` may be CUDA tensors on its
+        GPU: read and written there (a split master's params checksummed there too), nothing
+        crosses PCIe (what the caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
         for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
         schedulers, param groups). Each sub-group is updated at most once per step; the
         step becomes durable with ``commit()`` (or ``with pipe.step():``).
@@ -118,8 +118,7 @@ class Steps:
         allowed = [self._param_dtype] if self._param_dtype is not None else \
             [buffers.F32, buffers.F16, buffers.BF16]
         gpu = self.gpu_of(sg)
-        o = buffers.host_buffer("out", out, numel, allowed, writable=True,
-                                gpu=None if self.settings.master == "split" else gpu)
+        o = buffers.host_buffer("out", out, numel, allowed, writable=True, gpu=gpu)
         if isinstance(grad, Compressed):
             if grad.numel != numel:
                 raise ValueError(f"the compressed gradient is of {grad.numel} params, "

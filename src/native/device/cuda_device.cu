@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "device/cuda_checksum.h"
 #include "device/cuda_update.h"
 #include "device/host_states.h"
 
@@ -27,6 +28,7 @@ struct Mirror {
   void* own_states = nullptr;
   void* own_grad = nullptr;
   void* own_out = nullptr;
+  uint64_t* sums = nullptr;  // a split master's params checksum: its pieces' sums
   void* states = nullptr;
   const void* grad = nullptr;
   void* out = nullptr;
@@ -59,6 +61,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
         check(cudaMalloc(&m.own_states, g.states_bytes()), "allocating a slot's states on the GPU");
         check(cudaMalloc(&m.own_grad, io), "allocating a slot's gradient on the GPU");
         check(cudaMalloc(&m.own_out, io), "allocating a slot's params on the GPU");
+        check(cudaMalloc(&m.sums, store::params_pieces(g.chunk) * sizeof(uint64_t)),
+              "allocating a slot's checksum pieces on the GPU");
         m.states = m.own_states, m.grad = m.own_grad, m.out = m.own_out;
         check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
       }
@@ -113,6 +117,19 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     const Mirror& m = mirrors_[i];
     if (!m.resident) return Device::set_params_sum(i, offset, sum);
     copy_sum(m, static_cast<char*>(m.states) + offset, &sum, cudaMemcpyHostToDevice);
+  }
+
+  // Params in this GPU's memory are hashed here (the rare checksum of a whole chunk, of
+  // states stored before the pieces, on the host from a copy).
+  uint64_t params_checksum(size_t i, const void* params, size_t numel, bool whole) override {
+    if (!reaches(params)) return Device::params_checksum(i, params, numel, whole);
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    if (!whole) return cuda::params_checksum(params, numel, mirrors_[i].sums, mirrors_[i].stream);
+    std::vector<uint16_t> host(numel);
+    check(cudaMemcpyAsync(host.data(), params, numel * 2, cudaMemcpyDeviceToHost, mirrors_[i].stream),
+          "params to the host");
+    check(cudaStreamSynchronize(mirrors_[i].stream), "params to the host");
+    return store::whole_params_checksum(host.data(), numel);
   }
 
   // This GPU's memory: a gradient there is read and params written where they are.
@@ -242,6 +259,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       cudaFree(m.own_states);
       cudaFree(m.own_grad);
       cudaFree(m.own_out);
+      cudaFree(m.sums);
     }
     mirrors_.clear();
     if (persist_stream_) cudaStreamDestroy(persist_stream_);

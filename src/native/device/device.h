@@ -11,6 +11,7 @@
 
 #include "kernels/numeric.h"
 #include "kernels/rules.h"
+#include "store/checksum.h"
 #include "store/layout.h"
 
 namespace smartinf::device {
@@ -114,6 +115,11 @@ class Device {
   // after the update. In the slot's host states; a GPU's resident states hold their own.
   virtual uint64_t params_sum(size_t slot, uint64_t offset);
   virtual void set_params_sum(size_t slot, uint64_t offset, uint64_t sum);
+  // That checksum (store::params_checksum; `whole`: store::whole_params_checksum, of states
+  // stored before the pieces) of `numel` bf16 params at `params`: in host memory, or in the
+  // memory of a device that reaches() them, hashed there (slot `slot`'s stream for a GPU),
+  // so params that stay in a GPU's memory never cross to the host.
+  virtual uint64_t params_checksum(size_t slot, const void* params, size_t numel, bool whole = false);
   // Whether compute() stores that checksum itself (its update hashes the params it emits,
   // in parallel and in cache), so the ring does not hash them again, and hashes the params
   // it is sent when asked (Kernel::sent_sum), so the ring need not before the update.
@@ -184,6 +190,10 @@ inline uint64_t Device::params_sum(size_t s, uint64_t offset) {
 
 inline void Device::set_params_sum(size_t s, uint64_t offset, uint64_t sum) {
   std::memcpy(reinterpret_cast<char*>(slot(s).states) + offset, &sum, sizeof sum);
+}
+
+inline uint64_t Device::params_checksum(size_t, const void* params, size_t numel, bool whole) {
+  return whole ? store::whole_params_checksum(params, numel) : store::params_checksum(params, numel);
 }
 
 inline void Device::resident_to_host(uint64_t, void*, size_t) const {

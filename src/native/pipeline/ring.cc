@@ -96,7 +96,7 @@ void Ring::check_params(Job& job, size_t slot, uint64_t sent) {
   const uint64_t emitted = device_.params_sum(slot, store_.layout().params_sum_offset(job.src.numel));
   if (sent == emitted) return;
   // states stored before the pieces were hashed apart: their sum is of the whole chunk
-  if (store::whole_params_checksum(job.output, job.src.numel) == emitted) return;
+  if (device_.params_checksum(slot, job.output, job.src.numel, true) == emitted) return;
   job.kernel.adopt = true;
   foreign(job);
 }
@@ -324,15 +324,15 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
     const bool out_there = job.output && device_.reaches(job.output);
     device_.bind_caller(slot, grad_there ? job.input : nullptr, out_there ? job.output : nullptr);
     l.send_params = split_ && job.output && (job.kind == JobKind::update || job.kind == JobKind::read);
-    if (l.send_params && out_there && !host_memory_)
-      throw std::invalid_argument("a split master's params are checksummed on the host: pass "
-                                  "them in host memory, not in " + device_.describe() + "'s");
+    if (l.send_params && out_there && !host_memory_ && job.kind == JobKind::read)
+      throw std::invalid_argument("a split master's states are read out through host memory: "
+                                  "pass its params in host memory, not in " + device_.describe() + "'s");
     if (l.send_params) {  // a split master's upper halves: the caller's bf16 params
       Timer h(counters_.busy_ns[kHostToDevice]);
       const uint64_t bytes = job.src.numel * 2;
       const Deadline link = reserve_host(true, bytes);
       // A device that hashes them in its update is asked to once the stored sum is in.
-      if (!update_hashes_params(job)) l.sent = store::params_checksum(job.output, job.src.numel);
+      if (!update_hashes_params(job)) l.sent = device_.params_checksum(slot, job.output, job.src.numel);
       if (!out_there) device_.copy_in_params(slot, job.output, bytes);
       counters_.host_to_device += bytes;
       finish_host(link);
@@ -394,7 +394,7 @@ void Ring::finish_load(Loading& l) {
       } else {
         if (update_hashes_params(job)) {  // not hashed above: now, before the update
           Timer h(counters_.busy_ns[kHostToDevice]);
-          l.sent = store::params_checksum(job.output, job.src.numel);
+          l.sent = device_.params_checksum(slot, job.output, job.src.numel);
         }
         check_params(job, slot, l.sent);
       }
@@ -451,7 +451,7 @@ void Ring::compute_loop() {
         finish_host(link);
         if (split_ && !device_.hashes_params())  // stored with the states: the params that must come back
           device_.set_params_sum(item->slot, store_.layout().params_sum_offset(numel),
-                                 store::params_checksum(job.output, numel));
+                                 device_.params_checksum(item->slot, job.output, numel));
         if (item->hashes_sent && item->sent != item->stored) foreign(job);
         if (split_ && device_.hashes_params()) {
           const uint64_t sum = device_.params_sum(item->slot, store_.layout().params_sum_offset(numel));

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import defaults
+from .. import defaults, edits
 from ..driver import overrides
 from ..speculation import Speculation
 from ..step_tail import StepTail
@@ -45,13 +45,28 @@ class Overlap:
         self._awaited = [sum(p.requires_grad for p in group) for group in self.fp16_groups]
         self._reduced = [0] * len(self.fp16_groups)
         pin = self.grad_partitions_flat_buffer.is_cuda
+        # (none for a sub-group its GPU updates: its gradient and params stay there)
+        host = [None if self._on_its_gpu(i) else flat
+                for i, flat in enumerate(self.fp16_partitioned_groups_flat)]
+        grad_dtype = self.grad_partitions_flat_buffer.dtype
         self._speculated_grads = [
-            torch.empty(flat.numel(), dtype=self.grad_partitions_flat_buffer.dtype, pin_memory=pin)
-            for flat in self.fp16_partitioned_groups_flat] if pin else None
-        self._speculated_params = [torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pin)
-                                   for flat in self.fp16_partitioned_groups_flat]
-        self._tail = self._session.with_tail(
-            lambda i: self._session.put(i, self._speculated_params[i]))
+            None if flat is None else torch.empty(flat.numel(), dtype=grad_dtype, pin_memory=pin)
+            for flat in host] if pin else None
+        self._speculated_params = [
+            None if flat is None else torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pin)
+            for flat in host]
+        self._tail = self._session.with_tail(self._put_from_host)
+        # Gradients copied to the host as backward completes them (on a stream of their own:
+        # the copies overlap the rest of backward), each with the event it is waited on by.
+        self._copy_stream = torch.cuda.Stream() if pin else None
+        self._grads_copied: dict = {}
+        # A split master's host buffer of params is what its partition holds after the
+        # buffer was put there, until an update writes into it: unless the partition was
+        # edited since (its digest, checked once a step), its params need not cross again.
+        self._mirror = edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]]) \
+            if self._split else None
+        self._mirrored: set = set()
+        self._fresh: Optional[set] = None
         for param in self.module.parameters():  # a gathered list may begin with any param
             if hasattr(param, "all_gather_coalesced"):
                 self._gathers_wait(param)
@@ -87,8 +102,35 @@ class Overlap:
                 if i is not None:
                     self._reduced[i] += 1
                     if self._reduced[i] == self._awaited[i]:
+                        self._copy_grad(i)
                         self._speculate(i)
         return buffers
+
+    def _copy_grad(self, i: int) -> None:
+        """Sub-group ``i``'s final gradient to its host buffer now, behind what the current
+        stream (the reduce one) queued, on the copy stream: the last sub-groups' copies no
+        longer wait for ``step()``."""
+        if self._copy_stream is not None and self._speculated_grads[i] is not None:
+            self._grads_copied[i] = self._on_copy_stream(
+                lambda: self._speculated_grads[i].copy_(self._grad_partition(i), non_blocking=True))
+
+    def _on_copy_stream(self, copy: Any) -> torch.cuda.Event:
+        """``copy()`` queued on the copy stream behind the current stream's work; the event
+        after it (and after every copy queued there before it)."""
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            copy()
+            done = torch.cuda.Event(blocking=True)  # its waiter sleeps: the cores are the update's
+            done.record()
+        return done
+
+    def _put_from_host(self, i: int) -> None:
+        """The tail's put: sub-group ``i``'s params from its host buffer into its partition,
+        which the buffer then mirrors."""
+        self._session.put(i, self._speculated_params[i])
+        if self._mirror is not None:
+            self._mirror.record(i)
+            self._mirrored.add(i)
 
     def _speculate(self, i: int) -> None:
         # Only while the devices keep up (UNFINISHED_SPECULATIONS): backward reduces the last
@@ -116,22 +158,37 @@ class Overlap:
         grad = self._grad_partition(i)
         out = self._speculated_params[i]
         ready = None
-        if self._speculated_grads is not None:  # on the current stream (backward: the reduce one)
-            self._speculated_grads[i].copy_(grad, non_blocking=True)
-            grad = self._speculated_grads[i]
-        if self._split:  # the current params go in with the gradient
-            out.copy_(flat, non_blocking=True)
         if self._speculated_grads is not None:
-            ready = torch.cuda.Event(blocking=True)  # its waiter sleeps: the cores are the update's
-            ready.record()
+            if i not in self._grads_copied:
+                self._copy_grad(i)
+            ready = self._grads_copied.pop(i)
+            grad = self._speculated_grads[i]
+        # a split master's current params go in with the gradient, unless the buffer holds them
+        if self._split and i not in self._unedited_mirrors():
+            if self._copy_stream is None:
+                out.copy_(flat)
+            else:  # after the gradient's copy, on the same stream
+                ready = self._on_copy_stream(lambda: out.copy_(flat, non_blocking=True))
+        self._mirrored.discard(i)  # the update writes into the buffer
         return (lambda scale: self._driver.send(i, grad, 0, scale, hyper, out=out, out_dtype=flat.dtype,
                                                 speculative=speculative)), ready
+
+    def _unedited_mirrors(self) -> set:
+        """The sub-groups whose host buffer holds what their partition holds: those put from
+        it and not edited since (their digests checked together, once a step)."""
+        if self._fresh is None:
+            mirrored = sorted(self._mirrored)
+            self._fresh = set(mirrored) - set(self._mirror.changed(mirrored)) if mirrored else set()
+        return self._fresh
 
     def _take_speculated(self, scale: Optional[float], hyper: list, later: Any = None) -> dict:
         """The speculative updates that hold (the others retracted; with ``later``, those
         that hold are handed to it unfinished); the next step's bookkeeping begins."""
         if self._speculation is not None:
             self._reduced = [0] * len(self._reduced)
+            self._fresh = None
+            if scale is None:  # the step is skipped: its gradients' copies are not used
+                self._grads_copied.clear()
         return self._session.take(scale, lambda i: hyper[self.sub_group_to_group_id[i]], later)
 
     def settle(self) -> None:

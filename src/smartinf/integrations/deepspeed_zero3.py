@@ -219,8 +219,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             # step() returns); the others through the host buffers, while the forward runs.
             self._tail.wait(self._persistent_subgroups)
             rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
-            here = [i for i in rest if i in self._persistent_subgroups or (
-                self._in_place(i) and not self.fp16_partitioned_groups_flat[i].is_cpu)]
+            here = [i for i in rest if i in self._persistent_subgroups or self._on_its_gpu(i)]
             self._session.run(here, lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
                               self._finish)
             for i in rest:
@@ -258,10 +257,14 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
 
     def _in_place(self, i: int) -> bool:
         """Whether the device writes sub-group ``i``'s params into its partition itself: one
-        in host memory, or in the memory of the GPU that updates it (but a split master's,
-        which are checksummed on the host)."""
+        in host memory, or in the memory of the GPU that updates it."""
+        return self.fp16_partitioned_groups_flat[i].is_cpu or self._on_its_gpu(i)
+
+    def _on_its_gpu(self, i: int) -> bool:
+        """Whether sub-group ``i``'s partition is in the memory of the GPU that updates it:
+        its gradient and params never leave it."""
         flat = self.fp16_partitioned_groups_flat[i]
-        return flat.is_cpu or (not self._split and self.pipeline.gpu_of(i) == flat.device.index)
+        return flat.is_cuda and self.pipeline.gpu_of(i) == flat.device.index
 
     def _finish(self, i: int, buffer: int) -> None:
         flat = self.fp16_partitioned_groups_flat[i]

@@ -1,0 +1,71 @@
+// A split master's params checksum (store/checksum.h) of bf16 params in a GPU's memory:
+// XXH3 of each piece by eight threads, one lane of XXH3's eight each (store/xxh3_lanes.h),
+// gathered across the group by warp shuffles and merged by its first thread.
+#include "device/cuda_checksum.h"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "store/checksum.h"
+#include "store/xxh3_lanes.h"
+
+namespace smartinf::device::cuda {
+
+namespace {
+
+namespace xxh3 = store::xxh3;
+constexpr unsigned kThreads = 256;  // whole warps, so every lane of a group shuffles
+static_assert(kThreads % 32 == 0 && 32 % xxh3::kLanes == 0);
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA device: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// The length in bytes of piece p of n params (0 past the last).
+__device__ std::size_t piece_bytes(std::size_t p, std::size_t n, std::size_t pieces) {
+  if (p >= pieces) return 0;
+  const std::size_t rest = n - p * store::kParamsPiece;
+  return 2 * (rest < store::kParamsPiece ? rest : store::kParamsPiece);
+}
+
+__global__ void piece_sums_kernel(const uint8_t* params, std::size_t n, std::size_t pieces,
+                                  uint64_t* sums) {
+  const std::size_t t = blockIdx.x * std::size_t(kThreads) + threadIdx.x;
+  const std::size_t p = t / xxh3::kLanes;
+  const unsigned lane = t % xxh3::kLanes;
+  const std::size_t len = piece_bytes(p, n, pieces);
+  const bool long_input = len > xxh3::kLongAbove;  // (a shorter last piece: the host's)
+  const uint64_t acc =
+      long_input ? xxh3::lane_accumulator(params + p * store::kParamsPiece * 2, len, lane) : 0;
+  uint64_t all[xxh3::kLanes];
+  const unsigned first = (threadIdx.x % 32) & ~(xxh3::kLanes - 1);
+  for (unsigned j = 0; j < xxh3::kLanes; ++j) all[j] = __shfl_sync(0xFFFFFFFFu, acc, first + j);
+  if (long_input && lane == 0) sums[p] = xxh3::merge(all, len);
+}
+
+}  // namespace
+
+uint64_t params_checksum(const void* params, std::size_t n, uint64_t* sums, cudaStream_t stream) {
+  const std::size_t pieces = store::params_pieces(n);
+  std::vector<uint64_t> host(pieces);
+  if (pieces) {
+    const std::size_t threads = pieces * xxh3::kLanes;
+    piece_sums_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        static_cast<const uint8_t*>(params), n, pieces, sums);
+    check(cudaGetLastError(), "launching the params checksum");
+    check(cudaMemcpyAsync(host.data(), sums, pieces * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream),
+          "the params checksum's pieces to the host");
+    const std::size_t last = n - (pieces - 1) * store::kParamsPiece;
+    uint8_t tail[xxh3::kLongAbove];
+    if (2 * last <= xxh3::kLongAbove)
+      check(cudaMemcpyAsync(tail, static_cast<const uint8_t*>(params) + (pieces - 1) * store::kParamsPiece * 2,
+                            2 * last, cudaMemcpyDeviceToHost, stream), "a short last piece to the host");
+    check(cudaStreamSynchronize(stream), "the params checksum");
+    if (2 * last <= xxh3::kLongAbove) host[pieces - 1] = store::params_piece_sum(tail, last);
+  }
+  return store::join_params_sums(host.data(), pieces);
+}
+
+}  // namespace smartinf::device::cuda
