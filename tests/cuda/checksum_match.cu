@@ -15,9 +15,9 @@ int main() {
   std::vector<uint16_t> host(most + 3);
   for (auto& h : host) h = static_cast<uint16_t>(rng());
   uint16_t* gpu = nullptr;
-  uint64_t* sums = nullptr;
+  smartinf::device::cuda::PieceSums sums;
   cudaStream_t stream;
-  if (cudaMalloc(&gpu, host.size() * 2) != cudaSuccess || cudaMalloc(&sums, 8 * 8) != cudaSuccess ||
+  if (cudaMalloc(&gpu, host.size() * 2) != cudaSuccess || cudaMalloc(&sums.gpu, 8 * 8) != cudaSuccess ||
       cudaStreamCreate(&stream) != cudaSuccess) {
     std::printf("no GPU memory\n");
     return 2;

@@ -5,7 +5,6 @@
 
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "store/checksum.h"
 #include "store/xxh3_lanes.h"
@@ -47,25 +46,35 @@ __global__ void piece_sums_kernel(const uint8_t* params, std::size_t n, std::siz
 
 }  // namespace
 
-uint64_t params_checksum(const void* params, std::size_t n, uint64_t* sums, cudaStream_t stream) {
+void queue_piece_sums(const void* params, std::size_t n, PieceSums& sums, cudaStream_t stream) {
   const std::size_t pieces = store::params_pieces(n);
-  std::vector<uint64_t> host(pieces);
+  sums.host.resize(pieces);
+  if (!pieces) return;
+  const std::size_t threads = pieces * xxh3::kLanes;
+  piece_sums_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(params), n, pieces, sums.gpu);
+  check(cudaGetLastError(), "launching the params checksum");
+  check(cudaMemcpyAsync(sums.host.data(), sums.gpu, pieces * sizeof(uint64_t), cudaMemcpyDeviceToHost,
+                        stream), "the params checksum's pieces to the host");
+  const std::size_t last = n - (pieces - 1) * store::kParamsPiece;
+  if (2 * last <= xxh3::kLongAbove)
+    check(cudaMemcpyAsync(sums.tail, static_cast<const uint8_t*>(params) + (pieces - 1) * store::kParamsPiece * 2,
+                          2 * last, cudaMemcpyDeviceToHost, stream), "a short last piece to the host");
+}
+
+uint64_t join_piece_sums(PieceSums& sums, std::size_t n) {
+  const std::size_t pieces = store::params_pieces(n);
   if (pieces) {
-    const std::size_t threads = pieces * xxh3::kLanes;
-    piece_sums_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(params), n, pieces, sums);
-    check(cudaGetLastError(), "launching the params checksum");
-    check(cudaMemcpyAsync(host.data(), sums, pieces * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream),
-          "the params checksum's pieces to the host");
     const std::size_t last = n - (pieces - 1) * store::kParamsPiece;
-    uint8_t tail[xxh3::kLongAbove];
-    if (2 * last <= xxh3::kLongAbove)
-      check(cudaMemcpyAsync(tail, static_cast<const uint8_t*>(params) + (pieces - 1) * store::kParamsPiece * 2,
-                            2 * last, cudaMemcpyDeviceToHost, stream), "a short last piece to the host");
-    check(cudaStreamSynchronize(stream), "the params checksum");
-    if (2 * last <= xxh3::kLongAbove) host[pieces - 1] = store::params_piece_sum(tail, last);
+    if (2 * last <= xxh3::kLongAbove) sums.host[pieces - 1] = store::params_piece_sum(sums.tail, last);
   }
-  return store::join_params_sums(host.data(), pieces);
+  return store::join_params_sums(sums.host.data(), pieces);
+}
+
+uint64_t params_checksum(const void* params, std::size_t n, PieceSums& sums, cudaStream_t stream) {
+  queue_piece_sums(params, n, sums, stream);
+  check(cudaStreamSynchronize(stream), "the params checksum");
+  return join_piece_sums(sums, n);
 }
 
 }  // namespace smartinf::device::cuda

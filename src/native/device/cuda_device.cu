@@ -28,7 +28,8 @@ struct Mirror {
   void* own_states = nullptr;
   void* own_grad = nullptr;
   void* own_out = nullptr;
-  uint64_t* sums = nullptr;  // a split master's params checksum: its pieces' sums
+  // A split master's params checksums: of the params sent, and of those emitted.
+  cuda::PieceSums sent, emitted;
   void* states = nullptr;
   const void* grad = nullptr;
   void* out = nullptr;
@@ -61,8 +62,9 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
         check(cudaMalloc(&m.own_states, g.states_bytes()), "allocating a slot's states on the GPU");
         check(cudaMalloc(&m.own_grad, io), "allocating a slot's gradient on the GPU");
         check(cudaMalloc(&m.own_out, io), "allocating a slot's params on the GPU");
-        check(cudaMalloc(&m.sums, store::params_pieces(g.chunk) * sizeof(uint64_t)),
-              "allocating a slot's checksum pieces on the GPU");
+        for (cuda::PieceSums* sums : {&m.sent, &m.emitted})
+          check(cudaMalloc(&sums->gpu, store::params_pieces(g.chunk) * sizeof(uint64_t)),
+                "allocating a slot's checksum pieces on the GPU");
         m.states = m.own_states, m.grad = m.own_grad, m.out = m.own_out;
         check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
       }
@@ -124,7 +126,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   uint64_t params_checksum(size_t i, const void* params, size_t numel, bool whole) override {
     if (!reaches(params)) return Device::params_checksum(i, params, numel, whole);
     check(cudaSetDevice(gpu_), "selecting the GPU");
-    if (!whole) return cuda::params_checksum(params, numel, mirrors_[i].sums, mirrors_[i].stream);
+    if (!whole) return cuda::params_checksum(params, numel, mirrors_[i].sent, mirrors_[i].stream);
     std::vector<uint16_t> host(numel);
     check(cudaMemcpyAsync(host.data(), params, numel * 2, cudaMemcpyDeviceToHost, mirrors_[i].stream),
           "params to the host");
@@ -172,7 +174,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
                                   " takes dense gradients only so far");
     const store::StateLayout& layout = geometry_.layout;
     const Slot& s = slots_[i];
-    const Mirror& m = mirrors_[i];
+    Mirror& m = mirrors_[i];
     const size_t states = layout.bytes(numel), gsize = kernels::dtype_size(k.grad),
                  psize = kernels::dtype_size(k.param);
     check(cudaSetDevice(gpu_), "selecting the GPU");
@@ -187,14 +189,28 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     if (layout.split() && m.out == m.own_out)  // the params the masters are rebuilt from
       check(cudaMemcpyAsync(m.own_out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream),
             "params in");
-    cuda::update(k.step, layout, m.states, numel, k.grad, k.param, m.grad, m.out, k.adopt, m.stream);
+    // A split master's params hashed where they are, on the slot's stream, before the update
+    // (when asked: Kernel::sent_sum) and after it (hashes_params).
+    if (layout.split() && k.sent_sum) cuda::queue_piece_sums(m.out, numel, m.sent, m.stream);
+    // (not knowing yet whether the params sent are the ones emitted: every master rebuilt
+    // as `adopt` does, which for those is the exact master)
+    cuda::update(k.step, layout, m.states, numel, k.grad, k.param, m.grad, m.out,
+                 k.adopt || k.sent_sum, m.stream);
+    if (layout.split()) cuda::queue_piece_sums(m.out, numel, m.emitted, m.stream);
     if (!m.resident)
       check(cudaMemcpyAsync(s.states, m.states, states, cudaMemcpyDeviceToHost, m.stream), "states out");
     if (m.out == m.own_out)
       check(cudaMemcpyAsync(s.out, m.own_out, numel * psize, cudaMemcpyDeviceToHost, m.stream),
             "params out");
     check(cudaStreamSynchronize(m.stream), "the update of a chunk");
+    if (!layout.split()) return;
+    if (k.sent_sum) *k.sent_sum = cuda::join_piece_sums(m.sent, numel);
+    set_params_sum(i, layout.params_sum_offset(numel), cuda::join_piece_sums(m.emitted, numel));
   }
+
+  // A split master's params are hashed on the GPU by compute(), wherever the caller's are:
+  // the slot's copy of them is there.
+  bool hashes_params() const override { return true; }
 
   // In the slot's host memory, then to the resident states the slot is bound to.
   void init_states(size_t i, const float* const* arrays, const float* fill, size_t numel) override {
@@ -259,7 +275,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       cudaFree(m.own_states);
       cudaFree(m.own_grad);
       cudaFree(m.own_out);
-      cudaFree(m.sums);
+      cudaFree(m.sent.gpu);
+      cudaFree(m.emitted.gpu);
     }
     mirrors_.clear();
     if (persist_stream_) cudaStreamDestroy(persist_stream_);

@@ -330,11 +330,12 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
     if (l.send_params) {  // a split master's upper halves: the caller's bf16 params
       Timer h(counters_.busy_ns[kHostToDevice]);
       const uint64_t bytes = job.src.numel * 2;
-      const Deadline link = reserve_host(true, bytes);
+      const bool crosses = !out_there || host_memory_;
+      const Deadline link = reserve_host(true, crosses ? bytes : 0);
       // A device that hashes them in its update is asked to once the stored sum is in.
       if (!update_hashes_params(job)) l.sent = device_.params_checksum(slot, job.output, job.src.numel);
       if (!out_there) device_.copy_in_params(slot, job.output, bytes);
-      counters_.host_to_device += bytes;
+      if (crosses) counters_.host_to_device += bytes;
       finish_host(link);
     }
     if (job.kind == JobKind::update) {  // the gradient crosses the host link meanwhile

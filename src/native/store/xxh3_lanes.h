@@ -52,30 +52,44 @@ SMARTINF_HD inline uint64_t read64(const uint8_t* p) {
 #endif
 }
 
+// Every stripe loop unrolled: the secret's words stay in registers (a GPU keeps an array
+// indexed at run time in local memory) and a block's loads are issued together.
+#if defined(__CUDA_ARCH__)
+#define SMARTINF_UNROLL_STRIPES _Pragma("unroll")
+#else
+#define SMARTINF_UNROLL_STRIPES _Pragma("GCC unroll 16")
+#endif
+
 // Lane `lane`'s accumulator after the whole input (len > kLongAbove).
 SMARTINF_HD inline uint64_t lane_accumulator(const uint8_t* input, std::size_t len, unsigned lane) {
   constexpr uint64_t kInit[kLanes] = {0xC2B2AE3Du,           kPrime64_1,
                                       0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                                       0x85EBCA77C2B2AE63ull, 0x85EBCA77u,
                                       0x27D4EB2F165667C5ull, kPrime32_1};
+  uint64_t key[kStripesPerBlock];  // stripe s of a block: the secret's word at 8 s + 8 lane
+  SMARTINF_UNROLL_STRIPES
+  for (std::size_t s = 0; s < kStripesPerBlock; ++s) key[s] = secret64(s * 8 + 8 * lane);
+  const uint64_t scramble_key = secret64(192 - kStripe + 8 * lane);
+  const uint64_t last_key = secret64(192 - kStripe - 7 + 8 * lane);
   uint64_t acc = kInit[lane];
   const unsigned other = lane ^ 1u;  // the lane whose bytes this one adds unmixed
-  auto stripe = [&](const uint8_t* p, uint64_t key) {
-    const uint64_t k = read64(p + 8 * lane) ^ key;
+  auto stripe = [&](const uint8_t* p, uint64_t k) {
+    k ^= read64(p + 8 * lane);
     acc += read64(p + 8 * other) + (k & 0xFFFFFFFFu) * (k >> 32);
   };
   const std::size_t blocks = (len - 1) / kBlock;
   for (std::size_t b = 0; b < blocks; ++b) {
-    for (std::size_t s = 0; s < kStripesPerBlock; ++s)
-      stripe(input + b * kBlock + s * kStripe, secret64(s * 8 + 8 * lane));
+    SMARTINF_UNROLL_STRIPES
+    for (std::size_t s = 0; s < kStripesPerBlock; ++s) stripe(input + b * kBlock + s * kStripe, key[s]);
     acc ^= acc >> 47;
-    acc ^= secret64(192 - kStripe + 8 * lane);
+    acc ^= scramble_key;
     acc *= kPrime32_1;
   }
-  const std::size_t stripes = ((len - 1) - blocks * kBlock) / kStripe;
-  for (std::size_t s = 0; s < stripes; ++s)
-    stripe(input + blocks * kBlock + s * kStripe, secret64(s * 8 + 8 * lane));
-  stripe(input + len - kStripe, secret64(192 - kStripe - 7 + 8 * lane));
+  const std::size_t stripes = ((len - 1) - blocks * kBlock) / kStripe;  // < kStripesPerBlock
+  SMARTINF_UNROLL_STRIPES
+  for (std::size_t s = 0; s < kStripesPerBlock; ++s)
+    if (s < stripes) stripe(input + blocks * kBlock + s * kStripe, key[s]);
+  stripe(input + len - kStripe, last_key);
   return acc;
 }
 
