@@ -282,6 +282,17 @@ def test_a_split_master_resident_in_gpu_memory_matches_the_cpu_device(disk_dir, 
 
 
 @needs_gpu
+def test_a_pipeline_with_a_gpu_takes_larger_chunks(disk_dir, monkeypatch):
+    """Unset, a new pipeline with a CUDA device takes chunks of defaults.GPU_CHUNK (each chunk
+    a GPU updates costs launches and waits besides its work)."""
+    monkeypatch.delenv("SMARTINF_CHUNK", raising=False)
+    pipe = smartinf.Pipeline([smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=1 << 20),
+                              smartinf.CpuDevice(os.path.join(disk_dir, "cpu"))], smartinf.AdamW())
+    assert pipe.settings.chunk == smartinf.defaults.GPU_CHUNK
+    pipe.close()
+
+
+@needs_gpu
 def test_cuda_tensors_go_only_to_their_gpus_sub_groups(disk_dir):
     pipe = smartinf.Pipeline(smartinf.CpuDevice(disk_dir), smartinf.AdamW(), chunk=CHUNK)
     pipe.add_subgroup(100, None)

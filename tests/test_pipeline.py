@@ -568,3 +568,20 @@ def test_an_empty_compressed_gradient_is_a_zero_gradient(tmp_path):
             with pipe.step():
                 pipe.update(0, grad, outs[name]).wait()
     assert np.array_equal(outs["empty"], outs["dense"]) and not np.array_equal(outs["dense"], init)
+
+
+def test_a_directory_keeps_its_chunk_when_none_is_given(tmp_path, monkeypatch):
+    """Unset (no chunk=, no SMARTINF_CHUNK), the chunk is the run's own where the directory
+    holds one (a run made before the default changed reopens), else the default."""
+    monkeypatch.delenv("SMARTINF_CHUNK", raising=False)
+    pipe = smartinf.Pipeline(smartinf.CpuDevice(str(tmp_path / "a")), smartinf.AdamW(), chunk=4096)
+    pipe.add_subgroup(10_000, None)
+    pipe.close()
+    pipe = smartinf.Pipeline(smartinf.CpuDevice(str(tmp_path / "a")), smartinf.AdamW())
+    assert pipe.settings.chunk == 4096
+    pipe.add_subgroup(10_000, None)
+    assert pipe.resumed(0)
+    pipe.close()
+    pipe = smartinf.Pipeline(smartinf.CpuDevice(str(tmp_path / "b")), smartinf.AdamW())
+    assert pipe.settings.chunk == smartinf.defaults.CHUNK
+    pipe.close()

@@ -5,7 +5,7 @@ Explicit arguments always win over these.
 - ``SMARTINF_DEVICE``: device kind used for plain directory paths (``cpu``).
 - ``SMARTINF_SLOTS``: ring slots per device (unset: 4, more where a device's storage runs
   phased: enough to hold a turn of its burst, at most 64; see ``pipeline.cc``'s ``auto_slots``).
-- ``SMARTINF_CHUNK``: parameters per chunk, i.e. per slot (1 Mi).
+- ``SMARTINF_CHUNK``: parameters per chunk, i.e. per slot (1 Mi; 16 Mi with a GPU device).
 - ``SMARTINF_IO``: storage engine, ``auto`` (io_uring, else threads), ``uring`` or ``threads``.
 - ``SMARTINF_QUEUE_DEPTH``: storage requests in flight per engine (32).
 - ``SMARTINF_HOST_LINK_GBPS``: cap on the host link all devices share, GB/s in each
@@ -30,6 +30,10 @@ from typing import Optional
 
 DEVICE = "cpu"
 CHUNK = 1 << 20
+# A pipeline with a GPU: each chunk the GPU updates costs a few launches and waits besides
+# its work (the H100 host, 6.6 B params int8 + split resident in its memory: a step's updates
+# 2.05 s in chunks of 1 Mi, 0.23 s in chunks of 16 Mi).
+GPU_CHUNK = 1 << 24
 IO = "auto"
 # Two fp32 chunks' requests (12 MiB each) in flight per engine: with 16 the ring drew 0.47x
 # (this project's VM) and 0.88x (the H200 host) of what it drew with 32 (bench/storage_ring.py).
@@ -87,8 +91,10 @@ def slots() -> Optional[int]:
     return None if not os.environ.get("SMARTINF_SLOTS") else _int_env("SMARTINF_SLOTS", 0)
 
 
-def chunk() -> int:
-    return _int_env("SMARTINF_CHUNK", CHUNK)
+def chunk() -> Optional[int]:
+    """None: the pipeline's default (``CHUNK``; ``GPU_CHUNK`` with a CUDA device; a
+    directory's own when it holds a run)."""
+    return None if not os.environ.get("SMARTINF_CHUNK") else _int_env("SMARTINF_CHUNK", 0)
 
 
 def queue_depth() -> int:

@@ -13,6 +13,7 @@ keywords' owner: ``smartinf.PipelineSettings``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import numbers
 import os
@@ -20,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, space, twins
+from . import _native, buffers, defaults, space, twins
 from . import io_schedule as schedules
 from .checkpoint import MANIFEST
 from .devices import DeviceLike, resolve, small_directory
@@ -133,6 +134,8 @@ class Pipeline(Steps, States):
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:
             raise TypeError("pass the settings either as settings= or as keywords, not both")
+        if settings.chunk is None:
+            settings = dataclasses.replace(settings, chunk=_default_chunk(self._devices, specs))
         held = _make_directories([d.path for d in self._devices])
         self._inflight: list[UpdateFuture] = []
         self._final_stats: dict[str, float] = {}
@@ -330,6 +333,21 @@ def _check_sizes(subgroup_sizes: Sequence[int], small_sizes: Optional[Sequence[i
         if bad:
             raise ValueError(f"{name} must be positive ints (the params of each "
                              f"sub-group to come), got {bad[0]!r} among them")
+
+
+def _default_chunk(devices: list, specs: list) -> int:
+    """The chunk of a pipeline not given one: the run a directory holds keeps its own, a new
+    one takes ``defaults.GPU_CHUNK`` where a GPU updates and ``defaults.CHUNK`` elsewhere."""
+    for d in devices:
+        try:
+            with open(os.path.join(d.path, MANIFEST), errors="replace") as f:
+                for line in f:
+                    key, _, value = line.strip().partition(" ")
+                    if key == "chunk" and value.isdigit():
+                        return int(value)
+        except OSError:
+            continue
+    return defaults.GPU_CHUNK if any(s.kind == "cuda" for s in specs) else defaults.CHUNK
 
 
 def _make_directories(paths: Sequence[str]) -> set:

@@ -30,7 +30,8 @@ class PipelineSettings:
         runs phased enough more to hold one turn of its burst, at most 64): memory is
         ``slots`` chunks per device, whatever the model size (``stats["slots"]``).
     chunk
-        Parameters per chunk (``SMARTINF_CHUNK``, 1 Mi); fixed for a directory.
+        Parameters per chunk (``SMARTINF_CHUNK``; unset: the directory's own where it holds a
+        run, else 1 Mi, or 16 Mi in a pipeline with a CUDA device); fixed for a directory.
     io
         Storage engine: ``auto`` (io_uring, else threads), ``uring`` or ``threads``
         (``SMARTINF_IO``).
@@ -111,7 +112,7 @@ class PipelineSettings:
     """
 
     slots: Optional[int]
-    chunk: int
+    chunk: Optional[int]
     io: str
     queue_depth: int
     host_link_gbps: Optional[float]
@@ -151,7 +152,7 @@ class PipelineSettings:
                    ("queue_depth", queue_depth, 1, 4096), ("commit_every", commit_every, 1, 1 << 20),
                    ("compute_threads", compute_threads, 0, 4096), ("copies", copies, 1, 2))
         for name, value, low, high in checked:
-            if name == "slots" and value is None:  # the core sizes the ring
+            if name in ("slots", "chunk") and value is None:  # the pipeline chooses
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
