@@ -558,6 +558,34 @@ def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
             sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": bad}})
 
 
+def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
+    """"gpu": {"memory_budget": "auto"}: the GPU's free memory when the optimizer is built,
+    less what DeepSpeed allocates after it and a reserve for the activations (given, or a
+    share of the GPU); no twins unless asked for; refused clearly without a GPU."""
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"memory_budget": "auto"}}})
+    assert s.gpu_memory_budget == "auto" and s.gpu_reserve is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="none is visible here"):
+        s.with_gpu_budget(10 << 30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 << 30, 80 << 30))
+    sized = s.with_gpu_budget(10 << 30)
+    assert sized.gpu_memory_budget == (50 << 30) - (10 << 30) - int((80 << 30) * 0.15)
+    assert sized.gpu_twins is False
+    given = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+        "memory_budget": "auto", "reserve": "4GiB", "twins": True}}}).with_gpu_budget(45 << 30)
+    assert given.gpu_memory_budget == (1 << 30) and given.gpu_twins is True
+    nothing = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+        "memory_budget": "auto"}}}).with_gpu_budget(60 << 30)
+    assert nothing.gpu_memory_budget == 0
+    fixed = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"memory_budget": "2GiB"}}})
+    assert fixed.with_gpu_budget(10 << 30) is fixed
+    with pytest.raises(ValueError, match="reserve"):
+        sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+            "memory_budget": "2GiB", "reserve": "4GiB"}}})
+
+
 def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     """One PipelineSettings, checked in one place, from the DeepSpeed block,
     smartinf.optim's keywords and Pipeline's."""

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from deepspeed import comm as dist
@@ -33,8 +33,11 @@ class Settings:
     devices: list
     pipeline: PipelineSettings  # the rest of the block but compress and gpu, checked
     compress: Optional[dict] = None
-    gpu_memory_budget: int = 0  # "gpu": {"memory_budget": ...}: the rank's GPU as a device
+    # "gpu": {"memory_budget": ...}: the rank's GPU as a device; "auto": what its memory
+    # leaves (``gpu_budget``), less ``gpu_reserve`` ("gpu": {"reserve": ...}; None: a share)
+    gpu_memory_budget: Union[int, str] = 0
     gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
+    gpu_reserve: Optional[int] = None
     auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
 
     @classmethod
@@ -64,13 +67,21 @@ class Settings:
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         gpu = block.get("gpu")
         if gpu is not None and (not isinstance(gpu, dict) or "memory_budget" not in gpu
-                                or not set(gpu) <= {"memory_budget", "twins"}
+                                or not set(gpu) <= {"memory_budget", "twins", "reserve"}
                                 or not isinstance(gpu.get("twins", False), (bool, type(None)))):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
-                             f'the rank\'s GPU memory for states, e.g. "8GiB") and optionally '
-                             f'"twins" (true, false or null: the model chooses); got {gpu!r}')
+                             f'the rank\'s GPU memory for states, e.g. "8GiB", or "auto") and '
+                             f'optionally "twins" (true, false or null: the model chooses) and, '
+                             f'with "auto", "reserve" (bytes left to the activations); got {gpu!r}')
         try:
-            gpu_budget = defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
+            gpu_auto = bool(gpu) and gpu["memory_budget"] == "auto"
+            gpu_budget = "auto" if gpu_auto else \
+                defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
+            if gpu and "reserve" in gpu and not gpu_auto:
+                raise ValueError('"gpu.reserve" sizes a "memory_budget" of "auto"; give one or '
+                                 'the other')
+            gpu_reserve = defaults.parse_bytes(gpu["reserve"], "gpu.reserve") \
+                if gpu and "reserve" in gpu else None
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         given = {k: block[k] for k in pipeline_keys if k in block}
@@ -83,8 +94,19 @@ class Settings:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
+                   gpu_reserve=gpu_reserve,
                    auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
                    + ("auto",) if auto else ())
+
+    def with_gpu_budget(self, params_bytes: int) -> "Settings":
+        """A budget of ``"auto"`` sized now from this rank's GPU (``gpu_budget``), given the
+        bytes DeepSpeed allocates on it after the optimizer is built (its gradient buffer
+        and buckets); twins unless asked for: none (room for states first)."""
+        if self.gpu_memory_budget != "auto":
+            return self
+        budget = gpu_budget(params_bytes, self.gpu_reserve)
+        return dataclasses.replace(self, gpu_memory_budget=budget,
+                                   gpu_twins=False if self.gpu_twins is None else self.gpu_twins)
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
@@ -100,6 +122,25 @@ class Settings:
         if "value_dtype" in c:
             c["value_dtype"] = getattr(torch, str(c["value_dtype"]).replace("torch.", ""))
         return TopK(**c)
+
+
+def gpu_budget(later_bytes: int, reserve: Optional[int] = None) -> int:
+    """Bytes of the current GPU's memory for states: what is free (torch's cached blocks
+    given back first), less ``later_bytes`` that the training allocates after the optimizer
+    is built, less ``reserve`` for the activations (None: ``defaults.GPU_RESERVE_SHARE`` of
+    the GPU's memory). 0 where nothing is left; logged with its terms."""
+    if not torch.cuda.is_available():
+        raise ValueError('"gpu": {"memory_budget": "auto"} sizes a budget on this rank\'s CUDA '
+                         'GPU, and none is visible here: remove the "gpu" block')
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    reserve = int(total * defaults.GPU_RESERVE_SHARE) if reserve is None else reserve
+    budget = max(0, free - later_bytes - reserve)
+    logger.warning("smartinf: a GPU budget of %.1f GB for states: %.1f GB free, less %.1f GB "
+                   "DeepSpeed allocates later (gradients, buckets), less %.1f GB for the "
+                   "activations (\"gpu\": {\"reserve\": ...})", budget / 1e9, free / 1e9,
+                   later_bytes / 1e9, reserve / 1e9)
+    return budget
 
 
 def check_config(config: dict) -> Settings:
@@ -149,7 +190,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
             if_exists=given.if_exists,
             host_buffers=partition_copies * numel * max(p.element_size() for p in params),
-            gpu_budget=settings.gpu_memory_budget,
+            gpu_budget=0 if settings.gpu_memory_budget == "auto" else settings.gpu_memory_budget,
             **{k: getattr(given, k) for k in settings.auto if k != "auto"})
         logger.warning("%s (each of %d ranks)", choice.report(), world)
         chosen = [choice.settings()]

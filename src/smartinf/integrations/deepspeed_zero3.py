@@ -77,6 +77,11 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._small = [bool(group) and all(p.ds_numel <= small for p in group)
                        for group in self.fp16_groups]
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        # (a GPU budget of "auto": what DeepSpeed's gradient buffer and bucket, allocated
+        # after this, and the activations leave)
+        later = (sum(numels) + (self.reduce_bucket_size if self.contiguous_gradients else 0)) * \
+            self.gradient_accumulation_dtype.itemsize
+        self.settings = self.settings.with_gpu_budget(later)
         self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
         self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
         self._split = self.settings.pipeline.master == "split"
