@@ -28,33 +28,32 @@ def nvcc() -> str:
     return found
 
 
-def test_gpu_kernels_match_the_host_bit_for_bit(tmp_path):
-    exe = tmp_path / "kernels_match"
-    # -fmad=false: a * b + c stays two roundings, as on the host; division and square root
-    # are correctly rounded by nvcc's defaults (-prec-div, -prec-sqrt).
+def built_and_run(exe: Path, sources: list, flags: list, timeout: int) -> str:
+    """Builds ``sources`` (tests/cuda/ and src/native/ files) with nvcc into ``exe``, runs it;
+    its output, once both succeeded."""
     built = subprocess.run(
-        [nvcc(), "-std=c++17", "-O2", "-arch=native", "-fmad=false", "-diag-suppress", "1675",
-         f"-I{NATIVE}", str(ROOT / "tests" / "cuda" / "kernels_match.cu"),
-         str(NATIVE / "device" / "cuda_update.cu"), "-o", str(exe)],
-        capture_output=True, text=True)
+        [nvcc(), "-std=c++17", "-O2", "-arch=native", "-diag-suppress", "1675", f"-I{NATIVE}",
+         *map(str, sources), *flags, "-o", str(exe)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]
-    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=timeout)
     print(ran.stdout[-4000:])
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
-    assert ", 0 differ" in ran.stdout
+    return ran.stdout
+
+
+def test_gpu_kernels_match_the_host_bit_for_bit(tmp_path):
+    # -fmad=false: a * b + c stays two roundings, as on the host; division and square root
+    # are correctly rounded by nvcc's defaults (-prec-div, -prec-sqrt).
+    out = built_and_run(tmp_path / "kernels_match", [ROOT / "tests" / "cuda" / "kernels_match.cu",
+                                                     NATIVE / "device" / "cuda_update.cu"],
+                        ["-fmad=false"], 600)
+    assert ", 0 differ" in out
 
 
 def test_gpu_params_checksum_matches_the_host(tmp_path):
     """A split master's params checksum hashed in GPU memory (device/cuda_checksum.cu, for
     params that never leave the GPU) is the host's: XXH3 of every piece, lane by lane."""
-    exe = tmp_path / "checksum_match"
-    built = subprocess.run(
-        [nvcc(), "-std=c++17", "-O2", "-arch=native", "-diag-suppress", "1675", f"-I{NATIVE}",
-         str(ROOT / "tests" / "cuda" / "checksum_match.cu"),
-         str(NATIVE / "device" / "cuda_checksum.cu"), "-lxxhash", "-o", str(exe)],
-        capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
-    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    print(ran.stdout[-4000:])
-    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
-    assert "48 cases, 0 differ" in ran.stdout
+    out = built_and_run(tmp_path / "checksum_match", [ROOT / "tests" / "cuda" / "checksum_match.cu",
+                                                      NATIVE / "device" / "cuda_checksum.cu"],
+                        ["-lxxhash"], 120)
+    assert "48 cases, 0 differ" in out
