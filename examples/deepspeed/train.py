@@ -146,7 +146,8 @@ def main() -> None:
     p.add_argument("--memory-budget", help="smartinf: bytes of states kept resident in RAM "
                    "per device (e.g. 24GiB)")
     p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
-                   "updated there (the \"gpu\" block)")
+                   "updated there (the \"gpu\" block), or auto: what the model, DeepSpeed's "
+                   "gradients and the activations leave")
     p.add_argument("--gpu-twins", choices=("auto", "on", "off"), default="auto",
                    help="smartinf: the GPU's sub-groups with room for their twin (auto: the "
                         "model chooses)")

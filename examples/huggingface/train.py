@@ -94,6 +94,8 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
         config["smartinf"] = {"devices": [args.dir], "if_exists": "overwrite"}
         if args.state_dtype:
             config["smartinf"]["state_dtype"] = args.state_dtype
+        if args.gpu_memory_budget:
+            config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
     else:
         zero["offload_optimizer"] = {"device": "cpu"}
     return config
@@ -217,6 +219,9 @@ def main() -> None:
     parser.add_argument("--state-dtype", choices=("fp32", "int8", "int4", "auto"),
                         help="trainer-deepspeed, smartinf: the block's state_dtype (auto: the "
                              "format, master, memory and copies that fit the box)")
+    parser.add_argument("--gpu-memory-budget",
+                        help="smartinf: bytes of the GPU's memory for states updated there "
+                             "(e.g. 20GB), or auto: what the model and activations leave")
     parser.add_argument("--partitioned", action="store_true",
                         help="trainer-deepspeed, llama: build the model after "
                              "TrainingArguments(deepspeed=), so that from_config builds it "
