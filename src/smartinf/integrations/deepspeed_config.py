@@ -15,7 +15,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
-from .. import defaults, plan, update_rules
+from .. import defaults, gpu_cores, plan, update_rules
 from ..compress import TopK
 from ..devices import rank_directory, with_gpu
 from ..driver import rule_for
@@ -141,6 +141,20 @@ def gpu_budget(later_bytes: int, reserve: Optional[int] = None) -> int:
                    "activations (\"gpu\": {\"reserve\": ...})", budget / 1e9, free / 1e9,
                    later_bytes / 1e9, reserve / 1e9)
     return budget
+
+
+def for_this_gpu(settings: Settings, later_bytes: int, gpu: int) -> Settings:
+    """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``)
+    and its update threads on the cores nearest it (``gpu_cores``), before its pipeline
+    opens."""
+    if not torch.cuda.is_available():
+        return settings.with_gpu_budget(later_bytes)  # (refuses "auto" clearly)
+    cores = gpu_cores.set_rank_cores(int(os.environ.get("LOCAL_RANK", "0")),
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
+    if cores:
+        logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's",
+                    dist.get_rank(), cores)
+    return settings.with_gpu_budget(later_bytes)
 
 
 def check_config(config: dict) -> Settings:

@@ -22,7 +22,7 @@ from ..driver import Driver, overrides, stored_rule
 from ..pipeline import Pipeline
 from ..rounding import round_to
 from ..step_session import StepSession
-from .deepspeed_config import _rule, _rule_class, check_config, choose
+from .deepspeed_config import _rule, _rule_class, check_config, choose, for_this_gpu
 from .deepspeed_overlap import Overlap
 from .deepspeed_states import StoredStates
 
@@ -77,11 +77,11 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._small = [bool(group) and all(p.ds_numel <= small for p in group)
                        for group in self.fp16_groups]
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        # (a GPU budget of "auto": what DeepSpeed's gradient buffer and bucket, allocated
-        # after this, and the activations leave)
+        # (DeepSpeed's gradient buffer and bucket come after this: a GPU budget of "auto"
+        # leaves them room)
         later = (sum(numels) + (self.reduce_bucket_size if self.contiguous_gradients else 0)) * \
             self.gradient_accumulation_dtype.itemsize
-        self.settings = self.settings.with_gpu_budget(later)
+        self.settings = for_this_gpu(self.settings, later, gpu)
         self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
         self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
         self._split = self.settings.pipeline.master == "split"
