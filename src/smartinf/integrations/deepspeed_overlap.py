@@ -60,11 +60,12 @@ class Overlap:
         # the copies overlap the rest of backward), each with the event it is waited on by.
         self._copy_stream = torch.cuda.Stream() if pin else None
         self._grads_copied: dict = {}
-        # A split master's host buffer of params is what its partition holds after the
+        # A split master's host buffer of params is what its GPU partition holds after the
         # buffer was put there, until an update writes into it: unless the partition was
         # edited since (its digest, checked once a step), its params need not cross again.
+        # (Partitions in host memory are copied: cheaper than their digests.)
         self._mirror = edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]]) \
-            if self._split else None
+            if self._split and pin else None
         self._mirrored: set = set()
         self._fresh: Optional[set] = None
         for param in self.module.parameters():  # a gathered list may begin with any param
@@ -102,7 +103,8 @@ class Overlap:
                 if i is not None:
                     self._reduced[i] += 1
                     if self._reduced[i] == self._awaited[i]:
-                        self._copy_grad(i)
+                        if i not in self._persistent_subgroups:  # (updated at step())
+                            self._copy_grad(i)
                         self._speculate(i)
         return buffers
 
@@ -176,6 +178,8 @@ class Overlap:
     def _unedited_mirrors(self) -> set:
         """The sub-groups whose host buffer holds what their partition holds: those put from
         it and not edited since (their digests checked together, once a step)."""
+        if self._mirror is None:
+            return set()
         if self._fresh is None:
             mirrored = sorted(self._mirrored)
             self._fresh = set(mirrored) - set(self._mirror.changed(mirrored)) if mirrored else set()

@@ -232,6 +232,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
                     send, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
                                                     speculative=False)
                     self._tail.start(i, self._speculation.launch(partial(send, scale), ready))
+            self._grads_copied.clear()  # (of sub-groups updated otherwise: unused)
         except BaseException:
             self._tail.abort()
             raise
