@@ -203,40 +203,6 @@ struct Int8Case {
   }
 };
 
-static void adam8_case(int n, const k::AdamStep& s) {
-  const std::vector<float> states[3] = {random<float>(n), random<float>(n, 0.1f), positive(n)};
-  auto g = random<float>(n);
-  Int8Case c(n, 2, states);
-  Device<float> dp(c.param()), dms(c.scales(0)), dws(c.scales(1));
-  Device<uint8_t> dmq(c.codes(0)), dwq(c.codes(1));
-  Device<float> dg(g);
-  std::vector<k::f16> out(n);
-  Device<k::f16> dout(out);
-  k::adam_quantized(n, c.ref, g.data(), out.data(), s);
-  smartinf_adam8_f32_f16(dp.data(), dmq.data(), dwq.data(), dms.data(), dws.data(), dg.data(),
-                         dout.data(), n, s);
-  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dwq.equals(c.codes(1)) &&
-            dms.equals(c.scales(0)) && dws.equals(c.scales(1)) && dout.equals(out),
-        "adam8_f32_f16", n);
-}
-
-static void lion8_case(int n) {
-  const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
-  const std::vector<float> states[2] = {random<float>(n), random<float>(n, 0.1f)};
-  auto g = random<float>(n);
-  Int8Case c(n, 1, states);
-  Device<float> dp(c.param()), dms(c.scales(0));
-  Device<uint8_t> dmq(c.codes(0));
-  Device<float> dg(g);
-  std::vector<k::f16> out(n);
-  Device<k::f16> dout(out);
-  k::lion_quantized(n, c.ref, g.data(), out.data(), s);
-  smartinf_lion8_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
-  check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
-            dout.equals(out),
-        "lion8_f32_f16", n);
-}
-
 // int4 states: as int8, on store/layout.h's int4 layout (an fp32 master in front).
 struct Int4Case {
   int n;
@@ -258,38 +224,41 @@ struct Int4Case {
   }
 };
 
-static void adam4_case(int n, const k::AdamStep& s) {
+// A quantized top against kernels/quantized.h's update on the host: Case is Int8Case or
+// Int4Case (the states and the reference's), `top` the top function (Adam: two moments).
+template <class Case, class Top>
+static void adam_quantized_case(int n, const k::AdamStep& s, Top top, const char* name) {
   const std::vector<float> states[3] = {random<float>(n), random<float>(n, 0.1f), positive(n)};
   auto g = random<float>(n);
-  Int4Case c(n, 2, states);
+  Case c(n, 2, states);
   Device<float> dp(c.param()), dms(c.scales(0)), dvs(c.scales(1));
   Device<uint8_t> dmq(c.codes(0)), dvq(c.codes(1));
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
   k::adam_quantized(n, c.ref, g.data(), out.data(), s);
-  smartinf_adam4_f32_f16(dp.data(), dmq.data(), dvq.data(), dms.data(), dvs.data(), dg.data(),
-                         dout.data(), n, s);
+  top(dp.data(), dmq.data(), dvq.data(), dms.data(), dvs.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dvq.equals(c.codes(1)) &&
             dms.equals(c.scales(0)) && dvs.equals(c.scales(1)) && dout.equals(out),
-        "adam4_f32_f16", n);
+        name, n);
 }
 
-static void lion4_case(int n) {
+template <class Case, class Top>
+static void lion_quantized_case(int n, Top top, const char* name) {
   const auto s = k::lion_step(1e-4, 0.9, 0.99, 0.1, 0.5);
   const std::vector<float> states[2] = {random<float>(n), random<float>(n, 0.1f)};
   auto g = random<float>(n);
-  Int4Case c(n, 1, states);
+  Case c(n, 1, states);
   Device<float> dp(c.param()), dms(c.scales(0));
   Device<uint8_t> dmq(c.codes(0));
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
   k::lion_quantized(n, c.ref, g.data(), out.data(), s);
-  smartinf_lion4_f32_f16(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
+  top(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
             dout.equals(out),
-        "lion4_f32_f16", n);
+        name, n);
 }
 
 // quant4.h's second-moment map: the exponent-built values are 2^(i - 15) and its midpoint
@@ -344,11 +313,11 @@ int main() {
       adam_case<float, float>(smartinf_adam_f32_f32, "adam_f32_f32", n, s);
       topk_case<k::f16, k::f16>(smartinf_adam_topk_f16_f16, "adam_topk_f16_f16", n, s);
       topk_case<k::bf16, k::bf16>(smartinf_adam_topk_bf16_bf16, "adam_topk_bf16_bf16", n, s);
-      adam8_case(n, s);
+      adam_quantized_case<Int8Case>(n, s, smartinf_adam8_f32_f16, "adam8_f32_f16");
       amsgrad_case(n, s);
     }
     two_state_cases(n);
-    lion8_case(n);
+    lion_quantized_case<Int8Case>(n, smartinf_lion8_f32_f16, "lion8_f32_f16");
   }
   pow2_map_case();
   nearest_from_bits_case();
@@ -358,9 +327,10 @@ int main() {
     for (int variant = 0; variant < 3; ++variant) {
       const bool decoupled = variant != 1;
       const double beta1 = variant == 2 ? 0.3 : 0.9;
-      adam4_case(n, k::adam_step(1e-3, beta1, 0.999, 1e-8, 0.01, decoupled, 3, 0.5));
+      adam_quantized_case<Int4Case>(n, k::adam_step(1e-3, beta1, 0.999, 1e-8, 0.01, decoupled, 3, 0.5),
+                                    smartinf_adam4_f32_f16, "adam4_f32_f16");
     }
-    lion4_case(n);
+    lion_quantized_case<Int4Case>(n, smartinf_lion4_f32_f16, "lion4_f32_f16");
   }
   std::printf("csim: %d checks, %d failures (%zu + %zu lengths, 16 top functions)\n", checks,
               failures, sizeof(lengths) / sizeof(lengths[0]), sizeof(lengths4) / sizeof(lengths4[0]));
