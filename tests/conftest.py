@@ -116,6 +116,15 @@ class TorchReference:
                 "exp_avg_sq": s["exp_avg_sq"].numpy()}
 
 
+def wide(rng, n, signed):
+    """Values over 12 orders of magnitude, a few exact zeros (the quantized formats' tests)."""
+    x = (10.0 ** rng.uniform(-12, 0, n)).astype(np.float32)
+    if signed:
+        x *= rng.choice([-1, 1], n).astype(np.float32)
+    x[rng.choice(n, 5, replace=False)] = 0
+    return x
+
+
 def assert_close_fp32(actual, expected, what=""):
     """fp32 agreement with torch: <= 1e-6 relative.
 

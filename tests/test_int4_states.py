@@ -12,6 +12,7 @@ import torch
 
 import smartinf
 import smartinf.optim as so
+from conftest import wide
 from quant4_reference import (BLOCK, TILE, Int4Adam, Int4Lion, bf16_round,
                               bf16_value, chunk_spans)
 
@@ -19,15 +20,6 @@ from quant4_reference import (BLOCK, TILE, Int4Adam, Int4Lion, bf16_round,
 # next chunk; the sub-group ends in a partial tile with an odd number of params.
 CHUNK = 20000
 N = 2 * CHUNK + 4001
-
-
-def wide(rng, n, signed):
-    """Values over 12 orders of magnitude, a few exact zeros."""
-    x = (10.0 ** rng.uniform(-12, 0, n)).astype(np.float32)
-    if signed:
-        x *= rng.choice([-1, 1], n).astype(np.float32)
-    x[rng.choice(n, 5, replace=False)] = 0
-    return x
 
 
 def adversarial(rng, n, signed):

@@ -7,20 +7,11 @@ import pytest
 import torch
 
 import smartinf
-from conftest import step_traffic_per_param
+from conftest import step_traffic_per_param, wide
 import smartinf.optim as so
 from quant8_reference import BLOCK, Int8Adam, Int8Lion
 
 CHUNK = 1000  # blocks restart at every chunk: 256, 256, 256, 232, then the next chunk
-
-
-def wide(rng, n, signed):
-    """Values over 12 orders of magnitude, a few exact zeros."""
-    x = (10.0 ** rng.uniform(-12, 0, n)).astype(np.float32)
-    if signed:
-        x *= rng.choice([-1, 1], n).astype(np.float32)
-    x[rng.choice(n, 5, replace=False)] = 0
-    return x
 
 
 def blocks(n):
