@@ -125,6 +125,27 @@ def wide(rng, n, signed):
     return x
 
 
+def assert_stored_as(disk_dir, rule, state_dtype, chunk, states, ref):
+    """``states`` written into a new directory of ``state_dtype`` (one sub-group, chunks of
+    ``chunk``): each chunk's extent in states.bin is byte for byte ``ref.extent(lo, hi)``, the
+    reference's layout (quant8_reference, quant4_reference)."""
+    n = len(states["param"])
+    with smartinf.Pipeline(disk_dir, rule, chunk=chunk, state_dtype=state_dtype) as pipe:
+        pipe.add_subgroup(n)
+        with pipe.step():
+            pipe.write_states(0, {k: states[k] for k in ("param",) + rule.state_names}, steps=1)
+    with open(f"{disk_dir}/manifest") as f:
+        sg = next(line.split() for line in f if line.startswith("sg "))
+    offset, copy = int(sg[3]), int(sg[4])
+    extent = -(-len(ref.extent(0, chunk)) // 4096) * 4096
+    with open(f"{disk_dir}/states.bin", "rb") as f:
+        data = f.read()
+    for c, lo in enumerate(range(0, n, chunk)):
+        expected = ref.extent(lo, min(lo + chunk, n))
+        at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
+        assert data[at:at + len(expected)] == expected, f"chunk {c}"
+
+
 def assert_close_fp32(actual, expected, what=""):
     """fp32 agreement with torch: <= 1e-6 relative.
 

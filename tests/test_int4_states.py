@@ -12,7 +12,7 @@ import torch
 
 import smartinf
 import smartinf.optim as so
-from conftest import wide
+from conftest import assert_stored_as, wide
 from quant4_reference import (BLOCK, TILE, Int4Adam, Int4Lion, bf16_round,
                               bf16_value, chunk_spans)
 
@@ -204,20 +204,7 @@ def test_extents_hold_the_layout_of_store_layout_h(disk_dir, rule):
     states = {"param": param, "exp_avg": m, "exp_avg_sq": v}
     lion = isinstance(rule, smartinf.Lion)
     ref = Int4Lion(param, m, CHUNK) if lion else Int4Adam(param, m, v, CHUNK)
-    with smartinf.Pipeline(disk_dir, rule, chunk=CHUNK, state_dtype="int4") as pipe:
-        pipe.add_subgroup(n)
-        with pipe.step():
-            pipe.write_states(0, {k: states[k] for k in ("param",) + rule.state_names}, steps=1)
-    with open(f"{disk_dir}/manifest") as f:
-        sg = next(line.split() for line in f if line.startswith("sg "))
-    offset, copy = int(sg[3]), int(sg[4])
-    extent = -(-len(ref.extent(0, CHUNK)) // 4096) * 4096
-    with open(f"{disk_dir}/states.bin", "rb") as f:
-        data = f.read()
-    for c, lo in enumerate(range(0, n, CHUNK)):
-        expected = ref.extent(lo, min(lo + CHUNK, n))
-        at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
-        assert data[at:at + len(expected)] == expected, f"chunk {c}"
+    assert_stored_as(disk_dir, rule, "int4", CHUNK, states, ref)
 
 
 @pytest.mark.parametrize("rule", [smartinf.Adam(), smartinf.Lion()], ids=["adam", "lion"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import smartinf
-from conftest import step_traffic_per_param, wide
+from conftest import assert_stored_as, step_traffic_per_param, wide
 import smartinf.optim as so
 from quant8_reference import BLOCK, Int8Adam, Int8Lion
 
@@ -216,22 +216,7 @@ def test_extents_hold_the_layout_of_store_layout_h(disk_dir, rule):
     param, m, v = rng.standard_normal(n).astype(np.float32), wide(rng, n, True), wide(rng, n, False)
     states = {"param": param, "exp_avg": m, "exp_avg_sq": v}
     ref = Int8Lion(param, m, CHUNK) if rule is LION else Int8Adam(param, m, v, CHUNK)
-    with smartinf.Pipeline(disk_dir, rule, chunk=CHUNK, state_dtype="int8") as pipe:
-        pipe.add_subgroup(n)
-        with pipe.step():
-            pipe.write_states(0, {k: states[k] for k in ("param",) + rule.state_names}, steps=1)
-    with open(f"{disk_dir}/manifest") as f:
-        sg = next(line.split() for line in f if line.startswith("sg "))
-    offset, copy = int(sg[3]), int(sg[4])
-    full = len(ref.extent(0, CHUNK))
-    extent = -(-full // 4096) * 4096
-    with open(f"{disk_dir}/states.bin", "rb") as f:
-        data = f.read()
-    for c, lo in enumerate(range(0, n, CHUNK)):
-        hi = min(lo + CHUNK, n)
-        expected = ref.extent(lo, hi)
-        at = offset + 2 * c * extent + copy * (-(-len(expected) // 4096) * 4096)
-        assert data[at:at + len(expected)] == expected, f"chunk {c}"
+    assert_stored_as(disk_dir, rule, "int8", CHUNK, states, ref)
 
 
 def test_lion_through_smartinf_optim(disk_dir, tmp_path, monkeypatch):
