@@ -182,3 +182,34 @@ def test_the_runs_host_buffers_leave_less_memory_for_states(tmp_path, monkeypatc
     assert roomy.memory_budget > tight.memory_budget
     assert tight.ram_bytes + buffers <= roomy.ram_bytes + buffers <= available
     assert tight.ram_bytes <= (available - max(plan.MIN_RESERVE, int(available * plan.RESERVE_SHARE))) - buffers
+
+
+def test_the_gpus_share_needs_no_host_memory(tmp_path, monkeypatch):
+    """States a GPU budget holds take no host memory and their sub-groups no host buffers:
+    the RAM budget is what is left of the states (the GPU's budget taken as GPU_FILL_SLACK
+    short, whole sub-groups), and a model too large for RAM alone fits beside the GPU."""
+    params = 100_000_000
+    per = state_bytes_per_param("int4", "split")
+    states = params * per
+    gpu = int(states * 0.6)
+    in_ram = states - int(gpu * (1 - plan.GPU_FILL_SLACK))
+    whole = math.ceil(in_ram * (1 + plan.BUDGET_SLACK)) + (16 << 20)
+    c = plan.choose(params, [str(tmp_path)], memory=whole, figures={}, master="split",
+                    gpu_budget=gpu)
+    assert (c.state_dtype, c.memory_budget) == ("int4", whole) and "streamed" not in c.why
+    alone = plan.choose(params, [str(tmp_path)], memory=whole, figures={}, master="split")
+    assert "streamed" in alone.why  # without the GPU the same memory holds a part only
+    # host buffers (memory read, not given): only the host's share of the params has them
+    buffers = 4 * params
+    full = math.ceil(states * (1 + plan.BUDGET_SLACK)) + (16 << 20)
+    usable = full + buffers // 2  # after the reserve
+    available = usable + plan.MIN_RESERVE
+    assert available * plan.RESERVE_SHARE < plan.MIN_RESERVE  # (the reserve is the minimum)
+    monkeypatch.setattr(plan.space, "available_memory", lambda: available)
+
+    def int4(gpu_budget):
+        c = plan.choose(params, [str(tmp_path)], figures={}, master="split", gpu_budget=gpu_budget,
+                        host_buffers=buffers)
+        return next(r for r in c.weighed if r["state_dtype"] == "int4")
+    assert int4(0)["resident"] < 1.0  # the buffers of every sub-group leave too little
+    assert int4(gpu)["resident"] == 1.0  # the GPU's sub-groups have none

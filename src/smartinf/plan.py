@@ -39,6 +39,8 @@ RESERVE_SHARE, MIN_RESERVE = 0.25, 4 << 30
 RESIDENT_COMMIT_EVERY = 10
 #: what an all-resident budget adds to the states' bytes (sub-groups' partial last chunks)
 BUDGET_SLACK = 0.05
+#: the share of a GPU budget taken as left empty: it holds whole sub-groups only
+GPU_FILL_SLACK = 0.05
 #: predicted steps within this share of the fastest are a tie, won by the more precise format
 TIE = 0.03
 
@@ -148,16 +150,20 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     fixed for a directory); either way the bytes its states files hold count as free;
     ``host_buffers``: bytes of host memory each rank's run holds besides the states (the
     DeepSpeed integration's pinned gradient and param copies with ``overlap`` on a GPU: 51 GB
-    at 13 B), taken from ``memory`` where it is not given."""
+    at 13 B), taken from ``memory`` where it is not given, less the share of the params whose
+    states the GPU's budget holds (their sub-groups have none); that share's states take no
+    host memory either."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if figures is None:
         record = find_record(_existing(directories[0]))
         figures = load_record(record, "move it away") if record else None
+    buffers = host_buffers
     if memory is None:
         available = space.available_memory()
-        memory = max(0, (available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks
-                     - host_buffers)
+        memory = max(0, (available - max(MIN_RESERVE, int(available * RESERVE_SHARE))) // ranks)
+    else:
+        buffers = 0  # given: the run's buffers are the caller's to have left out
     devices = len(directories)
     run = _held_run(directories)
     formats = FORMATS
@@ -170,17 +176,21 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             continue
         per_param = state_bytes_per_param(state_dtype, fmt_master)
         states = params * per_param
+        # The GPU's budget fills first, with whole sub-groups (GPU_FILL_SLACK of it may stay
+        # empty): its states take no host memory, and its sub-groups no host buffers.
+        in_ram = states - min(states, int(gpu_budget * (1 - GPU_FILL_SLACK)))
+        memory_here = max(0, memory - int(buffers * in_ram / states))
         # a device's states, all resident: with room for each sub-group's partial last chunk
         # (the model's bytes per param are whole chunks'; 7 B through DeepSpeed fell 0.6 GB
         # short of an exact budget, and that sub-group streamed every step)
-        whole = math.ceil(states * (1 + BUDGET_SLACK) / devices) + (16 << 20)
+        whole = math.ceil(in_ram * (1 + BUDGET_SLACK) / devices) + (16 << 20)
         # and, where the memory holds them, the twins a background commit copies sub-groups
         # into (given from what is left of the budget): without one, the next update of a
         # sub-group being written waits for its write (7 B: 10.5 s at each commit)
         twinned = 2 * whole
         budget = memory_budget if memory_budget is not None else \
-            twinned if twinned <= memory // devices else min(whole, memory // devices)
-        resident = 1.0 if budget >= whole else min(1.0, budget * devices / states)
+            twinned if twinned <= memory_here // devices else min(whole, memory_here // devices)
+        resident = 1.0 if budget >= whole or not in_ram else min(1.0, budget * devices / in_ram)
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
         # two copies where the disk holds them, else one where every state is resident
         kept = copies or 2
