@@ -15,12 +15,22 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .devices import SMALL_DIRECTORY
 
 STATES = "states.bin"
 MANIFEST = "manifest"
+
+
+def manifest_fields(directory: str) -> Optional[dict]:
+    """The ``key value`` lines of the manifest a directory holds, as strings (the format
+    the native store writes, read without opening the run); None where it holds none."""
+    try:
+        with open(os.path.join(directory, MANIFEST), errors="replace") as f:
+            return dict(line.strip().partition(" ")[::2] for line in f if line.strip())
+    except OSError:
+        return None
 
 
 def copy_device_dir(source: str, target: str) -> None:

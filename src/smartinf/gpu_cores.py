@@ -68,13 +68,12 @@ def nearest_cores(local_rank: int, local_world: int, gpu_of_rank: Callable[[int]
     if not nodes or any(nodes.get(g, -1) < 0 for g in ranks) or len(set(nodes.values())) < 2:
         return None
     node = nodes[ranks[local_rank]]
-    listed = _read(os.path.join(sys_root, "devices", "system", "node", f"node{node}", "cpulist"))
-    every = {c for n in set(nodes.values())
-             for c in parse_cpu_list(_read(os.path.join(sys_root, "devices", "system", "node",
-                                                        f"node{n}", "cpulist")) or "")}
-    if listed is None or not every <= set(allowed):
+    cpus = {n: parse_cpu_list(_read(os.path.join(sys_root, "devices", "system", "node",
+                                                 f"node{n}", "cpulist")) or "")
+            for n in set(nodes.values())}
+    if not cpus[node] or not {c for listed in cpus.values() for c in listed} <= set(allowed):
         return None
-    mine = [c for c in parse_cpu_list(listed) if c in set(allowed)]
+    mine = [c for c in cpus[node] if c in set(allowed)]
     sharing = [r for r in range(local_world) if nodes[ranks[r]] == node]
     share = max(1, len(mine) // len(sharing))
     at = sharing.index(local_rank) * share

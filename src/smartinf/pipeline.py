@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _native, buffers, defaults, space, twins
 from . import io_schedule as schedules
-from .checkpoint import MANIFEST
+from .checkpoint import MANIFEST, manifest_fields
 from .devices import DeviceLike, resolve, small_directory
 from .pipeline_states import States
 from .pipeline_steps import ParamsChangedWarning, Steps, UpdateFuture
@@ -339,14 +339,9 @@ def _default_chunk(devices: list, specs: list) -> int:
     """The chunk of a pipeline not given one: the run a directory holds keeps its own, a new
     one takes ``defaults.GPU_CHUNK`` where a GPU updates and ``defaults.CHUNK`` elsewhere."""
     for d in devices:
-        try:
-            with open(os.path.join(d.path, MANIFEST), errors="replace") as f:
-                for line in f:
-                    key, _, value = line.strip().partition(" ")
-                    if key == "chunk" and value.isdigit():
-                        return int(value)
-        except OSError:
-            continue
+        chunk = (manifest_fields(d.path) or {}).get("chunk", "")
+        if chunk.isdigit():
+            return int(chunk)
     return defaults.GPU_CHUNK if any(s.kind == "cuda" for s in specs) else defaults.CHUNK
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import space
-from .checkpoint import MANIFEST, STATES
+from .checkpoint import STATES, manifest_fields
 from .io_schedule import find_record, load_record
 from .model import place, predict_placed, recorded_rates, state_bytes_per_param
 
@@ -88,15 +88,11 @@ def _held_run(directories: Sequence[str]) -> Optional[dict]:
     """The format of the run the first directory holds (``state_dtype``, ``master``,
     ``copies``, from its manifest), and the bytes every directory's states file holds
     (``held``: space a resumed or overwritten run takes back); None where it holds none."""
-    manifest = os.path.join(directories[0], MANIFEST)
-    if not os.path.isfile(manifest):
+    found = manifest_fields(directories[0])
+    if found is None:
         return None
     fields = {"state_dtype": "fp32", "master": "fp32", "copies": "2"}  # before versions 7, 9
-    with open(manifest, errors="replace") as f:
-        for line in f:
-            key, _, value = line.strip().partition(" ")
-            if key in fields:
-                fields[key] = value
+    fields.update({k: v for k, v in found.items() if k in fields})
     held = {}
     for d in directories:
         try:
