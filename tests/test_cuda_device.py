@@ -159,10 +159,16 @@ def train_resident(device, rule, dtype, on=None, steps=(7, 2), sizes=(12_345, 7_
 BUDGETS = {"all": (8 << 20, False), "first": (200 << 10, False), "reserved": (400 << 10, True)}
 
 
-def budget_devices(disk_dir, budget):
+# Where the GPU's budget is: its memory, or page-locked host memory whose states cross PCIe
+# to it each update (CudaDevice(memory="host")).
+MEMORIES = ("gpu", "host")
+
+
+def budget_devices(disk_dir, budget, memory="gpu"):
     """The GPU with the budget, and the cpu device whose pipeline gets it, alike in twins."""
     size, twins = BUDGETS[budget]
-    return (smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=size, twins=twins),
+    return (smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=size, twins=twins,
+                                memory=memory),
             smartinf.CpuDevice(os.path.join(disk_dir, "cpu"), twins=twins), size)
 
 
@@ -170,12 +176,13 @@ def budget_devices(disk_dir, budget):
 @pytest.mark.parametrize("rule", ["adamw", "lion", "sgd-nesterov"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("memory", MEMORIES)
 def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir, rule, dtype,
-                                                                         budget):
+                                                                         budget, memory):
     """Commits every 3 steps (the resident states written at 3 and 6, the run closed at 7
     and reopened: the states of step 7 come from the working copies written at close),
-    resumed from storage into GPU memory."""
-    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+    resumed from storage into GPU memory (or the GPU's host memory)."""
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget, memory)
     gpu = train_resident(gpu_device, RULES[rule], dtype)
     cpu = train_resident(cpu_device, RULES[rule], dtype, memory_budget=size)
     assert gpu[2] == cpu[2]
@@ -188,9 +195,10 @@ def test_states_resident_in_gpu_memory_match_the_cpu_device_bit_for_bit(disk_dir
 @pytest.mark.parametrize("state_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("rule", ["adamw", "lion"])
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("memory", MEMORIES)
 def test_quantized_states_resident_in_gpu_memory_match_the_cpu_device(disk_dir, state_dtype, rule,
-                                                                      budget):
-    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+                                                                      budget, memory):
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget, memory)
     gpu = train_resident(gpu_device, RULES[rule], torch.bfloat16, state_dtype=state_dtype)
     cpu = train_resident(cpu_device, RULES[rule], torch.bfloat16, memory_budget=size,
                          state_dtype=state_dtype)
@@ -233,6 +241,49 @@ def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir
 
 
 @needs_gpu
+def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_dir):
+    """A GPU with a budget of its memory and one of host memory, before a cpu device: the
+    sub-groups fill them in that order, the GPU updates both (its tensors in place), the
+    rest stream on the host's cores; bit for bit one cpu device's, across a reopen. Small
+    tensors' fp32 moments stay in host memory, as with a memory_budget."""
+    sizes = (12_345, 7_001, 9_000, 4_000)
+    devices = [smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=200 << 10, twins=False),
+               smartinf.CudaDevice(os.path.join(disk_dir, "gpu-host"), memory_budget=200 << 10,
+                                   memory="host"),
+               smartinf.CpuDevice(os.path.join(disk_dir, "cpu"))]
+    mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
+    one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
+                         torch.bfloat16, sizes=sizes)
+    pipe = smartinf.Pipeline(devices, smartinf.AdamW(), chunk=CHUNK)
+    for n in sizes:
+        pipe.add_subgroup(n, None)
+    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, 0]
+    assert [pipe.device_stats[u]["memory_budget"] > 0 for u in range(3)] == [True, True, False]
+    pipe.close()
+    assert mixed[2] == [[True, True, False, True]] * 2
+    for a, b in zip(mixed[0], one[0]):
+        assert np.array_equal(bits(a), bits(b))
+    pipe = smartinf.Pipeline(devices[1:2], smartinf.AdamW(), chunk=CHUNK, state_dtype="int8",
+                             small_sizes=[100])
+    pipe.add_subgroup(100, None, small=True)
+    assert pipe.resident(0) and pipe.gpu_of(0) is None
+    pipe.close()
+
+
+@pytest.mark.skipif(not cuda_built, reason="smartinf built without CUDA")
+def test_a_host_memory_budget_beyond_the_machines_memory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"CudaDevice\(memory='host'\) budgets of 1125899906842624 bytes holds"):
+        smartinf.Pipeline(smartinf.CudaDevice(str(tmp_path), memory_budget=1 << 50, memory="host"),
+                          smartinf.AdamW(), chunk=CHUNK)
+
+
+def test_a_gpus_memory_is_gpu_or_host(tmp_path):
+    with pytest.raises(ValueError, match='memory must be "gpu"'):
+        smartinf.CudaDevice(str(tmp_path), memory_budget=1 << 20, memory="ram")
+    assert smartinf.CudaDevice(str(tmp_path), memory="host").twins is False
+
+
+@needs_gpu
 def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
     """smartinf.optim with gpu_memory_budget: the GPU in front of the directory, the same
     bits as the states on the cpu device (clipping acting)."""
@@ -266,12 +317,13 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
 @needs_gpu
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("memory", MEMORIES)
 def test_a_split_master_resident_in_gpu_memory_matches_the_cpu_device(disk_dir, state_dtype,
-                                                                      budget):
+                                                                      budget, memory):
     """A split master's low halves and moments resident in GPU memory (with their params'
     checksum, which the GPU's copy holds), commits every 3 steps, a reopen: bit for bit a
     cpu device's with the same budget in RAM (the params, the masters rebuilt from them)."""
-    gpu_device, cpu_device, size = budget_devices(disk_dir, budget)
+    gpu_device, cpu_device, size = budget_devices(disk_dir, budget, memory)
     gpu = train_resident(gpu_device, RULES["adamw"], torch.bfloat16, master="split",
                          state_dtype=state_dtype)
     cpu = train_resident(cpu_device, RULES["adamw"], torch.bfloat16, memory_budget=size,
@@ -303,18 +355,21 @@ def test_cuda_tensors_go_only_to_their_gpus_sub_groups(disk_dir):
 
 @needs_gpu
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
-def test_a_split_masters_params_in_gpu_memory_stay_there(disk_dir, state_dtype):
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_a_split_masters_params_in_gpu_memory_stay_there(disk_dir, state_dtype, memory):
     """A split master's params as CUDA tensors of the GPU that updates them (what the
     DeepSpeed integration passes for its GPU's sub-groups): read, checksummed
-    (device/cuda_checksum.cu) and written there, nothing crosses PCIe; commits every 3 steps
-    and a reopen, bit for bit a cpu device's with host params, none taken as foreign."""
-    gpu_device, cpu_device, size = budget_devices(disk_dir, "all")
+    (device/cuda_checksum.cu) and written there, nothing crosses PCIe but states in host
+    memory, each way alike; commits every 3 steps and a reopen, bit for bit a cpu device's
+    with host params, none taken as foreign."""
+    gpu_device, cpu_device, size = budget_devices(disk_dir, "all", memory)
     gpu = train_resident(gpu_device, RULES["adamw"], torch.bfloat16, on="cuda", master="split",
                          state_dtype=state_dtype)
     cpu = train_resident(cpu_device, RULES["adamw"], torch.bfloat16, memory_budget=size,
                          master="split", state_dtype=state_dtype)
     assert gpu[3]["foreign_chunks"] == cpu[3]["foreign_chunks"] == 0
-    assert gpu[3]["host_to_device"] == gpu[3]["device_to_host"] == 0
+    assert gpu[3]["host_to_device"] == gpu[3]["device_to_host"]
+    assert (gpu[3]["host_to_device"] > 0) == (memory == "host")
     assert_same_bits(gpu, cpu)
 
 

@@ -586,6 +586,37 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
             "memory_budget": "2GiB", "reserve": "4GiB"}}})
 
 
+def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
+    """"gpu": {"host_states": true}: the bytes the memory_budget holds on each directory go to
+    the GPU's device for states in host memory (CudaDevice(memory="host"), in front of the
+    directories, which keep none); with a GPU budget too, after it. Refused clearly without
+    a GPU or without a memory budget to move."""
+    from smartinf import CudaDevice
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a", "/b"], "memory_budget": "3GiB",
+                                               "gpu": {"host_states": True}}})
+    assert s.gpu_host_states and s.gpu_memory_budget == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="none is visible here"):
+        s.with_host_states_on_gpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    moved = s.with_host_states_on_gpu()
+    assert moved.gpu_host_budget == 6 << 30 and moved.pipeline.memory_budget == 0
+    assert moved.with_host_states_on_gpu() is moved
+    devices = moved.rank_devices(1, 0)
+    assert isinstance(devices[0], CudaDevice) and devices[0].memory == "host"
+    assert devices[0].memory_budget == 6 << 30 and devices[0].path == "/a/rank00001/gpu-host"
+    assert devices[1:] == ["/a/rank00001", "/b/rank00001"]
+    both = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "memory_budget": "1GiB", "gpu": {
+        "memory_budget": "2GiB", "host_states": True}}}).with_host_states_on_gpu()
+    assert [(d.memory, d.memory_budget) for d in both.rank_devices(0, 0)[:2]] == \
+        [("gpu", 2 << 30), ("host", 1 << 30)]
+    with pytest.raises(ValueError, match="there is none"):
+        sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+            "host_states": True}}}).with_host_states_on_gpu()
+    with pytest.raises(ValueError, match="host_states"):
+        sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"host_states": "yes"}}})
+
+
 def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     """One PipelineSettings, checked in one place, from the DeepSpeed block,
     smartinf.optim's keywords and Pipeline's."""
@@ -705,6 +736,11 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
     "1-overlap-bf16-split-gpu-host": (1, True, ("--bf16", "--block", '{"master": "split", "gpu": '
                                                                    '{"memory_budget": "128KiB"}}'),
                                       BF16_ULP),
+    # and with the memory tier's states in host memory, updated on the GPU across PCIe
+    # (their partitions' params read, checksummed and written in place as above)
+    "1-overlap-bf16-split-gpu-states-in-host": (1, True, ("--bf16", "--block", '{"master": "split", '
+                                                          '"memory_budget": "64MiB", "gpu": '
+                                                          '{"host_states": true}}'), BF16_ULP),
 }
 
 

@@ -113,6 +113,7 @@ cdef extern from "device/cuda_device.h" namespace "smartinf::device":
     cdef cppclass CudaOptions:
         int gpu
         uint64_t resident_bytes
+        cbool host_memory
 
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
@@ -366,6 +367,7 @@ cdef class NativePipeline:
             spec.xrt.xclbin = d.xclbin.encode()
             spec.cuda.gpu = d.gpu
             spec.cuda.resident_bytes = d.gpu_memory_budget
+            spec.cuda.host_memory = d.gpu_host_memory
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst

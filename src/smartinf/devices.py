@@ -23,6 +23,7 @@ class NativeDeviceSpec(NamedTuple):
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
     gpu: int = 0  # cuda: the CUDA device ordinal
     gpu_memory_budget: int = 0  # cuda: bytes of GPU memory for resident states
+    gpu_host_memory: bool = False  # cuda: that budget is page-locked host memory instead
     twins: bool = False  # resident sub-groups placed with their twin (smartinf.twins)
 
 
@@ -136,12 +137,21 @@ class CudaDevice:
     with an fp32 master or a split one (streamed, params in host memory); dense gradients.
     ``twins``: the budget holds each resident sub-group with room for a second copy, so a
     durable commit's write never holds its updates (True), or holds twice as many
-    sub-groups (False); None (the default): ``smartinf.twins`` chooses by the model."""
+    sub-groups (False); None (the default): ``smartinf.twins`` chooses by the model.
+
+    ``memory="host"``: the budget is page-locked host memory instead, for states the GPU
+    updates: each update moves a resident chunk's states across PCIe to the GPU and back
+    (its gradient and params stay where they are, in the GPU's memory for a model there),
+    and the host loads and commits them as a ``CpuDevice``'s. Where the link moves states
+    faster than the host's cores update them (int8/int4 moments: ~3-4 B a param each way)
+    it is the faster home for the states the GPU has no room for. Twins only from what is
+    left of its budget, unless ``twins=True``."""
 
     path: str
     gpu: Optional[int] = None  # None: torch's current CUDA device when the pipeline opens
     memory_budget: Union[int, str, None] = None
     twins: Optional[bool] = None
+    memory: str = "gpu"  # where the budget is: "gpu" (GPU memory) or "host" (page-locked)
     kind = "cuda"
 
     def __post_init__(self) -> None:
@@ -153,13 +163,20 @@ class CudaDevice:
             defaults.parse_bytes(self.memory_budget, "CudaDevice memory_budget")
         object.__setattr__(self, "memory_budget", budget)
         _check_twins(self.twins, "CudaDevice", allow_none=True)
+        if self.memory not in ("gpu", "host"):
+            raise ValueError(f'CudaDevice memory must be "gpu" (its budget in GPU memory) or '
+                             f'"host" (page-locked host memory the GPU updates over PCIe), '
+                             f'got {self.memory!r}')
+        if self.memory == "host" and self.twins is None:
+            object.__setattr__(self, "twins", False)  # as a CpuDevice's budget
 
     def native_spec(self) -> NativeDeviceSpec:
         if not _build_info.CUDA:
             raise OSError("smartinf was built without CUDA: install a CUDA toolkit (nvcc on the "
                           "PATH, or CUDACXX) and reinstall smartinf")
         return NativeDeviceSpec("cuda", self.path, gpu=self.ordinal(),
-                                gpu_memory_budget=self.memory_budget)
+                                gpu_memory_budget=self.memory_budget,
+                                gpu_host_memory=self.memory == "host")
 
     def ordinal(self) -> int:
         """The CUDA ordinal: ``gpu``, or torch's current device (each rank's own under DDP)."""
@@ -190,13 +207,24 @@ def rank_directory(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}")
 
 
+GPU_HOST_DIRECTORY = "gpu-host"
+
+
 def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str],
-             gpu: int, twins: Optional[bool] = None) -> list:
+             gpu: int, twins: Optional[bool] = None, host_budget: Union[int, str] = 0) -> list:
     """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``
-    of states in its memory (with ``twins``), its directory ``gpu/`` in the first device's:
-    what ``smartinf.optim``'s ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
+    of states in its memory (with ``twins``), its directory ``gpu/`` in the first device's,
+    and ``host_budget`` of states in host memory that it updates (``CudaDevice(memory="host")``,
+    directory ``gpu-host/``): what ``smartinf.optim``'s ``gpu_memory_budget`` and the
+    DeepSpeed block's ``"gpu"`` add."""
     first = devices[0] if isinstance(devices[0], (str, os.PathLike)) else devices[0].path
-    return [CudaDevice(os.path.join(os.fspath(first), "gpu"), gpu, memory_budget, twins), *devices]
+    first = os.fspath(first)
+    gpus = [CudaDevice(os.path.join(first, "gpu"), gpu, memory_budget, twins)] \
+        if memory_budget else []
+    if host_budget:
+        gpus.append(CudaDevice(os.path.join(first, GPU_HOST_DIRECTORY), gpu, host_budget,
+                               memory="host"))
+    return [*gpus, *devices]
 
 
 Device = Union[CpuDevice, XrtDevice, CudaDevice]

@@ -146,9 +146,12 @@ class Pipeline(Steps, States):
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
         holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
-        host_memory = settings.memory_budget * holders
-        space.check_memory(host_memory, f"memory_budget={settings.memory_budget} on each of "
-                                        f"{holders} cpu device(s)")
+        gpus_host = sum(s.gpu_memory_budget for s in specs if s.gpu_host_memory)
+        host_memory = settings.memory_budget * holders + gpus_host
+        space.check_memory(host_memory, " and ".join(
+            [f"memory_budget={settings.memory_budget} on each of {holders} cpu device(s)"] * bool(
+                settings.memory_budget) + [f"CudaDevice(memory='host') budgets of {gpus_host} "
+                                           f"bytes"] * bool(gpus_host)))
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, host_memory, c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]

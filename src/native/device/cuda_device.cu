@@ -2,6 +2,9 @@
 // drains as on the cpu device, the kernel on the GPU over a mirror of the slot.
 #include "device/cuda_device.h"
 
+#include <unistd.h>
+
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,7 +43,7 @@ struct Mirror {
 class CudaDevice final : public SlottedDevice<HostSlots> {
  public:
   CudaDevice(std::string dir, const SlotGeometry& g, const CudaOptions& o)
-      : SlottedDevice(std::move(dir), g, g), gpu_(o.gpu) {
+      : SlottedDevice(std::move(dir), g, g), gpu_(o.gpu), host_memory_(o.host_memory) {
     int count = 0;
     const cudaError_t found = cudaGetDeviceCount(&count);
     if (found != cudaSuccess || count == 0)
@@ -78,26 +81,47 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
 
   ~CudaDevice() override { release(); }
 
-  std::string describe() const override { return "cuda:" + std::to_string(gpu_) + ":" + dir_; }
+  std::string describe() const override {
+    return "cuda:" + std::to_string(gpu_) + (host_memory_ ? " (states in host memory):" : ":") + dir_;
+  }
   bool registrable() const override { return true; }
 
-  // Resident states in GPU memory (the budget, allocated at creation).
+  // Resident states in GPU memory, or in page-locked host memory (the budget, allocated at
+  // creation). In host memory they are the slot's host states while it is bound to them:
+  // the host reads and writes them there as a cpu device's, and each update moves them
+  // across PCIe as a streamed chunk's (the copy engines run at the link's speed, where a
+  // kernel reading host memory would not).
   uint64_t resident_bytes() const override { return resident_bytes_; }
-  bool host_visible_resident() const override { return false; }
+  bool host_visible_resident() const override { return host_memory_; }
+  bool resident_over_link() const override { return host_memory_; }
+  const void* resident_at(uint64_t at) const override {
+    if (!host_memory_) return Device::resident_at(at);
+    return resident(at);
+  }
   bool placed_first() const override { return true; }
   void bind_states(size_t i, uint64_t at) override {
     Mirror& m = mirrors_[i];
+    if (host_memory_) {
+      slots_[i].states = static_cast<float*>(at == kOwnStates ? slots_.memory(i) : resident(at));
+      return;
+    }
     m.resident = at != kOwnStates;
     m.states = m.resident ? resident(at) : m.own_states;
   }
   void copy_states(size_t i, uint64_t from, size_t bytes) override {
+    if (host_memory_) {
+      std::memcpy(slots_[i].states, resident(from), bytes);
+      return;
+    }
     const Mirror& m = mirrors_[i];
     check(cudaSetDevice(gpu_), "selecting the GPU");
     check(cudaMemcpyAsync(m.states, resident(from), bytes, cudaMemcpyDeviceToDevice, m.stream),
           "copying resident states");
     check(cudaStreamSynchronize(m.stream), "copying resident states");
   }
-  void resident_loaded(size_t i, size_t bytes) override { states_to_gpu(i, bytes); }
+  void resident_loaded(size_t i, size_t bytes) override {
+    if (!host_memory_) states_to_gpu(i, bytes);
+  }
   void resident_to_host(uint64_t at, void* dst, size_t bytes) const override {
     check(cudaSetDevice(gpu_), "selecting the GPU");
     check(cudaMemcpyAsync(dst, resident(at), bytes, cudaMemcpyDeviceToHost, persist_stream_),
@@ -179,7 +203,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
                  psize = kernels::dtype_size(k.param);
     check(cudaSetDevice(gpu_), "selecting the GPU");
     if (k.copy_from != kOwnStates)  // a resident chunk's first update from its twin
-      check(cudaMemcpyAsync(m.states, resident(k.copy_from), states, cudaMemcpyDeviceToDevice,
+      check(cudaMemcpyAsync(m.states, resident(k.copy_from), states,
+                            host_memory_ ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice,
                             m.stream), "states from the twin");
     else if (!m.resident)
       check(cudaMemcpyAsync(m.states, s.states, states, cudaMemcpyHostToDevice, m.stream), "states in");
@@ -252,9 +277,23 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     return static_cast<char*>(resident_) + at;
   }
 
-  // The budget in GPU memory, zeroed now (held from creation, as the cpu device's RAM).
+  // The budget in GPU memory (or page-locked host memory), zeroed now: held from creation,
+  // as the cpu device's RAM.
   void allocate_resident(uint64_t bytes) {
     if (!bytes) return;
+    if (host_memory_) {
+      const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+      if (bytes > ram)
+        throw std::invalid_argument("a host memory budget of " + std::to_string(bytes) + " bytes for " +
+                                    dir_ + " is more than this machine's memory (" +
+                                    std::to_string(ram) + " bytes); give it a budget that fits, "
+                                    "beside the model and the other devices'");
+      check(cudaHostAlloc(&resident_, bytes, cudaHostAllocPortable),
+            "page-locking a host memory budget of " + std::to_string(bytes) + " bytes");
+      resident_bytes_ = bytes;
+      std::memset(resident_, 0, bytes);
+      return;
+    }
     size_t free = 0, total = 0;
     check(cudaMemGetInfo(&free, &total), "reading the GPU's free memory");
     if (bytes > free)
@@ -281,7 +320,10 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     mirrors_.clear();
     if (persist_stream_) cudaStreamDestroy(persist_stream_);
     persist_stream_ = nullptr;
-    cudaFree(resident_);
+    if (host_memory_)
+      cudaFreeHost(resident_);
+    else
+      cudaFree(resident_);
     resident_ = nullptr;
     for (size_t i = 0; i < registered_; ++i) cudaHostUnregister(slots_.memory(i));
     registered_ = 0;
@@ -295,6 +337,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   }
 
   int gpu_;
+  bool host_memory_;  // the budget is page-locked host memory (CudaOptions::host_memory)
   size_t registered_ = 0;  // slots page-locked so far (a failed constructor unlocks them)
   std::vector<Mirror> mirrors_;
   void* resident_ = nullptr;

@@ -105,6 +105,9 @@ class Device {
   // states read from storage land there first (resident_loaded), and the background lane
   // writes them from a host copy (resident_to_host).
   virtual bool host_visible_resident() const { return true; }
+  // Whether resident states cross the host link to be updated (a GPU's budget in host
+  // memory), so their bytes count as the link's, not as device memory's.
+  virtual bool resident_over_link() const { return false; }
   // The states of slot `slot` (bound to resident memory) were read from storage into the
   // slot's host states: to the device's memory. Host-visible: already there.
   virtual void resident_loaded(size_t slot, size_t bytes);

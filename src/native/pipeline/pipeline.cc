@@ -108,12 +108,17 @@ Pipeline::Pipeline(const PipelineOptions& options)
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
       options.compute_threads ? options.compute_threads : device::default_compute_threads())};
-  // The small sub-groups' device: fp32 moments, two slots, all resident with a budget (and
-  // room for their twins where durable commits are written in the background).
+  // The small sub-groups' device: fp32 moments, two slots, all resident where the pipeline
+  // keeps states in host memory (a memory budget, or a GPU's in host memory), with room for
+  // their twins where durable commits are written in the background.
   const store::StateLayout small_layout{layout.arrays, store::Moments::fp32, layout.master};
   device::CpuOptions small_cpu = cpu;
   small_cpu.resident_bytes = 0;
-  if (options.memory_budget)
+  const bool host_states = options.memory_budget ||
+      std::any_of(options.devices.begin(), options.devices.end(), [](const DeviceSpec& d) {
+        return d.cuda.host_memory && d.cuda.resident_bytes;
+      });
+  if (host_states)
     for (uint64_t n : options.small_numels)
       small_cpu.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.copy_bytes(n) *
                                   (options.background_commit ? 2 : 1);

@@ -437,7 +437,10 @@ void Ring::compute_loop() {
           Timer t(counters_.busy_ns[kCompute]);
           job.kernel.sent_sum = item->hashes_sent ? &item->sent : nullptr;
           device_.compute(item->slot, job.kernel, numel);
-          if (resident) {
+          if (resident && device_.resident_over_link()) {
+            counters_.host_to_device += job.src.bytes;
+            counters_.device_to_host += job.src.bytes;
+          } else if (resident) {
             counters_.memory_read += job.src.bytes;
             counters_.memory_write += job.src.bytes;
           }

@@ -38,6 +38,11 @@ class Settings:
     gpu_memory_budget: Union[int, str] = 0
     gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
     gpu_reserve: Optional[int] = None
+    # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU,
+    # its states crossing PCIe (CudaDevice(memory="host")); its bytes, once moved there
+    # (``on_this_gpu``): gpu_host_budget
+    gpu_host_states: bool = False
+    gpu_host_budget: int = 0
     auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
 
     @classmethod
@@ -66,17 +71,21 @@ class Settings:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         gpu = block.get("gpu")
-        if gpu is not None and (not isinstance(gpu, dict) or "memory_budget" not in gpu
-                                or not set(gpu) <= {"memory_budget", "twins", "reserve"}
-                                or not isinstance(gpu.get("twins", False), (bool, type(None)))):
+        if gpu is not None and (not isinstance(gpu, dict)
+                                or not ({"memory_budget", "host_states"} & set(gpu))
+                                or not set(gpu) <= {"memory_budget", "twins", "reserve", "host_states"}
+                                or not isinstance(gpu.get("twins", False), (bool, type(None)))
+                                or not isinstance(gpu.get("host_states", False), bool)):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
                              f'the rank\'s GPU memory for states, e.g. "8GiB", or "auto") and '
                              f'optionally "twins" (true, false or null: the model chooses) and, '
-                             f'with "auto", "reserve" (bytes left to the activations); got {gpu!r}')
+                             f'with "auto", "reserve" (bytes left to the activations), and/or '
+                             f'"host_states" (true: the states the memory_budget keeps in host '
+                             f'memory are updated on the GPU); got {gpu!r}')
         try:
-            gpu_auto = bool(gpu) and gpu["memory_budget"] == "auto"
+            gpu_auto = bool(gpu) and gpu.get("memory_budget") == "auto"
             gpu_budget = "auto" if gpu_auto else \
-                defaults.parse_bytes(gpu["memory_budget"], "gpu.memory_budget") if gpu else 0
+                defaults.parse_bytes(gpu.get("memory_budget", 0), "gpu.memory_budget") if gpu else 0
             if gpu and "reserve" in gpu and not gpu_auto:
                 raise ValueError('"gpu.reserve" sizes a "memory_budget" of "auto"; give one or '
                                  'the other')
@@ -94,7 +103,7 @@ class Settings:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
-                   gpu_reserve=gpu_reserve,
+                   gpu_reserve=gpu_reserve, gpu_host_states=(gpu or {}).get("host_states", False),
                    auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
                    + ("auto",) if auto else ())
 
@@ -108,12 +117,29 @@ class Settings:
         return dataclasses.replace(self, gpu_memory_budget=budget,
                                    gpu_twins=False if self.gpu_twins is None else self.gpu_twins)
 
+    def with_host_states_on_gpu(self) -> "Settings":
+        """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
+        move to the GPU's device for states in host memory; the directories keep none."""
+        if not self.gpu_host_states or self.gpu_host_budget:
+            return self
+        if not torch.cuda.is_available():
+            raise ValueError('"gpu": {"host_states": true} updates host memory\'s states on this '
+                             'rank\'s CUDA GPU, and none is visible here: remove it')
+        budget = self.pipeline.memory_budget * len(self.devices)
+        if not budget:
+            raise ValueError('"gpu": {"host_states": true} moves the states a memory_budget keeps '
+                             'in host memory onto the GPU\'s update, and there is none: give '
+                             '"memory_budget" (or "state_dtype": "auto"), or remove "host_states"')
+        return dataclasses.replace(self, gpu_host_budget=budget,
+                                   pipeline=dataclasses.replace(self.pipeline, memory_budget=0))
+
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
-        budget its GPU (``gpu``) is a device in front of them."""
+        budget (of its memory, or of host memory it updates) its GPU (``gpu``) is a device
+        in front of them."""
         dirs = [rank_directory(d, rank) for d in self.devices]
-        return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins) \
-            if self.gpu_memory_budget else dirs
+        return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins, self.gpu_host_budget) \
+            if self.gpu_memory_budget or self.gpu_host_budget else dirs
 
     def top_k(self) -> Optional[TopK]:
         if self.compress is None:
@@ -147,14 +173,14 @@ def for_this_gpu(settings: Settings, later_bytes: int, gpu: int) -> Settings:
     """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``)
     and its update threads on the cores nearest it (``gpu_cores``), before its pipeline
     opens."""
-    if not torch.cuda.is_available():
-        return settings.with_gpu_budget(later_bytes)  # (refuses "auto" clearly)
+    if not torch.cuda.is_available():  # (refuses "auto" and "host_states" clearly)
+        return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu()
     cores = gpu_cores.set_rank_cores(int(os.environ.get("LOCAL_RANK", "0")),
                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
     if cores:
         logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's",
                     dist.get_rank(), cores)
-    return settings.with_gpu_budget(later_bytes)
+    return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu()
 
 
 def check_config(config: dict) -> Settings:
@@ -199,6 +225,8 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
         # the speculation's host copies: params out, and on a GPU gradients in
         on_gpu = torch.cuda.is_available()
         partition_copies = (2 if on_gpu else 1) if speculates(on_gpu) else 0
+        if settings.gpu_host_states:  # (updated on the GPU, where the partitions are)
+            partition_copies = 0
         choice = plan.choose(
             numel, [d if isinstance(d, str) else d.path for d in settings.rank_devices(0, 0)],
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
