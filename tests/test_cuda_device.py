@@ -247,8 +247,10 @@ def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_di
     rest stream on the host's cores; bit for bit one cpu device's, across a reopen. Small
     tensors' fp32 moments stay in host memory, as with a memory_budget."""
     sizes = (12_345, 7_001, 9_000, 4_000)
-    devices = [smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=200 << 10, twins=False),
-               smartinf.CudaDevice(os.path.join(disk_dir, "gpu-host"), memory_budget=200 << 10,
+    # states of 148, 84, 108 and 48 KiB: the first in the GPU's memory, the second and the
+    # fourth in its host memory, the third (too large for what is left) on the cores
+    devices = [smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=160 << 10, twins=False),
+               smartinf.CudaDevice(os.path.join(disk_dir, "gpu-host"), memory_budget=140 << 10,
                                    memory="host"),
                smartinf.CpuDevice(os.path.join(disk_dir, "cpu"))]
     mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
@@ -258,7 +260,8 @@ def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_di
     for n in sizes:
         pipe.add_subgroup(n, None)
     assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, 0]
-    assert [pipe.device_stats[u]["memory_budget"] > 0 for u in range(3)] == [True, True, False]
+    assert [(d["numel"], d["memory_budget"] > 0) for d in pipe.device_stats] == \
+        [(12_345, True), (7_001 + 4_000, True), (9_000, False)]
     pipe.close()
     assert mixed[2] == [[True, True, False, True]] * 2
     for a, b in zip(mixed[0], one[0]):

@@ -233,6 +233,11 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     set_params_sum(i, layout.params_sum_offset(numel), cuda::join_piece_sums(m.emitted, numel));
   }
 
+  // Three chunks at once: one's states in, one's kernel, one's states out (PCIe's two
+  // directions and the SMs busy together; a single lane left each idle two thirds of the
+  // time, and a chunk's launches and waits between them).
+  unsigned compute_lanes() const override { return 3; }
+
   // A split master's params are hashed on the GPU by compute(), wherever the caller's are:
   // the slot's copy of them is there.
   bool hashes_params() const override { return true; }

@@ -145,6 +145,10 @@ class Device {
                                   size_t nnz, size_t value_bytes) = 0;
   // Runs the kernel over `numel` params of the slot; the states are laid out as stored.
   virtual void compute(size_t slot, const Kernel& kernel, size_t numel) = 0;
+  // How many slots' compute() may run at once, each from a thread of its own: 1 for a
+  // device whose kernel takes every core (the cpu device's pool); more for a GPU, whose
+  // slots' streams then overlap one chunk's copies in with another's kernel and copies out.
+  virtual unsigned compute_lanes() const { return 1; }
   virtual void copy_out(size_t slot, void* dst, size_t bytes) = 0;  // device -> host
   // States from the host, one array each; a null array is filled with `fill[a]`.
   virtual void init_states(size_t slot, const float* const* arrays, const float* fill,

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -48,7 +49,8 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
     }
   // Named for top -H / perf: one thread per stage.
   loader_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-load"); load_loop(); });
-  computer_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
+  for (unsigned i = 0; i < std::max(1u, device.compute_lanes()); ++i)
+    computers_.emplace_back([this] { pthread_setname_np(pthread_self(), "smartinf-comp"); compute_loop(); });
   writer_thread_ = std::thread([this] { pthread_setname_np(pthread_self(), "smartinf-write"); write_loop(); });
   if (device.resident_bytes()) {  // the background lane writes resident memory only
     io_options.fixed_buffers.clear();
@@ -62,7 +64,7 @@ Ring::~Ring() {
   jobs_.close();
   loader_.join();
   computing_.close();
-  computer_.join();
+  for (std::thread& t : computers_) t.join();
   writing_.close();
   writer_thread_.join();
   persisting_.close();

@@ -2,6 +2,7 @@
 //   loader:   take a free slot (blocks when all K are busy), read the chunk's states from
 //             storage, copy the gradient in (host -> device) while the read is in flight
 //   computer: run the kernel, copy params out (device -> host); the request's chunk is done
+//             (a GPU runs Device::compute_lanes() computers, each chunk on its slot's stream)
 //   writer:   write the states back to storage (the other shadow copy), free the slot
 // Different chunks are in different stages at once; memory is K slots whatever the model.
 // Beside the ring, on a device with resident memory, a background lane (thread
@@ -217,7 +218,8 @@ class Ring {
   // it is sent instead of this stage thread, serially, before it.
   std::unordered_map<uint64_t, uint64_t> emitted_;
   static uint64_t chunk_key(const Job& job) { return uint64_t(job.subgroup) << 32 | job.chunk; }
-  std::thread loader_, computer_, writer_thread_, persister_thread_;
+  std::thread loader_, writer_thread_, persister_thread_;
+  std::vector<std::thread> computers_;  // Device::compute_lanes() of them
 };
 
 }  // namespace smartinf::pipeline
