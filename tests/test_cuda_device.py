@@ -266,7 +266,8 @@ def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_di
     assert mixed[2] == [[True, True, False, True]] * 2
     for a, b in zip(mixed[0], one[0]):
         assert np.array_equal(bits(a), bits(b))
-    pipe = smartinf.Pipeline(devices[1:2], smartinf.AdamW(), chunk=CHUNK, state_dtype="int8",
+    host = smartinf.CudaDevice(os.path.join(disk_dir, "int8"), memory_budget=140 << 10, memory="host")
+    pipe = smartinf.Pipeline(host, smartinf.AdamW(), chunk=CHUNK, state_dtype="int8",
                              small_sizes=[100])
     pipe.add_subgroup(100, None, small=True)
     assert pipe.resident(0) and pipe.gpu_of(0) is None

@@ -617,6 +617,41 @@ def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
         sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"host_states": "yes"}}})
 
 
+def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
+    """With a "gpu" block "host_states" is "auto": without a probe record the GPU takes int8
+    and int4 moments (a few bytes a param each way over PCIe), the host's cores fp32 ones;
+    with a record, whichever rate is higher: the link's over the states' bytes or the
+    cores' kernel. Nothing moves without a GPU, or without a memory budget."""
+    from smartinf import plan
+
+    def block(state_dtype, **gpu):
+        return sds.Settings.from_config({"smartinf": {
+            "devices": [str(tmp_path)], "memory_budget": "1GiB", "state_dtype": state_dtype,
+            "gpu": {"memory_budget": "1GiB", **gpu}}})
+    assert block("int8").gpu_host_states == "auto"
+    assert sds.Settings.from_config({"smartinf": {"devices": ["/a"]}}).gpu_host_states is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert block("int8").with_host_states_on_gpu().gpu_host_budget == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert block("int8").with_host_states_on_gpu().gpu_host_budget == 1 << 30
+    assert block("int4").with_host_states_on_gpu().gpu_host_budget == 1 << 30
+    fp32 = block("fp32").with_host_states_on_gpu()
+    assert fp32.gpu_host_budget == 0 and fp32.pipeline.memory_budget == 1 << 30
+    assert block("fp32", host_states=True).with_host_states_on_gpu().gpu_host_budget == 1 << 30
+    assert block("int8", host_states=False).with_host_states_on_gpu().gpu_host_budget == 0
+    rates = {"host_pps": 3e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9}
+    monkeypatch.setattr(plan, "find_record", lambda d: "/rec")
+    monkeypatch.setattr(plan, "load_record", lambda p, instead: {"figures": 1})
+    monkeypatch.setattr(plan, "recorded_rates", lambda f, s, m: rates)
+    # 50 GB/s, 78 % of it each way at once, over fp32's 12 B a param: 3.25 G params/s
+    assert plan.gpu_takes_host_states("fp32", "fp32", "/a")[0] is True
+    rates["host_pps"] = 4e9
+    takes, why = plan.gpu_takes_host_states("fp32", "fp32", "/a")
+    assert not takes and "the host's cores 4.00 G params/s" in why
+    takes, why = plan.gpu_takes_host_states("int8", "split", "/a")
+    assert takes and "39.0 GB/s each way" in why
+
+
 def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     """One PipelineSettings, checked in one place, from the DeepSpeed block,
     smartinf.optim's keywords and Pipeline's."""

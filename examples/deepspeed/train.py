@@ -102,8 +102,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
             if args.gpu_twins != "auto":
                 config["smartinf"]["gpu"]["twins"] = args.gpu_twins == "on"
-        if args.gpu_host_states:
-            config["smartinf"].setdefault("gpu", {})["host_states"] = True
+        if args.gpu_host_states != "auto":
+            config["smartinf"].setdefault("gpu", {})["host_states"] = args.gpu_host_states == "on"
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if args.offload_ratio is not None:
@@ -150,8 +150,9 @@ def main() -> None:
     p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
                    "updated there (the \"gpu\" block), or auto: what the model, DeepSpeed's "
                    "gradients and the activations leave")
-    p.add_argument("--gpu-host-states", action="store_true", help="smartinf: the states kept "
-                   "in host memory (the memory budget) are updated on the GPU, crossing PCIe")
+    p.add_argument("--gpu-host-states", choices=("auto", "on", "off"), default="auto",
+                   help="smartinf: the states kept in host memory (the memory budget) updated "
+                        "on the GPU, crossing PCIe (auto, with a GPU budget: where faster)")
     p.add_argument("--gpu-twins", choices=("auto", "on", "off"), default="auto",
                    help="smartinf: the GPU's sub-groups with room for their twin (auto: the "
                         "model chooses)")

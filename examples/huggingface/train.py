@@ -96,8 +96,8 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
             config["smartinf"]["state_dtype"] = args.state_dtype
         if args.gpu_memory_budget:
             config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
-        if args.gpu_host_states:
-            config["smartinf"].setdefault("gpu", {})["host_states"] = True
+        if args.gpu_host_states != "auto":
+            config["smartinf"].setdefault("gpu", {})["host_states"] = args.gpu_host_states == "on"
     else:
         zero["offload_optimizer"] = {"device": "cpu"}
     return config
@@ -224,9 +224,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-budget",
                         help="smartinf: bytes of the GPU's memory for states updated there "
                              "(e.g. 20GB), or auto: what the model and activations leave")
-    parser.add_argument("--gpu-host-states", action="store_true",
-                        help="smartinf: the states kept in host memory are updated on the GPU, "
-                             "crossing PCIe")
+    parser.add_argument("--gpu-host-states", choices=("auto", "on", "off"), default="auto",
+                        help="smartinf: the states kept in host memory updated on the GPU, "
+                             "crossing PCIe (auto, with a GPU budget: where faster)")
     parser.add_argument("--partitioned", action="store_true",
                         help="trainer-deepspeed, llama: build the model after "
                              "TrainingArguments(deepspeed=), so that from_config builds it "

@@ -252,6 +252,36 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
 
 
+#: what each direction of PCIe keeps of its rate while the other runs too (pinned copies
+#: on the lent H100: 54.4 GB/s alone, 42.3 GB/s each at once)
+BOTH_WAYS_SHARE = 0.78
+
+
+def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tuple[bool, str]:
+    """Whether the GPU updates the states kept in host memory faster than the host's cores
+    (the ``"gpu"`` block's ``"host_states": "auto"``), and why. Over PCIe each param's states
+    cross both ways (its gradient and params stay in the GPU's memory), so the GPU's rate is
+    the link's over the states' bytes; the cores' is the probe's kernel rate. Without a
+    probe record with both: the GPU for int8 and int4 moments (2.3x and 2.9x the cores on
+    the lent H100's 16, `bench/measured/h100-gpu-host-states.json`), the cores for fp32
+    (0.87x: 12 B a param each way)."""
+    state = state_bytes_per_param(state_dtype, master)
+    path = find_record(directory)
+    figures = load_record(path, "move it away") if path else None
+    rates = recorded_rates(figures, state_dtype, master) if figures else None
+    if rates is None or math.isinf(rates["host_to_gpu_bps"]):
+        quantized = state_dtype != "fp32"
+        return quantized, (f"no probe record with the GPU's link and the host's kernel "
+                           f"(python -m smartinf.probe DIR --record): {state_dtype} moments "
+                           f"(~{state:.1f} B a param each way) on the "
+                           + ("GPU" if quantized else "host's cores"))
+    link = min(rates["host_to_gpu_bps"], rates["gpu_to_host_bps"]) * BOTH_WAYS_SHARE
+    gpu_pps, host_pps = link / state, rates["host_pps"]
+    return gpu_pps > host_pps, (f"{path}: the GPU over PCIe {gpu_pps / 1e9:.2f} G params/s "
+                                f"({link / 1e9:.1f} GB/s each way, {state:.2f} B a param), the "
+                                f"host's cores {host_pps / 1e9:.2f} G params/s")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m smartinf.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="one directory per device")

@@ -39,9 +39,10 @@ class Settings:
     gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
     gpu_reserve: Optional[int] = None
     # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU,
-    # its states crossing PCIe (CudaDevice(memory="host")); its bytes, once moved there
-    # (``on_this_gpu``): gpu_host_budget
-    gpu_host_states: bool = False
+    # its states crossing PCIe (CudaDevice(memory="host")); "auto" (with a "gpu" block, the
+    # default): where that is faster than the host's cores (plan.gpu_takes_host_states).
+    # Its bytes, once moved there (``with_host_states_on_gpu``): gpu_host_budget
+    gpu_host_states: Union[bool, str] = False
     gpu_host_budget: int = 0
     auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
 
@@ -75,13 +76,14 @@ class Settings:
                                 or not ({"memory_budget", "host_states"} & set(gpu))
                                 or not set(gpu) <= {"memory_budget", "twins", "reserve", "host_states"}
                                 or not isinstance(gpu.get("twins", False), (bool, type(None)))
-                                or not isinstance(gpu.get("host_states", False), bool)):
+                                or gpu.get("host_states", "auto") not in (True, False, "auto")):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
                              f'the rank\'s GPU memory for states, e.g. "8GiB", or "auto") and '
                              f'optionally "twins" (true, false or null: the model chooses) and, '
                              f'with "auto", "reserve" (bytes left to the activations), and/or '
                              f'"host_states" (true: the states the memory_budget keeps in host '
-                             f'memory are updated on the GPU); got {gpu!r}')
+                             f'memory are updated on the GPU; false: on the host\'s cores; "auto", '
+                             f'the default: where faster); got {gpu!r}')
         try:
             gpu_auto = bool(gpu) and gpu.get("memory_budget") == "auto"
             gpu_budget = "auto" if gpu_auto else \
@@ -103,7 +105,7 @@ class Settings:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
-                   gpu_reserve=gpu_reserve, gpu_host_states=(gpu or {}).get("host_states", False),
+                   gpu_reserve=gpu_reserve, gpu_host_states=gpu.get("host_states", "auto") if gpu else False,
                    auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
                    + ("auto",) if auto else ())
 
@@ -119,9 +121,20 @@ class Settings:
 
     def with_host_states_on_gpu(self) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
-        move to the GPU's device for states in host memory; the directories keep none."""
+        move to the GPU's device for states in host memory; the directories keep none.
+        ``"auto"``: where the GPU updates them faster (``plan.gpu_takes_host_states``), said."""
         if not self.gpu_host_states or self.gpu_host_budget:
             return self
+        if self.gpu_host_states == "auto":
+            given = self.pipeline
+            if not (torch.cuda.is_available() and given.memory_budget):
+                return dataclasses.replace(self, gpu_host_states=False)
+            takes, why = plan.gpu_takes_host_states(given.state_dtype, given.master, self.devices[0])
+            logger.warning("smartinf: the states in host memory updated on the %s (\"gpu\": "
+                           "{\"host_states\": ...} says otherwise): %s",
+                           "GPU" if takes else "host's cores", why)
+            if not takes:
+                return dataclasses.replace(self, gpu_host_states=False)
         if not torch.cuda.is_available():
             raise ValueError('"gpu": {"host_states": true} updates host memory\'s states on this '
                              'rank\'s CUDA GPU, and none is visible here: remove it')
@@ -225,10 +238,10 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
         # the speculation's host copies: params out, and on a GPU gradients in
         on_gpu = torch.cuda.is_available()
         partition_copies = (2 if on_gpu else 1) if speculates(on_gpu) else 0
-        if settings.gpu_host_states:  # (updated on the GPU, where the partitions are)
-            partition_copies = 0
+        if settings.gpu_host_states is True or (settings.gpu_host_states and on_gpu):
+            partition_copies = 0  # (updated on the GPU, where the partitions are)
         choice = plan.choose(
-            numel, [d if isinstance(d, str) else d.path for d in settings.rank_devices(0, 0)],
+            numel, [rank_directory(d, 0) for d in settings.devices],
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
             if_exists=given.if_exists,
             host_buffers=partition_copies * numel * max(p.element_size() for p in params),
