@@ -281,6 +281,15 @@ def test_a_host_memory_budget_beyond_the_machines_memory_is_refused(tmp_path):
                           smartinf.AdamW(), chunk=CHUNK)
 
 
+def test_host_states_on_the_gpu_need_a_model_there(tmp_path):
+    """smartinf.optim's gpu_host_states=True: the GPU the model is on updates the memory
+    tier's states; refused clearly without one (no GPU here, or the model on the CPU)."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no CUDA GPU is visible here|params are on"):
+        so.AdamW(model.parameters(), devices=str(tmp_path), memory_budget="1MiB",
+                 gpu_host_states=True)
+
+
 def test_a_gpus_memory_is_gpu_or_host(tmp_path):
     with pytest.raises(ValueError, match='memory must be "gpu"'):
         smartinf.CudaDevice(str(tmp_path), memory_budget=1 << 20, memory="ram")
@@ -316,6 +325,14 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
         assert stats["host_to_device"] == stats["device_to_host"] == 0
         for a, b in zip(gpu, cpu):
             assert np.array_equal(bits(a), bits(b))
+    # A GPU budget for one sub-group, the memory tier's states updated by the GPU too: only
+    # those states cross PCIe, alike each way; the directory keeps none in its memory
+    path = os.path.join(disk_dir, "gpu-host")
+    host, stats = run(path, gpu_memory_budget="64KiB", memory_budget="4MiB", gpu_host_states=True)
+    assert os.path.isfile(os.path.join(path, "gpu-host", "manifest"))
+    assert stats["host_to_device"] == stats["device_to_host"] > 0
+    for a, b in zip(host, cpu):
+        assert np.array_equal(bits(a), bits(b))
 
 
 @needs_gpu

@@ -596,7 +596,7 @@ def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
                                                "gpu": {"host_states": True}}})
     assert s.gpu_host_states and s.gpu_memory_budget == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="none is visible here"):
+    with pytest.raises(ValueError, match="no CUDA GPU is visible here"):
         s.with_host_states_on_gpu()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     moved = s.with_host_states_on_gpu()
@@ -610,7 +610,7 @@ def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
         "memory_budget": "2GiB", "host_states": True}}}).with_host_states_on_gpu()
     assert [(d.memory, d.memory_budget) for d in both.rank_devices(0, 0)[:2]] == \
         [("gpu", 2 << 30), ("host", 1 << 30)]
-    with pytest.raises(ValueError, match="there is none"):
+    with pytest.raises(ValueError, match="there is no memory_budget"):
         sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
             "host_states": True}}}).with_host_states_on_gpu()
     with pytest.raises(ValueError, match="host_states"):

@@ -52,7 +52,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
                  gpu_memory_budget: "int | str | None" = None,
-                 gpu_twins: Optional[bool] = None, **options: Any) -> None:
+                 gpu_twins: Optional[bool] = None, gpu_host_states: "bool | str" = "auto",
+                 **options: Any) -> None:
         optim_options.check_keywords(subgroup_size, compress, max_grad_norm)
         storage, full = optim_options.split(options, self.torch_class, defaults)
         self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
@@ -84,8 +85,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
             lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
-        pipeline = Pipeline(optim_options.devices_with_gpu(resolve_devices(devices), gpu_memory_budget,
-                                                           gpu_twins, self._plan),
+        devices = resolve_devices(devices)
+        settings, host = optim_options.host_states(settings, devices, gpu_memory_budget, gpu_host_states)
+        pipeline = Pipeline(optim_options.devices_with_gpu(devices, gpu_memory_budget, gpu_twins,
+                                                           self._plan, host),
                             self._rule(self.param_groups[0]), settings=settings,
                             subgroup_sizes=[sg.numel for sg in self._plan if not sg.small],
                             small_sizes=[sg.numel for sg in self._plan if sg.small]

@@ -5,6 +5,7 @@ is stored: bad keyword values, a param group's options, params the devices canno
 split master of other dtypes, a GPU budget without one GPU."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Optional, Sequence
@@ -16,7 +17,7 @@ from . import defaults, plan, update_rules
 from .compress import TopK
 from .devices import with_gpu
 from .driver import rule_for, stored_rule
-from .settings import KEYWORDS as PIPELINE_KEYWORDS
+from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from .subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
@@ -36,7 +37,10 @@ class StorageOptions(TypedDict, total=False):
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
     directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
-    (None: the model chooses, ``smartinf.twins``).
+    (None: the model chooses, ``smartinf.twins``); ``gpu_host_states`` whether that GPU also
+    updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
+    ``CudaDevice(memory="host")``, directory ``gpu-host/``; ``"auto"``, the default with a
+    ``gpu_memory_budget``: where faster than the host's cores, ``plan.host_states_budget``).
     """
 
     subgroup_size: int
@@ -131,10 +135,22 @@ def refuse_split_of_other_dtypes(split: bool, plan: Sequence[Subgroup]) -> None:
                          f"model")
 
 
+def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | str | None",
+                wanted: "bool | str") -> tuple[PipelineSettings, int]:
+    """``gpu_host_states``: the settings, and the bytes of host memory moved from the cpu
+    devices' memory tier to the GPU's device for states in host memory (0: none)."""
+    given = wanted if gpu_budget is not None else wanted is True
+    host = plan.host_states_budget(given, settings.state_dtype, settings.master, settings.memory_budget,
+                                   sum(getattr(d, "kind", "cpu") == "cpu" for d in devices),
+                                   str(getattr(devices[0], "path", devices[0])))
+    return (dataclasses.replace(settings, memory_budget=0) if host else settings), host
+
+
 def devices_with_gpu(devices: list, budget: "int | str | None", twins: Optional[bool],
-                     plan: Sequence[Subgroup]) -> list:
-    """``devices``, with the GPU the params are on in front when given a budget."""
-    if budget is None:
+                     plan: Sequence[Subgroup], host_budget: int = 0) -> list:
+    """``devices``, with the GPU the params are on in front when given a budget (of its
+    memory, or ``host_budget`` of host memory it updates)."""
+    if budget is None and not host_budget:
         if twins is not None:
             raise ValueError("gpu_twins is for the states a gpu_memory_budget keeps in the "
                              "GPU's memory: give a budget, or leave gpu_twins out")
@@ -144,7 +160,7 @@ def devices_with_gpu(devices: list, budget: "int | str | None", twins: Optional[
         raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
                          f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
                          f": move the model to one GPU, or leave gpu_memory_budget out")
-    return with_gpu(devices, budget, gpus.pop().index, twins)
+    return with_gpu(devices, budget or 0, gpus.pop().index, twins, host_budget)
 
 
 def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,

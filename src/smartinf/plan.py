@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import os
 import shutil
@@ -28,6 +29,8 @@ from . import space
 from .checkpoint import STATES, manifest_fields
 from .io_schedule import find_record, load_record
 from .model import place, predict_placed, recorded_rates, state_bytes_per_param
+
+logger = logging.getLogger("smartinf")
 
 #: (state_dtype, master), most precise first; the split master is lossless (bf16 params only)
 FORMATS = (("fp32", "fp32"), ("fp32", "split"), ("int8", "split"), ("int8", "fp32"),
@@ -280,6 +283,33 @@ def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tupl
     return gpu_pps > host_pps, (f"{path}: the GPU over PCIe {gpu_pps / 1e9:.2f} G params/s "
                                 f"({link / 1e9:.1f} GB/s each way, {state:.2f} B a param), the "
                                 f"host's cores {host_pps / 1e9:.2f} G params/s")
+
+
+def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
+                       memory_budget: int, holders: int, directory: str) -> int:
+    """Bytes of host memory the GPU takes from the cores' memory tier (``memory_budget`` on
+    each of ``holders`` directories) for its states in host memory (``CudaDevice(memory=
+    "host")``): all for ``host_states=True``, none for False, and for ``"auto"`` all where
+    the GPU updates them faster (``gpu_takes_host_states``, logged), none where it does not
+    or there is no GPU or no budget. True without those is refused, saying why."""
+    if not host_states:
+        return 0
+    import torch  # (not at import: plan's command line runs without torch's CUDA)
+    budget = memory_budget * holders
+    why_not = ("no CUDA GPU is visible here" if not torch.cuda.is_available() else
+               "there is no memory_budget: no states are kept in host memory" if not budget else "")
+    if why_not and host_states == "auto":
+        return 0
+    if why_not:
+        raise ValueError(f"host_states=True updates the states a memory_budget keeps in host "
+                         f"memory on the GPU, and {why_not}: give a GPU and a memory_budget "
+                         f"(or state_dtype='auto'), or leave host_states out")
+    if host_states == "auto":
+        takes, why = gpu_takes_host_states(state_dtype, master, directory)
+        logger.warning("smartinf: the states in host memory updated on the %s (host_states "
+                       "says otherwise): %s", "GPU" if takes else "host's cores", why)
+        return budget if takes else 0
+    return budget
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

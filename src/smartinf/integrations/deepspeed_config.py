@@ -121,30 +121,16 @@ class Settings:
 
     def with_host_states_on_gpu(self) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
-        move to the GPU's device for states in host memory; the directories keep none.
-        ``"auto"``: where the GPU updates them faster (``plan.gpu_takes_host_states``), said."""
-        if not self.gpu_host_states or self.gpu_host_budget:
+        move to the GPU's device for states in host memory, the directories keeping none
+        (``plan.host_states_budget``: ``"auto"`` where faster)."""
+        if self.gpu_host_budget:
             return self
-        if self.gpu_host_states == "auto":
-            given = self.pipeline
-            if not (torch.cuda.is_available() and given.memory_budget):
-                return dataclasses.replace(self, gpu_host_states=False)
-            takes, why = plan.gpu_takes_host_states(given.state_dtype, given.master, self.devices[0])
-            logger.warning("smartinf: the states in host memory updated on the %s (\"gpu\": "
-                           "{\"host_states\": ...} says otherwise): %s",
-                           "GPU" if takes else "host's cores", why)
-            if not takes:
-                return dataclasses.replace(self, gpu_host_states=False)
-        if not torch.cuda.is_available():
-            raise ValueError('"gpu": {"host_states": true} updates host memory\'s states on this '
-                             'rank\'s CUDA GPU, and none is visible here: remove it')
-        budget = self.pipeline.memory_budget * len(self.devices)
-        if not budget:
-            raise ValueError('"gpu": {"host_states": true} moves the states a memory_budget keeps '
-                             'in host memory onto the GPU\'s update, and there is none: give '
-                             '"memory_budget" (or "state_dtype": "auto"), or remove "host_states"')
-        return dataclasses.replace(self, gpu_host_budget=budget,
-                                   pipeline=dataclasses.replace(self.pipeline, memory_budget=0))
+        given = self.pipeline
+        budget = plan.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
+                                         given.memory_budget, len(self.devices), self.devices[0])
+        return dataclasses.replace(self, gpu_host_states=bool(budget), gpu_host_budget=budget,
+                                   pipeline=dataclasses.replace(given, memory_budget=0)
+                                   if budget else given)
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
