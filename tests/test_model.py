@@ -515,7 +515,7 @@ def test_command_line_places_with_the_probes_gpu(tmp_path, capsys):
                        "--memory-budget", "9.1GB", "--subgroup", "2.5e8", "--commit-every", "10",
                        "--twins", "off", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["placement"] == {"gpu": 2.5e8, "ram": 7.5e8, "streamed": 0.0}
+    assert out["placement"] == {"gpu": 2.5e8, "ram": 7.5e8, "streamed": 0.0, "gpu_host": 0.0}
     # the disk writes the host's 9 GB and the GPU's 3 GB once per 10 steps at 1 GB/s (1.2 s
     # a step), longer than the host's kernel (0.75 s); but the GPU's updates wait 6 s for
     # its 3 GB written beside 3 GB of the host's, then 9 steps of 0.75 s follow: 12.755 s
@@ -603,3 +603,18 @@ def test_ranks_of_one_host_share_its_memory_cores_and_disk():
     assert two.step_s == pytest.approx(one.step_s)
     with pytest.raises(ValueError, match="ranks must be a positive int"):
         model.rank_share(rates, 0)
+
+
+def test_the_gpus_states_in_host_memory_cross_pcie_both_ways():
+    """States in host memory that the GPU updates (CudaDevice(memory="host")): each step
+    they cross PCIe both ways, at BOTH_WAYS_SHARE of each direction's rate, and the step
+    is bound by that where the host's cores would take longer."""
+    rates = dict(gpu_pps=1e11, host_pps=3e9, memory_bps=80e9, read_bps=2e9, write_bps=2e9,
+                 host_to_gpu_bps=50e9, gpu_to_host_bps=50e9)
+    on_gpu = model.predict_placed(model.Placement(gpu=0, ram=0, streamed=0, gpu_host=8e9),
+                                  **rates, state_bytes=4, commit_every=100)
+    assert on_gpu.link_s == pytest.approx(8e9 * 4 / (50e9 * model.BOTH_WAYS_SHARE))
+    assert on_gpu.bound == "pcie" and on_gpu.step_s == pytest.approx(on_gpu.link_s)
+    on_cores = model.predict_placed(model.Placement(gpu=0, ram=8e9, streamed=0), **rates,
+                                    state_bytes=4, commit_every=100)
+    assert on_cores.step_s == pytest.approx(8e9 / 3e9) and on_cores.step_s > on_gpu.step_s

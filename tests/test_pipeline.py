@@ -585,3 +585,13 @@ def test_a_directory_keeps_its_chunk_when_none_is_given(tmp_path, monkeypatch):
     pipe = smartinf.Pipeline(smartinf.CpuDevice(str(tmp_path / "b")), smartinf.AdamW())
     assert pipe.settings.chunk == smartinf.defaults.CHUNK
     pipe.close()
+
+
+def test_device_of_names_where_each_sub_group_is_updated(tmp_path):
+    devices = [smartinf.CpuDevice(str(tmp_path / "a")), smartinf.CpuDevice(str(tmp_path / "b"))]
+    pipe = smartinf.Pipeline(devices, smartinf.AdamW(), state_dtype="int8", small_sizes=[7])
+    pipe.add_subgroup(1000, None)
+    pipe.add_subgroup(1000, None)
+    pipe.add_subgroup(7, None, small=True)
+    assert [pipe.device_of(sg) for sg in range(3)] == [devices[0], devices[1], None]
+    pipe.close()

@@ -417,11 +417,18 @@ def budget_for(step_s: float, params: float, read_bps: float, write_bps: float,
 @dataclass(frozen=True)
 class Placement:
     """Params per place: states resident in the GPU's memory, resident in host memory
-    (the cpu device's budget), and streamed from storage through the host."""
+    (the cpu device's budget), streamed from storage through the host, and resident in host
+    memory but updated by the GPU (``CudaDevice(memory="host")``: they cross PCIe)."""
 
     gpu: float
     ram: float
     streamed: float
+    gpu_host: float = 0.0
+
+
+#: what each direction of PCIe keeps of its rate while the other runs too (pinned copies
+#: on the lent H100: 54.4 GB/s alone, 42.3 GB/s each at once)
+BOTH_WAYS_SHARE = 0.78
 
 
 def place(params: float, state_bytes: float, gpu_budget: float, ram_budget: float,
@@ -550,23 +557,29 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
     once, at equal rates, as measured on the H100 host) before the GPU updates them; the
     host's updates run meanwhile and its streamed states' traffic after it (the same disk),
     so the wait costs only what it adds to both. ``exposed_s``: the mean of what follows
-    backward (the updates, the streamed traffic, the wait), for ``iteration_s``."""
+    backward (the updates, the streamed traffic, the wait), for ``iteration_s``. The GPU's
+    states in host memory cross PCIe both ways each step (both directions at
+    ``BOTH_WAYS_SHARE`` of their rates), beside the host's sub-groups' gradients and params,
+    and are written at durable commits as the host memory's."""
     host_params = placement.ram + placement.streamed
     gpu_bytes = placement.gpu * state_bytes
+    crossing = placement.gpu_host * state_bytes
     host_storage_s = host_compute_s = link_s = 0.0
     if host_params:
         host = predict_tiered(host_params, placement.ram / host_params, read_bps, write_bps,
                               memory_bps, commit_every, state_bytes, grad_bytes, param_bytes,
                               host_pps, commit_write_bps, mix_bps)
         host_storage_s, host_compute_s = host.storage_s, max(host.memory_s, host.update_s)
-        link_s = max(host_params * grad_bytes / gpu_to_host_bps,
-                     host_params * param_bytes / host_to_gpu_bps)
-    gpu_s = placement.gpu / gpu_pps
+    if host_params or crossing:
+        link_s = max((host_params * grad_bytes + crossing) / gpu_to_host_bps,
+                     (host_params * param_bytes + crossing) / host_to_gpu_bps)
+        link_s /= BOTH_WAYS_SHARE if crossing else 1.0
+    gpu_s = (placement.gpu + placement.gpu_host) / gpu_pps
     compute_s = max(gpu_s, host_compute_s, link_s)
     # the host's update is what slows the resident writes (the GPU's own update does not
     # touch host memory)
     disk_s = _disk_s(placement.streamed * state_bytes,
-                     (placement.ram * state_bytes + gpu_bytes) / commit_every, host_compute_s,
+                     (placement.ram * state_bytes + crossing + gpu_bytes) / commit_every, host_compute_s,
                      read_bps, write_bps, commit_write_bps, mix_bps)
     # what follows backward each step: the updates, and the streamed states' traffic
     streamed_s = _disk_s(placement.streamed * state_bytes, 0.0, 0.0, read_bps, write_bps,
@@ -580,7 +593,7 @@ def predict_placed(placement: Placement, gpu_pps: float, host_pps: float, memory
         first_s = max(exposed_s, wait_s + max(gpu_s, streamed_s))
         exposed_s = (first_s + (commit_every - 1) * exposed_s) / commit_every
         step_s = max(step_s, exposed_s)
-    total = placement.gpu + host_params
+    total = placement.gpu + placement.gpu_host + host_params
     host_rate = total / max(predict_tiered(total, 1.0, read_bps, write_bps, memory_bps,
                                            commit_every, state_bytes, grad_bytes, param_bytes,
                                            host_pps, commit_write_bps).step_s, 1e-12)
@@ -660,9 +673,11 @@ def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2,
                                pipe.io_schedules[0].schedule)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise not_a_record(path, repr(e), "move it away") from e
-    placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
+    placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0, "gpu_host": 0.0}
     for sg in range(pipe.num_subgroups):
-        where = "gpu" if pipe.gpu_of(sg) is not None else "ram" if pipe.resident(sg) else "streamed"
+        device = pipe.device_of(sg)
+        where = "gpu_host" if getattr(device, "memory", "") == "host" else \
+            "gpu" if pipe.gpu_of(sg) is not None else "ram" if pipe.resident(sg) else "streamed"
         placed[where] += pipe.numel(sg)
     if rates is None or (placed["gpu"] and math.isinf(rates["gpu_pps"])):
         return None

@@ -241,6 +241,12 @@ class Pipeline(Steps, States):
         params may be CUDA tensors there), or None: a CPU or SmartSSD device."""
         return self._gpus[self._open().device_of(self._subgroup(sg))]
 
+    def device_of(self, sg: int):
+        """The device (one of ``devices``) sub-group ``sg`` is updated on, or None: the
+        small tensors' device (``small_sizes``)."""
+        unit = self._open().device_of(self._subgroup(sg))
+        return self._devices[unit] if unit < len(self._devices) else None
+
     def resident(self, sg: int) -> bool:
         """Whether ``sg``'s states stay in the device's memory (the memory budget)."""
         native = self._open()

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 from . import space
 from .checkpoint import STATES, manifest_fields
 from .io_schedule import find_record, load_record
-from .model import place, predict_placed, recorded_rates, state_bytes_per_param
+from .model import BOTH_WAYS_SHARE, place, predict_placed, recorded_rates, state_bytes_per_param
 
 logger = logging.getLogger("smartinf")
 
@@ -253,11 +253,6 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                 "background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
-
-
-#: what each direction of PCIe keeps of its rate while the other runs too (pinned copies
-#: on the lent H100: 54.4 GB/s alone, 42.3 GB/s each at once)
-BOTH_WAYS_SHARE = 0.78
 
 
 def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tuple[bool, str]:
