@@ -219,25 +219,32 @@ def test_cuda_tensors_are_read_and_written_in_place(disk_dir):
     assert_same_bits(gpu, cpu)
 
 
-@needs_gpu
-def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir):
-    sizes = (12_345, 7_001, 9_000, 4_000)
-    gpu_dir, cpu_dir = os.path.join(disk_dir, "gpu"), os.path.join(disk_dir, "cpu")
-    devices = [smartinf.CudaDevice(gpu_dir, memory_budget=300 << 10, twins=False),
-               smartinf.CpuDevice(cpu_dir)]
+def placed_as_on_one_cpu_device(disk_dir, devices, sizes):
+    """Sub-groups of `sizes` trained over `devices` (the GPU's tensors in place) and over one
+    cpu device, across a reopen: the params bit for bit; where each went (its GPU, or None),
+    each device's params, and the runs' residency."""
     mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
     one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
                          torch.bfloat16, sizes=sizes)
-    # 12,345 + 7,001 params' states fit in 300 KiB, then 9,000 do not (streamed on the cpu
-    # device), and 4,000 do
+    for a, b in zip(mixed[0], one[0]):
+        assert np.array_equal(bits(a), bits(b))
     pipe = smartinf.Pipeline(devices, smartinf.AdamW(), chunk=CHUNK)
     for n in sizes:
         pipe.add_subgroup(n, None)
-    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, 0]
+    placed = [pipe.gpu_of(sg) for sg in range(len(sizes))], [d["numel"] for d in pipe.device_stats]
     pipe.close()
-    assert mixed[2] == [[True, True, False, True]] * 2
-    for a, b in zip(mixed[0], one[0]):
-        assert np.array_equal(bits(a), bits(b))
+    return (*placed, mixed[2])
+
+
+@needs_gpu
+def test_sub_groups_fill_the_gpu_budget_first_and_reopen_where_they_are(disk_dir):
+    # 12,345 + 7,001 params' states fit in 300 KiB, then 9,000 do not (streamed on the cpu
+    # device), and 4,000 do
+    devices = [smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=300 << 10, twins=False),
+               smartinf.CpuDevice(os.path.join(disk_dir, "cpu"))]
+    gpus, numels, resident = placed_as_on_one_cpu_device(disk_dir, devices, (12_345, 7_001, 9_000, 4_000))
+    assert gpus == [0, 0, None, 0] and numels == [12_345 + 7_001 + 4_000, 9_000]
+    assert resident == [[True, True, False, True]] * 2
 
 
 @needs_gpu
@@ -246,26 +253,15 @@ def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_di
     sub-groups fill them in that order, the GPU updates both (its tensors in place), the
     rest stream on the host's cores; bit for bit one cpu device's, across a reopen. Small
     tensors' fp32 moments stay in host memory, as with a memory_budget."""
-    sizes = (12_345, 7_001, 9_000, 4_000)
     # states of 148, 84, 108 and 48 KiB: the first in the GPU's memory, the second and the
     # fourth in its host memory, the third (too large for what is left) on the cores
     devices = [smartinf.CudaDevice(os.path.join(disk_dir, "gpu"), memory_budget=160 << 10, twins=False),
                smartinf.CudaDevice(os.path.join(disk_dir, "gpu-host"), memory_budget=140 << 10,
                                    memory="host"),
                smartinf.CpuDevice(os.path.join(disk_dir, "cpu"))]
-    mixed = train_resident(devices, RULES["adamw"], torch.bfloat16, on="cuda", sizes=sizes)
-    one = train_resident(smartinf.CpuDevice(os.path.join(disk_dir, "one")), RULES["adamw"],
-                         torch.bfloat16, sizes=sizes)
-    pipe = smartinf.Pipeline(devices, smartinf.AdamW(), chunk=CHUNK)
-    for n in sizes:
-        pipe.add_subgroup(n, None)
-    assert [pipe.gpu_of(sg) for sg in range(4)] == [0, 0, None, 0]
-    assert [(d["numel"], d["memory_budget"] > 0) for d in pipe.device_stats] == \
-        [(12_345, True), (7_001 + 4_000, True), (9_000, False)]
-    pipe.close()
-    assert mixed[2] == [[True, True, False, True]] * 2
-    for a, b in zip(mixed[0], one[0]):
-        assert np.array_equal(bits(a), bits(b))
+    gpus, numels, resident = placed_as_on_one_cpu_device(disk_dir, devices, (12_345, 7_001, 9_000, 4_000))
+    assert gpus == [0, 0, None, 0] and numels == [12_345, 7_001 + 4_000, 9_000]
+    assert resident == [[True, True, False, True]] * 2
     host = smartinf.CudaDevice(os.path.join(disk_dir, "int8"), memory_budget=140 << 10, memory="host")
     pipe = smartinf.Pipeline(host, smartinf.AdamW(), chunk=CHUNK, state_dtype="int8",
                              small_sizes=[100])
