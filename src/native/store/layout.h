@@ -33,25 +33,33 @@ inline constexpr unsigned kMaxInt8Moments = 2;  // Adam: exp_avg and sqrt(exp_av
 
 inline std::size_t quant_blocks(std::size_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
 
-// One chunk's int8 states: the fp32 master (null with a split master: the kernel is given it),
-// then M code arrays (one byte per param), padding to 4 B, then M arrays of block scales.
-// Moment k's codes are code[k], its scales scale[k]; those past M are null. For M = 2 (Adam)
-// with an fp32 master this is the layout directories have always had.
-struct Int8States {
+// One chunk's quantized states (int8 or int4, `Coding` below): the fp32 master (null with a
+// split master: the kernel is given it), then the moments' codes and scales. Moment k's
+// codes are code[k], its scales scale[k]; those past the rule's M are null.
+template <class Coding>
+struct QuantStates {
   float* param;
   uint8_t* code[kMaxInt8Moments];
   float* scale[kMaxInt8Moments];
-  // The params from `lo` on, a whole number of blocks in: one thread's part of the chunk.
-  Int8States from(std::size_t lo) const {
-    Int8States s = *this;
+  // The params from `lo` on, a whole number of blocks (tiles) in: one thread's part.
+  QuantStates from(std::size_t lo) const {
+    QuantStates s = *this;
     if (s.param) s.param += lo;
     for (unsigned m = 0; m < kMaxInt8Moments; ++m) {
-      if (s.code[m]) s.code[m] += lo;
-      if (s.scale[m]) s.scale[m] += lo / kQuantBlock;
+      if (s.code[m]) s.code[m] += Coding::code_byte(lo);
+      if (s.scale[m]) s.scale[m] += Coding::first_scale(m, lo);
     }
     return s;
   }
 };
+
+// int8: M code arrays (one byte per param), padding to 4 B, then M arrays of block scales.
+// For M = 2 (Adam) with an fp32 master this is the layout directories have always had.
+struct Int8Coding {
+  static std::size_t code_byte(std::size_t i) { return i; }
+  static std::size_t first_scale(unsigned, std::size_t i) { return i / kQuantBlock; }
+};
+using Int8States = QuantStates<Int8Coding>;
 
 // The int8 moments of n params: codes, padding, scales.
 inline std::size_t int8_moment_bytes(std::size_t n, unsigned moments) {
@@ -94,21 +102,13 @@ inline std::size_t int4_code_bytes(std::size_t n) { return align4((n + 1) / 2); 
 // code in byte i / 2, the low nibble for even i), then the first moment's block scales and
 // (M = 2) the second moment's tile scales: per tile, kQuant4Block row maxima then
 // kQuant4Block column maxima.
-struct Int4States {
-  float* param;
-  uint8_t* code[kMaxInt8Moments];
-  float* scale[kMaxInt8Moments];
-  // The params from `lo` on, a whole number of tiles in: one thread's part of the chunk.
-  Int4States from(std::size_t lo) const {
-    Int4States s = *this;
-    if (s.param) s.param += lo;
-    for (unsigned m = 0; m < kMaxInt8Moments; ++m)
-      if (s.code[m]) s.code[m] += lo / 2;
-    if (s.scale[0]) s.scale[0] += lo / kQuant4Block;
-    if (s.scale[1]) s.scale[1] += lo / kQuant4Tile * 2 * kQuant4Block;
-    return s;
+struct Int4Coding {
+  static std::size_t code_byte(std::size_t i) { return i / 2; }
+  static std::size_t first_scale(unsigned moment, std::size_t i) {
+    return moment == 0 ? i / kQuant4Block : i / kQuant4Tile * 2 * kQuant4Block;
   }
 };
+using Int4States = QuantStates<Int4Coding>;
 
 inline std::size_t int4_moment_bytes(std::size_t n, unsigned moments) {
   return moments * int4_code_bytes(n) + (moments > 0 ? quant4_blocks(n) * 4 : 0) +
