@@ -76,6 +76,11 @@ flags() {  # mode name -> train.py flags
     int8-split-sync) echo "--mode smartinf --state-dtype int8 --split-master --no-overlap" ;;
     int4-split) echo "--mode smartinf --state-dtype int4 --split-master" ;;
     fp32-split) echo "--mode smartinf --split-master" ;;
+    # everything chosen: the format, master, memory and copies (state_dtype auto), the GPU's
+    # budget (what DeepSpeed and the activations leave) and where the states in host memory
+    # are updated ("host_states": "auto"), durable every 10 steps as auto sets it (run with
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as in docs/deepspeed.md)
+    auto-gpu-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }
