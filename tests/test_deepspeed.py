@@ -637,6 +637,12 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     assert block("int4").with_host_states_on_gpu().gpu_host_budget == 1 << 30
     fp32 = block("fp32").with_host_states_on_gpu()
     assert fp32.gpu_host_budget == 0 and fp32.pipeline.memory_budget == 1 << 30
+    # a run made with them on the GPU resumes with them there (its sub-groups are in gpu-host/)
+    held = tmp_path / "rank00001" / "gpu-host"
+    held.mkdir(parents=True)
+    (held / "manifest").write_text("")
+    assert block("fp32").with_host_states_on_gpu(rank=1).gpu_host_budget == 1 << 30
+    assert block("fp32").with_host_states_on_gpu(rank=0).gpu_host_budget == 0
     assert block("fp32", host_states=True).with_host_states_on_gpu().gpu_host_budget == 1 << 30
     assert block("int8", host_states=False).with_host_states_on_gpu().gpu_host_budget == 0
     rates = {"host_pps": 3e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9}

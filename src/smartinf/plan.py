@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import space
-from .checkpoint import STATES, manifest_fields
+from .checkpoint import MANIFEST, STATES, manifest_fields
+from .devices import GPU_HOST_DIRECTORY
 from .io_schedule import find_record, load_record
 from .model import BOTH_WAYS_SHARE, place, predict_placed, recorded_rates, state_bytes_per_param
 
@@ -264,7 +265,7 @@ def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tupl
     the lent H100's 16, `bench/measured/h100-gpu-host-states.json`), the cores for fp32
     (0.87x: 12 B a param each way)."""
     state = state_bytes_per_param(state_dtype, master)
-    path = find_record(directory)
+    path = find_record(_existing(directory))
     figures = load_record(path, "move it away") if path else None
     rates = recorded_rates(figures, state_dtype, master) if figures else None
     if rates is None or math.isinf(rates["host_to_gpu_bps"]):
@@ -284,11 +285,13 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
                        memory_budget: int, holders: int, directory: str) -> int:
     """Bytes of host memory the GPU takes from the cores' memory tier (``memory_budget`` on
     each of ``holders`` directories) for its states in host memory (``CudaDevice(memory=
-    "host")``): all for ``host_states=True``, none for False, and for ``"auto"`` all where
-    the GPU updates them faster (``gpu_takes_host_states``, logged), none where it does not
-    or there is no GPU or no budget. True without those is refused, saying why."""
+    "host")``, in ``directory``'s ``gpu-host/``): all for ``host_states=True``, none for
+    False, and for ``"auto"`` all where the GPU updates them faster (``gpu_takes_host_states``,
+    logged) or where ``gpu-host/`` holds a run already (its sub-groups are there), none where
+    not or where there is no GPU or no budget. True without those is refused, saying why."""
     if not host_states:
         return 0
+    held = os.path.isfile(os.path.join(directory, GPU_HOST_DIRECTORY, MANIFEST))
     import torch  # (not at import: plan's command line runs without torch's CUDA)
     budget = memory_budget * holders
     why_not = ("no CUDA GPU is visible here" if not torch.cuda.is_available() else
@@ -299,7 +302,10 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
         raise ValueError(f"host_states=True updates the states a memory_budget keeps in host "
                          f"memory on the GPU, and {why_not}: give a GPU and a memory_budget "
                          f"(or state_dtype='auto'), or leave host_states out")
-    if host_states == "auto":
+    if host_states == "auto" and held:
+        logger.warning("smartinf: the states in host memory updated on the GPU: %s holds a "
+                       "run with them there", os.path.join(directory, GPU_HOST_DIRECTORY))
+    elif host_states == "auto":
         takes, why = gpu_takes_host_states(state_dtype, master, directory)
         logger.warning("smartinf: the states in host memory updated on the %s (host_states "
                        "says otherwise): %s", "GPU" if takes else "host's cores", why)

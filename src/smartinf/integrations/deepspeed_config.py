@@ -119,15 +119,17 @@ class Settings:
         return dataclasses.replace(self, gpu_memory_budget=budget,
                                    gpu_twins=False if self.gpu_twins is None else self.gpu_twins)
 
-    def with_host_states_on_gpu(self) -> "Settings":
+    def with_host_states_on_gpu(self, rank: int = 0) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
         move to the GPU's device for states in host memory, the directories keeping none
-        (``plan.host_states_budget``: ``"auto"`` where faster)."""
+        (``plan.host_states_budget``: ``"auto"`` where faster, or where rank ``rank``'s
+        directory holds a run with them there)."""
         if self.gpu_host_budget:
             return self
         given = self.pipeline
         budget = plan.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
-                                         given.memory_budget, len(self.devices), self.devices[0])
+                                         given.memory_budget, len(self.devices),
+                                         rank_directory(self.devices[0], rank))
         return dataclasses.replace(self, gpu_host_states=bool(budget), gpu_host_budget=budget,
                                    pipeline=dataclasses.replace(given, memory_budget=0)
                                    if budget else given)
@@ -172,14 +174,14 @@ def for_this_gpu(settings: Settings, later_bytes: int, gpu: int) -> Settings:
     """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``)
     and its update threads on the cores nearest it (``gpu_cores``), before its pipeline
     opens."""
+    rank = dist.get_rank()
     if not torch.cuda.is_available():  # (refuses "auto" and "host_states" clearly)
-        return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu()
+        return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu(rank)
     cores = gpu_cores.set_rank_cores(int(os.environ.get("LOCAL_RANK", "0")),
                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
     if cores:
-        logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's",
-                    dist.get_rank(), cores)
-    return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu()
+        logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's", rank, cores)
+    return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu(rank)
 
 
 def check_config(config: dict) -> Settings:
