@@ -262,7 +262,7 @@ def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tupl
     cross both ways (its gradient and params stay in the GPU's memory), so the GPU's rate is
     the link's over the states' bytes; the cores' is the probe's kernel rate. Without a
     probe record with both: the GPU for int8 and int4 moments (2.3x and 2.9x the cores on
-    the lent H100's 16, `bench/measured/h100-gpu-host-states.json`), the cores for fp32
+    the lent H100's 14 update threads, `bench/measured/h100-gpu-host-states.json`), the cores for fp32
     (0.87x: 12 B a param each way)."""
     state = state_bytes_per_param(state_dtype, master)
     path = find_record(_existing(directory))
