@@ -643,6 +643,12 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     (held / "manifest").write_text("")
     assert block("fp32").with_host_states_on_gpu(rank=1).gpu_host_budget == 1 << 30
     assert block("fp32").with_host_states_on_gpu(rank=0).gpu_host_budget == 0
+    # and one made with them on the cores (before host states existed) keeps them there:
+    # a GPU device added to its directories would be refused
+    (tmp_path / "rank00002").mkdir()
+    (tmp_path / "rank00002" / "manifest").write_text("")
+    assert block("int8").with_host_states_on_gpu(rank=2).gpu_host_budget == 0
+    assert block("int8", host_states=True).with_host_states_on_gpu(rank=2).gpu_host_budget == 1 << 30
     assert block("fp32", host_states=True).with_host_states_on_gpu().gpu_host_budget == 1 << 30
     assert block("int8", host_states=False).with_host_states_on_gpu().gpu_host_budget == 0
     rates = {"host_pps": 3e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9}

@@ -287,10 +287,13 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
     each of ``holders`` directories) for its states in host memory (``CudaDevice(memory=
     "host")``, in ``directory``'s ``gpu-host/``): all for ``host_states=True``, none for
     False, and for ``"auto"`` all where the GPU updates them faster (``gpu_takes_host_states``,
-    logged) or where ``gpu-host/`` holds a run already (its sub-groups are there), none where
-    not or where there is no GPU or no budget. True without those is refused, saying why."""
+    logged), none where not or where there is no GPU or no budget; but where ``directory``
+    holds a run, as that run placed them (in ``gpu-host/`` or not: its sub-groups are where
+    it put them, and another device list would be refused). True without a GPU or a budget
+    is refused, saying why."""
     if not host_states:
         return 0
+    run = os.path.isfile(os.path.join(directory, MANIFEST))
     held = os.path.isfile(os.path.join(directory, GPU_HOST_DIRECTORY, MANIFEST))
     import torch  # (not at import: plan's command line runs without torch's CUDA)
     budget = memory_budget * holders
@@ -302,10 +305,11 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
         raise ValueError(f"host_states=True updates the states a memory_budget keeps in host "
                          f"memory on the GPU, and {why_not}: give a GPU and a memory_budget "
                          f"(or state_dtype='auto'), or leave host_states out")
-    if host_states == "auto" and held:
-        logger.warning("smartinf: the states in host memory updated on the GPU: %s holds a "
-                       "run with them there", os.path.join(directory, GPU_HOST_DIRECTORY))
-    elif host_states == "auto":
+    if host_states == "auto" and (held or run):
+        logger.warning("smartinf: the states in host memory updated on the %s: %s holds a run "
+                       "with them there", "GPU" if held else "host's cores", directory)
+        return budget if held else 0
+    if host_states == "auto":
         takes, why = gpu_takes_host_states(state_dtype, master, directory)
         logger.warning("smartinf: the states in host memory updated on the %s (host_states "
                        "says otherwise): %s", "GPU" if takes else "host's cores", why)

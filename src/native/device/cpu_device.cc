@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <string>
 
-#include <unistd.h>
 #include <xmmintrin.h>
 
 #include "device/compute_pool.h"
@@ -40,12 +39,7 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
     params_sums_.assign(slots_.size(), std::vector<uint64_t>(store::params_pieces(g.chunk)));
     sent_sums_ = params_sums_;
     resident_bytes_ = store::align_up(options.resident_bytes);
-    const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
-    if (resident_bytes_ > ram)
-      throw std::invalid_argument("a memory budget of " + std::to_string(resident_bytes_) +
-                                  " bytes for " + dir_ + " is more than this machine's memory (" +
-                                  std::to_string(ram) + " bytes); give each device a budget "
-                                  "that fits, beside the model and the other devices'");
+    require_host_memory(resident_bytes_, dir_);
     if (resident_bytes_) {
       void* mem = std::aligned_alloc(store::kAlign, resident_bytes_);
       if (!mem)

@@ -2,8 +2,6 @@
 // drains as on the cpu device, the kernel on the GPU over a mirror of the slot.
 #include "device/cuda_device.h"
 
-#include <unistd.h>
-
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -287,12 +285,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   void allocate_resident(uint64_t bytes) {
     if (!bytes) return;
     if (host_memory_) {
-      const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
-      if (bytes > ram)
-        throw std::invalid_argument("a host memory budget of " + std::to_string(bytes) + " bytes for " +
-                                    dir_ + " is more than this machine's memory (" +
-                                    std::to_string(ram) + " bytes); give it a budget that fits, "
-                                    "beside the model and the other devices'");
+      require_host_memory(bytes, dir_);
       check(cudaHostAlloc(&resident_, bytes, cudaHostAllocPortable),
             "page-locking a host memory budget of " + std::to_string(bytes) + " bytes");
       resident_bytes_ = bytes;

@@ -2,11 +2,15 @@
 // buffer object): state arrays in and out in the layout store/layout.h owns, and slots in
 // host memory (HostSlots).
 #pragma once
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "device/device.h"
@@ -16,6 +20,17 @@
 #include "store/layout.h"
 
 namespace smartinf::device {
+
+// A memory budget of `bytes` of host memory for `dir` (a cpu device's, or a GPU's in host
+// memory) is refused where the machine has less memory in all.
+inline void require_host_memory(uint64_t bytes, const std::string& dir) {
+  const uint64_t ram = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  if (bytes > ram)
+    throw std::invalid_argument("a memory budget of " + std::to_string(bytes) + " bytes for " +
+                                dir + " is more than this machine's memory (" +
+                                std::to_string(ram) + " bytes); give each device a budget "
+                                "that fits, beside the model and the other devices'");
+}
 
 // A split master from fp32 masters (the first array, or `fill`): the low halves, and the
 // checksum of the bf16 params they belong to (the ones the caller holds: the masters rounded).
