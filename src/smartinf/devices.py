@@ -210,17 +210,17 @@ def rank_directory(path: str, rank: int) -> str:
 GPU_HOST_DIRECTORY = "gpu-host"
 
 
-def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str],
+def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str, None],
              gpu: int, twins: Optional[bool] = None, host_budget: Union[int, str] = 0) -> list:
     """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``
-    of states in its memory (with ``twins``), its directory ``gpu/`` in the first device's,
-    and ``host_budget`` of states in host memory that it updates (``CudaDevice(memory="host")``,
-    directory ``gpu-host/``): what ``smartinf.optim``'s ``gpu_memory_budget`` and the
-    DeepSpeed block's ``"gpu"`` add."""
+    of states in its memory (with ``twins``; None: no such device), its directory ``gpu/``
+    in the first device's, and ``host_budget`` of states in host memory that it updates
+    (``CudaDevice(memory="host")``, directory ``gpu-host/``): what ``smartinf.optim``'s
+    ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
     first = devices[0] if isinstance(devices[0], (str, os.PathLike)) else devices[0].path
     first = os.fspath(first)
     gpus = [CudaDevice(os.path.join(first, "gpu"), gpu, memory_budget, twins)] \
-        if memory_budget else []
+        if memory_budget is not None else []
     if host_budget:
         gpus.append(CudaDevice(os.path.join(first, GPU_HOST_DIRECTORY), gpu, host_budget,
                                memory="host"))

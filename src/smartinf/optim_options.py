@@ -160,7 +160,7 @@ def devices_with_gpu(devices: list, budget: "int | str | None", twins: Optional[
         raise ValueError(f"gpu_memory_budget keeps states in the memory of the GPU the "
                          f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
                          f": move the model to one GPU, or leave gpu_memory_budget out")
-    return with_gpu(devices, budget or 0, gpus.pop().index, twins, host_budget)
+    return with_gpu(devices, budget, gpus.pop().index, twins, host_budget)
 
 
 def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,

@@ -148,10 +148,12 @@ class Pipeline(Steps, States):
         holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
         gpus_host = sum(s.gpu_memory_budget for s in specs if s.gpu_host_memory)
         host_memory = settings.memory_budget * holders + gpus_host
-        space.check_memory(host_memory, " and ".join(
-            [f"memory_budget={settings.memory_budget} on each of {holders} cpu device(s)"] * bool(
-                settings.memory_budget) + [f"CudaDevice(memory='host') budgets of {gpus_host} "
-                                           f"bytes"] * bool(gpus_host)))
+        held_by = []
+        if settings.memory_budget:
+            held_by.append(f"memory_budget={settings.memory_budget} on each of {holders} cpu device(s)")
+        if gpus_host:
+            held_by.append(f"CudaDevice(memory='host') budgets of {gpus_host} bytes")
+        space.check_memory(host_memory, " and ".join(held_by))
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, host_memory, c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]

@@ -139,8 +139,8 @@ class Settings:
         budget (of its memory, or of host memory it updates) its GPU (``gpu``) is a device
         in front of them."""
         dirs = [rank_directory(d, rank) for d in self.devices]
-        return with_gpu(dirs, self.gpu_memory_budget, gpu, self.gpu_twins, self.gpu_host_budget) \
-            if self.gpu_memory_budget or self.gpu_host_budget else dirs
+        return with_gpu(dirs, self.gpu_memory_budget or None, gpu, self.gpu_twins,
+                        self.gpu_host_budget) if self.gpu_memory_budget or self.gpu_host_budget else dirs
 
     def top_k(self) -> Optional[TopK]:
         if self.compress is None:
