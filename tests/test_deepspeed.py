@@ -21,6 +21,7 @@ import pytest
 import torch
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
+import smartinf  # noqa: E402
 import smartinf.integrations.deepspeed as sds  # noqa: E402
 import smartinf.integrations.deepspeed_config as sds_config  # noqa: E402
 
@@ -586,6 +587,41 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
             "memory_budget": "2GiB", "reserve": "4GiB"}}})
 
 
+def test_an_auto_gpu_budget_is_measured_by_the_first_step_on_a_fresh_run(monkeypatch, tmp_path):
+    """Without a "reserve", a budget of "auto" on fresh directories waits for the first step
+    (``measures_gpu_budget``), which sizes it from what the first iteration took: free now,
+    less what its peak took beyond what torch still holds, less the margin. A run held in
+    the directories is resumed with the budget its GPU's states take (``held_gpu_budget``:
+    one copy of its states file), measured or not; with a "reserve" it is sized at once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    block = {"devices": [str(tmp_path / "run")], "gpu": {"memory_budget": "auto"}}
+    fresh = sds.Settings.from_config({"smartinf": block})
+    assert fresh.measures_gpu_budget(0)
+    assert not sds.Settings.from_config({"smartinf": dict(block, gpu={
+        "memory_budget": "auto", "reserve": "4GiB"})}).measures_gpu_budget(0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 30 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 22 << 30)
+    measured = sds_config.measured_gpu_budget()
+    assert measured == (50 << 30) - (8 << 30) - int((80 << 30) * sds_config.defaults.GPU_MARGIN_SHARE)
+    assert fresh.with_gpu_budget(10 << 30, 0, measured).gpu_memory_budget == measured
+    assert sds_config.measured_gpu_budget(margin=60 << 30) == 0
+    # a run in the directories: its GPU's states (a cpu device's directory stands in) are
+    # resumed with the budget they take, one copy of its states file
+    rank = tmp_path / "run" / "rank00000"
+    with smartinf.Pipeline(str(rank / "gpu"), smartinf.AdamW(), chunk=1024) as p:
+        p.add_subgroup(3000, init=torch.zeros(3000))
+    (rank / "manifest").write_text((rank / "gpu" / "manifest").read_text())  # the run's
+    size = (rank / "gpu" / "states.bin").stat().st_size
+    held = sds_config.held_gpu_budget(str(rank / "gpu"))
+    assert held == size // 2 and held >= 3000 * 12
+    assert not fresh.measures_gpu_budget(0)
+    assert fresh.with_gpu_budget(10 << 30, 0).gpu_memory_budget == held
+    overwrite = sds.Settings.from_config({"smartinf": dict(block, if_exists="overwrite")})
+    assert overwrite.measures_gpu_budget(0)
+    assert sds_config.held_gpu_budget(str(tmp_path / "none")) is None
+
+
 def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
     """"gpu": {"host_states": true}: the bytes the memory_budget holds on each directory go to
     the GPU's device for states in host memory (CudaDevice(memory="host"), in front of the
@@ -788,6 +824,11 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
     "1-overlap-bf16-split-gpu-states-in-host": (1, True, ("--bf16", "--block", '{"master": "split", '
                                                           '"memory_budget": "64MiB", "gpu": '
                                                           '{"host_states": true}}'), BF16_ULP),
+    # and with a GPU budget of "auto": the first step opens the pipeline, sizing the budget
+    # from what the first iteration took (edits before it are the model's own params)
+    "1-overlap-bf16-split-gpu-auto": (1, True, ("--bf16", "--block", '{"master": "split", "gpu": '
+                                                                   '{"memory_budget": "auto"}}'),
+                                      BF16_ULP),
 }
 
 
@@ -818,6 +859,19 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch
     # params' dtype holds it, and half an ulp above for a split master's low bits
     clip = record["clip_fp32"] if tol == TOL else record["clip_bf16"] * (1 + BF16_ULP / 2)
     assert record["saved_max"] <= clip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_budget_of_auto_is_sized_by_the_first_step_and_changes_no_bit(work, disk_dir):
+    """"gpu": {"memory_budget": "auto"} on fresh directories: no pipeline until the first
+    step, which sizes the budget from what the first iteration took and opens it; the run is
+    bit for bit the one whose states stay on the host (placement changes no bit)."""
+    host = train(work, f"{disk_dir}/host", "auto-gpu-host")
+    auto = train(work, f"{disk_dir}/auto", "auto-gpu", extra=("--gpu-memory-budget", "auto"))
+    assert losses(auto) == losses(host)
+    for a, b in zip(auto["params"], host["params"]):
+        assert torch.equal(a, b)
+    assert "pipeline" in auto["steps"][0]  # opened by the first step, counted from it
 
 
 @pytest.mark.parametrize("world", [1, 2])

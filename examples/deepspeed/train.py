@@ -217,21 +217,29 @@ def main() -> None:
     for _ in range(start):
         next(data)  # the batches the checkpointed steps consumed
 
-    pipeline = getattr(engine.optimizer, "pipeline", None)
-    choices = None if pipeline is None else {  # each device's I/O schedule and twins, and why
-        "io_schedules": [f"{c.schedule}: {c.reason}" for c in pipeline.io_schedules],
-        "twins": [f"{c.twins}: {c.reason}" for c in pipeline.twins]}
-    if choices and rank == 0:
-        print(f"smartinf: {choices}", flush=True)
-    # the model's step for this placement, from the probe's record of the states' directory
-    # (python -m smartinf.probe DIR --record): compare with the forward's waits + the step
-    prediction = None if pipeline is None else smartinf.model.predict_pipeline(pipeline)
-    predicted = prediction and dict(dataclasses.asdict(prediction), bound=prediction.bound)
-    if predicted and rank == 0:
-        print(f"smartinf.model: step {prediction.step_s:.3f} s ({prediction.bound}) for "
-              f"{prediction.placement}", flush=True)
+    def the_pipeline():  # (with a GPU budget of "auto", opened by the first step: it sizes it)
+        return getattr(engine.optimizer, "pipeline", None)
+
+    def described(pipeline) -> tuple:
+        """Each device's I/O schedule and twins, and why; the model's step for this placement,
+        from the probe's record of the states' directory (python -m smartinf.probe DIR
+        --record): compare with the forward's waits + the step."""
+        choices = {"io_schedules": [f"{c.schedule}: {c.reason}" for c in pipeline.io_schedules],
+                   "twins": [f"{c.twins}: {c.reason}" for c in pipeline.twins]}
+        prediction = smartinf.model.predict_pipeline(pipeline)
+        if rank == 0:
+            print(f"smartinf: {choices}", flush=True)
+            if prediction:
+                print(f"smartinf.model: step {prediction.step_s:.3f} s ({prediction.bound}) for "
+                      f"{prediction.placement}", flush=True)
+        return choices, prediction and dict(dataclasses.asdict(prediction), bound=prediction.bound)
+
+    choices = predicted = None
+    if the_pipeline() is not None:
+        choices, predicted = described(the_pipeline())
 
     def counters() -> dict:
+        pipeline = the_pipeline()
         stats = {**pipeline.stats, **engine.optimizer.overlap_stats} if pipeline is not None else {}
         return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
 
@@ -271,7 +279,9 @@ def main() -> None:
                # smartinf: the part of the step spent in the pipeline (after DeepSpeed's
                # overflow check and norm)
                "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}
-        if pipeline is not None:
+        if the_pipeline() is not None:
+            if choices is None:
+                choices, predicted = described(the_pipeline())
             c1 = counters()
             rec["pipeline"] = {k: v - c0[k] for k, v in c1.items()}
         records.append(rec)

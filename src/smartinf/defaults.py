@@ -34,12 +34,19 @@ CHUNK = 1 << 20
 # its work (the H100 host, 6.6 B params int8 + split resident in its memory: a step's updates
 # 2.05 s in chunks of 1 Mi, 0.23 s in chunks of 16 Mi).
 GPU_CHUNK = 1 << 24
-# A GPU budget of "auto" (the DeepSpeed block) leaves this share of the GPU's memory to the
-# activations and what else the training allocates besides params and gradients (13 B,
+# A GPU budget of "auto" (the DeepSpeed block) sized before the first iteration (a
+# "reserve" given, or the first step not yet run) leaves this share of the GPU's memory to
+# the activations and what else the training allocates besides params and gradients (13 B,
 # 8 x 1024, activation checkpointing on the H100: 6.7 GiB allocated at the peak, 1.8 GiB
 # more reserved by torch's allocator; a 22 GB budget ran out of memory without
-# expandable segments, 15 % leaves 11.9 GiB).
+# expandable segments, 15 % leaves 11.9 GiB). Too little for 30 B on four H100s (about 1 GB
+# short) and for GPT-2 XL without activation checkpointing: hence the measured budget.
 GPU_RESERVE_SHARE = 0.15
+# A GPU budget of "auto" measured by the first step (what the first iteration took at its
+# peak) leaves this share of the GPU's memory besides: the CUDA devices' slots (a few
+# chunks of 16 Mi params each), what DeepSpeed's prefetch gathers from the second
+# iteration on, and the allocator's fragmentation.
+GPU_MARGIN_SHARE = 0.1
 IO = "auto"
 # Two fp32 chunks' requests (12 MiB each) in flight per engine: with 16 the ring drew 0.47x
 # (this project's VM) and 0.88x (the H200 host) of what it drew with 32 (bench/storage_ring.py).

@@ -207,6 +207,7 @@ def rank_directory(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}")
 
 
+GPU_DIRECTORY = "gpu"
 GPU_HOST_DIRECTORY = "gpu-host"
 
 
@@ -219,7 +220,7 @@ def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, 
     ``gpu_memory_budget`` and the DeepSpeed block's ``"gpu"`` add."""
     first = devices[0] if isinstance(devices[0], (str, os.PathLike)) else devices[0].path
     first = os.fspath(first)
-    gpus = [CudaDevice(os.path.join(first, "gpu"), gpu, memory_budget, twins)] \
+    gpus = [CudaDevice(os.path.join(first, GPU_DIRECTORY), gpu, memory_budget, twins)] \
         if memory_budget is not None else []
     if host_budget:
         gpus.append(CudaDevice(os.path.join(first, GPU_HOST_DIRECTORY), gpu, host_budget,

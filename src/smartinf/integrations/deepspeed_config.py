@@ -16,8 +16,9 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
 from .. import defaults, gpu_cores, plan, update_rules
+from ..checkpoint import STATES, manifest_fields
 from ..compress import TopK
-from ..devices import rank_directory, with_gpu
+from ..devices import GPU_DIRECTORY, rank_directory, with_gpu
 from ..driver import rule_for
 from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from . import deepspeed_hook
@@ -109,13 +110,30 @@ class Settings:
                    auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
                    + ("auto",) if auto else ())
 
-    def with_gpu_budget(self, params_bytes: int) -> "Settings":
-        """A budget of ``"auto"`` sized now from this rank's GPU (``gpu_budget``), given the
-        bytes DeepSpeed allocates on it after the optimizer is built (its gradient buffer
-        and buckets); twins unless asked for: none (room for states first)."""
+    def measures_gpu_budget(self, rank: int) -> bool:
+        """Whether a budget of ``"auto"`` is sized by the first step, from what the first
+        iteration took of this rank's GPU (``measured_gpu_budget``): with no ``"reserve"``
+        given, a GPU here, and no run held in rank ``rank``'s directory to resume (whose
+        budget is what its GPU's states take: ``held_gpu_budget``)."""
+        return self.gpu_memory_budget == "auto" and self.gpu_reserve is None and \
+            torch.cuda.is_available() and (self.pipeline.if_exists == "overwrite" or
+                                           manifest_fields(rank_directory(self.devices[0], rank)) is None)
+
+    def with_gpu_budget(self, params_bytes: int, rank: int = 0,
+                        measured: Optional[int] = None) -> "Settings":
+        """A budget of ``"auto"`` sized: ``measured`` (by the first step), what the states of
+        a run that rank ``rank``'s directory holds take of its GPU (``held_gpu_budget``), or
+        from this rank's GPU now (``gpu_budget``), given the bytes DeepSpeed allocates on it
+        after the optimizer is built (its gradient buffer and buckets); twins unless asked
+        for: none (room for states first)."""
         if self.gpu_memory_budget != "auto":
             return self
-        budget = gpu_budget(params_bytes, self.gpu_reserve)
+        held = None if self.pipeline.if_exists == "overwrite" else \
+            held_gpu_budget(os.path.join(rank_directory(self.devices[0], rank), GPU_DIRECTORY))
+        if held is not None and self.gpu_twins:
+            held *= 2  # (each resident sub-group with room for its twin)
+        budget = measured if measured is not None else held if held is not None else \
+            gpu_budget(params_bytes, self.gpu_reserve)
         return dataclasses.replace(self, gpu_memory_budget=budget,
                                    gpu_twins=False if self.gpu_twins is None else self.gpu_twins)
 
@@ -170,18 +188,51 @@ def gpu_budget(later_bytes: int, reserve: Optional[int] = None) -> int:
     return budget
 
 
-def for_this_gpu(settings: Settings, later_bytes: int, gpu: int) -> Settings:
-    """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``)
-    and its update threads on the cores nearest it (``gpu_cores``), before its pipeline
-    opens."""
+def measured_gpu_budget(margin: Optional[int] = None) -> int:
+    """At the first step, before its update: bytes of the current GPU's memory for states,
+    what the first iteration (forward and backward, DeepSpeed's buffers, the activations)
+    left: what is free now, less what it took at its peak beyond what torch still holds,
+    less ``margin`` (None: ``defaults.GPU_MARGIN_SHARE`` of the GPU's memory: the devices'
+    slots, the gathers DeepSpeed prefetches from the second iteration, fragmentation); 0
+    where nothing is left; logged with its terms."""
+    free, total = torch.cuda.mem_get_info()
+    peak, held = torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()
+    margin = int(total * defaults.GPU_MARGIN_SHARE) if margin is None else margin
+    budget = max(0, free - (peak - held) - margin)
+    logger.warning("smartinf: a GPU budget of %.1f GB for states, measured by the first step: "
+                   "%.1f GB free, less %.1f GB more that the first iteration took at its peak, "
+                   "less %.1f GB of margin", budget / 1e9, free / 1e9, (peak - held) / 1e9,
+                   margin / 1e9)
+    return budget
+
+
+def held_gpu_budget(gpu_directory: str) -> Optional[int]:
+    """The bytes a GPU's device directory's states take resident (one copy of each: what
+    the run that made it had room for); None where it holds none."""
+    fields = manifest_fields(gpu_directory)
+    if fields is None:
+        return None
+    copies = int(fields.get("copies", "2")) if fields.get("copies") in ("1", "2") else 2
+    try:
+        size = os.path.getsize(os.path.join(gpu_directory, STATES))
+    except FileNotFoundError:
+        return None
+    return -(-size // copies)
+
+
+def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,
+                 measured: Optional[int] = None) -> Settings:
+    """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``;
+    ``measured`` by the first step) and its update threads on the cores nearest it
+    (``gpu_cores``), before its pipeline opens."""
     rank = dist.get_rank()
     if not torch.cuda.is_available():  # (refuses "auto" and "host_states" clearly)
-        return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu(rank)
+        return settings.with_gpu_budget(later_bytes, rank).with_host_states_on_gpu(rank)
     cores = gpu_cores.set_rank_cores(int(os.environ.get("LOCAL_RANK", "0")),
                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
     if cores:
         logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's", rank, cores)
-    return settings.with_gpu_budget(later_bytes).with_host_states_on_gpu(rank)
+    return settings.with_gpu_budget(later_bytes, rank, measured).with_host_states_on_gpu(rank)
 
 
 def check_config(config: dict) -> Settings:

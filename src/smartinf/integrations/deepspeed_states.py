@@ -91,6 +91,7 @@ class StoredStates:
                                       optim_state_key: Optional[str] = None) -> tuple:
         """This rank's part of ``param``'s master (or optimizer state), from the devices'
         committed step: what DeepSpeed's safe_get_*/safe_set_* read and write in place."""
+        self._opened()  # (before the first step: see SmartInfinityStage3._opened)
         self.settle()
         names = self.pipeline.optimizer.state_names
         if optim_state_key not in (None, *names):
@@ -113,6 +114,7 @@ class StoredStates:
         """DeepSpeed's setter on the states read from the devices, which then go back as a
         step. As with DeepSpeed's own fp32 partitions, the model's param takes a new master
         at the next step."""
+        self._opened()  # (before the first step: see SmartInfinityStage3._opened)
         self.settle()
         self._read = None
         setter(*args)
@@ -135,6 +137,7 @@ class StoredStates:
         """DeepSpeed's masters := the model's partitions (``refresh_fp32_params``, loads
         without optimizer states): written to the devices as a step; the optimizer states
         stay, as DeepSpeed's do."""
+        self._opened()  # (before the first step: see SmartInfinityStage3._opened)
         self.settle()
         with self.pipeline.step():
             for i, flat in enumerate(self.fp16_partitioned_groups_flat):
@@ -146,6 +149,7 @@ class StoredStates:
         """DeepSpeed's, with the devices' committed masters in place of the empty fp32
         partitions, so that zero_to_fp32 consolidates the true fp32 weights (``save_checkpoint``
         has taken params edited since the last step as the masters: ``save_states``)."""
+        self._opened()  # (before the first step: see SmartInfinityStage3._opened)
         self.settle()
         state = super().state_dict()
         state[FP32_FLAT_GROUPS] = [
@@ -172,6 +176,7 @@ class StoredStates:
         twice), as DeepSpeed replaces its own files. Params edited since the last step are
         taken as the masters first, as a step would (every rank saves: ``_adopt`` is a
         collective)."""
+        self._opened()  # (before the first step: see SmartInfinityStage3._opened)
         self.settle()
         self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
@@ -183,12 +188,17 @@ class StoredStates:
         """Replaces this rank's device directories with a copy saved by ``save_states`` and
         puts the restored master weights into the model's partitions."""
         self.settle()
-        self.pipeline.close()
-        restore_devices(directory, self._dirs)
-        self.pipeline = self._driver.pipeline = self._session.pipeline = self._open_pipeline("resume")
-        if self._speculation is not None:
-            self._speculation.pipeline = self.pipeline
-        self._attach()
+        if self.pipeline is None:  # before the first step: opened on what it restores
+            restore_devices(directory, self._dirs)
+            self._open(if_exists="resume")
+            self._start_speculation()
+        else:
+            self.pipeline.close()
+            restore_devices(directory, self._dirs)
+            self.pipeline = self._driver.pipeline = self._session.pipeline = self._open_pipeline("resume")
+            if self._speculation is not None:
+                self._speculation.pipeline = self.pipeline
+            self._attach()
         missing = [i for i in range(len(self.fp16_groups)) if not self.pipeline.resumed(i)]
         if missing:
             raise ValueError(f"the checkpoint in {directory} lacks sub-groups {missing} of "
@@ -197,4 +207,5 @@ class StoredStates:
 
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link and the steps committed (this rank)."""
+        self._opened()
         return self._driver.traffic()

@@ -22,7 +22,8 @@ from ..driver import Driver, overrides, stored_rule
 from ..pipeline import Pipeline
 from ..rounding import round_to
 from ..step_session import StepSession
-from .deepspeed_config import _rule, _rule_class, check_config, choose, for_this_gpu
+from .deepspeed_config import (_rule, _rule_class, check_config, choose, for_this_gpu,
+                               measured_gpu_budget)
 from .deepspeed_overlap import Overlap
 from .deepspeed_states import StoredStates
 
@@ -42,8 +43,9 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self.last_step_seconds = 0.0
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
-        self._agree_on_resume()
-        self._start_speculation()
+        if self.pipeline is not None:  # (else the first step opens it: _create_fp32_partitions)
+            self._agree_on_resume()
+            self._start_speculation()
 
     # -- layout: sub-groups live on the devices ---------------------------------------
     def _create_fp16_sub_groups(self, params_group: list) -> list:
@@ -76,22 +78,54 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         small = defaults.small_tensor(self.settings.pipeline.state_dtype)
         self._small = [bool(group) and all(p.ds_numel <= small for p in group)
                        for group in self.fp16_groups]
-        gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
         # (DeepSpeed's gradient buffer and bucket come after this: a GPU budget of "auto"
-        # leaves them room)
-        later = (sum(numels) + (self.reduce_bucket_size if self.contiguous_gradients else 0)) * \
+        # sized now leaves them room)
+        self._later = (sum(numels) + (self.reduce_bucket_size if self.contiguous_gradients else 0)) * \
             self.gradient_accumulation_dtype.itemsize
-        self.settings = for_this_gpu(self.settings, later, gpu)
-        self._devices = self.settings.rank_devices(dist.get_rank(), gpu)
-        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
         self._split = self.settings.pipeline.master == "split"
         if self._split and any(f.dtype != torch.bfloat16 for f in self.fp16_partitioned_groups_flat):
             raise ValueError("master='split' keeps the low halves of the fp32 masters of bf16 "
                              "params: enable \"bf16\" in the DeepSpeed config, or use "
                              "master='fp32'")
-        self.pipeline = self._all_ranks(lambda: self._open_pipeline(self.settings.pipeline.if_exists))
+        self.pipeline = None
+        self._speculation = self._tail = None
+        # A GPU budget of "auto" is best sized from what the first iteration takes of the
+        # GPU (activations, DeepSpeed's buffers), which nothing tells before it runs: its
+        # first step opens the pipeline then, on every rank alike (the model's partitions
+        # hold the params it starts from until that step's update).
+        rank = dist.get_rank()
+        measure = torch.tensor([float(self.settings.measures_gpu_budget(rank))], device=self.device)
+        dist.all_reduce(measure, op=dist.ReduceOp.MIN)
+        if measure.item():
+            self._dirs = [d if isinstance(d, str) else d.path for d in dataclasses.replace(
+                self.settings, gpu_memory_budget=1).with_host_states_on_gpu(rank).rank_devices(rank, self._gpu)]
+        else:
+            self._open()
+        for i, numel in enumerate(numels):
+            placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
+            ids = self.fp16_partitioned_groups_flat_id[i]
+            placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
+            self.fp32_partitioned_groups_flat.append(placeholder)
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+
+    def _open(self, measured: Optional[int] = None, if_exists: Optional[str] = None) -> None:
+        """This rank's pipeline opened (a GPU budget of "auto" sized: ``measured`` by the first
+        step, or ``for_this_gpu``'s), its sub-groups registered (``_attach``)."""
+        given = self.settings.pipeline.if_exists
+        if_exists = if_exists or given
+        sizing = dataclasses.replace(self.settings, pipeline=dataclasses.replace(
+            self.settings.pipeline, if_exists=if_exists))
+        self.settings = dataclasses.replace(
+            for_this_gpu(sizing, self._later, self._gpu, measured),
+            pipeline=dataclasses.replace(sizing.pipeline, if_exists=given))
+        self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
+        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
+        self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
         self._agree_on_step()
-        self._driver = Driver(self.pipeline, max(numels), self._compress)
+        self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
+                              self._compress)
         self._session = StepSession(self.pipeline, self._driver, self._put_params,
                                     restored=self._release_kept_whole)
         # What the partitions held when the step last put them (a split master's devices
@@ -101,13 +135,15 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
         self._whole = edits.ParamWatch(lambda p: [p.data])
         self._attach()
-        for i, numel in enumerate(numels):
-            placeholder = torch.empty(0, dtype=torch.float32)  # DeepSpeed's bookkeeping only
-            ids = self.fp16_partitioned_groups_flat_id[i]
-            placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
-            self.fp32_partitioned_groups_flat.append(placeholder)
-        for param_group in self.optimizer.param_groups:
-            param_group["params"] = []
+
+    def _opened(self) -> Pipeline:
+        """The pipeline, opened now if the first step was to size its GPU budget and something
+        needs it before (a checkpoint, an accessor): sized then from what is free."""
+        if self.pipeline is None:
+            self._open()
+            self._agree_on_resume()
+            self._start_speculation()
+        return self.pipeline
 
     def _open_pipeline(self, if_exists: str) -> Pipeline:
         rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
@@ -142,6 +178,9 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices
         (with ``overlap``: the updates not done during backward finish while the next
         forward runs)."""
+        if self.pipeline is None:  # the first step: the GPU budget from what the iteration took
+            self._open(measured_gpu_budget())
+            self._start_speculation()
         if self._tail is not None:
             self._tail.drain()  # a step without a backward since the last one
         self._pre_step()
