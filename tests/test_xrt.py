@@ -248,3 +248,32 @@ def test_probe_measures_a_smartssd_through_xrt(noop_env, disk_dir):
         assert r[k] > 0
     assert "[noop emulation]" in done.stdout
     assert not [f for f in os.listdir(disk_dir) if f.startswith(".smartinf")]  # probe file removed
+
+
+def test_the_smartssd_build_names_every_kernel_and_port_of_kernels_cpp():
+    """hls_kernels/Makefile's KERNELS and smartssd.cfg's connectivity name the top functions
+    of kernels.cpp and their AXI ports as they are spelled there: v++ refuses a link whose
+    `sp=` names a port a kernel lacks (it named adam8's `v_codes` `w_codes` until this test),
+    after hours of synthesis."""
+    import re
+    hls = os.path.join(os.path.dirname(__file__), "..", "hls_kernels")
+    source = open(os.path.join(hls, "kernels.cpp")).read().replace("\\\n", " ")
+    ports_of_macro = {
+        m.group(1): re.findall(r"Beat\*\s*(\w+)", m.group(2))
+        for m in re.finditer(r"#define (SMARTINF_\w+)\(NAME[^)]*\)\s*extern \"C\" void NAME\(([^)]*)\)",
+                             source)}
+    tops = {m.group(2): ports_of_macro[m.group(1)]
+            for m in re.finditer(r"^(SMARTINF_\w+)\((smartinf_\w+)", source, re.M)}
+    assert tops and all(tops.values())
+    make = open(os.path.join(hls, "Makefile")).read().replace("\\\n", " ")
+    kernels = re.search(r"^KERNELS\s*\?=\s*(.*)$", make, re.M).group(1).split()
+    assert set(kernels) <= set(tops), set(kernels) - set(tops)
+    cfg = open(os.path.join(hls, "smartssd.cfg")).read()
+    assert sorted(re.findall(r"^nk=(\w+):1$", cfg, re.M)) == sorted(kernels)
+    linked = {}
+    for kernel, port in re.findall(r"^sp=(\w+)_1\.(\w+):", cfg, re.M):
+        assert kernel in kernels, kernel
+        assert port in tops[kernel], f"{kernel} has no port {port}: {tops[kernel]}"
+        linked.setdefault(kernel, set()).add(port)
+    for kernel in kernels:
+        assert linked.get(kernel) == set(tops[kernel]), kernel
