@@ -10,6 +10,8 @@
 using smartinf::hls::Beat;
 namespace k = smartinf::kernels;
 namespace h = smartinf::hls;
+using Adam = h::RuleMath<k::Rule::adam>;  // (and AdamW: the step says which)
+using Amsgrad = h::RuleMath<k::Rule::adam_amsgrad>;
 
 #define SMARTINF_PORT(p, bundle) \
   _Pragma(SMARTINF_STR(HLS INTERFACE m_axi port = p bundle = bundle offset = slave max_read_burst_length = 64 max_write_burst_length = 64 num_read_outstanding = 16 num_write_outstanding = 16))
@@ -26,7 +28,7 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* states[3] = {param, exp_avg, exp_avg_sq};                                            \
     h::DenseGrad<G> g{grad};                                                                   \
-    h::update_chunk<h::AdamMath, h::DenseGrad<G>, P>(states, g, out, n, h::AdamMath{step});    \
+    h::update_chunk<Adam, h::DenseGrad<G>, P>(states, g, out, n, Adam{step});    \
   }
 
 // Adam / AdamW fused with SmartComp decompression: nnz (int32 index, V value) pairs with
@@ -43,7 +45,7 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* states[3] = {param, exp_avg, exp_avg_sq};                                            \
     h::TopkGrad<V> g{index, values, nnz, base};                                                \
-    h::update_chunk<h::AdamMath, h::TopkGrad<V>, P>(states, g, out, n, h::AdamMath{step});     \
+    h::update_chunk<Adam, h::TopkGrad<V>, P>(states, g, out, n, Adam{step});     \
   }
 
 // Adam / AdamW with AMSGrad: the largest exp_avg_sq so far as a fourth state array.
@@ -58,7 +60,7 @@ namespace h = smartinf::hls;
     SMARTINF_PORT(out, params)                                                                 \
     Beat* states[4] = {param, exp_avg, exp_avg_sq, max_exp_avg_sq};                            \
     h::DenseGrad<G> g{grad};                                                                   \
-    h::update_chunk<h::AmsgradMath, h::DenseGrad<G>, P>(states, g, out, n, h::AmsgradMath{step}); \
+    h::update_chunk<Amsgrad, h::DenseGrad<G>, P>(states, g, out, n, Amsgrad{step});    \
   }
 
 // SGD (momentum buffer), AdaGrad (squared-gradient sum), Lion (momentum): two state arrays.
@@ -116,10 +118,10 @@ SMARTINF_ADAM(smartinf_adam_bf16_bf16, k::bf16, k::bf16)
 SMARTINF_ADAM(smartinf_adam_f32_f32, float, float)
 SMARTINF_ADAM_TOPK(smartinf_adam_topk_f16_f16, k::f16, k::f16)
 SMARTINF_ADAM_TOPK(smartinf_adam_topk_bf16_bf16, k::bf16, k::bf16)
-SMARTINF_TWO_STATE(smartinf_sgd_f32_f16, h::SgdMath, k::SgdStep, float, k::f16)
-SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::AdagradMath, k::AdagradStep, float, k::f16)
-SMARTINF_TWO_STATE(smartinf_lion_f32_f16, h::LionMath, k::LionStep, float, k::f16)
-SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::LionMath, k::LionStep, k::bf16, k::bf16)
+SMARTINF_TWO_STATE(smartinf_sgd_f32_f16, h::RuleMath<k::Rule::sgd>, k::SgdStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_adagrad_f32_f16, h::RuleMath<k::Rule::adagrad>, k::AdagradStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_lion_f32_f16, h::RuleMath<k::Rule::lion>, k::LionStep, float, k::f16)
+SMARTINF_TWO_STATE(smartinf_lion_bf16_bf16, h::RuleMath<k::Rule::lion>, k::LionStep, k::bf16, k::bf16)
 SMARTINF_AMSGRAD(smartinf_amsgrad_f32_f16, float, k::f16)
 SMARTINF_ADAM_QUANT(smartinf_adam8_f32_f16, 8, float, k::f16)
 SMARTINF_LION_QUANT(smartinf_lion8_f32_f16, 8, float, k::f16)

@@ -6,59 +6,21 @@
 #include <cstdint>
 
 #include "beats.h"
-#include "kernels/adagrad.h"
-#include "kernels/adam.h"
 #include "kernels/decompress.h"
-#include "kernels/lion.h"
-#include "kernels/quantized.h"
-#include "kernels/sgd.h"
+#include "kernels/rules.h"
 #include "store/layout.h"
 
 namespace smartinf::hls {
 
-// The math of one optimizer on a tile; NS fp32 state arrays, the param first.
-struct AdamMath {
-  static constexpr int NS = 3;
-  kernels::AdamStep s;
+// The math of rule R on a tile: its NS fp32 arrays (the param first), its kernel and scalars
+// (kernels/rules.h RuleKernel).
+template <kernels::Rule R>
+struct RuleMath {
+  static constexpr int NS = static_cast<int>(kernels::kRules[static_cast<int>(R)].arrays);
+  typename kernels::RuleKernel<R>::Scalars s;
   template <class G, class P>
   void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
-    kernels::adam(n, st[0], st[1], st[2], g, out, s);
-  }
-};
-
-struct AmsgradMath {
-  static constexpr int NS = 4;
-  kernels::AdamStep s;
-  template <class G, class P>
-  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
-    kernels::adam_amsgrad(n, st[0], st[1], st[2], st[3], g, out, s);
-  }
-};
-
-struct LionMath {
-  static constexpr int NS = 2;
-  kernels::LionStep s;
-  template <class G, class P>
-  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
-    kernels::lion(n, st[0], st[1], g, out, s);
-  }
-};
-
-struct SgdMath {
-  static constexpr int NS = 2;
-  kernels::SgdStep s;
-  template <class G, class P>
-  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
-    kernels::sgd(n, st[0], st[1], g, out, s);
-  }
-};
-
-struct AdagradMath {
-  static constexpr int NS = 2;
-  kernels::AdagradStep s;
-  template <class G, class P>
-  void operator()(int n, float (*st)[TILE], const G* g, P* out) const {
-    kernels::adagrad(n, st[0], st[1], g, out, s);
+    kernels::RuleKernel<R>::run(static_cast<std::size_t>(n), st, g, out, s);
   }
 };
 

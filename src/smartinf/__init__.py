@@ -9,13 +9,15 @@ from ._native import io_uring_built
 from .devices import CpuDevice, CudaDevice, XrtDevice
 from .pipeline import ParamsChangedWarning, Pipeline, UpdateFuture
 from .settings import PipelineSettings
-from .update_rules import SGD, Adagrad, Adam, AdamW, Lion
+from . import update_rules as _update_rules
+from .update_rules import *  # noqa: F401,F403 (the rules: update_rules.__all__)
 from .integrations import deepspeed_hook
 
 deepspeed_hook.install()  # a "smartinf" block in a DeepSpeed config takes effect
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "ParamsChangedWarning", "PipelineSettings", "UpdateFuture", "CpuDevice", "CudaDevice", "XrtDevice", "Adam", "AdamW", "SGD", "Adagrad", "Lion", "build_info", "__version__"]
+__all__ = ["Pipeline", "ParamsChangedWarning", "PipelineSettings", "UpdateFuture", "CpuDevice", "CudaDevice",
+           "XrtDevice", *_update_rules.__all__, "build_info", "__version__"]
 
 
 def build_info() -> dict[str, bool]:

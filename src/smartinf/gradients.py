@@ -29,7 +29,7 @@ def dense(p: torch.Tensor, optimizer: torch.optim.Optimizer, stored: set,
         if issubclass(rule_class, update_rules.Adam):
             raise RuntimeError("Adam does not support sparse gradients, please consider "
                                "SparseAdam instead (or nn.Embedding(sparse=False))")
-        if rule_class not in (update_rules.SGD, update_rules.Adagrad):
+        if not getattr(rule_class, "sparse_gradients", False):
             raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients "
                                f"(use nn.Embedding(sparse=False))")
         if any(q is p for group in optimizer.param_groups if group["weight_decay"] != 0

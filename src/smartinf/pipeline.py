@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, defaults, space, twins
+from . import _native, buffers, defaults, space, twins, update_rules
 from . import io_schedule as schedules
 from .checkpoint import MANIFEST, manifest_fields
 from .devices import DeviceLike, resolve, small_directory
@@ -122,8 +122,9 @@ class Pipeline(Steps, States):
         self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
-            raise TypeError(f"optimizer must be smartinf.AdamW(...), Adam(...), SGD(...), "
-                            f"Adagrad(...) or Lion(...), got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be one of smartinf's rules ("
+                            f"{', '.join(f'{name}(...)' for name in update_rules.__all__)}), "
+                            f"got {type(optimizer).__name__}")
         self._param_dtype = None if param_dtype is None else buffers.dtype_code(param_dtype)
         given = dict(slots=slots, chunk=chunk, io=io, queue_depth=queue_depth,
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,

@@ -96,6 +96,7 @@ class SGD:
     nesterov: bool = False
     maximize: bool = False
     name = "sgd"
+    sparse_gradients = True  # as torch's SGD: densified
     base_optimizers = ("SGD",)  # the optimizers (by class name) whose param groups it runs
     state_names = ("momentum_buffer",)
     initial_state = 0.0
@@ -125,6 +126,7 @@ class Adagrad:
     eps: float = 1e-10
     maximize: bool = False
     name = "adagrad"
+    sparse_gradients = True  # as torch's Adagrad: densified
     base_optimizers = ("Adagrad", "DeepSpeedCPUAdagrad")
     state_names = ("sum",)
 
@@ -171,8 +173,11 @@ class Lion:
                 "beta2": self.betas[1]}
 
 
-UpdateRule = Union[Adam, SGD, Adagrad, Lion]
 # The Python side of src/native/kernels/rules.h: the rules by their manifest names. Which
 # rules take int8 states is decided there only (a row's `int8`); the pipeline refuses others.
+# Everything else that names the rules (the exports, messages, the DeepSpeed block's checks)
+# reads this table.
 RULES = {"adam": Adam, "adamw": AdamW, "adam_amsgrad": Adam, "adamw_amsgrad": AdamW,
          "sgd": SGD, "adagrad": Adagrad, "lion": Lion}
+__all__ = list(dict.fromkeys(rule.__name__ for rule in RULES.values()))
+UpdateRule = Union[tuple(dict.fromkeys(RULES.values()))]

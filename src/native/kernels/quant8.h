@@ -100,21 +100,13 @@ SMARTINF_HD inline float decode_unsigned(uint8_t c, float scale) {
 // their values, and an integer max reduction vectorises where a float one needs -ffast-math.
 SMARTINF_HD inline int32_t magnitude_bits(float x) { return static_cast<int32_t>(bits_of(x) & 0x7fffffffu); }
 
-// Codes `n` <= kQuantBlock values of a signed moment against their block maximum.
-inline void encode_signed_block(std::size_t n, const float* x, float max, uint8_t* q) {
+// Codes `n` <= kQuantBlock values of a signed moment (or of a non-negative root,
+// sqrt(exp_avg_sq): Signed false) against their block maximum.
+template <bool Signed>
+inline void encode_block(std::size_t n, const float* x, float max, uint8_t* q) {
   if (max > 0.0f) {
     const float inv = 1.0f / max;
-    for (std::size_t i = 0; i < n; ++i) q[i] = encode_signed(x[i], inv);
-  } else {
-    std::memset(q, 0, n);
-  }
-}
-
-// The same for a non-negative root (sqrt(exp_avg_sq)).
-inline void encode_unsigned_block(std::size_t n, const float* x, float max, uint8_t* q) {
-  if (max > 0.0f) {
-    const float inv = 1.0f / max;
-    for (std::size_t i = 0; i < n; ++i) q[i] = encode_unsigned(x[i], inv);
+    for (std::size_t i = 0; i < n; ++i) q[i] = Signed ? encode_signed(x[i], inv) : encode_unsigned(x[i], inv);
   } else {
     std::memset(q, 0, n);
   }
@@ -129,9 +121,9 @@ inline void quantize_block(unsigned k, std::size_t n, const float* x, uint8_t* q
   }
   *scale = float_of(static_cast<uint32_t>(bits));
   if (k == 0)
-    encode_signed_block(n, x, *scale, q);
+    encode_block<true>(n, x, *scale, q);
   else
-    encode_unsigned_block(n, x, *scale, q);
+    encode_block<false>(n, x, *scale, q);
 }
 
 // The int8 format for kernels/quantized.h's one update: moment k of params [lo, lo + len)

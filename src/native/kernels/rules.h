@@ -2,7 +2,8 @@
 // the manifest, its state arrays, whether 8-bit states apply, its kernel scalars, its CPU
 // kernels on fp32 and int8 states, its HLS top function) is read from here: nothing else
 // switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
-// cases below, its HLS top (hls_kernels/), and its Python class (smartinf/update_rules.py);
+// cases and RuleKernel below, its HLS top's line (hls_kernels/kernels.cpp, Makefile,
+// smartssd.cfg), and its Python class (smartinf/update_rules.py, smartinf/optim.py);
 // quantized states for it: its element in kernels/quantized.h (one for int8 and int4),
 // `int8` / `int4` in its row, its case in run_rule_quantized, its HLS top.
 #pragma once
@@ -137,22 +138,65 @@ inline decltype(auto) with_scalars(const Step& s, F&& f) {
   }
 }
 
-// The CPU kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
+// Each rule's kernel on fp32 arrays, with its own scalars: `a` indexes to its arrays (the
+// master, then its states: the CPU's pointers, or an HLS tile's rows), so the CPU device,
+// the GPU's fp32 path (run_rule) and the HLS tops (hls_kernels/update.h RuleMath) run the
+// one row.
+template <Rule R> struct RuleKernel;
+template <> struct RuleKernel<Rule::adam> {
+  using Scalars = AdamStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    adam(n, a[0], a[1], a[2], grad, out, s);
+  }
+};
+template <> struct RuleKernel<Rule::adamw> : RuleKernel<Rule::adam> {};
+template <> struct RuleKernel<Rule::adam_amsgrad> {
+  using Scalars = AdamStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    adam_amsgrad(n, a[0], a[1], a[2], a[3], grad, out, s);
+  }
+};
+template <> struct RuleKernel<Rule::adamw_amsgrad> : RuleKernel<Rule::adam_amsgrad> {};
+template <> struct RuleKernel<Rule::sgd> {
+  using Scalars = SgdStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    sgd(n, a[0], a[1], grad, out, s);
+  }
+};
+template <> struct RuleKernel<Rule::adagrad> {
+  using Scalars = AdagradStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    adagrad(n, a[0], a[1], grad, out, s);
+  }
+};
+template <> struct RuleKernel<Rule::lion> {
+  using Scalars = LionStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    lion(n, a[0], a[1], grad, out, s);
+  }
+};
+
+// The kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
 template <class G, class P>
 SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, const G* grad, P* out) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:
-      return adam(n, a[0], a[1], a[2], grad, out, s.adam);
+      return RuleKernel<Rule::adam>::run(n, a, grad, out, s.adam);
     case Rule::adam_amsgrad:
     case Rule::adamw_amsgrad:
-      return adam_amsgrad(n, a[0], a[1], a[2], a[3], grad, out, s.adam);
+      return RuleKernel<Rule::adam_amsgrad>::run(n, a, grad, out, s.adam);
     case Rule::sgd:
-      return sgd(n, a[0], a[1], grad, out, s.sgd);
+      return RuleKernel<Rule::sgd>::run(n, a, grad, out, s.sgd);
     case Rule::adagrad:
-      return adagrad(n, a[0], a[1], grad, out, s.adagrad);
+      return RuleKernel<Rule::adagrad>::run(n, a, grad, out, s.adagrad);
     case Rule::lion:
-      return lion(n, a[0], a[1], grad, out, s.lion);
+      return RuleKernel<Rule::lion>::run(n, a, grad, out, s.lion);
   }
 }
 

@@ -310,7 +310,8 @@ def _check_optimizer_block(block: Any) -> None:
                 raise ValueError(f'"optimizer.params.{key}" needs torch\'s Adam(W) as the base '
                                  f'optimizer (smartinf\'s default): remove "torch_adam": false '
                                  f'(it builds DeepSpeed\'s FusedAdam, which has no {key})')
-    if kind in ("sgd", "adagrad", "lion") and "amsgrad" in params:
+    if "amsgrad" in params and kind in update_rules.RULES and \
+            not hasattr(update_rules.RULES[kind], "amsgrad"):
         raise ValueError(f'"optimizer.params.amsgrad" is an option of Adam and AdamW (a fourth '
                          f'state array); the {block["type"]} block has none: remove it')
     if kind == "lion":
