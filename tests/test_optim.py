@@ -21,8 +21,11 @@ CASES = [
     (so.SGD, torch.optim.SGD, dict(lr=5e-2)),
     (so.Adagrad, torch.optim.Adagrad, dict(lr=1e-1, lr_decay=1e-2, weight_decay=1e-2,
                                            initial_accumulator_value=0.1)),
+    # a rule added as a row (docs/torch.md, "Adding an update rule"): its class is torch's
+    # signature over that row
+    (so.Adamax, torch.optim.Adamax, dict(lr=2e-2, betas=(0.8, 0.95), weight_decay=1e-2)),
 ]
-IDS = ["adamw", "adam", "sgd-momentum", "sgd-nesterov", "sgd-plain", "adagrad"]
+IDS = ["adamw", "adam", "sgd-momentum", "sgd-nesterov", "sgd-plain", "adagrad", "adamax"]
 SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks
 
 
@@ -98,6 +101,28 @@ def test_matches_torch_with_groups_and_scheduler(disk_dir, ours, theirs, kw):
     oa.close()
 
 
+def test_a_rule_row_is_a_torch_drop_in(disk_dir):
+    """A rule with no class written in optim.py (Adamax) gets torch's signature from its row:
+    hyper-parameters by position or keyword, torch's defaults in its param groups, torch's
+    checks of them, and the storage options by keyword."""
+    import inspect
+    model = make_model()
+    params = inspect.signature(so.Adamax).parameters
+    assert list(params)[:5] == ["params", "lr", "betas", "eps", "weight_decay"]
+    assert "devices" in params and "maximize" in params
+    by_position = so.Adamax(model.parameters(), 1e-2, (0.8, 0.9), devices=[disk_dir + "/a"], **SMALL)
+    by_name = so.Adamax(model.parameters(), lr=1e-2, betas=(0.8, 0.9), devices=[disk_dir + "/b"], **SMALL)
+    reference = torch.optim.Adamax(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    assert by_position.defaults == by_name.defaults == reference.defaults
+    assert by_position.param_groups[0]["eps"] == 1e-8
+    with pytest.raises(ValueError, match="Invalid beta"):
+        so.Adamax(model.parameters(), betas=(1.5, 0.9), devices=[disk_dir + "/c"])
+    with pytest.raises(TypeError, match="takes 5 hyper-parameters by position"):
+        so.Adamax(model.parameters(), 1e-2, (0.8, 0.9), 1e-8, 0.0, None, 7, devices=[disk_dir + "/d"])
+    by_position.close()
+    by_name.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_params_within_one_ulp(disk_dir, dtype):
     """An fp16/bf16 model: the fp32 master lives on storage; the model gets it rounded."""
@@ -118,7 +143,8 @@ def test_low_precision_params_within_one_ulp(disk_dir, dtype):
     ours.close()
 
 
-@pytest.mark.parametrize("ours, theirs, kw", [CASES[0], CASES[2], CASES[5]], ids=["adamw", "sgd", "adagrad"])
+@pytest.mark.parametrize("ours, theirs, kw", [CASES[0], CASES[2], CASES[5], CASES[6]],
+                         ids=["adamw", "sgd", "adagrad", "adamax"])
 def test_state_dict_round_trips_through_torch(disk_dir, tmp_path, ours, theirs, kw):
     a, b = make_model(), make_model()
     oa = ours(a.parameters(), devices=[disk_dir], **SMALL, **kw)

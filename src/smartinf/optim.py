@@ -26,6 +26,7 @@ from .checkpoint import save_devices, save_param_groups
 from .compress import TopK
 from .defaults import small_tensor, speculate_on_cpu
 from .devices import DeviceLike, resolve_devices
+from .drop_in import drop_in
 from .driver import Driver, overrides, rule_for
 from .optim_options import StorageOptions
 from .pipeline import Pipeline
@@ -424,3 +425,10 @@ class Adagrad(_StorageOptimizer):
         super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
                                   "initial_accumulator_value": initial_accumulator_value,
                                   "eps": eps}, devices=devices, **options)
+
+
+
+# Every other rule row that names a torch optimizer (update_rules.py) gets its class here.
+for _rule in dict.fromkeys(update_rules.RULES.values()):
+    if hasattr(_rule, "torch_name") and _rule.__name__ not in globals():
+        globals()[_rule.__name__] = drop_in(_rule, _StorageOptimizer)

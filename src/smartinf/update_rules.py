@@ -173,11 +173,42 @@ class Lion:
                 "beta2": self.betas[1]}
 
 
+@dataclass(frozen=True)
+class Adamax:
+    """Adamax (Kingma & Ba 2015, section 7.1: Adam's second moment replaced by an infinity
+    norm, ``exp_inf``), with L2 weight decay, as ``torch.optim.Adamax``. 12 B/param of fp32
+    states, as Adam's."""
+
+    lr: float = 2e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    maximize: bool = False
+    name = "adamax"
+    torch_name = "Adamax"  # smartinf.optim.Adamax: torch's signature (optim._drop_in)
+    base_optimizers = ("Adamax",)
+    state_names = ("exp_avg", "exp_inf")
+    initial_state = 0.0
+
+    def __post_init__(self) -> None:
+        _check("lr", self.lr, 0.0, math.inf)
+        _check_betas(self)
+        if self.betas[0] == 1.0:
+            raise ValueError(f"betas[0] must be < 1, got {self.betas}")
+        _check("eps", self.eps, 0.0, math.inf)
+        _check("weight_decay", self.weight_decay, 0.0, math.inf)
+        _check_flag("maximize", self.maximize)
+
+    def hyper(self) -> dict:
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0],
+                "beta2": self.betas[1], "eps": self.eps}
+
+
 # The Python side of src/native/kernels/rules.h: the rules by their manifest names. Which
 # rules take int8 states is decided there only (a row's `int8`); the pipeline refuses others.
 # Everything else that names the rules (the exports, messages, the DeepSpeed block's checks)
 # reads this table.
 RULES = {"adam": Adam, "adamw": AdamW, "adam_amsgrad": Adam, "adamw_amsgrad": AdamW,
-         "sgd": SGD, "adagrad": Adagrad, "lion": Lion}
+         "sgd": SGD, "adagrad": Adagrad, "lion": Lion, "adamax": Adamax}
 __all__ = list(dict.fromkeys(rule.__name__ for rule in RULES.values()))
 UpdateRule = Union[tuple(dict.fromkeys(RULES.values()))]

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/adagrad.h"
+#include "kernels/adamax.h"
 #include "kernels/adam.h"
 #include "kernels/lion.h"
 #include "kernels/quantized.h"
@@ -21,7 +22,7 @@
 
 namespace smartinf::kernels {
 
-enum class Rule : uint8_t { adam, adamw, adam_amsgrad, adamw_amsgrad, sgd, adagrad, lion };
+enum class Rule : uint8_t { adam, adamw, adam_amsgrad, adamw_amsgrad, sgd, adagrad, lion, adamax };
 
 struct RuleRow {
   const char* name;  // in the manifest, and in smartinf/update_rules.py
@@ -41,6 +42,7 @@ inline constexpr RuleRow kRules[] = {
     {"sgd", Rule::sgd, 2, false, false, false, "smartinf_sgd"},
     {"adagrad", Rule::adagrad, 2, false, false, false, "smartinf_adagrad"},
     {"lion", Rule::lion, 2, true, true, true, "smartinf_lion"},
+    {"adamax", Rule::adamax, 3, false, false, true, "smartinf_adamax"},
 };
 inline constexpr unsigned kMaxStateArrays = 4;
 
@@ -101,6 +103,7 @@ struct Step {
   SgdStep sgd{};
   AdagradStep adagrad{};
   LionStep lion{};
+  AdamaxStep adamax{};
 };
 
 inline Step make_step(Rule r, const Hyper& h, uint64_t t) {
@@ -123,6 +126,9 @@ inline Step make_step(Rule r, const Hyper& h, uint64_t t) {
     case Rule::lion:
       s.lion = lion_step(h.lr, h.beta1, h.beta2, h.weight_decay, h.grad_scale);
       break;
+    case Rule::adamax:
+      s.adamax = adamax_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, t, h.grad_scale);
+      break;
   }
   return s;
 }
@@ -134,6 +140,7 @@ inline decltype(auto) with_scalars(const Step& s, F&& f) {
     case Rule::sgd: return f(s.sgd);
     case Rule::adagrad: return f(s.adagrad);
     case Rule::lion: return f(s.lion);
+    case Rule::adamax: return f(s.adamax);
     default: return f(s.adam);
   }
 }
@@ -180,6 +187,13 @@ template <> struct RuleKernel<Rule::lion> {
     lion(n, a[0], a[1], grad, out, s);
   }
 };
+template <> struct RuleKernel<Rule::adamax> {
+  using Scalars = AdamaxStep;
+  template <class A, class G, class P>
+  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
+    adamax(n, a[0], a[1], a[2], grad, out, s);
+  }
+};
 
 // The kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
 template <class G, class P>
@@ -197,6 +211,8 @@ SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, 
       return RuleKernel<Rule::adagrad>::run(n, a, grad, out, s.adagrad);
     case Rule::lion:
       return RuleKernel<Rule::lion>::run(n, a, grad, out, s.lion);
+    case Rule::adamax:
+      return RuleKernel<Rule::adamax>::run(n, a, grad, out, s.adamax);
   }
 }
 
