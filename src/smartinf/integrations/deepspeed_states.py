@@ -1,9 +1,11 @@
-"""``SmartInfinityStage3``'s stored states as DeepSpeed reaches them: its fp32 accessors
-(``safe_get_*``/``safe_set_*``) and ``refresh_fp32_params`` on the devices, its checkpoint's
-masters and the device directories copied with it, and the ranks' agreement on the step
-they open at."""
+"""``SmartInfinityStage3``'s stored states as DeepSpeed reaches them: its pipeline opened on
+the rank's devices (when the optimizer is built, or by the first step where that sizes the
+GPU's budget) with every sub-group registered, its fp32 accessors (``safe_get_*``/
+``safe_set_*``) and ``refresh_fp32_params`` on the devices, its checkpoint's masters and the
+device directories copied with it, and the ranks' agreement on the step they open at."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -13,14 +15,77 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
 
+from .. import edits
 from ..checkpoint import restore_devices, save_devices
+from ..driver import Driver, stored_rule
+from ..pipeline import Pipeline
 from ..rounding import to_bf16
+from ..step_session import StepSession
+from .deepspeed_config import _rule, for_this_gpu
 
 logger = logging.getLogger("smartinf")
 
 
 class StoredStates:
     """Mixed into ``SmartInfinityStage3``."""
+
+    def _open(self, measured: Optional[int] = None, if_exists: Optional[str] = None) -> None:
+        """This rank's pipeline opened (a GPU budget of "auto" sized: ``measured`` by the first
+        step, or ``for_this_gpu``'s), its sub-groups registered (``_attach``)."""
+        given = self.settings.pipeline.if_exists
+        if_exists = if_exists or given
+        sizing = dataclasses.replace(self.settings, pipeline=dataclasses.replace(
+            self.settings.pipeline, if_exists=if_exists))
+        self.settings = dataclasses.replace(
+            for_this_gpu(sizing, self._later, self._gpu, measured),
+            pipeline=dataclasses.replace(sizing.pipeline, if_exists=given))
+        self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
+        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
+        self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
+        self._agree_on_step()
+        self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
+                              self._compress)
+        self._session = StepSession(self.pipeline, self._driver, self._put_params,
+                                    restored=self._release_kept_whole)
+        # What the partitions held when the step last put them (a split master's devices
+        # check their own), and what the kept-whole params held when last gathered: edits
+        # since become the masters at the next step.
+        self._watch = None if self._split else \
+            edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
+        self._whole = edits.ParamWatch(lambda p: [p.data])
+        self._attach()
+
+    def _opened(self) -> Pipeline:
+        """The pipeline, opened now if the first step was to size its GPU budget and something
+        needs it before (a checkpoint, an accessor): sized then from what is free."""
+        if self.pipeline is None:
+            self._open()
+            self._agree_on_resume()
+            self._start_speculation()
+        return self.pipeline
+
+    def _open_pipeline(self, if_exists: str) -> Pipeline:
+        rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        quantized = self.settings.pipeline.state_dtype != "fp32"
+        return Pipeline(self._devices, rule,
+                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
+                        subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
+                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None)
+
+    def _attach(self) -> None:
+        """Registers every sub-group; resumed ones put their master weights into the model."""
+        for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+            master = self._driver.staging.grad(0, torch.float32, flat.numel())
+            master.copy_(flat)
+            if self.pipeline.add_subgroup(flat.numel(), init=master, small=self._small[i]) != i:
+                raise RuntimeError(f"sub-group {i} was registered out of order")
+            if self.pipeline.resumed(i):
+                self._resumed = True
+                if not self._split:  # (else the partitions hold the high halves: loaded with the model)
+                    self._put_params(i, torch.from_numpy(self.pipeline.read_states(i)["param"]))
+                continue
+            self._put(i)
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left

@@ -17,13 +17,11 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
 
-from .. import defaults, edits
-from ..driver import Driver, overrides, stored_rule
+from .. import defaults
+from ..driver import overrides
 from ..pipeline import Pipeline
 from ..rounding import round_to
-from ..step_session import StepSession
-from .deepspeed_config import (_rule, _rule_class, check_config, choose, for_this_gpu,
-                               measured_gpu_budget)
+from .deepspeed_config import _rule, _rule_class, check_config, choose, measured_gpu_budget
 from .deepspeed_overlap import Overlap
 from .deepspeed_states import StoredStates
 
@@ -109,64 +107,6 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             self.fp32_partitioned_groups_flat.append(placeholder)
         for param_group in self.optimizer.param_groups:
             param_group["params"] = []
-
-    def _open(self, measured: Optional[int] = None, if_exists: Optional[str] = None) -> None:
-        """This rank's pipeline opened (a GPU budget of "auto" sized: ``measured`` by the first
-        step, or ``for_this_gpu``'s), its sub-groups registered (``_attach``)."""
-        given = self.settings.pipeline.if_exists
-        if_exists = if_exists or given
-        sizing = dataclasses.replace(self.settings, pipeline=dataclasses.replace(
-            self.settings.pipeline, if_exists=if_exists))
-        self.settings = dataclasses.replace(
-            for_this_gpu(sizing, self._later, self._gpu, measured),
-            pipeline=dataclasses.replace(sizing.pipeline, if_exists=given))
-        self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
-        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
-        self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
-        self._agree_on_step()
-        self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
-                              self._compress)
-        self._session = StepSession(self.pipeline, self._driver, self._put_params,
-                                    restored=self._release_kept_whole)
-        # What the partitions held when the step last put them (a split master's devices
-        # check their own), and what the kept-whole params held when last gathered: edits
-        # since become the masters at the next step.
-        self._watch = None if self._split else \
-            edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
-        self._whole = edits.ParamWatch(lambda p: [p.data])
-        self._attach()
-
-    def _opened(self) -> Pipeline:
-        """The pipeline, opened now if the first step was to size its GPU budget and something
-        needs it before (a checkpoint, an accessor): sized then from what is free."""
-        if self.pipeline is None:
-            self._open()
-            self._agree_on_resume()
-            self._start_speculation()
-        return self.pipeline
-
-    def _open_pipeline(self, if_exists: str) -> Pipeline:
-        rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
-        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
-        quantized = self.settings.pipeline.state_dtype != "fp32"
-        return Pipeline(self._devices, rule,
-                        settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
-                        subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
-                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None)
-
-    def _attach(self) -> None:
-        """Registers every sub-group; resumed ones put their master weights into the model."""
-        for i, flat in enumerate(self.fp16_partitioned_groups_flat):
-            master = self._driver.staging.grad(0, torch.float32, flat.numel())
-            master.copy_(flat)
-            if self.pipeline.add_subgroup(flat.numel(), init=master, small=self._small[i]) != i:
-                raise RuntimeError(f"sub-group {i} was registered out of order")
-            if self.pipeline.resumed(i):
-                self._resumed = True
-                if not self._split:  # (else the partitions hold the high halves: loaded with the model)
-                    self._put_params(i, torch.from_numpy(self.pipeline.read_states(i)["param"]))
-                continue
-            self._put(i)
 
     def initialize_optimizer_states(self) -> None:
         """Nothing to allocate: the states were created on the devices with the sub-groups."""
