@@ -150,50 +150,25 @@ inline decltype(auto) with_scalars(const Step& s, F&& f) {
 // the GPU's fp32 path (run_rule) and the HLS tops (hls_kernels/update.h RuleMath) run the
 // one row.
 template <Rule R> struct RuleKernel;
-template <> struct RuleKernel<Rule::adam> {
-  using Scalars = AdamStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    adam(n, a[0], a[1], a[2], grad, out, s);
-  }
-};
+// RuleKernel<R>: the scalars' type and the call of rule R's kernel on `a`, `grad`, `out` and
+// the scalars `s`, over `n` params.
+#define SMARTINF_RULE_KERNEL(RULE, SCALARS, CALL)                                              \
+  template <> struct RuleKernel<Rule::RULE> {                                                  \
+    using Scalars = SCALARS;                                                                   \
+    template <class A, class G, class P>                                                       \
+    SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) { \
+      CALL;                                                                                    \
+    }                                                                                          \
+  };
+SMARTINF_RULE_KERNEL(adam, AdamStep, adam(n, a[0], a[1], a[2], grad, out, s))
+SMARTINF_RULE_KERNEL(adam_amsgrad, AdamStep, adam_amsgrad(n, a[0], a[1], a[2], a[3], grad, out, s))
+SMARTINF_RULE_KERNEL(sgd, SgdStep, sgd(n, a[0], a[1], grad, out, s))
+SMARTINF_RULE_KERNEL(adagrad, AdagradStep, adagrad(n, a[0], a[1], grad, out, s))
+SMARTINF_RULE_KERNEL(lion, LionStep, lion(n, a[0], a[1], grad, out, s))
+SMARTINF_RULE_KERNEL(adamax, AdamaxStep, adamax(n, a[0], a[1], a[2], grad, out, s))
+#undef SMARTINF_RULE_KERNEL
 template <> struct RuleKernel<Rule::adamw> : RuleKernel<Rule::adam> {};
-template <> struct RuleKernel<Rule::adam_amsgrad> {
-  using Scalars = AdamStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    adam_amsgrad(n, a[0], a[1], a[2], a[3], grad, out, s);
-  }
-};
 template <> struct RuleKernel<Rule::adamw_amsgrad> : RuleKernel<Rule::adam_amsgrad> {};
-template <> struct RuleKernel<Rule::sgd> {
-  using Scalars = SgdStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    sgd(n, a[0], a[1], grad, out, s);
-  }
-};
-template <> struct RuleKernel<Rule::adagrad> {
-  using Scalars = AdagradStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    adagrad(n, a[0], a[1], grad, out, s);
-  }
-};
-template <> struct RuleKernel<Rule::lion> {
-  using Scalars = LionStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    lion(n, a[0], a[1], grad, out, s);
-  }
-};
-template <> struct RuleKernel<Rule::adamax> {
-  using Scalars = AdamaxStep;
-  template <class A, class G, class P>
-  SMARTINF_HD static void run(std::size_t n, A a, const G* grad, P* out, const Scalars& s) {
-    adamax(n, a[0], a[1], a[2], grad, out, s);
-  }
-};
 
 // The kernel of the step's rule over n params: `a` are its fp32 arrays (param first).
 template <class G, class P>
