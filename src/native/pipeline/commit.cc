@@ -37,7 +37,7 @@ void Pipeline::back_to_durable() {
     for (size_t sg = 0; sg < placement_.size(); ++sg) {
       Placement& p = placement_[sg];
       if (!p.dirty) continue;
-      p.dirty = p.behind = false;
+      p.forgotten();
       if (p.resident == device::kOwnStates) continue;
       std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);  // the committed copy, again
       submit_and_wait(p.unit, jobs);
@@ -107,9 +107,8 @@ void Pipeline::make_durable(uint64_t step) {
     if (options_.background_commit) give_twin(p);
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
-    p.written = jobs.front().completion;
+    p.persisting(jobs.front().completion);
     for (Job& job : jobs) u.ring->persist(job);
-    p.pinned = true;
   }
   const bool background = options_.background_commit && !c.writes.empty();
   pending_ = std::move(c);
@@ -132,8 +131,7 @@ void Pipeline::wait_written(size_t sg) {
     land();
     throw;
   }
-  p.pinned = false;
-  p.written.reset();
+  p.released();
 }
 
 void Pipeline::land_if_written() {
@@ -159,10 +157,7 @@ void Pipeline::land() {
         }
       }
     }
-    for (const auto& [sg, steps] : c.subgroups) {  // written
-      placement_[sg].pinned = false;
-      placement_[sg].written.reset();
-    }
+    for (const auto& [sg, steps] : c.subgroups) placement_[sg].released();  // written
     if (error) std::rethrow_exception(error);
     std::vector<std::vector<store::Written>> written(devices_.size());
     for (const auto& [sg, steps] : c.subgroups)
@@ -204,10 +199,7 @@ void Pipeline::land() {
   }
   // Their committed copy is now what the commit wrote; one updated since stays dirty (its
   // states ahead in resident memory, its other extents behind).
-  for (const auto& [sg, steps] : c.subgroups) {
-    Placement& p = placement_[sg];
-    if (p.steps == steps) p.dirty = p.behind = false;
-  }
+  for (const auto& [sg, steps] : c.subgroups) placement_[sg].landed(steps);
   durable_step_ = c.step;
 }
 

@@ -305,7 +305,7 @@ void Pipeline::require_open() const {
   if (devices_.empty()) throw std::invalid_argument("the pipeline is closed");
 }
 
-const Pipeline::Placement& Pipeline::placed(size_t sg) const {
+const Placement& Pipeline::placed(size_t sg) const {
   require_open();
   if (sg >= placement_.size())
     throw std::out_of_range("unknown sub-group " + std::to_string(sg) + " (the pipeline has " +
@@ -440,7 +440,9 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
   const bool resident = settle_load(unit, numel, bytes, after);
   if (!resident) refuse_streamed_one_copy(id, numel, unit);
   bool created = false;
-  Placement p{unit, store.attach(id, numel, fingerprint, created)};
+  Placement p;
+  p.unit = unit;
+  p.local = store.attach(id, numel, fingerprint, created);
   if (resident) {
     p.resident = u.resident_used;
     if (u.twins) p.twin = u.resident_used + bytes;
@@ -456,7 +458,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
       if (later) {
         store.begin_rewrite();
         for (Job& job : jobs) job.write_back = false;
-        p.dirty = p.behind = true;
+        p.updated(0, true);
       }
       submit_and_wait(unit, jobs);
     } else {  // states from disk: checked against their checksums before any use
@@ -530,15 +532,12 @@ std::vector<Job> Pipeline::init_jobs(const Placement& p, uint32_t copy,
   return jobs;
 }
 
-void Pipeline::mark_written(size_t sg, uint64_t steps) {
-  Placement& p = placement_[sg];
+void Pipeline::mark_written(size_t sg, uint64_t steps, bool stays_resident) {
   if (updated_[sg])
     throw std::invalid_argument("sub-group " + std::to_string(sg) +
                                 " was already updated in this step; commit the step first");
   updated_[sg] = true;
-  p.was_dirty = p.dirty;
-  p.dirty = true;
-  p.steps = steps;
+  placement_[sg].updated(steps, stays_resident);
 }
 
 bool Pipeline::retractable(size_t sg) const {
@@ -561,9 +560,8 @@ void Pipeline::retract(size_t sg) {
   const bool held = pending_ && std::any_of(pending_->subgroups.begin(), pending_->subgroups.end(),
                                             [&](const auto& e) { return e.first == sg; });
   if (!held) {  // a commit that held it landed since: as land() would have left it
-    before.pinned = false;
-    if (before.dirty && before.steps == devices_[before.unit].store->record(before.local).steps)
-      before.dirty = before.behind = false;
+    before.released();
+    before.landed(devices_[before.unit].store->record(before.local).steps);
   }
   placement_[sg] = before;
   updated_[sg] = false;
@@ -616,13 +614,11 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
       job.copy_from = job.resident;
       job.resident = job.resident - q.resident + q.twin;
     }
-    std::swap(q.resident, q.twin);
-    q.pinned = false;
+    q.swap_twin();
   }
-  mark_written(sg, steps + 1);
   // Resident states reach storage only at a durable commit (make_durable).
   const bool write_back = p.resident == device::kOwnStates;
-  placement_[sg].behind = !write_back;
+  mark_written(sg, steps + 1, !write_back);
   device::Kernel kernel;
   kernel.step = kernels::make_step(rule_, h, steps + 1);
   kernel.grad = g.dtype;
@@ -661,8 +657,7 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
   land();
-  mark_written(sg, steps);
-  placement_[sg].behind = false;  // init jobs write the shadow extents too
+  mark_written(sg, steps, false);  // init jobs write the shadow extents too
   devices_[p.unit].store->begin_rewrite();  // one copy: the shadow extents are the committed ones
   const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
   std::vector<Job> jobs = init_jobs(p, shadow, arrays);

@@ -13,6 +13,7 @@
 #include "device/device.h"
 #include "device/xrt_device.h"
 #include "pipeline/activity.h"
+#include "pipeline/placement.h"
 #include "pipeline/ring.h"
 #include "store/state_store.h"
 
@@ -178,26 +179,6 @@ class Pipeline {
     bool small = false;           // holds the small sub-groups (PipelineOptions::small_dir)
     store::StateLayout layout;    // its states' bytes (fp32 moments where small)
   };
-  struct Placement {
-    size_t unit;
-    size_t local;
-    // Its states' first byte in the device's resident memory; kOwnStates: streamed.
-    uint64_t resident = device::kOwnStates;
-    // Updated since the last durable commit: its working copy (resident memory, or the
-    // shadow extents) is current, at `steps` optimizer steps.
-    bool dirty = false;
-    bool behind = false;  // resident and dirty, but its shadow extents not written since
-    bool was_dirty = false;  // dirty before the step in progress wrote it
-    uint64_t steps = 0;
-    // A second copy of its resident states (kOwnStates: none), given at a background commit
-    // from what is left of the budget: while the pending commit writes `resident`, the next
-    // update copies it here and the two swap (pinned until then).
-    uint64_t twin = device::kOwnStates;
-    bool pinned = false;
-    // The pending commit's write of its resident states: an update without a twin waits
-    // for this one, not for the whole commit (wait_written).
-    std::shared_ptr<Completion> written;
-  };
   // A durable commit whose resident states are being written in the background.
   struct PendingCommit {
     uint64_t step = 0;
@@ -244,7 +225,9 @@ class Pipeline {
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();
   void abandon();  // drops every device without saving: after a failure it cannot undo
-  void mark_written(size_t sg, uint64_t steps);
+  // Sub-group `sg` updated (or written) in the step in progress, to `steps`; its new states
+  // stay in resident memory (`stays_resident`) or go to its shadow extents.
+  void mark_written(size_t sg, uint64_t steps, bool stays_resident);
   bool step_in_progress() const;
   // With one copy, a sub-group placed to stream would be written over its committed states
   // every step: refused, naming what would hold it (`id`, `numel` params on `unit`).
