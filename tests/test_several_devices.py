@@ -55,6 +55,19 @@ def assert_identical(a, b):
             assert np.array_equal(sa[name], sb[name]), f"{name} of sub-group {i} differs"
 
 
+def timed_step(pipe, sizes, out_dtype, stats):
+    """Sub-groups of ``sizes`` added and one step of ones as gradients: the ``stats()`` before,
+    the step's seconds, the ``stats()`` after."""
+    for n in sizes:
+        pipe.add_subgroup(n)
+    before = stats()
+    start = time.perf_counter()
+    with pipe.step():
+        for i, n in enumerate(sizes):
+            pipe.update(i, np.ones(n, np.float32), np.empty(n, out_dtype))
+    return before, time.perf_counter() - start, stats()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_n_devices_equal_one_bit_for_bit(disk_dir, tmp_path, n):
     import pathlib
@@ -141,15 +154,7 @@ def test_host_link_cap_paces_both_directions_over_all_devices(tmp_path):
     rate = 20e6
     with smartinf.Pipeline(dirs_in(tmp_path, 2), RULE, chunk=50_000,
                            host_link_gbps=rate / 1e9) as pipe:
-        for n in sizes:
-            pipe.add_subgroup(n)
-        before = pipe.stats
-        start = time.perf_counter()
-        with pipe.step():
-            for i, n in enumerate(sizes):
-                pipe.update(i, np.ones(n, np.float32), np.empty(n, np.float16))
-        elapsed = time.perf_counter() - start
-        after = pipe.stats
+        before, elapsed, after = timed_step(pipe, sizes, np.float16, lambda: pipe.stats)
     moved_in = after["host_to_device"] - before["host_to_device"]
     assert moved_in == 4 * sum(sizes)
     # The limiter lets no more than one chunk through ahead of the rate.
@@ -165,15 +170,7 @@ def test_storage_cap_paces_each_device_on_its_own(tmp_path):
     rate = 24e6
     devices = [smartinf.CpuDevice(d, storage_gbps=rate / 1e9) for d in dirs_in(tmp_path, 2)]
     with smartinf.Pipeline(devices, RULE, chunk=10_000) as pipe:
-        for n in sizes:
-            pipe.add_subgroup(n)
-        before = pipe.device_stats
-        start = time.perf_counter()
-        with pipe.step():
-            for i, n in enumerate(sizes):
-                pipe.update(i, np.ones(n, np.float32), np.empty(n, np.float32))
-        elapsed = time.perf_counter() - start
-        after = pipe.device_stats
+        before, elapsed, after = timed_step(pipe, sizes, np.float32, lambda: pipe.device_stats)
     for d, b in zip(after, before):
         moved = d["storage_read"] + d["storage_write"] - b["storage_read"] - b["storage_write"]
         assert moved >= 24 * 50_000
