@@ -147,6 +147,26 @@ def test_failed_commit_on_the_second_device_rolls_back_the_first(tmp_path, refer
         assert_states_equal(states(pipe), reference_two[2])
 
 
+def test_a_failed_sync_on_the_second_device_publishes_no_device(tmp_path, reference_two):
+    # Every device syncs before any publishes: the first device's manifest is never
+    # written at the new step, so there is nothing to roll back (a rollback rewrites it).
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    manifests = [os.path.join(d, "manifest") for d in dirs]
+    with open_pipe(dirs) as pipe:
+        run_step(pipe, 0)
+        before = [open(m, "rb").read() for m in manifests]
+        native.arm_fault("store.synced", "error", after=1, errno=errno.ENOSPC)  # device b's
+        with pytest.raises(OSError, match="injected fault at store.synced"):
+            run_step(pipe, 1)
+        assert [open(m, "rb").read() for m in manifests] == before
+        assert pipe.step_count == 1
+        assert_states_equal(states(pipe), reference_two[1])
+        run_step(pipe, 1)
+    with open_pipe(dirs) as pipe:
+        assert pipe.step_count == 2
+        assert_states_equal(states(pipe), reference_two[2])
+
+
 @pytest.fixture
 def reference_two(tmp_path_factory):
     root = tmp_path_factory.mktemp("ref2")

@@ -33,6 +33,12 @@ def manifest_fields(directory: str) -> Optional[dict]:
         return None
 
 
+def manifest_copies(fields: dict) -> int:
+    """Extents per chunk of the run whose manifest ``fields`` are: 1 or 2 (2 before version 9,
+    which did not say)."""
+    return int(fields["copies"]) if fields.get("copies") in ("1", "2") else 2
+
+
 def copy_device_dir(source: str, target: str) -> None:
     """Makes ``target`` hold the committed states of device directory ``source`` (and of
     the small tensors' directory in it, ``devices.small_directory``, where it has one)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import space
-from .checkpoint import MANIFEST, STATES, manifest_fields
+from .checkpoint import MANIFEST, STATES, manifest_copies, manifest_fields
 from .devices import GPU_HOST_DIRECTORY
 from .io_schedule import find_record, load_record
 from .model import BOTH_WAYS_SHARE, place, predict_placed, recorded_rates, state_bytes_per_param
@@ -95,7 +95,7 @@ def _held_run(directories: Sequence[str]) -> Optional[dict]:
     found = manifest_fields(directories[0])
     if found is None:
         return None
-    fields = {"state_dtype": "fp32", "master": "fp32", "copies": "2"}  # before versions 7, 9
+    fields = {"state_dtype": "fp32", "master": "fp32"}  # before version 7
     fields.update({k: v for k, v in found.items() if k in fields})
     held = {}
     for d in directories:
@@ -103,8 +103,7 @@ def _held_run(directories: Sequence[str]) -> Optional[dict]:
             held[d] = os.stat(os.path.join(d, STATES)).st_blocks * 512
         except FileNotFoundError:
             held[d] = 0
-    return dict(fields, copies=int(fields["copies"]) if fields["copies"] in ("1", "2") else 2,
-                held=held)
+    return dict(fields, copies=manifest_copies(found), held=held)
 
 
 def _existing(path: str) -> str:

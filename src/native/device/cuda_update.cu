@@ -156,28 +156,6 @@ __global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms,
   s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(root, 1.0f / w_max) : 0;
 }
 
-// Lion on int8 states (kernels::lion8).
-template <class G, class P>
-__global__ void lion8_kernel(std::size_t n, const Int8States s, const Master ms, const G* grad,
-                             P* out, const LionStep k) {
-  __shared__ int32_t shared[kQuantBlock / 32];
-  const std::size_t b = blockIdx.x, i = b * kQuantBlock + threadIdx.x;
-  const bool here = i < n;
-  float m = 0.0f;
-  if (here) {
-    const kernels::LionResult r = kernels::lion_element(
-        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
-        kernels::decode_signed(s.code[0][i], s.scale[0][b]), k);
-    ms.store(i, r.p, out);
-    m = r.m;
-  }
-  int32_t maxima[1] = {kernels::magnitude_bits(m)};
-  group_max<kQuantBlock>(maxima, shared);
-  const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
-  if (threadIdx.x == 0) s.scale[0][b] = m_max;
-  if (here) s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
-}
-
 // A first-moment block's signed extreme (kernels::q4::Extreme) across a row of kQuant4Block
 // threads, and the largest of `also` (a second moment's row maximum: 0 where none).
 __device__ float block_extreme(float m, bool here, int32_t& also, int32_t* shared) {
@@ -254,25 +232,57 @@ __global__ void __launch_bounds__(kQuant4Block * kTileRowsAtOnce) adam4_kernel(s
   }
 }
 
-// Lion on int4 states (kernels::lion4): a first-moment block of kQuant4Block per thread block.
-template <class G, class P>
-__global__ void lion4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
-                             P* out, const LionStep k) {
-  __shared__ int32_t shared[kQuant4Block / 32 * 3];
-  const std::size_t b = blockIdx.x, i = b * kQuant4Block + threadIdx.x;
+// How Lion's one moment is coded in a block: int8 (kernels::lion8: the block's largest
+// magnitude) or int4 (kernels::lion4: its signed extreme on the dynamic map). Every thread
+// of the block calls scale_of and encode (their reductions and nibble pairs are collective).
+struct Lion8Coding {
+  static constexpr std::size_t kBlock = kQuantBlock;
+  using States = Int8States;
+  __device__ static float decode(const States& s, std::size_t i, std::size_t b) {
+    return kernels::decode_signed(s.code[0][i], s.scale[0][b]);
+  }
+  __device__ static float scale_of(float m, bool, int32_t* shared) {
+    int32_t maxima[1] = {kernels::magnitude_bits(m)};
+    group_max<kBlock>(maxima, shared);
+    return kernels::float_of(static_cast<uint32_t>(maxima[0]));
+  }
+  __device__ static void encode(const States& s, std::size_t i, float m, float scale, bool here) {
+    if (here) s.code[0][i] = scale > 0.0f ? kernels::encode_signed(m, 1.0f / scale) : 0;
+  }
+};
+
+struct Lion4Coding {
+  static constexpr std::size_t kBlock = kQuant4Block;
+  using States = Int4States;
+  __device__ static float decode(const States& s, std::size_t i, std::size_t b) {
+    return kDynamic.at[nibble(s.code[0], i)] * s.scale[0][b];
+  }
+  __device__ static float scale_of(float m, bool here, int32_t* shared) {
+    int32_t unused = 0;
+    return block_extreme(m, here, unused, shared);
+  }
+  __device__ static void encode(const States& s, std::size_t i, float m, float scale, bool here) {
+    store_nibbles(s.code[0] + i / 2, here ? code_first(m, scale) : 0, here);
+  }
+};
+
+// Lion on quantized states: a first-moment block of Coding::kBlock params per thread block.
+template <class Coding, class G, class P>
+__global__ void lion_quantized_kernel(std::size_t n, const typename Coding::States s,
+                                      const Master ms, const G* grad, P* out, const LionStep k) {
+  __shared__ int32_t shared[Coding::kBlock / 32 * 3];
+  const std::size_t b = blockIdx.x, i = b * Coding::kBlock + threadIdx.x;
   const bool here = i < n;
   float m = 0.0f;
   if (here) {
     const kernels::LionResult r = kernels::lion_element(
-        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
-        kDynamic.at[nibble(s.code[0], i)] * s.scale[0][b], k);
+        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out), Coding::decode(s, i, b), k);
     ms.store(i, r.p, out);
     m = r.m;
   }
-  int32_t unused = 0;
-  const float m_scale = block_extreme(m, here, unused, shared);
-  if (threadIdx.x == 0) s.scale[0][b] = m_scale;
-  store_nibbles(s.code[0] + i / 2, here ? code_first(m, m_scale) : 0, here);
+  const float scale = Coding::scale_of(m, here, shared);
+  if (threadIdx.x == 0) s.scale[0][b] = scale;
+  Coding::encode(s, i, m, scale, here);
 }
 
 unsigned blocks_for(std::size_t n, std::size_t per_block) {
@@ -313,7 +323,8 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
           adam8_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
               <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.adam);
         });
-      lion8_kernel<G, P><<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.lion);
+      lion_quantized_kernel<Lion8Coding, G, P>
+          <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.lion);
       return;
     }
     case store::Moments::int4: {
@@ -324,8 +335,8 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
               <<<blocks_for(n, kQuant4Tile), kQuant4Block * kTileRowsAtOnce, 0, stream>>>(
                   n, s, ms, grad, out, step.adam);
         });
-      lion4_kernel<G, P><<<blocks_for(n, kQuant4Block), kQuant4Block, 0, stream>>>(
-          n, s, ms, grad, out, step.lion);
+      lion_quantized_kernel<Lion4Coding, G, P>
+          <<<blocks_for(n, kQuant4Block), kQuant4Block, 0, stream>>>(n, s, ms, grad, out, step.lion);
       return;
     }
   }

@@ -162,9 +162,10 @@ void Pipeline::land() {
     std::vector<std::vector<store::Written>> written(devices_.size());
     for (const auto& [sg, steps] : c.subgroups)
       written[placement_[sg].unit].push_back(store::Written{placement_[sg].local, steps});
+    for (Unit& u : devices_) u.store->sync();  // every device's states durable, none current
     for (size_t i = 0; i < devices_.size(); ++i) {
       Unit& u = devices_[i];
-      u.store->commit(written[i], c.step, c.hyper, placement_.size());
+      u.store->publish(written[i], c.step, c.hyper, placement_.size());
       fault::check("pipeline.device_committed", u.store->dir());
     }
   } catch (...) {

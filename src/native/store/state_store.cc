@@ -269,10 +269,13 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
                 &r.sums->copy[copy][chunk]};
 }
 
-void StateStore::commit(const std::vector<Written>& written, uint64_t pipeline_step,
-                        const std::map<std::string, double>& hyper, uint64_t attached) {
+void StateStore::sync() {
   check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);
   fault::check("store.synced", states_path_);
+}
+
+void StateStore::publish(const std::vector<Written>& written, uint64_t pipeline_step,
+                         const std::map<std::string, double>& hyper, uint64_t attached) {
   Manifest next = manifest_;  // current only once durable: a failed commit changes nothing
   for (const Written& w : written) {
     SubgroupRecord& r = next.subgroups[w.local];

@@ -1,8 +1,8 @@
 // A device's storage directory: `states.bin` (per chunk two extents, copy A and B, each
 // 4 KiB aligned and laid out as store/layout.h says: the fp32 param and the optimizer's
 // fp32 arrays, or fp32 params and int8 moments), `manifest` and `lock`. A step reads each
-// sub-group's committed copy and writes the other one; commit() makes those writes
-// durable and then flips the copies in a manifest replaced atomically (shadow paging).
+// sub-group's committed copy and writes the other one; sync() makes those writes durable
+// and publish() then flips the copies in a manifest replaced atomically (shadow paging).
 // A directory of one copy (`copies` 1: half the disk) is rewritten in place at a durable
 // commit, marked `rewriting` in its manifest meanwhile: it holds the states of its step
 // between commits, none while one is written (a reopen then refuses it).
@@ -66,17 +66,21 @@ class StateStore {
   uint64_t chunks(size_t local) const;
   Extent extent(size_t local, uint64_t chunk, uint32_t copy) const;
 
-  // Durably applies one pipeline step: the listed sub-groups' written copies become current.
-  // `attached`: the sub-groups the pipeline has (any held beyond them are stale from now).
-  void commit(const std::vector<Written>& written, uint64_t pipeline_step,
-              const std::map<std::string, double>& hyper, uint64_t attached);
+  // A commit in two halves, so that a pipeline makes every device's states durable before
+  // any device says so: sync() makes the step's writes durable (nothing is current yet);
+  // publish() then applies the step, the listed sub-groups' written copies current, in a
+  // manifest replaced atomically. `attached`: the sub-groups the pipeline has (any held
+  // beyond them are stale from now).
+  void sync();
+  void publish(const std::vector<Written>& written, uint64_t pipeline_step,
+               const std::map<std::string, double>& hyper, uint64_t attached);
   // Persists the layout (new sub-groups) without a step; a no-op when nothing changed.
   void save_layout(uint64_t attached);
   // Undoes the last commit (its shadow copies are still intact): back to previous_step().
   // A directory of one copy holds no earlier step: refused.
   void rollback_last_step();
   // Before states are written over the committed ones (one copy only; else a no-op): the
-  // manifest says so, durably, until commit() replaces it.
+  // manifest says so, durably, until publish() replaces it.
   void begin_rewrite();
 
   uint64_t step() const { return manifest_.step; }

@@ -16,7 +16,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
 from .. import defaults, gpu_cores, plan, update_rules
-from ..checkpoint import STATES, manifest_fields
+from ..checkpoint import STATES, manifest_copies, manifest_fields
 from ..compress import TopK
 from ..devices import GPU_DIRECTORY, rank_directory, with_gpu
 from ..driver import rule_for
@@ -160,6 +160,12 @@ class Settings:
         return with_gpu(dirs, self.gpu_memory_budget or None, gpu, self.gpu_twins,
                         self.gpu_host_budget) if self.gpu_memory_budget or self.gpu_host_budget else dirs
 
+    def rank_paths(self, rank: int, gpu: int) -> list[str]:
+        """The directories of rank ``rank``'s devices (``rank_devices``), known before a GPU
+        budget of ``"auto"`` is sized: which devices there are does not depend on its size."""
+        sized = dataclasses.replace(self, gpu_memory_budget=1) if self.gpu_memory_budget == "auto" else self
+        return [d if isinstance(d, str) else d.path for d in sized.rank_devices(rank, gpu)]
+
     def top_k(self) -> Optional[TopK]:
         if self.compress is None:
             return None
@@ -212,12 +218,11 @@ def held_gpu_budget(gpu_directory: str) -> Optional[int]:
     fields = manifest_fields(gpu_directory)
     if fields is None:
         return None
-    copies = int(fields.get("copies", "2")) if fields.get("copies") in ("1", "2") else 2
     try:
         size = os.path.getsize(os.path.join(gpu_directory, STATES))
     except FileNotFoundError:
         return None
-    return -(-size // copies)
+    return -(-size // manifest_copies(fields))
 
 
 def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,

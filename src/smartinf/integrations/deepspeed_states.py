@@ -40,7 +40,7 @@ class StoredStates:
             for_this_gpu(sizing, self._later, self._gpu, measured),
             pipeline=dataclasses.replace(sizing.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
-        self._dirs = [d if isinstance(d, str) else d.path for d in self._devices]
+        self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),

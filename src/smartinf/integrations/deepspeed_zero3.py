@@ -6,7 +6,6 @@ the ``StepSession``, now or, with overlap, in the tail). Updates during backward
 ``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from functools import partial
@@ -96,8 +95,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         measure = torch.tensor([float(self.settings.measures_gpu_budget(rank))], device=self.device)
         dist.all_reduce(measure, op=dist.ReduceOp.MIN)
         if measure.item():
-            self._dirs = [d if isinstance(d, str) else d.path for d in dataclasses.replace(
-                self.settings, gpu_memory_budget=1).with_host_states_on_gpu(rank).rank_devices(rank, self._gpu)]
+            self._dirs = self.settings.with_host_states_on_gpu(rank).rank_paths(rank, self._gpu)
         else:
             self._open()
         for i, numel in enumerate(numels):
