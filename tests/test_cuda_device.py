@@ -207,6 +207,25 @@ def test_quantized_states_resident_in_gpu_memory_match_the_cpu_device(disk_dir, 
 
 
 @needs_gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_a_host_twin_changes_no_bit(disk_dir, state_dtype, master):
+    """A budget holding the first sub-group without room for its twin, with a host twin
+    (twins="host": durable commits copy the resident states to page-locked host memory and
+    write them from there while the next steps update the resident copy): the same bits
+    and residency as without one, through durable commits, a close and a resume."""
+    size = BUDGETS["first"][0]
+    runs = {}
+    for twins in (False, "host"):
+        device = smartinf.CudaDevice(os.path.join(disk_dir, f"gpu-{twins}"), memory_budget=size,
+                                     twins=twins)
+        runs[twins] = train_resident(device, RULES["adamw"], torch.bfloat16,
+                                     state_dtype=state_dtype, master=master)
+    assert runs["host"][2] == runs[False][2] and runs["host"][2][0][0]
+    assert_same_bits(runs["host"], runs[False])
+
+
+@needs_gpu
 def test_cuda_tensors_are_read_and_written_in_place(disk_dir):
     """Gradients and params in the GPU's memory, states resident there: nothing crosses
     PCIe, and the bits are those of host buffers on the cpu device."""
@@ -447,11 +466,12 @@ def test_without_cuda_a_gpu_device_is_a_clear_error(tmp_path):
 def test_gpu_twins_need_a_gpu_budget(tmp_path):
     with pytest.raises(ValueError, match="gpu_twins is for the states a gpu_memory_budget keeps"):
         so.AdamW(torch.nn.Linear(4, 4).parameters(), devices=str(tmp_path), gpu_twins=True)
-    with pytest.raises(TypeError, match="CudaDevice twins must be True or False or None"):
+    with pytest.raises(TypeError, match='CudaDevice twins must be True or False, "host"'):
         smartinf.CudaDevice(tmp_path, twins="yes")
 
 
-# A child that trains sub-groups resident in GPU memory with their twins, a durable commit
+# A child that trains sub-groups resident in GPU memory with their twins (in the budget, or
+# a host twin), a durable commit
 # every 3 steps written in the background, until killed (spawned afresh, not forked: CUDA
 # does not survive a fork).
 KILL_CHILD = """
@@ -460,10 +480,11 @@ sys.path.insert(0, sys.argv[1])
 import smartinf, smartinf._native as native
 from conftest import open_with_subgroups
 from test_crash import ALL_STATES, CHUNK, RULE, SIZES, train_step
-directory, point, after = sys.argv[2], sys.argv[3], int(sys.argv[4])
+directory, point, after, host = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 if point != "none":
     native.arm_fault(point, "kill", after=after)
-device = smartinf.CudaDevice(directory, memory_budget=2 * ALL_STATES, twins=True)
+device = smartinf.CudaDevice(directory, memory_budget=(1 if host else 2) * ALL_STATES,
+                             twins="host" if host else True)
 with open_with_subgroups([device], RULE, SIZES, CHUNK, commit_every=3) as pipe:
     assert all(pipe.gpu_of(sg) == 0 for sg in range(len(SIZES)))
     print("training", flush=True)
@@ -473,9 +494,11 @@ with open_with_subgroups([device], RULE, SIZES, CHUNK, commit_every=3) as pipe:
 
 
 @needs_gpu
-def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp_path):
+@pytest.mark.parametrize("host", [False, True], ids=["twins", "host-twin"])
+def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp_path, host):
     """Killed at random moments and in the writes of a durable commit (io.write: with every
-    state resident those are the commit's, written from the GPU's copy in the background),
+    state resident those are the commit's, written from the GPU's copy, or its host twin,
+    in the background),
     a reopened GPU directory is at its last durable commit (a multiple of 3 steps), bit
     for bit an uninterrupted cpu device's states there, and training goes on from it."""
     from conftest import open_with_subgroups
@@ -490,7 +513,7 @@ def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp
     killed, base, by_point = 0, 0, {}
     for point, after in trials:
         child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, tests, directory, point,
-                                  str(after)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  str(after), str(int(host))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
         started = child.stdout.readline()  # past imports and CUDA's start
         if point == "none" and started == "training\n":
@@ -507,7 +530,8 @@ def test_sigkill_during_a_gpus_background_commit_leaves_the_last_durable_one(tmp
         if child.returncode == -signal.SIGKILL:
             killed += 1
             by_point[point] = by_point.get(point, 0) + 1
-        device = smartinf.CudaDevice(directory, memory_budget=2 * ALL_STATES, twins=True)
+        device = smartinf.CudaDevice(directory, memory_budget=(1 if host else 2) * ALL_STATES,
+                                     twins="host" if host else True)
         with open_with_subgroups([device], RULE, SIZES, CHUNK, commit_every=3) as pipe:
             step = pipe.step_count
             assert child.returncode == 0 or (step - base) % 3 == 0, \

@@ -553,6 +553,9 @@ def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
     s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
         "memory_budget": "2GiB", "twins": False}}})
     assert s.rank_devices(0, gpu=0)[0].twins is False
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
+        "memory_budget": "2GiB", "twins": "host"}}})
+    assert s.rank_devices(0, gpu=0)[0].twins == "host"
     for bad in ({"memory_budget": "lots"}, {"budget": 1}, 5, {"twins": True},
                 {"memory_budget": 1, "twins": "yes"}, {"memory_budget": 1, "twins": 1}):
         with pytest.raises(ValueError, match="gpu"):
@@ -562,7 +565,10 @@ def test_a_gpu_budget_puts_the_ranks_gpu_in_front_of_its_directories():
 def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
     """"gpu": {"memory_budget": "auto"}: the GPU's free memory when the optimizer is built,
     less what DeepSpeed allocates after it and a reserve for the activations (given, or a
-    share of the GPU); no twins unless asked for; refused clearly without a GPU."""
+    share of the GPU); a host twin where the host's memory holds it, else no twins, unless
+    asked for; refused clearly without a GPU."""
+    from smartinf import space
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
     s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"memory_budget": "auto"}}})
     assert s.gpu_memory_budget == "auto" and s.gpu_reserve is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -574,6 +580,9 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
     sized = s.with_gpu_budget(10 << 30)
     assert sized.gpu_memory_budget == (50 << 30) - (10 << 30) - int((80 << 30) * 0.15)
     assert sized.gpu_twins is False
+    monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
+    assert s.with_gpu_budget(10 << 30).gpu_twins == "host"
+    assert s.with_gpu_budget(10 << 30).rank_devices(0, gpu=0)[0].twins == "host"
     given = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
         "memory_budget": "auto", "reserve": "4GiB", "twins": True}}}).with_gpu_budget(45 << 30)
     assert given.gpu_memory_budget == (1 << 30) and given.gpu_twins is True

@@ -1,6 +1,7 @@
 """The traffic and storage-limit model the demo and benchmarks report against."""
 import json
 import math
+import os
 
 import pytest
 
@@ -404,10 +405,12 @@ def test_twins_pay_where_the_hosts_update_of_half_a_budget_beats_waiting_for_its
     assert p.disk_s == pytest.approx((8e8 + 2e8) * 12 / 10 / 1e9) == p.step_s
 
 
-def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path):
-    """CudaDevice(twins=None): twins where the directory's probe record (or none) says so;
-    as given otherwise; none without a budget or with overlap off."""
-    from smartinf import io_schedule, twins
+def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path, monkeypatch):
+    """CudaDevice(twins=None), where the host has no memory for a host twin: twins where the
+    directory's probe record (or none) says so; as given otherwise; none without a budget or
+    with overlap off."""
+    from smartinf import io_schedule, space, twins
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
     (tmp_path / "run" / "gpu").mkdir(parents=True)
     gpu = smartinf.CudaDevice(str(tmp_path / "run" / "gpu"), memory_budget="1GB")
     choice = twins.choose(gpu, "fp32", "fp32", 10, True)
@@ -446,15 +449,43 @@ def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path):
             twins.choose(gpu, "fp32", "fp32", 10, True)
 
 
-def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path):
+def test_a_gpu_budget_takes_a_host_twin_where_the_hosts_memory_holds_it(tmp_path, monkeypatch):
+    """CudaDevice(twins=None) with a budget in GPU memory: a host twin (page-locked, as large,
+    that durable commits write from) where the host's available memory holds it for every
+    local rank beside the pipeline's other host budgets, with a tenth of the machine spare;
+    else the model's choice. Asked for, it is taken; refused for a budget in host memory."""
+    from smartinf import space, twins
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    spare = int(0.1 * total)
+    (tmp_path / "gpu").mkdir()
+    gpu = smartinf.CudaDevice(str(tmp_path / "gpu"), memory_budget=4 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(space, "available_memory", lambda: (4 << 30) + (1 << 30) + spare)
+    got = twins.choose(gpu, "int8", "split", 10, True, (), 1 << 30)
+    assert got.host and not got.twins and got.reason.startswith("a host twin")
+    assert not twins.choose(gpu, "int8", "split", 10, True, (), (1 << 30) + 1).host
+    assert not twins.choose(gpu, "int8", "split", 10, False, (), 1 << 30).host  # overlap off
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # each rank's budgets: twice as much
+    assert not twins.choose(gpu, "int8", "split", 10, True, (), 1 << 30).host
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
+    asked = smartinf.CudaDevice(gpu.path, memory_budget=1, twins="host")
+    assert twins.choose(asked, "fp32", "fp32", 10, True).host
+    with pytest.raises(ValueError, match='twins="host" is a host copy of a budget in GPU memory'):
+        smartinf.CudaDevice(gpu.path, memory_budget=1, memory="host", twins="host")
+    with pytest.raises(TypeError, match='"host"'):
+        smartinf.CudaDevice(gpu.path, memory_budget=1, twins="yes")
+
+
+def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path, monkeypatch):
     """With the sub-groups' sizes and a record holding the GPU's figures, no twins only where
     the model's mean over the interval is more than 1 % shorter without. 10 x 1e8 params, all
     resident: (a) a quarter of their bytes as the GPU's budget, a fast host: the disk writes
     every state once per interval either way (a tie: twins); (b) a host 4x slower: the
     GPU's wait outlasts what twins send to the host (twins); (c) a budget of one sub-group,
     which twins leave empty: the wait hides behind the host's part of its step (none), where
-    the rule per byte takes twins."""
-    from smartinf import io_schedule, twins
+    the rule per byte takes twins. (No memory for a host twin.)"""
+    from smartinf import io_schedule, space, twins
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
     (tmp_path / "gpu").mkdir()
     sizes, ram = [int(1e8)] * 10, 12e9
     kernel = {"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32", "threads": 14,

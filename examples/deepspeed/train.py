@@ -101,7 +101,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         if args.gpu_memory_budget:
             config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
             if args.gpu_twins != "auto":
-                config["smartinf"]["gpu"]["twins"] = args.gpu_twins == "on"
+                config["smartinf"]["gpu"]["twins"] = {"on": True, "off": False}.get(args.gpu_twins, "host")
         if args.gpu_host_states != "auto":
             config["smartinf"].setdefault("gpu", {})["host_states"] = args.gpu_host_states == "on"
     elif args.mode == "deepspeed-cpu":
@@ -153,9 +153,10 @@ def main() -> None:
     p.add_argument("--gpu-host-states", choices=("auto", "on", "off"), default="auto",
                    help="smartinf: the states kept in host memory (the memory budget) updated "
                         "on the GPU, crossing PCIe (auto, with a GPU budget: where faster)")
-    p.add_argument("--gpu-twins", choices=("auto", "on", "off"), default="auto",
-                   help="smartinf: the GPU's sub-groups with room for their twin (auto: the "
-                        "model chooses)")
+    p.add_argument("--gpu-twins", choices=("auto", "on", "off", "host"), default="auto",
+                   help="smartinf: the GPU's sub-groups with room for their twin, or a host "
+                        "copy of its budget that durable commits write from (auto: a host "
+                        "copy where host memory holds it, else the model chooses)")
     p.add_argument("--offload-ratio", type=float, help="deepspeed-cpu: the share of the optimizer "
                    "states offloaded to the CPU, the rest updated on the GPU (ZeRO-Offload++)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")

@@ -114,6 +114,7 @@ cdef extern from "device/cuda_device.h" namespace "smartinf::device":
         int gpu
         uint64_t resident_bytes
         cbool host_memory
+        cbool host_twin
 
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
@@ -368,6 +369,7 @@ cdef class NativePipeline:
             spec.cuda.gpu = d.gpu
             spec.cuda.resident_bytes = d.gpu_memory_budget
             spec.cuda.host_memory = d.gpu_host_memory
+            spec.cuda.host_twin = d.gpu_host_twin
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst

@@ -47,6 +47,10 @@ GPU_RESERVE_SHARE = 0.15
 # chunks of 16 Mi params each), what DeepSpeed's prefetch gathers from the second
 # iteration on, and the allocator's fragmentation.
 GPU_MARGIN_SHARE = 0.1
+#: A GPU budget's host twin (``CudaDevice(twins="host")``) is chosen where the host's available
+#: memory holds it for every rank of the machine, beside their other host budgets, with this
+#: share of the machine's memory still left (the model's host copies, DeepSpeed's buffers).
+HOST_TWIN_SPARE_SHARE = 0.1
 IO = "auto"
 # Two fp32 chunks' requests (12 MiB each) in flight per engine: with 16 the ring drew 0.47x
 # (this project's VM) and 0.88x (the H200 host) of what it drew with 32 (bench/storage_ring.py).

@@ -24,6 +24,7 @@ class NativeDeviceSpec(NamedTuple):
     gpu: int = 0  # cuda: the CUDA device ordinal
     gpu_memory_budget: int = 0  # cuda: bytes of GPU memory for resident states
     gpu_host_memory: bool = False  # cuda: that budget is page-locked host memory instead
+    gpu_host_twin: bool = False  # cuda: a page-locked host copy of that budget (twins="host")
     twins: bool = False  # resident sub-groups placed with their twin (smartinf.twins)
 
 
@@ -137,7 +138,11 @@ class CudaDevice:
     with an fp32 master or a split one (streamed, params in host memory); dense gradients.
     ``twins``: the budget holds each resident sub-group with room for a second copy, so a
     durable commit's write never holds its updates (True), or holds twice as many
-    sub-groups (False); None (the default): ``smartinf.twins`` chooses by the model.
+    sub-groups (False); ``"host"``: a page-locked host copy of the budget (as large, allocated
+    with it), into which a durable commit copies the resident states (about a second for
+    25 GB) and from which it writes them, so no update waits for the disk and the budget
+    keeps its whole capacity; None (the default): ``smartinf.twins`` chooses, ``"host"``
+    where the host's available memory holds it, else by the model.
 
     ``memory="host"``: the budget is page-locked host memory instead, for states the GPU
     updates: each update moves a resident chunk's states across PCIe to the GPU and back
@@ -150,7 +155,7 @@ class CudaDevice:
     path: str
     gpu: Optional[int] = None  # None: torch's current CUDA device when the pipeline opens
     memory_budget: Union[int, str, None] = None
-    twins: Optional[bool] = None
+    twins: Union[bool, str, None] = None
     memory: str = "gpu"  # where the budget is: "gpu" (GPU memory) or "host" (page-locked)
     kind = "cuda"
 
@@ -162,11 +167,16 @@ class CudaDevice:
         budget = 0 if self.memory_budget is None else \
             defaults.parse_bytes(self.memory_budget, "CudaDevice memory_budget")
         object.__setattr__(self, "memory_budget", budget)
-        _check_twins(self.twins, "CudaDevice", allow_none=True)
+        if self.twins != "host":
+            _check_twins(self.twins, "CudaDevice", allow_none=True, host=True)
         if self.memory not in ("gpu", "host"):
             raise ValueError(f'CudaDevice memory must be "gpu" (its budget in GPU memory) or '
                              f'"host" (page-locked host memory the GPU updates over PCIe), '
                              f'got {self.memory!r}')
+        if self.memory == "host" and self.twins == "host":
+            raise ValueError('CudaDevice twins="host" is a host copy of a budget in GPU memory; '
+                             'with memory="host" the states are written from where they are: '
+                             'leave twins out, or pass True or False')
         if self.memory == "host" and self.twins is None:
             object.__setattr__(self, "twins", False)  # as a CpuDevice's budget
 
@@ -176,7 +186,8 @@ class CudaDevice:
                           "PATH, or CUDACXX) and reinstall smartinf")
         return NativeDeviceSpec("cuda", self.path, gpu=self.ordinal(),
                                 gpu_memory_budget=self.memory_budget,
-                                gpu_host_memory=self.memory == "host")
+                                gpu_host_memory=self.memory == "host",
+                                gpu_host_twin=self.twins == "host")
 
     def ordinal(self) -> int:
         """The CUDA ordinal: ``gpu``, or torch's current device (each rank's own under DDP)."""
@@ -186,10 +197,11 @@ class CudaDevice:
         return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
-def _check_twins(twins: object, what: str, allow_none: bool) -> None:
+def _check_twins(twins: object, what: str, allow_none: bool, host: bool = False) -> None:
     if not isinstance(twins, bool) and not (allow_none and twins is None):
-        raise TypeError(f"{what} twins must be True or False" + (" or None (the model "
-                        "chooses)" if allow_none else "") + f", got {twins!r}")
+        raise TypeError(f"{what} twins must be True or False" + (', "host" (a host copy of the '
+                        'budget)' if host else "") + (" or None (the model chooses)" if allow_none
+                                                       else "") + f", got {twins!r}")
 
 
 SMALL_DIRECTORY = "fp32-moments"
@@ -212,7 +224,7 @@ GPU_HOST_DIRECTORY = "gpu-host"
 
 
 def with_gpu(devices: Sequence[Union["Device", str]], memory_budget: Union[int, str, None],
-             gpu: int, twins: Optional[bool] = None, host_budget: Union[int, str] = 0) -> list:
+             gpu: int, twins: Union[bool, str, None] = None, host_budget: Union[int, str] = 0) -> list:
     """``devices`` (paths or devices) with GPU ``gpu`` in front, holding ``memory_budget``
     of states in its memory (with ``twins``; None: no such device), its directory ``gpu/``
     in the first device's, and ``host_budget`` of states in host memory that it updates

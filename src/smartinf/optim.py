@@ -53,7 +53,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
                  gpu_memory_budget: "int | str | None" = None,
-                 gpu_twins: Optional[bool] = None, gpu_host_states: "bool | str" = "auto",
+                 gpu_twins: "bool | str | None" = None, gpu_host_states: "bool | str" = "auto",
                  **options: Any) -> None:
         optim_options.check_keywords(subgroup_size, compress, max_grad_norm)
         storage, full = optim_options.split(options, self.torch_class, defaults)

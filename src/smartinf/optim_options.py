@@ -37,7 +37,8 @@ class StorageOptions(TypedDict, total=False):
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
     directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
-    (None: the model chooses, ``smartinf.twins``); ``gpu_host_states`` whether that GPU also
+    (``"host"``: a host copy of the budget that durable commits write from; None: chosen,
+    ``smartinf.twins``); ``gpu_host_states`` whether that GPU also
     updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
     ``CudaDevice(memory="host")``, directory ``gpu-host/``; ``"auto"``, the default with a
     ``gpu_memory_budget``: where faster than the host's cores, ``plan.host_states_budget``).
@@ -146,7 +147,7 @@ def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | st
     return (dataclasses.replace(settings, memory_budget=0) if host else settings), host
 
 
-def devices_with_gpu(devices: list, budget: "int | str | None", twins: Optional[bool],
+def devices_with_gpu(devices: list, budget: "int | str | None", twins: "bool | str | None",
                      plan: Sequence[Subgroup], host_budget: int = 0) -> list:
     """``devices``, with the GPU the params are on in front when given a budget (of its
     memory, or ``host_budget`` of host memory it updates)."""

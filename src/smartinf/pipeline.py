@@ -154,12 +154,15 @@ class Pipeline(Steps, States):
             held_by.append(f"memory_budget={settings.memory_budget} on each of {holders} cpu device(s)")
         if gpus_host:
             held_by.append(f"CudaDevice(memory='host') budgets of {gpus_host} bytes")
-        space.check_memory(host_memory, " and ".join(held_by))
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, host_memory, c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]
-        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins)
+        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins, gpu_host_twin=t.host)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
+        host_twins = sum(s.gpu_memory_budget for s in specs if s.gpu_host_twin)
+        if host_twins:
+            held_by.append(f"host twins of GPU budgets, {host_twins} bytes")
+        space.check_memory(host_memory + host_twins, " and ".join(held_by))
         small = _small_directory(self._devices[0].path, settings.state_dtype, small_sizes)
         self._small = bool(small)
         if small:

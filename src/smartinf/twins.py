@@ -18,15 +18,21 @@ commit anyway, the GPU's wait costs nothing and twins only capacity); else per b
 host's update rate against the disk's write rate). It keeps twins where there is no record.
 Host memory (a ``CpuDevice``) keeps no twins by default: a sub-group its budget cannot take
 streams from storage every step, which costs more than one write per commit interval.
+A GPU's budget may instead have a host twin (``CudaDevice(twins="host")``): page-locked
+host memory as large as the budget, into which a durable commit copies the resident states
+and from which it writes them, so that no update waits and the budget keeps its whole
+capacity. ``twins=None`` takes it wherever the host's available memory holds it
+(``host_twin_fits``), before weighing twins in the budget.
 Neither choice changes a bit of the results, only where states are held and when a step
 waits for a write.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import io_schedule
+from . import defaults, io_schedule, space
 
 
 # How to go without a record that is not one.
@@ -37,6 +43,22 @@ INSTEAD = "pass twins=True or False"
 class Choice:
     twins: bool
     reason: str
+    host: bool = False  # a host twin of a GPU's budget (CudaDevice twins="host")
+
+
+def host_twin_fits(budget: int, other_host_bytes: float = 0) -> tuple[bool, str]:
+    """Whether the host's available memory holds a host twin of a GPU budget of ``budget``
+    bytes for every rank of this machine (``LOCAL_WORLD_SIZE``, each as large), beside the
+    pipeline's ``other_host_bytes`` of host budgets (each rank's), with
+    ``defaults.HOST_TWIN_SPARE_SHARE`` of the machine's memory left; and why."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    need = int((budget + other_host_bytes) * ranks)
+    spare = int(defaults.HOST_TWIN_SPARE_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    available = space.available_memory()
+    fits = need + spare <= available
+    return fits, (f"{'a' if fits else 'no'} host twin: {ranks} rank(s)' GPU budgets and other "
+                  f"host budgets take {need / 1e9:.1f} GB of host memory with their twins, "
+                  f"{available / 1e9:.1f} GB is available, {spare / 1e9:.1f} GB to be left spare")
 
 
 def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bool,
@@ -47,6 +69,8 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
     ``ram_budget`` the host memory that takes those the device does not, and ``schedule``
     the I/O schedule its ring runs (None: the one the record favours)."""
     asked = getattr(device, "twins", False)
+    if asked == "host":
+        return Choice(False, "as requested: a host twin of the GPU's budget", host=True)
     if asked is not None:
         return Choice(bool(asked), "as requested" if asked else "the default: twins from what "
                       "is left of the budget at a commit")
@@ -54,6 +78,10 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
         return Choice(False, "no memory budget: nothing resident")
     if not overlap:
         return Choice(False, "overlap=False: a durable commit is written before commit() returns")
+    if getattr(device, "memory", "host") == "gpu":
+        fits, why = host_twin_fits(device.memory_budget, ram_budget)
+        if fits:
+            return Choice(False, why, host=True)
     path = io_schedule.find_record(device.path)
     figures = io_schedule.load_record(path, INSTEAD) if path else None
     if figures is not None and subgroup_sizes:

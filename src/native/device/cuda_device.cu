@@ -42,6 +42,9 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
  public:
   CudaDevice(std::string dir, const SlotGeometry& g, const CudaOptions& o)
       : SlottedDevice(std::move(dir), g, g), gpu_(o.gpu), host_memory_(o.host_memory) {
+    if (o.host_twin && o.host_memory)
+      throw std::invalid_argument("a host twin is for a budget in GPU memory: states in host "
+                                  "memory (memory=\"host\") are written from where they are");
     int count = 0;
     const cudaError_t found = cudaGetDeviceCount(&count);
     if (found != cudaSuccess || count == 0)
@@ -71,6 +74,11 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       }
       check(cudaStreamCreateWithFlags(&persist_stream_, cudaStreamNonBlocking), "creating a stream");
       allocate_resident(store::align_up(o.resident_bytes));
+      if (o.host_twin && resident_bytes_) {
+        require_host_memory(resident_bytes_, dir_ + "'s host twin");
+        check(cudaHostAlloc(&host_twin_, resident_bytes_, cudaHostAllocPortable),
+              "page-locking a host twin of " + std::to_string(resident_bytes_) + " bytes");
+      }
     } catch (...) {  // no destructor runs for a constructor that throws
       release();
       throw;
@@ -120,6 +128,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   void resident_loaded(size_t i, size_t bytes) override {
     if (!host_memory_) states_to_gpu(i, bytes);
   }
+  char* host_twin() const override { return static_cast<char*>(host_twin_); }
   void resident_to_host(uint64_t at, void* dst, size_t bytes) const override {
     check(cudaSetDevice(gpu_), "selecting the GPU");
     check(cudaMemcpyAsync(dst, resident(at), bytes, cudaMemcpyDeviceToHost, persist_stream_),
@@ -323,6 +332,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     else
       cudaFree(resident_);
     resident_ = nullptr;
+    cudaFreeHost(host_twin_);
+    host_twin_ = nullptr;
     for (size_t i = 0; i < registered_; ++i) cudaHostUnregister(slots_.memory(i));
     registered_ = 0;
   }
@@ -340,6 +351,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   std::vector<Mirror> mirrors_;
   void* resident_ = nullptr;
   uint64_t resident_bytes_ = 0;
+  void* host_twin_ = nullptr;  // CudaOptions::host_twin: page-locked, resident_bytes_ of it
   cudaStream_t persist_stream_ = nullptr;  // the background lane's copies to the host
 };
 

@@ -21,6 +21,10 @@ struct CudaOptions {
   int gpu = 0;  // CUDA device ordinal
   uint64_t resident_bytes = 0;  // the memory budget: GPU memory, or host memory (host_memory)
   bool host_memory = false;
+  // A budget in GPU memory with a page-locked host copy of its size (Device::host_twin): a
+  // durable commit copies the resident states there and writes them from it, so the next
+  // update never waits for the disk.
+  bool host_twin = false;
 };
 std::unique_ptr<Device> make_cuda_device(const std::string& dir, const SlotGeometry& geometry,
                                          const CudaOptions& options);

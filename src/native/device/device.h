@@ -113,6 +113,11 @@ class Device {
   virtual void resident_loaded(size_t slot, size_t bytes);
   // `bytes` at byte `at` of resident memory into host memory `dst`.
   virtual void resident_to_host(uint64_t at, void* dst, size_t bytes) const;
+  // Host memory as large as the resident memory, byte for byte, that a durable commit's
+  // writes are made from (null: none, they are made from resident memory or bounce
+  // buffers): its states are copied there when the commit is queued, and the resident
+  // copy may be updated at once (CudaOptions::host_twin).
+  virtual char* host_twin() const { return nullptr; }
   // A split master's checksum of the params its states were emitted with, 8 bytes at
   // `offset` of the states slot `slot` is bound to: read when the params come back, written
   // after the update. In the slot's host states; a GPU's resident states hold their own.

@@ -91,7 +91,8 @@ void Pipeline::settle() {
 // the background, later steps update resident states meanwhile: a resident sub-group's
 // first update after this copies it into its twin (given now from what is left of the
 // budget) and works there; one without a twin waits for its own states' write, and a
-// streamed one for the commit.
+// streamed one for the commit. On a device with a host twin (a GPU's budget copied to
+// page-locked host memory here, and written from there) nothing waits.
 void Pipeline::make_durable(uint64_t step) {
   land();  // one pending commit at a time, landed in order
   PendingCommit c;
@@ -104,10 +105,13 @@ void Pipeline::make_durable(uint64_t step) {
     if (!p.behind) continue;
     Unit& u = devices_[p.unit];
     u.store->begin_rewrite();  // one copy: written over the committed states from here
-    if (options_.background_commit) give_twin(p);
+    // A device with a host twin copies the states there as the jobs are queued: its
+    // resident copy is free at once, and no twin of it is needed.
+    const bool copied = u.device->host_twin() != nullptr;
+    if (options_.background_commit && !copied) give_twin(p);
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
-    p.persisting(jobs.front().completion);
+    if (!copied) p.persisting(jobs.front().completion);
     for (Job& job : jobs) u.ring->persist(job);
   }
   const bool background = options_.background_commit && !c.writes.empty();

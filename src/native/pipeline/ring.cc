@@ -40,8 +40,9 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
   host_memory_ = device.host_memory();
   if (options.storage_bps > 0) storage_limit_ = std::make_unique<RateLimiter>(options.storage_bps);
   for (size_t i = 0; i < device.slot_count(); ++i) free_slots_.push(i);
-  // Resident states outside host memory are written from host copies: fixed, made now.
-  if (device.resident_bytes() && !device.host_visible_resident())
+  // Resident states outside host memory are written from host copies: fixed, made now
+  // (a host twin is one of the whole resident memory).
+  if (device.resident_bytes() && !device.host_visible_resident() && !device.host_twin())
     for (size_t i = 0; i < kPersistInFlight; ++i) {
       void* mem = std::aligned_alloc(store::kAlign, store::align_up(device.slot_states_bytes()));
       if (!mem) throw std::bad_alloc();
@@ -157,6 +158,8 @@ io::Op Ring::storage_op(bool write, const store::Extent& e, void* buf, int buf_i
 
 void Ring::persist(Job job) {
   if (!persister_) throw std::logic_error("persist job for a device without resident memory");
+  if (char* twin = device_.host_twin())  // the resident copy is free once this returns
+    device_.resident_to_host(job.resident, twin + job.resident, job.dst.bytes);
   persisting_.push(std::move(job));
 }
 
@@ -179,7 +182,9 @@ void Ring::persist_loop() {
       Write w{std::move(*job), 0, std::nullopt};
       try {
         void* states;
-        if (bounce_.empty()) {
+        if (char* twin = device_.host_twin()) {
+          states = twin + w.job.resident;  // copied there by persist()
+        } else if (bounce_.empty()) {
           states = const_cast<void*>(device_.resident_at(w.job.resident));
         } else {  // FIFO: this buffer's last write, kPersistInFlight back, is done
           states = bounce_[next_bounce].get();

@@ -123,7 +123,8 @@ class Ring {
   // write-back error, which means the step must not be committed.
   void drain();
   // Queues a persist job (a resident chunk's states written to `dst`) on the background
-  // lane; its completion is done when the write is, with the write's error if any.
+  // lane; its completion is done when the write is, with the write's error if any. On a
+  // device with a host twin the states are copied there first, before this returns.
   void persist(Job job);
 
   const Counters& counters() const { return counters_; }

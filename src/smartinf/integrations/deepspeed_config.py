@@ -15,7 +15,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
-from .. import defaults, gpu_cores, plan, update_rules
+from .. import defaults, gpu_cores, plan, twins, update_rules
 from ..checkpoint import STATES, manifest_copies, manifest_fields
 from ..compress import TopK
 from ..devices import GPU_DIRECTORY, rank_directory, with_gpu
@@ -37,7 +37,7 @@ class Settings:
     # "gpu": {"memory_budget": ...}: the rank's GPU as a device; "auto": what its memory
     # leaves (``gpu_budget``), less ``gpu_reserve`` ("gpu": {"reserve": ...}; None: a share)
     gpu_memory_budget: Union[int, str] = 0
-    gpu_twins: Optional[bool] = None  # "gpu": {"twins": ...}: CudaDevice's twins
+    gpu_twins: Union[bool, str, None] = None  # "gpu": {"twins": ...}: CudaDevice's twins
     gpu_reserve: Optional[int] = None
     # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU,
     # its states crossing PCIe (CudaDevice(memory="host")); "auto" (with a "gpu" block, the
@@ -76,11 +76,13 @@ class Settings:
         if gpu is not None and (not isinstance(gpu, dict)
                                 or not ({"memory_budget", "host_states"} & set(gpu))
                                 or not set(gpu) <= {"memory_budget", "twins", "reserve", "host_states"}
-                                or not isinstance(gpu.get("twins", False), (bool, type(None)))
+                                or not (isinstance(gpu.get("twins"), (bool, type(None)))
+                                        or gpu.get("twins") == "host")
                                 or gpu.get("host_states", "auto") not in (True, False, "auto")):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
                              f'the rank\'s GPU memory for states, e.g. "8GiB", or "auto") and '
-                             f'optionally "twins" (true, false or null: the model chooses) and, '
+                             f'optionally "twins" (true, false, "host": a host copy of the budget '
+                             f'that durable commits write from, or null: chosen) and, '
                              f'with "auto", "reserve" (bytes left to the activations), and/or '
                              f'"host_states" (true: the states the memory_budget keeps in host '
                              f'memory are updated on the GPU; false: on the host\'s cores; "auto", '
@@ -125,17 +127,23 @@ class Settings:
         a run that rank ``rank``'s directory holds take of its GPU (``held_gpu_budget``), or
         from this rank's GPU now (``gpu_budget``), given the bytes DeepSpeed allocates on it
         after the optimizer is built (its gradient buffer and buckets); twins unless asked
-        for: none (room for states first)."""
+        for: a host twin where the host's memory holds it (``twins.host_twin_fits``), else
+        none (the budget's room for states first)."""
         if self.gpu_memory_budget != "auto":
             return self
         held = None if self.pipeline.if_exists == "overwrite" else \
             held_gpu_budget(os.path.join(rank_directory(self.devices[0], rank), GPU_DIRECTORY))
-        if held is not None and self.gpu_twins:
+        if held is not None and self.gpu_twins is True:
             held *= 2  # (each resident sub-group with room for its twin)
         budget = measured if measured is not None else held if held is not None else \
             gpu_budget(params_bytes, self.gpu_reserve)
-        return dataclasses.replace(self, gpu_memory_budget=budget,
-                                   gpu_twins=False if self.gpu_twins is None else self.gpu_twins)
+        chosen = self.gpu_twins
+        if chosen is None:
+            tier = self.pipeline.memory_budget if isinstance(self.pipeline.memory_budget, int) else 0
+            fits, why = twins.host_twin_fits(budget, tier * len(self.devices))
+            chosen = "host" if fits and budget and self.pipeline.overlap else False
+            logger.info("smartinf: rank %d's GPU budget: %s", rank, why)
+        return dataclasses.replace(self, gpu_memory_budget=budget, gpu_twins=chosen)
 
     def with_host_states_on_gpu(self, rank: int = 0) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
