@@ -8,6 +8,7 @@ accessors and checkpoint tools run once in tests/deepspeed_api.py. DeepSpeed's J
 (cpu_adam, shm comm) build once into TORCH_EXTENSIONS_DIR (the Makefile points it at
 build/torch_extensions).
 """
+import dataclasses
 import json
 import math
 import os
@@ -579,10 +580,7 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 << 30, 80 << 30))
     sized = s.with_gpu_budget(10 << 30)
     assert sized.gpu_memory_budget == (50 << 30) - (10 << 30) - int((80 << 30) * 0.15)
-    assert sized.gpu_twins is False
-    monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
-    assert s.with_gpu_budget(10 << 30).gpu_twins == "host"
-    assert s.with_gpu_budget(10 << 30).rank_devices(0, gpu=0)[0].twins == "host"
+    assert sized.gpu_twins is None and sized.gpu_sized  # chosen by fitted_to
     given = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
         "memory_budget": "auto", "reserve": "4GiB", "twins": True}}}).with_gpu_budget(45 << 30)
     assert given.gpu_memory_budget == (1 << 30) and given.gpu_twins is True
@@ -594,6 +592,40 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
     with pytest.raises(ValueError, match="reserve"):
         sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
             "memory_budget": "2GiB", "reserve": "4GiB"}}})
+
+
+def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
+    """Once a budget of "auto" is sized: the GPU holds whole sub-groups first (as the
+    pipeline places them), the host's budget (sized by the plan for all of the states)
+    shrinks to twice what is left, at least 1 MiB; a host twin of what the GPU holds where
+    the host's memory takes it (the GPU's budget then shrinks to that), else no twins;
+    twins asked for are kept, and a budget given in bytes is not fitted."""
+    from smartinf import _native, space
+    mib = 1 << 20
+    monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
+    block = {"devices": ["/a", "/b"], "memory_budget": 3000 * mib, "chunk": 1 << 20,
+             "gpu": {"memory_budget": "auto"}}
+    per = _native.state_bytes("fp32", "fp32", 1 << 20)  # 12 MiB a full chunk, aligned
+    assert per == 12 * mib
+    s = dataclasses.replace(sds.Settings.from_config({"smartinf": block}),
+                            gpu_memory_budget=100 * mib, gpu_sized=True)
+    whole = s.fitted_to([2 << 20] * 4, 3)  # 24 MiB each: all four on the GPU
+    assert whole.gpu_twins == "host" and whole.gpu_memory_budget == 96 * mib
+    assert whole.pipeline.memory_budget == mib // 2  # 1 MiB over two directories
+    some = s.fitted_to([3 << 20] * 4, 3)  # 36 MiB each: two on the GPU
+    assert some.gpu_memory_budget == 72 * mib and some.pipeline.memory_budget == 72 * mib
+    moved = dataclasses.replace(s, gpu_host_budget=6000 * mib,
+                                pipeline=dataclasses.replace(s.pipeline, memory_budget=0))
+    fitted = moved.fitted_to([3 << 20] * 4, 3)
+    assert fitted.gpu_host_budget == 144 * mib and fitted.pipeline.memory_budget == 0
+    assert s.fitted_to([2 << 20] * 4, 2).gpu_memory_budget == 64 * mib  # 8 MiB a chunk
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
+    none = s.fitted_to([2 << 20] * 4, 3)
+    assert none.gpu_twins is False and none.gpu_memory_budget == 100 * mib
+    asked = dataclasses.replace(s, gpu_twins=True).fitted_to([2 << 20] * 4, 3)
+    assert asked.gpu_twins is True and asked.pipeline.memory_budget == 48 * mib  # 2 x 48 there
+    given = dataclasses.replace(s, gpu_sized=False)
+    assert given.fitted_to([2 << 20] * 4, 3) is given
 
 
 def test_an_auto_gpu_budget_is_measured_by_the_first_step_on_a_fresh_run(monkeypatch, tmp_path):

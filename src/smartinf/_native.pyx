@@ -234,9 +234,12 @@ cdef StateLayout adam_layout(str state_dtype, str master):
     return layout
 
 
-def state_bytes(str state_dtype, str master, uint64_t numel) -> int:
-    """Bytes of one chunk of ``numel`` params' Adam states (store/layout.h), unaligned."""
-    return adam_layout(state_dtype, master).bytes(numel)
+def state_bytes(str state_dtype, str master, uint64_t numel, unsigned arrays=3) -> int:
+    """Bytes of one chunk of ``numel`` params' states (store/layout.h), unaligned: Adam's, or
+    a rule's of ``arrays`` fp32 arrays (the master first)."""
+    cdef StateLayout layout = adam_layout(state_dtype, master)
+    layout.arrays = arrays
+    return layout.bytes(numel)
 
 
 def manifest_roundtrip(bytes text) -> bytes:

@@ -9,13 +9,13 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
-from .. import defaults, gpu_cores, plan, twins, update_rules
+from .. import _native, defaults, gpu_cores, plan, twins, update_rules
 from ..checkpoint import STATES, manifest_copies, manifest_fields
 from ..compress import TopK
 from ..devices import GPU_DIRECTORY, rank_directory, with_gpu
@@ -45,6 +45,9 @@ class Settings:
     # Its bytes, once moved there (``with_host_states_on_gpu``): gpu_host_budget
     gpu_host_states: Union[bool, str] = False
     gpu_host_budget: int = 0
+    # A budget of "auto" sized here (with_gpu_budget): ``fitted_to`` then gives the host
+    # what the GPU leaves of the rank's states, and the GPU a host twin where one fits.
+    gpu_sized: bool = False
     auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
 
     @classmethod
@@ -126,9 +129,8 @@ class Settings:
         """A budget of ``"auto"`` sized: ``measured`` (by the first step), what the states of
         a run that rank ``rank``'s directory holds take of its GPU (``held_gpu_budget``), or
         from this rank's GPU now (``gpu_budget``), given the bytes DeepSpeed allocates on it
-        after the optimizer is built (its gradient buffer and buckets); twins unless asked
-        for: a host twin where the host's memory holds it (``twins.host_twin_fits``), else
-        none (the budget's room for states first)."""
+        after the optimizer is built (its gradient buffer and buckets). Twins, unless asked
+        for, are chosen by ``fitted_to``."""
         if self.gpu_memory_budget != "auto":
             return self
         held = None if self.pipeline.if_exists == "overwrite" else \
@@ -137,13 +139,50 @@ class Settings:
             held *= 2  # (each resident sub-group with room for its twin)
         budget = measured if measured is not None else held if held is not None else \
             gpu_budget(params_bytes, self.gpu_reserve)
-        chosen = self.gpu_twins
-        if chosen is None:
-            tier = self.pipeline.memory_budget if isinstance(self.pipeline.memory_budget, int) else 0
-            fits, why = twins.host_twin_fits(budget, tier * len(self.devices))
-            chosen = "host" if fits and budget and self.pipeline.overlap else False
-            logger.info("smartinf: rank %d's GPU budget: %s", rank, why)
-        return dataclasses.replace(self, gpu_memory_budget=budget, gpu_twins=chosen)
+        return dataclasses.replace(self, gpu_memory_budget=budget, gpu_sized=True)
+
+    def fitted_to(self, numels: Sequence[int], arrays: int, rank: int = 0) -> "Settings":
+        """After a budget of ``"auto"`` is sized (``with_gpu_budget``, ``with_host_states_on_gpu``),
+        for a rank whose sub-groups (not the small tensors') have ``numels`` params, states
+        of ``arrays`` fp32 arrays: the GPU's budget holds whole sub-groups first, as the
+        pipeline places them; the host's budget (the memory tier, or the GPU's in host
+        memory) shrinks to what is left, with room for its twins (the plan sized it for all
+        of the states; at least 1 MiB, so that the device list stays what it was). Twins
+        not asked for: a host twin of what the GPU holds where the host's memory takes it
+        (``twins.host_twin_fits``; the GPU's budget then shrinks to that), else none (the
+        budget's room for states first)."""
+        if not self.gpu_sized:
+            return self
+        p = self.pipeline
+        chunk = p.chunk or defaults.chunk()
+
+        def stored(numel: int) -> int:  # one copy, 4 KiB-aligned chunks (store/layout.h)
+            full, last = divmod(numel, chunk)
+            aligned = lambda n: -(-_native.state_bytes(p.state_dtype, p.master, n, arrays) // 4096) * 4096
+            return full * aligned(chunk) + (aligned(last) if last else 0)
+        per = 2 if self.gpu_twins is True else 1
+        left, host_need = self.gpu_memory_budget, 0
+        for numel in numels:
+            if per * stored(numel) <= left:
+                left -= per * stored(numel)
+            else:
+                host_need += stored(numel)
+        holders = len(self.devices)
+        host = self.gpu_host_budget or (p.memory_budget if isinstance(p.memory_budget, int) else 0) * holders
+        kept = max(min(host, 2 * host_need), 1 << 20) if host else 0
+        if kept < host:
+            logger.info("smartinf: rank %d's host budget %d bytes, not %d: the GPU's budget holds "
+                        "all but %d bytes of its states", rank, kept, host, host_need)
+        fitted = dataclasses.replace(self, gpu_host_budget=kept) if self.gpu_host_budget else \
+            dataclasses.replace(self, pipeline=dataclasses.replace(p, memory_budget=-(-kept // holders)))
+        if self.gpu_twins is not None:
+            return fitted
+        used = self.gpu_memory_budget - left
+        fits, why = twins.host_twin_fits(used, kept)
+        logger.info("smartinf: rank %d's GPU budget: %s", rank, why)
+        if fits and used and p.overlap:
+            return dataclasses.replace(fitted, gpu_twins="host", gpu_memory_budget=used)
+        return dataclasses.replace(fitted, gpu_twins=False)
 
     def with_host_states_on_gpu(self, rank: int = 0) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
@@ -234,10 +273,12 @@ def held_gpu_budget(gpu_directory: str) -> Optional[int]:
 
 
 def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,
-                 measured: Optional[int] = None) -> Settings:
+                 measured: Optional[int] = None, numels: Sequence[int] = (),
+                 arrays: int = 3) -> Settings:
     """Where this rank has a GPU: its budget sized if ``"auto"`` (``Settings.with_gpu_budget``;
-    ``measured`` by the first step) and its update threads on the cores nearest it
-    (``gpu_cores``), before its pipeline opens."""
+    ``measured`` by the first step; then ``fitted_to`` the rank's sub-groups, ``numels`` of
+    ``arrays`` state arrays) and its update threads on the cores nearest it (``gpu_cores``),
+    before its pipeline opens."""
     rank = dist.get_rank()
     if not torch.cuda.is_available():  # (refuses "auto" and "host_states" clearly)
         return settings.with_gpu_budget(later_bytes, rank).with_host_states_on_gpu(rank)
@@ -245,7 +286,8 @@ def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
     if cores:
         logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's", rank, cores)
-    return settings.with_gpu_budget(later_bytes, rank, measured).with_host_states_on_gpu(rank)
+    return settings.with_gpu_budget(later_bytes, rank, measured).with_host_states_on_gpu(
+        rank).fitted_to(numels, arrays, rank)
 
 
 def check_config(config: dict) -> Settings:

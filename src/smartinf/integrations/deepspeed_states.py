@@ -36,9 +36,12 @@ class StoredStates:
         if_exists = if_exists or given
         sizing = dataclasses.replace(self.settings, pipeline=dataclasses.replace(
             self.settings.pipeline, if_exists=if_exists))
+        rule = stored_rule([_rule(self._rule_class, g) for g in self.optimizer.param_groups])
+        numels = [int(n) for n, s in zip(self.fp16_partitioned_groups_flat_numel, self._small) if not s]
+        fitted = for_this_gpu(sizing, self._later, self._gpu, measured, numels,
+                              1 + len(rule.state_names))
         self.settings = dataclasses.replace(
-            for_this_gpu(sizing, self._later, self._gpu, measured),
-            pipeline=dataclasses.replace(sizing.pipeline, if_exists=given))
+            fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
         self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
