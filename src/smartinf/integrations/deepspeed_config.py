@@ -154,7 +154,7 @@ class Settings:
         if not self.gpu_sized:
             return self
         p = self.pipeline
-        chunk = p.chunk or defaults.chunk()
+        chunk = p.chunk or defaults.chunk() or defaults.GPU_CHUNK  # (a resumed run keeps its own: the same to within its alignment)
 
         def stored(numel: int) -> int:  # one copy, 4 KiB-aligned chunks (store/layout.h)
             full, last = divmod(numel, chunk)
