@@ -628,6 +628,20 @@ def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
     assert given.fitted_to([2 << 20] * 4, 3) is given
 
 
+def test_an_auto_gpu_budget_is_fitted_in_the_chunks_of_the_run_it_resumes(monkeypatch, tmp_path):
+    """Without a chunk given, the pipeline takes the held run's (else a GPU's, 16 Mi): the
+    bytes a sub-group takes are reckoned in those chunks, each 4 KiB-aligned."""
+    from smartinf import space
+    monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
+    block = {"devices": [str(tmp_path / "run")], "gpu": {"memory_budget": "auto"}}
+    s = dataclasses.replace(sds.Settings.from_config({"smartinf": block}),
+                            gpu_memory_budget=1 << 30, gpu_sized=True)
+    assert s.fitted_to([10_001], 3).gpu_memory_budget == 122_880  # one chunk: 120,012 B aligned
+    (tmp_path / "run" / "rank00000").mkdir(parents=True)
+    (tmp_path / "run" / "rank00000" / "manifest").write_text("chunk 1000\n")
+    assert s.fitted_to([10_001], 3).gpu_memory_budget == 10 * 12_288 + 4_096
+
+
 def test_an_auto_gpu_budget_is_measured_by_the_first_step_on_a_fresh_run(monkeypatch, tmp_path):
     """Without a "reserve", a budget of "auto" on fresh directories waits for the first step
     (``measures_gpu_budget``), which sizes it from what the first iteration took: free now,

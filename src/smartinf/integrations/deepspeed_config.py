@@ -154,7 +154,9 @@ class Settings:
         if not self.gpu_sized:
             return self
         p = self.pipeline
-        chunk = p.chunk or defaults.chunk() or defaults.GPU_CHUNK  # (a resumed run keeps its own: the same to within its alignment)
+        held = (manifest_fields(rank_directory(self.devices[0], rank)) or {}).get("chunk", "")
+        # the pipeline's chunk (pipeline._default_chunk): given, the held run's, or a GPU's
+        chunk = p.chunk or defaults.chunk() or (int(held) if held.isdigit() else defaults.GPU_CHUNK)
 
         def stored(numel: int) -> int:  # one copy, 4 KiB-aligned chunks (store/layout.h)
             full, last = divmod(numel, chunk)
