@@ -456,16 +456,28 @@ def place_sizes(sizes, state_bytes: float, gpu_budget: float, ram_budget: float,
         raise ValueError(f"sub-group sizes and state_bytes must be positive, budgets >= 0; got "
                          f"state_bytes {state_bytes}, budgets {gpu_budget} and {ram_budget}"
                          + ("" if bad is None else f", a sub-group of {bad}"))
-    left = {"gpu": float(gpu_budget), "ram": float(ram_budget)}
-    copies = {"gpu": 2 if twins else 1, "ram": 1}
     placed = {"gpu": 0.0, "ram": 0.0, "streamed": 0.0}
-    for n in sizes:
-        where = next((k for k in ("gpu", "ram") if n * state_bytes * copies[k] <= left[k]),
-                     "streamed")
-        if where != "streamed":
-            left[where] -= n * state_bytes * copies[where]
+    tiers = fill([n * state_bytes for n in sizes], {"gpu": gpu_budget, "ram": ram_budget},
+                 {"gpu": 2 if twins else 1})
+    for n, where in zip(sizes, tiers):
         placed[where] += n
     return Placement(**placed)
+
+
+def fill(sizes_bytes, budgets: dict, copies: Optional[dict] = None) -> list:
+    """The tier each sub-group goes to, in order, as ``Pipeline.add_subgroup`` places them
+    (its resident memory is given out first come, first served): the first of ``budgets``
+    (name: bytes, in order) with room for its states (``sizes_bytes``, one copy; times the
+    tier's ``copies``, 2 with twins), else ``"streamed"``."""
+    left = {k: float(b) for k, b in budgets.items()}
+    copies = copies or {}
+    tiers = []
+    for size in sizes_bytes:
+        where = next((k for k in left if size * copies.get(k, 1) <= left[k]), "streamed")
+        if where != "streamed":
+            left[where] -= size * copies.get(where, 1)
+        tiers.append(where)
+    return tiers
 
 
 # Twins unless the mean without them is shorter by more than this: what the model cannot

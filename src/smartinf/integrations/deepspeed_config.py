@@ -162,13 +162,12 @@ class Settings:
             full, last = divmod(numel, chunk)
             aligned = lambda n: -(-_native.state_bytes(p.state_dtype, p.master, n, arrays) // 4096) * 4096
             return full * aligned(chunk) + (aligned(last) if last else 0)
+        from .. import model  # (its formulas; not at import, as twins does)
         per = 2 if self.gpu_twins is True else 1
-        left, host_need = self.gpu_memory_budget, 0
-        for numel in numels:
-            if per * stored(numel) <= left:
-                left -= per * stored(numel)
-            else:
-                host_need += stored(numel)
+        sizes = [stored(n) for n in numels]
+        tiers = model.fill(sizes, {"gpu": self.gpu_memory_budget}, {"gpu": per})
+        used = sum(per * b for b, t in zip(sizes, tiers) if t == "gpu")
+        host_need = sum(b for b, t in zip(sizes, tiers) if t != "gpu")
         holders = len(self.devices)
         host = self.gpu_host_budget or (p.memory_budget if isinstance(p.memory_budget, int) else 0) * holders
         kept = max(min(host, 2 * host_need), 1 << 20) if host else 0
@@ -179,7 +178,6 @@ class Settings:
             dataclasses.replace(self, pipeline=dataclasses.replace(p, memory_budget=-(-kept // holders)))
         if self.gpu_twins is not None:
             return fitted
-        used = self.gpu_memory_budget - left
         fits, why = twins.host_twin_fits(used, kept)
         logger.info("smartinf: rank %d's GPU budget: %s", rank, why)
         if fits and used and p.overlap:
