@@ -146,6 +146,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         uint64_t memory_budget
         uint64_t commit_every
         uint32_t copies
+        cbool log
         cbool background_commit
         unsigned compute_threads
         RingOptions ring
@@ -171,7 +172,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
         size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&, cbool) except +raise_py_error nogil
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
-                                      const UpdateHyper&, cbool) except +raise_py_error nogil
+                                      const UpdateHyper&, cbool, cbool) except +raise_py_error nogil
         cbool retractable(size_t) except +raise_py_error
         void retract(size_t) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
@@ -389,7 +390,8 @@ cdef class NativePipeline:
         options.if_exists = settings.if_exists.encode()
         options.memory_budget = settings.memory_budget
         options.commit_every = settings.commit_every
-        options.copies = settings.copies
+        options.copies = 1 if settings.copies == "log" else settings.copies
+        options.log = settings.copies == "log"
         options.background_commit = settings.overlap
         options.compute_threads = settings.compute_threads
         options.ring.io = settings.io.encode()
@@ -415,7 +417,7 @@ cdef class NativePipeline:
 
     def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,
                uint64_t nnz, uintptr_t out, int out_dtype, dict hyper,
-               cbool speculative=False) -> NativeCompletion:
+               cbool speculative=False, cbool log_only=False) -> NativeCompletion:
         cdef Gradient g
         g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
         g.index, g.nnz = <const int32_t*>index, nnz
@@ -431,7 +433,7 @@ cdef class NativePipeline:
             h.lr_decay = hyper["lr_decay"]
         cdef NativeCompletion done = NativeCompletion()
         with nogil:
-            done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h, speculative)
+            done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h, speculative, log_only)
         return done
 
     def retractable(self, size_t sg) -> bool:

@@ -59,6 +59,7 @@ class Driver:
         # GPU (made at first use, kept), and which out the last send used.
         self._gpu_outs: dict[tuple[int, int], torch.Tensor] = {}
         self._outs: dict[int, torch.Tensor] = {}
+        self._logging = False  # send logs the gradient only (``log``)
 
     def grow(self, size: int) -> None:
         """Staging for sub-groups of ``size`` params (asked for by the user: add_param_group)."""
@@ -105,7 +106,7 @@ class Driver:
             device = grad.device if grad.is_cuda else params.device
             torch.cuda.current_stream(device).synchronize()  # the host copies landed
         return self.pipeline.update(sg, g, out, grad_scale=scale, speculative=speculative,
-                                    **hyper)
+                                    log_only=self._logging, **hyper)
 
     def host_arrays(self, count: int, numel: int) -> list[torch.Tensor]:
         """``count`` distinct fp32 staging buffers of ``numel`` (states read between steps:
@@ -127,6 +128,15 @@ class Driver:
             finish: Callable[[Any, Any, int], None]) -> None:
         """``pipelined`` with this staging's depth: every device has a sub-group in flight."""
         pipelined(items, send, finish, self.staging.depth)
+
+    def log(self, items: Sequence[Any], send: Callable[[Any, int], Any]) -> None:
+        """``items``' gradients logged, as ``send`` stages them, before the step's first
+        update (``copies="log"``: ``Pipeline.update(log_only=True)``)."""
+        self._logging = True
+        try:
+            pipelined(items, send, lambda item, future, buffer: future.wait(), self.staging.depth)
+        finally:
+            self._logging = False
 
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link (host_to_device, device_to_host, storage_read,

@@ -76,6 +76,12 @@ class Steps:
         self._open().roll_back_to(step)
 
     @property
+    def logs_gradients(self) -> bool:
+        """Whether each step's gradients are logged before its first update (``copies="log"``:
+        ``update(..., log_only=True)`` for every sub-group first)."""
+        return self.settings.copies == "log"
+
+    @property
     def commit_pending(self) -> bool:
         """Whether a durable commit is being written in the background (``overlap``)."""
         return self._open().commit_pending
@@ -93,7 +99,7 @@ class Steps:
                 stacklevel=3)
 
     def update(self, sg: int, grad: Any, out: Any, *, grad_scale: float = 1.0,
-               speculative: bool = False, **overrides: Any) -> UpdateFuture:
+               speculative: bool = False, log_only: bool = False, **overrides: Any) -> UpdateFuture:
         """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
 
         ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
@@ -111,6 +117,10 @@ class Steps:
         ``speculative=True`` (where ``retractable(sg)``): the update may be taken back with
         ``retract(sg)`` before the step is committed (its gradient or the step's global
         decisions turned out other than assumed).
+        ``log_only=True`` (``copies="log"``, ``logs_gradients``): the gradient and
+        hyper-parameters are logged, nothing is updated (the future is done at once); every
+        sub-group a step updates is logged so before the step's first update, and updated
+        with the same gradient and hyper-parameters.
         """
         native = self._open()
         sg = self._subgroup(sg)
@@ -145,7 +155,7 @@ class Steps:
             torch.cuda.current_stream(on_gpu[0].device).synchronize()
         done = native.update(sg, g.address, g.dtype, index is not None,
                              index.address if index else 0, nnz, o.address, o.dtype, hyper,
-                             bool(speculative))
+                             bool(speculative), bool(log_only))
         future = UpdateFuture(done, keep)
         self._inflight.append(future)
         return future

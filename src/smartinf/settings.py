@@ -87,6 +87,12 @@ class PipelineSettings:
         durable commit writes the states in place, so a crash while it writes loses them
         (the reopen refuses the directory, naming the step; ``if_exists="overwrite"``
         starts afresh). ``discard()`` after ``write_states`` closes the pipeline likewise.
+        ``"log"``: one copy with forward recovery, every instant recoverable at about
+        S + G (the states, plus one step's gradients: 14 B a param for fp32 states and bf16
+        gradients, against two copies' 24): each chunk's new version goes to a free extent,
+        each step's gradients are logged before its first update, and a crash reopens at the
+        step before or finishes the logged one. One cpu device, fp32 master, no
+        memory_budget, ``commit_every=1``, ``overlap`` off (docs/memory-tiers.md).
     compute_threads
         Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this
         process may use, less two from 8 on); the same bits with any number.
@@ -126,7 +132,7 @@ class PipelineSettings:
     io_schedule: str = defaults.IO_SCHEDULE
     overlap: bool = True
     piece_bytes: int = defaults.PIECE_BYTES
-    copies: int = 2
+    copies: "int | str" = 2
 
     @classmethod
     def resolve(cls, *, slots: Optional[int] = None, chunk: Optional[int] = None,
@@ -136,7 +142,7 @@ class PipelineSettings:
                 memory_budget=None, commit_every: Optional[int] = None,
                 compute_threads: Optional[int] = None,
                 master: str = "fp32", io_schedule: Optional[str] = None,
-                overlap: Optional[bool] = None, copies: int = 2) -> "PipelineSettings":
+                overlap: Optional[bool] = None, copies: "int | str" = 2) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -147,10 +153,16 @@ class PipelineSettings:
             else defaults.parse_bytes(memory_budget, "memory_budget")
         commit_every = defaults.commit_every() if commit_every is None else commit_every
         compute_threads = defaults.compute_threads() if compute_threads is None else compute_threads
-        overlap = defaults.overlap() if overlap is None else overlap
+        if isinstance(copies, str) and copies != "log":
+            raise ValueError(f"copies={copies!r}: expected 1, 2 or 'log'")
+        if copies == "log" and overlap:
+            raise ValueError("copies='log' logs a step's gradients before its first update, so no "
+                             "update runs during backward: pass overlap=False, or leave it out")
+        overlap = (copies != "log" and defaults.overlap()) if overlap is None else overlap
         checked = (("slots", slots, 1, 256), ("chunk", chunk, 1, 1 << 28),
                    ("queue_depth", queue_depth, 1, 4096), ("commit_every", commit_every, 1, 1 << 20),
-                   ("compute_threads", compute_threads, 0, 4096), ("copies", copies, 1, 2))
+                   ("compute_threads", compute_threads, 0, 4096),
+                   ("copies", 1 if copies == "log" else copies, 1, 2))
         for name, value, low, high in checked:
             if name in ("slots", "chunk") and value is None:  # the pipeline chooses
                 continue

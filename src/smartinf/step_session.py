@@ -96,6 +96,8 @@ class StepSession:
             with self.pipeline.step():
                 for sg, out in kept.items():
                     self.put(sg, out)
+                if self.pipeline.logs_gradients:  # the step's input, durable before any update
+                    self.driver.log(rest, send)
                 self.run(rest, send, finish)
         except BaseException:
             self.fail()

@@ -26,6 +26,14 @@ void Pipeline::lose_one_copy(const std::string& why) {
                            "to start afresh");
 }
 
+void Pipeline::finish_on_reopen(const std::string& why) {
+  abandon();
+  throw std::runtime_error(why + ": its chunks were partly rewritten where the step before "
+                           "was (copies='log'), so the pipeline cannot go back, and is closed. "
+                           "Its gradients are logged: reopening the directories finishes the "
+                           "step, then training goes on from it");
+}
+
 void Pipeline::back_to_durable() {
   try {
     land();  // a commit the caller was promised; if it fails it went back before it
@@ -33,6 +41,10 @@ void Pipeline::back_to_durable() {
     if (devices_.empty()) throw;  // abandoned: nothing to go back to
   }
   if (rewritten()) lose_one_copy("going back to step " + std::to_string(durable_step_));
+  for (Unit& u : devices_)
+    if (u.store->logs() && u.store->reused())
+      finish_on_reopen("step " + std::to_string(durable_step_ + 1) + " failed");
+  for (Unit& u : devices_) u.store->forget_step();
   try {
     for (size_t sg = 0; sg < placement_.size(); ++sg) {
       Placement& p = placement_[sg];
@@ -54,6 +66,14 @@ void Pipeline::back_to_durable() {
 void Pipeline::commit() {
   std::lock_guard lock(mu_);
   require_open();
+  for (size_t sg = 0; sg < placement_.size(); ++sg) {  // a log's step is what it logged
+    const store::StateStore& s = *devices_[placement_[sg].unit].store;
+    if (s.logs() && !updated_[sg] && s.logged(s.record(placement_[sg].local).id))
+      throw std::invalid_argument(
+          "copies='log': sub-group " + std::to_string(sg) + "'s gradient was logged in this "
+          "step but it was not updated; a crash would finish the step with it. Update it, or "
+          "discard() the step");
+  }
   try {
     wait_step();
   } catch (...) {

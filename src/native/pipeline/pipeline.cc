@@ -4,6 +4,7 @@
 #include "device/cpu_device.h"
 #include "device/registry.h"
 #include "error.h"
+#include "store/checksum.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -102,8 +103,11 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.copies != 1 && options.copies != 2)
     throw std::invalid_argument("copies must be 1 or 2, got " + std::to_string(options.copies));
   config.copies = options.copies;
+  if (options.log) refuse_log_options(options);
+  config.log = options.log;
   if (!options_.slots)
     options_.slots = auto_slots(options, store::extent_bytes(options.chunk, layout));
+  config.spares = 2 * options_.slots;  // a log's free extents: every slot's write, twice
   const device::SlotGeometry geometry{options_.slots, options.chunk, layout};
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
@@ -210,6 +214,64 @@ Pipeline::Pipeline(const PipelineOptions& options)
     Unit& u = devices_[i];
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
+  for (Unit& u : devices_)
+    if (!u.store->replay().empty()) finish_logged_step(u);
+  if (options.log) step_ = durable_step_ = devices_.front().store->step();
+}
+
+void Pipeline::refuse_log_options(const PipelineOptions& o) const {
+  const auto no = [](const std::string& what) {
+    throw std::invalid_argument("copies='log' (one copy, each step's gradients logged) " + what);
+  };
+  if (o.copies != 1) no("keeps one copy: copies must be 1 with it");
+  if (o.commit_every != 1) no("makes every step durable: commit_every must be 1");
+  if (o.master != "fp32") no("is for an fp32 master: with a split one, two copies (copies=2) take no "
+                             "more disk (docs/memory-tiers.md)");
+  if (o.memory_budget) no("streams every sub-group from storage: no memory_budget");
+  if (o.devices.size() != 1 || o.devices.front().kind != "cpu" || !o.small_dir.empty())
+    no("runs on one cpu device (one directory, fp32 states) so far");
+}
+
+// The update's own path: each chunk left at the step before is read from its committed
+// extent, updated by the device's kernel with the logged gradient and hyper-parameters (the
+// same bits as the update that was interrupted), and written to a free extent; then the
+// step is committed.
+void Pipeline::finish_logged_step(Unit& u) {
+  store::StateStore& store = *u.store;
+  uint64_t chunks = 0;
+  for (const store::Replay& r : store.replay()) {
+    if (r.chunks.empty()) continue;
+    const store::SubgroupRecord& rec = store.record(r.local);
+    const auto dtype = static_cast<kernels::DType>(r.gradient.dtype);
+    const size_t gsize = kernels::dtype_size(dtype);
+    std::vector<char> grad(rec.numel * gsize);
+    std::vector<float> out(rec.numel);
+    store.read_logged(r.gradient, grad.data());
+    auto done = std::make_shared<Completion>(r.chunks.size());
+    for (uint64_t c : r.chunks) {
+      Job job;
+      job.kind = JobKind::update;
+      job.completion = done;
+      job.src = store.extent(r.local, c, rec.copy);
+      job.dst = store.extent(r.local, c, rec.copy ^ 1u);
+      job.subgroup = rec.id;
+      job.chunk = c;
+      job.written_at = rec.last;
+      job.kernel.step = kernels::make_step(rule_, r.gradient.hyper, r.gradient.steps);
+      job.kernel.grad = dtype;
+      job.kernel.param = kernels::DType::f32;
+      job.input = grad.data() + c * options_.chunk * gsize;
+      job.output = out.data() + c * options_.chunk;
+      u.ring->push(job);
+    }
+    done->wait();
+    u.ring->drain();
+    chunks += r.chunks.size();
+  }
+  store.publish_logged_step();
+  notes_.push_back(store.dir() + ": its run stopped in step " + std::to_string(store.step()) +
+                   ", whose gradients were logged: that step was finished (" +
+                   std::to_string(chunks) + " chunks updated again from the log)");
 }
 
 uint64_t Pipeline::previous_step() const {
@@ -365,10 +427,16 @@ std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numel
     const bool is_small = k < small.size() && small[k];
     const size_t unit =
         place(id, store::ChunkLayout{options_.chunk, layout_}.copy_bytes(numels[k]), is_small, planned);
-    const store::ChunkLayout chunks{options_.chunk, devices_[unit].layout, options_.copies};
+    const store::ChunkLayout chunks{options_.chunk, devices_[unit].layout, options_.copies, options_.log};
     if (!settle_load(unit, numels[k], chunks.copy_bytes(numels[k]), planned))
       refuse_streamed_one_copy(id, numels[k], unit);
-    if (!devices_[unit].store->holds(id)) grow[unit] += chunks.bytes(numels[k]);  // else reopened
+    const store::StateStore& store = *devices_[unit].store;
+    if (store.holds(id)) continue;  // reopened
+    grow[unit] += chunks.bytes(numels[k]);
+    if (options_.log)  // its logged gradient (fp32 at most), and with the first the spares
+      grow[unit] += numels[k] * 4 + (store.subgroup_count() == 0 && k == 0
+                                         ? 2 * options_.slots * store::extent_bytes(options_.chunk, layout_)
+                                         : 0);
   }
   return grow;
 }
@@ -484,7 +552,7 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
 }
 
 void Pipeline::refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const {
-  if (options_.copies != 1) return;
+  if (options_.copies != 1 || options_.log) return;
   const Unit& u = devices_[unit];
   throw std::invalid_argument(
       "sub-group " + std::to_string(id) + " (" + std::to_string(numel) + " params) does not fit "
@@ -569,11 +637,53 @@ void Pipeline::retract(size_t sg) {
   ++retracted_updates_;
 }
 
+namespace {
+
+bool same_hyper(const kernels::Hyper& a, const kernels::Hyper& b) {
+  return a.lr == b.lr && a.weight_decay == b.weight_decay && a.beta1 == b.beta1 &&
+         a.beta2 == b.beta2 && a.eps == b.eps && a.momentum == b.momentum &&
+         a.dampening == b.dampening && a.nesterov == b.nesterov && a.lr_decay == b.lr_decay &&
+         a.grad_scale == b.grad_scale;
+}
+
+}  // namespace
+
 std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void* out,
                                              kernels::DType out_dtype, const UpdateHyper& h,
-                                             bool speculative) {
+                                             bool speculative, bool log_only) {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
+  store::StateStore& logs = *devices_[p.unit].store;
+  if (log_only && !logs.logs())
+    throw std::invalid_argument("log_only is for directories made with copies='log'");
+  if (logs.logs()) {
+    const store::SubgroupRecord& r = logs.record(p.local);
+    const std::string what = "copies='log': sub-group " + std::to_string(sg);
+    if (speculative)
+      throw std::invalid_argument(what + ": no update runs before the step's gradients are all "
+                                  "logged, so none is speculative (overlap=False)");
+    if (g.compressed)
+      throw std::invalid_argument(what + ": the log takes dense gradients, not compressed ones");
+    if (log_only) {
+      if (logs.log_sealed())
+        throw std::invalid_argument(what + "'s gradient comes after the step's first update: "
+                                    "log every gradient of a step before its first update");
+      logs.log_gradient(p.local, g.dtype, current_steps(p) + 1, h, g.data);
+      auto done = std::make_shared<Completion>(1);
+      done->chunk_done();
+      return done;
+    }
+    if (!logs.log_sealed()) logs.seal_log();  // the step's first update: its input complete
+    const store::LoggedGradient* e = logs.logged(r.id);
+    const uint64_t bytes = r.numel * kernels::dtype_size(g.dtype);
+    if (!e || e->dtype != static_cast<uint32_t>(g.dtype) || e->steps != current_steps(p) + 1 ||
+        !same_hyper(e->hyper, h) || store::extent_checksum(g.data, bytes) != e->hash)
+      throw std::invalid_argument(
+          what + (e ? "'s update differs from its logged gradient or hyper-parameters"
+                    : " has no logged gradient in this step") +
+          ": a crash would finish the step from the log, not as updated. Log each sub-group's "
+          "gradient (log_only) before the step's first update, and update it with the same");
+  }
   const bool resident = p.resident != device::kOwnStates;
   if (speculative && resident) give_twin(placement_[sg]);  // the update goes to it
   if (speculative && (updated_[sg] || (resident ? p.twin == device::kOwnStates : p.dirty)))

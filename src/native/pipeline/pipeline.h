@@ -56,6 +56,12 @@ struct PipelineOptions {
   // instant recoverable) or 1 (half the disk: every sub-group resident, written in place at
   // durable commits; a crash during one loses the states, and the reopen says so).
   uint32_t copies = 2;
+  // copies 1 with forward recovery (store/step_log.h), fixed when the directories are made:
+  // every chunk's new version goes to a free extent; each step's gradients are logged
+  // (update(log_only)) before its first update; a crash reopens at the step before, or
+  // finishes the logged one. One cpu device, streamed fp32-master states, a durable
+  // commit every step.
+  bool log = false;
   // A durable commit's resident states are written in the background while later steps
   // run; it becomes durable when they are written (see make_durable). false: commit() waits.
   bool background_commit = true;
@@ -101,9 +107,12 @@ class Pipeline {
                       bool small = false);
 
   // Queues one sub-group's update; the completion is done when all params are in `out`.
+  // With a log (PipelineOptions::log), `log_only` logs the gradient and hyper-parameters of
+  // the step's update (done at once, nothing updated); every sub-group the step updates is
+  // logged before its first update, which seals the log, and updated with the same.
   std::shared_ptr<Completion> update(size_t sg, const Gradient& grad, void* out,
                                      kernels::DType out_dtype, const UpdateHyper& hyper,
-                                     bool speculative = false);
+                                     bool speculative = false, bool log_only = false);
   // Speculation (an update started before its gradient or the step's global decisions are
   // known to be final): whether `sg`'s next update could be retracted, i.e. it would leave
   // the states it reads untouched (a streamed sub-group's committed extents; a resident
@@ -234,6 +243,12 @@ class Pipeline {
   void refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const;
   bool rewritten() const;  // a directory of one copy written over since its durable step
   [[noreturn]] void lose_one_copy(const std::string& why);  // abandons, then says so
+  // A directory with a log whose step was partly written where the step before was:
+  // abandons, and says the reopen finishes the logged step.
+  [[noreturn]] void finish_on_reopen(const std::string& why);
+  void refuse_log_options(const PipelineOptions& o) const;
+  // A reopen that found a logged step half done: its other chunks updated again.
+  void finish_logged_step(Unit& u);
 
   PipelineOptions options_;
   kernels::Rule rule_;

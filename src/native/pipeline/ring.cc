@@ -495,6 +495,14 @@ void Ring::write_loop() {
         if (writing.empty() && !(next = writing_.pop())) return;  // closed and drained
       }
     }
+    if (next && store_.logs() && next->job.kind == JobKind::update && !next->job.spare) {
+      if (std::exception_ptr error = take_spare(*next, writing)) {
+        Writing failed{std::move(*next), 0, std::nullopt};
+        next.reset();
+        finish_write(failed, error);
+        continue;
+      }
+    }
     if (next) {
       const uint64_t bytes = next->job.dst.bytes;
       bool turn = true;
@@ -531,6 +539,35 @@ void Ring::write_loop() {
   }
 }
 
+// A free extent for a log's new version (StateStore::take_spare). Where none is, the writes
+// under way finish (journaled) and are made durable, which frees the extents their chunks
+// left: unless one of the step's writes failed, when the step before must stay whole (the
+// step is forgotten, not finished) and this one is not written: its error.
+std::exception_ptr Ring::take_spare(Loaded& item, std::deque<Writing>& writing) {
+  try {
+    uint64_t at;
+    while ((at = store_.take_spare()) == store::kNoExtent) {
+      if (!writing.empty()) {
+        finish_write(writing.front(), nullptr);
+        writing.pop_front();
+        continue;
+      }
+      {
+        std::lock_guard lock(mu_);
+        if (write_error_)
+          throw std::runtime_error("not written: a write of the step failed before, and the "
+                                   "step before must stay whole");
+      }
+      store_.sync_spares();
+    }
+    item.job.dst.offset = at;
+    item.job.spare = true;
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
 void Ring::finish_write(Writing& w, std::exception_ptr error) {
   Job& job = w.item.job;
   try {
@@ -538,6 +575,8 @@ void Ring::finish_write(Writing& w, std::exception_ptr error) {
       Timer t(counters_.busy_ns[kWriteback]);
       settle(*writer_, std::exchange(w.write, 0), IoPhases::kWrite);
       counters_.storage_write += job.dst.bytes;
+      if (job.spare && !error)  // where its chunk is now (the extent it left: free once synced)
+        store_.written(store_.local(job.subgroup), job.chunk, job.dst.offset, *job.dst.sum);
     }
     finish_storage(w.storage);
   } catch (...) {

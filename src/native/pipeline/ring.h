@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -66,6 +67,9 @@ struct Job {
   int64_t subgroup = -1;  // for error messages
   uint64_t chunk = 0;
   uint64_t written_at = 0;  // pipeline step that wrote `src`
+  // An update's new version in a directory with a log: written to a free extent the writer
+  // takes from the store (StateStore::take_spare), journaled once written.
+  bool spare = false;
 };
 
 enum Stage { kLoad, kHostToDevice, kCompute, kDeviceToHost, kWriteback, kStages };
@@ -154,6 +158,7 @@ class Ring {
     io::Ticket write;
     Deadline storage;
   };
+  std::exception_ptr take_spare(Loaded& item, std::deque<Writing>& writing);
   void load_loop();
   // Starts a job's load in `slot`; false when it is done with (init: handed to the
   // writer; or failed), true when it is under way.

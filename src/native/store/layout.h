@@ -198,6 +198,9 @@ struct ChunkLayout {
   uint64_t chunk = 0;  // params per chunk
   StateLayout layout;
   uint32_t copies = 2;
+  // Every extent a full chunk's (a directory with a log: a chunk's new version goes to any
+  // free extent, so all must hold any chunk).
+  bool uniform = false;
   uint64_t chunks(uint64_t numel) const { return (numel + chunk - 1) / chunk; }
   uint64_t numel_of(uint64_t numel, uint64_t c) const {
     return c * chunk + chunk <= numel ? chunk : numel - c * chunk;
@@ -206,9 +209,9 @@ struct ChunkLayout {
   uint64_t pair_offset(uint64_t c) const { return copies * c * extent_bytes(chunk, layout); }
   uint64_t bytes(uint64_t numel) const {  // the whole sub-group, every copy
     const uint64_t last = chunks(numel) - 1;
-    return pair_offset(last) + copies * extent_bytes(numel_of(numel, last), layout);
+    return pair_offset(last) + copies * extent_bytes(uniform ? chunk : numel_of(numel, last), layout);
   }
-  uint64_t copy_bytes(uint64_t numel) const { return ChunkLayout{chunk, layout, 1}.bytes(numel); }
+  uint64_t copy_bytes(uint64_t numel) const { return ChunkLayout{chunk, layout, 1, uniform}.bytes(numel); }
 };
 
 }  // namespace smartinf::store

@@ -97,6 +97,7 @@ std::string Manifest::serialize() const {
   if (attached >= 0) append(body, "attached %" PRId64 "\n", attached);
   append(body, "copies %" PRIu32 "\n", copies);
   if (rewriting) append(body, "rewriting\n");
+  if (log) append(body, "log\nspares %" PRIu64 " %" PRIu64 "\n", spares_offset, spares);
   if (member.count)
     append(body, "member %s %" PRIu32 " %" PRIu32 "\n", member.pipeline.c_str(), member.index,
            member.count);
@@ -105,6 +106,12 @@ std::string Manifest::serialize() const {
     append(body, "sg %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRIu32 " %" PRIu64 " %" PRIu64
                  " %" PRIu64 "\n",
            r.id, r.numel, r.offset, r.copy, r.steps, r.last, r.prev_steps);
+  for (const SubgroupRecord& r : subgroups) {
+    if (r.at.empty()) continue;
+    append(body, "at %" PRId64, r.id);
+    for (uint64_t x : r.at) append(body, " %016" PRIx64, x);
+    body += '\n';
+  }
   for (const SubgroupRecord& r : subgroups)
     if (r.fingerprint) append(body, "fingerprint %" PRId64 " %016" PRIx64 "\n", r.id, r.fingerprint);
   for (const SubgroupRecord& r : subgroups) {
@@ -157,6 +164,16 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     else if (key == "attached") ok = in.number(m.attached) && m.attached >= 0;
     else if (key == "copies") ok = in.number(m.copies) && (m.copies == 1 || m.copies == 2);
     else if (key == "rewriting") m.rewriting = true;
+    else if (key == "log") m.log = true;
+    else if (key == "spares") ok = in.number(m.spares_offset) && in.number(m.spares);
+    else if (key == "at") {
+      int64_t id = 0;
+      SubgroupRecord* r = in.number(id) ? m.find(id) : nullptr;
+      ok = r != nullptr && r->at.empty();
+      if (ok) r->at.resize(r->sums->copy[0].size());
+      if (ok)
+        for (uint64_t& x : r->at) ok = ok && in.hex(x);
+    }
     else if (key == "member")
       ok = in.next(m.member.pipeline) && in.number(m.member.index) &&
            in.number(m.member.count) && m.member.index < m.member.count;
@@ -204,6 +221,9 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (!have_previous) m.previous = m.step ? m.step - 1 : 0;  // before version 6: every step
   if (m.previous > m.step) bad(path, "previous step after the step");
   if (m.rewriting && m.copies != 1) bad(path, "'rewriting' in a directory of two copies");
+  if (m.log && m.copies != 1) bad(path, "'log' in a directory of two copies");
+  for (const SubgroupRecord& r : m.subgroups)
+    if (m.log == r.at.empty()) bad(path, "sub-group " + std::to_string(r.id) + (m.log ? " without" : " with") + " 'at' extents");
   return m;
 }
 

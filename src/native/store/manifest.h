@@ -28,6 +28,9 @@ struct SubgroupRecord {
   uint64_t fingerprint = 0;
   // Shared by copies of the manifest, so the ring's writer can fill it in place.
   std::shared_ptr<ChunkSums> sums;
+  // A directory with a log: where each chunk's committed version is (bytes into
+  // states.bin); its extents move between steps (StateStore's spares).
+  std::vector<uint64_t> at;
 };
 
 // Which device of which pipeline a directory is: reopening with another device list (a
@@ -41,8 +44,8 @@ struct Membership {
 struct Manifest {
   // 2: prev_steps; 3: membership; 4: checksums; 5: fingerprints, attached; 6: previous;
   // 7: master; 8: int4's second moment on the powers of two (kernels/quant4.h); 9: copies,
-  // rewriting
-  static constexpr int kVersion = 9;
+  // rewriting; 10: log, spares, at
+  static constexpr int kVersion = 10;
   static constexpr int kOldestVersion = 2;
   static constexpr uint64_t kMaxChunks = uint64_t(1) << 22;  // per directory
   int version = kVersion;        // the format it was read in (written: always kVersion)
@@ -64,6 +67,11 @@ struct Manifest {
   // One copy only: a durable commit is rewriting it in place, so the states are those of
   // no step until the commit's manifest replaces this one (a reopen refuses them).
   bool rewriting = false;
+  // One copy with forward recovery (step_log.h): each chunk rewritten to a free extent, the
+  // step's gradients logged; `spares` extents of the chunk's size at `spares_offset` were
+  // allocated with the first sub-group, beyond its own.
+  bool log = false;
+  uint64_t spares_offset = 0, spares = 0;
   Membership member;
   std::vector<SubgroupRecord> subgroups;
 

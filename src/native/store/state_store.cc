@@ -6,12 +6,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
 
 #include "error.h"
 #include "fault.h"
+#include "store/checksum.h"
 
 namespace smartinf::store {
 namespace {
@@ -58,7 +60,7 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       states_path_(dir + "/states.bin"),
       manifest_path_(dir + "/manifest"),
       layout_(config.layout),
-      chunks_{config.chunk, config.layout} {
+      chunks_{config.chunk, config.layout, 2, config.log} {
   lock_directory();
   std::string text;
   bool resume = read_file(manifest_path_, text);
@@ -84,8 +86,9 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
       mismatch(dir, "state dtype", manifest_.state_dtype, config.layout.dtype());
     if (manifest_.master != config.layout.master_format())
       mismatch(dir, "master", manifest_.master, config.layout.master_format());
-    if (manifest_.copies != config.copies)
-      mismatch(dir, "copies", std::to_string(manifest_.copies), std::to_string(config.copies));
+    if (manifest_.copies != config.copies || manifest_.log != config.log)
+      mismatch(dir, "copies", manifest_.log ? "'log'" : std::to_string(manifest_.copies),
+               config.log ? "'log'" : std::to_string(config.copies));
     if (manifest_.rewriting)
       throw std::invalid_argument(
           dir + " was being rewritten in place by a durable commit after step " +
@@ -105,6 +108,8 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     manifest_.state_dtype = config.layout.dtype();
     manifest_.master = config.layout.master_format();
     manifest_.copies = config.copies;
+    manifest_.log = config.log;
+    manifest_.spares = config.log ? std::max<uint64_t>(1, config.spares) : 0;
     if (config.if_exists != "overwrite") refuse_orphan_states();
   }
 
@@ -129,10 +134,73 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
     local_of_[r.id] = i;
     file_end_ = std::max(file_end_, r.offset + chunks_.bytes(r.numel));
   }
+  if (manifest_.log && !manifest_.subgroups.empty())
+    file_end_ = std::max(file_end_, manifest_.spares_offset +
+                                        manifest_.spares * extent_bytes(manifest_.chunk, layout_));
   if (static_cast<uint64_t>(st.st_size) < file_end_)
     throw std::invalid_argument(states_path_ + " has " + std::to_string(st.st_size) +
                                 " bytes but its manifest needs " + std::to_string(file_end_) +
                                 " (truncated copy?)");
+  if (manifest_.log) open_log();
+}
+
+// The log of a step after the manifest's, sealed: that step's input, complete. Its chunks
+// whose journal record and new version hold are at that step; the others are updated
+// again (replay_). Anything else in the journal is of a step never sealed or already
+// committed: dropped, durably, so no later attempt at a step takes it for its own.
+void StateStore::open_log() {
+  log_ = std::make_unique<StepLog>(dir_);
+  for (const SubgroupRecord& r : manifest_.subgroups) working_.push_back(r.at);
+  if (log_->sealed() && log_->step() == manifest_.step + 1) {
+    std::vector<std::vector<bool>> done(manifest_.subgroups.size());
+    for (size_t i = 0; i < done.size(); ++i) done[i].assign(chunks(i), false);
+    const uint64_t whole = extent_bytes(manifest_.chunk, layout_);
+    std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(kAlign, whole), &std::free);
+    for (const JournalRecord& j : log_->journal()) {
+      if (j.local >= done.size() || j.chunk >= done[j.local].size()) continue;
+      const Extent e = extent(j.local, j.chunk, 0);
+      const ssize_t n = ::pread(fd_.get(), buf.get(), e.bytes, static_cast<off_t>(j.offset));
+      if (n != static_cast<ssize_t>(e.bytes) || extent_checksum(buf.get(), e.bytes) != j.sum) continue;
+      working_[j.local][j.chunk] = j.offset;
+      const SubgroupRecord& r = manifest_.subgroups[j.local];
+      r.sums->copy[r.copy ^ 1u][j.chunk] = j.sum;
+      done[j.local][j.chunk] = true;
+    }
+    for (const LoggedGradient& g : log_->entries()) {
+      const auto it = local_of_.find(g.id);
+      if (it == local_of_.end() || manifest_.subgroups[it->second].numel != g.numel)
+        throw std::invalid_argument(dir_ + "'s log of step " + std::to_string(log_->step()) +
+                                    " names sub-group " + std::to_string(g.id) + ", which the "
+                                    "directory does not hold as logged: it is damaged. Restore "
+                                    "a checkpoint");
+      Replay r{it->second, g, {}};
+      for (uint64_t c = 0; c < done[r.local].size(); ++c)
+        if (!done[r.local][c]) r.chunks.push_back(c);
+      replay_.push_back(r);
+    }
+    logging_ = true;
+  } else {
+    log_->clear_journal();
+  }
+  rebuild_free();
+}
+
+void StateStore::rebuild_free() {
+  const uint64_t whole = extent_bytes(manifest_.chunk, layout_);
+  std::unordered_set<uint64_t> used;
+  for (const auto& at : working_) used.insert(at.begin(), at.end());
+  free_.clear();
+  const auto add = [&](uint64_t from, uint64_t count) {
+    for (uint64_t k = 0; k < count; ++k)
+      if (!used.count(from + k * whole)) free_.push_back(from + k * whole);
+  };
+  if (!manifest_.subgroups.empty()) add(manifest_.spares_offset, manifest_.spares);
+  for (size_t i = 0; i < manifest_.subgroups.size(); ++i)
+    add(manifest_.subgroups[i].offset, chunks(i));
+  std::reverse(free_.begin(), free_.end());  // taken from the back: the spares first
+  released_.clear();
+  left_.clear();
+  reused_ = false;
 }
 
 // A new directory gets its manifest (the pipeline's membership) before any state is
@@ -230,10 +298,13 @@ size_t StateStore::attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool
   SubgroupRecord r;
   r.id = id;
   r.numel = numel;
-  r.offset = file_end_;
   r.fingerprint = fingerprint;
   manifest_.add_sums(r);
-  const uint64_t bytes = chunks_.bytes(numel);
+  const uint64_t whole = extent_bytes(manifest_.chunk, layout_);
+  // The spares come with the first sub-group (a log's directory), before its extents.
+  const uint64_t spares = manifest_.log && manifest_.subgroups.empty() ? manifest_.spares * whole : 0;
+  r.offset = file_end_ + spares;
+  const uint64_t bytes = spares + chunks_.bytes(numel);
   int res = ::posix_fallocate(fd_.get(), static_cast<off_t>(file_end_), static_cast<off_t>(bytes));
   if (res == EOPNOTSUPP || res == EINVAL) res = ::ftruncate(fd_.get(), file_end_ + bytes) ? errno : 0;
   if (res != 0) {
@@ -241,7 +312,14 @@ size_t StateStore::attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool
     throw SystemError(res, "cannot allocate " + std::to_string(bytes) + " bytes of states",
                       states_path_);
   }
+  if (spares) manifest_.spares_offset = file_end_;
   file_end_ += bytes;
+  if (manifest_.log) {
+    for (uint64_t c = 0; c < chunks_.chunks(numel); ++c) r.at.push_back(r.offset + c * whole);
+    std::lock_guard lock(log_mu_);
+    working_.push_back(r.at);
+    for (uint64_t k = 0; k < spares / whole; ++k) free_.push_back(manifest_.spares_offset + k * whole);
+  }
   manifest_.subgroups.push_back(r);
   local_of_[id] = manifest_.subgroups.size() - 1;
   layout_dirty_ = true;
@@ -254,6 +332,12 @@ void StateStore::detach_last() {
   manifest_.subgroups.pop_back();
   local_of_.erase(r.id);
   file_end_ = r.offset;
+  if (manifest_.log) {
+    std::lock_guard lock(log_mu_);
+    working_.pop_back();
+    if (manifest_.subgroups.empty()) file_end_ = manifest_.spares_offset;
+    rebuild_free();
+  }
   (void)::ftruncate(fd_.get(), static_cast<off_t>(file_end_));
 }
 
@@ -265,8 +349,10 @@ Extent StateStore::extent(size_t local, uint64_t chunk, uint32_t copy) const {
   const SubgroupRecord& r = manifest_.subgroups[local];
   const uint64_t numel = chunks_.numel_of(r.numel, chunk);
   const uint64_t bytes = extent_bytes(numel, layout_);
-  return Extent{r.offset + chunks_.pair_offset(chunk) + (chunks_.copies == 2 ? copy * bytes : 0), bytes, numel,
-                &r.sums->copy[copy][chunk]};
+  // With a log, the committed version's extent (a writer gives an update's its own: take_spare)
+  const uint64_t offset = manifest_.log ? r.at[chunk]
+                          : r.offset + chunks_.pair_offset(chunk) + (chunks_.copies == 2 ? copy * bytes : 0);
+  return Extent{offset, bytes, numel, &r.sums->copy[copy][chunk]};
 }
 
 void StateStore::sync() {
@@ -284,12 +370,99 @@ void StateStore::publish(const std::vector<Written>& written, uint64_t pipeline_
     r.steps = w.steps;
     r.last = pipeline_step;
   }
+  if (manifest_.log) {
+    std::lock_guard lock(log_mu_);
+    for (const Written& w : written) next.subgroups[w.local].at = working_[w.local];
+  }
   next.previous = next.step;
   next.step = pipeline_step;
   next.rewriting = false;
   next.attached = static_cast<int64_t>(attached);
   if (!hyper.empty()) next.hyper = hyper;
   write_manifest(next);
+  if (!manifest_.log) return;
+  std::lock_guard lock(log_mu_);
+  log_->clear_journal();  // (a crash before this: the log's step is the manifest's, ignored)
+  logging_ = false;
+  replay_.clear();
+  working_.clear();
+  for (const SubgroupRecord& r : manifest_.subgroups) working_.push_back(r.at);
+  rebuild_free();
+}
+
+void StateStore::log_gradient(size_t local, kernels::DType dtype, uint64_t steps,
+                              const kernels::Hyper& hyper, const void* data) {
+  const SubgroupRecord& r = manifest_.subgroups[local];
+  if (!logging_) {
+    log_->begin(manifest_.step + 1);
+    logging_ = true;
+  }
+  if (log_->find(r.id))
+    throw std::invalid_argument("sub-group " + std::to_string(r.id) + "'s gradient was logged "
+                                "already in this step");
+  log_->add(r.id, r.numel, dtype, steps, hyper, data, r.numel * kernels::dtype_size(dtype));
+}
+
+void StateStore::seal_log() {
+  if (!logging_) log_->begin(manifest_.step + 1), logging_ = true;
+  log_->seal();
+}
+
+const LoggedGradient* StateStore::logged(int64_t id) const {
+  return logging_ ? log_->find(id) : nullptr;
+}
+
+uint64_t StateStore::take_spare() {
+  std::lock_guard lock(log_mu_);
+  if (free_.empty()) return kNoExtent;
+  const uint64_t at = free_.back();
+  free_.pop_back();
+  if (left_.count(at)) reused_ = true;
+  return at;
+}
+
+void StateStore::written(size_t local, uint64_t chunk, uint64_t offset, uint64_t sum) {
+  std::lock_guard lock(log_mu_);
+  log_->record(JournalRecord{log_->step(), static_cast<uint32_t>(local), static_cast<uint32_t>(chunk),
+                             offset, sum});
+  released_.push_back(working_[local][chunk]);
+  working_[local][chunk] = offset;
+}
+
+void StateStore::sync_spares() {
+  check_errno(::fdatasync(fd_.get()), "fdatasync", states_path_);  // the versions, then where they are
+  std::lock_guard lock(log_mu_);
+  log_->sync_journal();
+  fault::check("journal.synced", dir_);
+  for (uint64_t at : released_) {
+    free_.push_back(at);
+    left_.insert(at);
+  }
+  released_.clear();
+}
+
+bool StateStore::reused() const {
+  std::lock_guard lock(log_mu_);
+  return reused_;
+}
+
+void StateStore::forget_step() {
+  if (!manifest_.log) return;
+  if (log_->sealed()) log_->unseal();
+  std::lock_guard lock(log_mu_);
+  log_->clear_journal();
+  logging_ = false;
+  working_.clear();
+  for (const SubgroupRecord& r : manifest_.subgroups) working_.push_back(r.at);
+  rebuild_free();
+}
+
+void StateStore::publish_logged_step() {
+  std::vector<Written> written;
+  for (const Replay& r : replay_) written.push_back({r.local, r.gradient.steps});
+  sync();
+  publish(written, log_->step(), {},
+          manifest_.attached >= 0 ? static_cast<uint64_t>(manifest_.attached) : manifest_.subgroups.size());
 }
 
 void StateStore::save_layout(uint64_t attached) {

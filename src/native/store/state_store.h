@@ -9,10 +9,14 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "store/layout.h"
+#include "store/step_log.h"
 #include "unique_fd.h"
 #include "store/manifest.h"
 
@@ -26,6 +30,23 @@ struct StoreConfig {
   // A directory that holds a run: "resume" it, "overwrite" it (start afresh), or "error".
   std::string if_exists = "resume";
   uint32_t copies = 2;  // extents per chunk, fixed when the directory is made: 2 or 1
+  // One copy with forward recovery, fixed when the directory is made (copies 1): each
+  // chunk's new version goes to a free extent of `spares` (or one a chunk left in the step,
+  // once the journal says where that chunk went), the step's gradients logged first
+  // (step_log.h); a crash at any instant reopens at the step before, or finishes the
+  // logged step.
+  bool log = false;
+  uint64_t spares = 16;
+};
+
+inline constexpr uint64_t kNoExtent = ~uint64_t(0);
+
+// A logged step's sub-group whose chunks a crash left at the step before: the pipeline
+// updates them again from the logged gradient (StateStore::publish_logged_step after).
+struct Replay {
+  size_t local;
+  LoggedGradient gradient;
+  std::vector<uint64_t> chunks;
 };
 
 // A sub-group written in the step being committed, and its optimizer step count after it.
@@ -83,6 +104,33 @@ class StateStore {
   // manifest says so, durably, until publish() replaces it.
   void begin_rewrite();
 
+  // -- forward recovery (a directory with a log) -------------------------------------
+  bool logs() const { return manifest_.log; }
+  size_t local(int64_t id) const { return local_of_.at(id); }
+  // The step's gradient of sub-group `local`, logged before any update (the first opens
+  // the log of step() + 1); then seal_log(), once all are.
+  void log_gradient(size_t local, kernels::DType dtype, uint64_t steps, const kernels::Hyper& hyper,
+                    const void* data);
+  bool log_open() const { return logging_; }
+  bool log_sealed() const { return logging_ && log_->sealed(); }
+  void seal_log();
+  const LoggedGradient* logged(int64_t id) const;  // null: not logged in this step
+  // The ring's writer: a free extent for a chunk's new version (kNoExtent: none until
+  // sync_spares), and the version written there (journaled; the extent it left becomes
+  // free at the next sync_spares, which makes the writes and their records durable).
+  uint64_t take_spare();
+  void written(size_t local, uint64_t chunk, uint64_t offset, uint64_t sum);
+  void sync_spares();
+  // An extent a chunk left in this step was written over: the step cannot be undone.
+  bool reused() const;
+  // The step is forgotten (nothing reused): its log unsealed, its extents free again.
+  void forget_step();
+  // What a reopen found to finish (a sealed log of step() + 1); the pipeline updates those
+  // chunks again, then publish_logged_step() makes the step durable.
+  const std::vector<Replay>& replay() const { return replay_; }
+  void read_logged(const LoggedGradient& g, void* into) const { log_->read(g, into); }
+  void publish_logged_step();
+
   uint64_t step() const { return manifest_.step; }
   // What a rollback returns to (one copy: the step itself, nothing earlier is held).
   uint64_t previous_step() const { return copies() == 1 ? manifest_.step : manifest_.previous; }
@@ -102,6 +150,8 @@ class StateStore {
   void refuse_orphan_states() const;
   bool holds_run() const;
   void discard_run();
+  void open_log();      // a reopen: the log read, a logged step's finished chunks found
+  void rebuild_free();  // every extent that holds no chunk's current version, free
 
   std::string dir_, states_path_, manifest_path_;
   Manifest manifest_;
@@ -112,6 +162,17 @@ class StateStore {
   bool layout_dirty_ = false;
   bool direct_ = true;
   UniqueFd lock_fd_, fd_;  // the lock (held while open) and states.bin
+  // Forward recovery: the log, each chunk's extent now (the manifest's `at` until a step
+  // rewrites it), the free extents, those the step's chunks left (free once journaled),
+  // which of them may be taken now, and whether one was.
+  std::unique_ptr<StepLog> log_;
+  bool logging_ = false;
+  std::vector<std::vector<uint64_t>> working_;
+  std::vector<uint64_t> free_, released_;
+  std::unordered_set<uint64_t> left_;  // extents this step's chunks left, synced as left
+  bool reused_ = false;
+  std::vector<Replay> replay_;
+  mutable std::mutex log_mu_;
 };
 
 }  // namespace smartinf::store

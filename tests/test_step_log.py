@@ -1,0 +1,142 @@
+"""One copy with forward recovery (``copies="log"``): every chunk's new version goes to a
+free extent, each step's gradients are logged before its first update, and a crash at any
+instant reopens at the step before or finishes the logged one. The same bits as two copies;
+the disk near the states plus one step's gradients; the misuses refused; a failed step
+before any extent was written over goes back, one after closes and the reopen finishes it.
+(Kills at random and at every fault point: test_crash.py.)"""
+import os
+
+import numpy as np
+import pytest
+
+import smartinf
+import smartinf._native as native
+from conftest import open_with_subgroups
+from test_tiers import CHUNK, RULE, SIZES, assert_same, grads, states, train
+
+
+def open_log(d, **kwargs):
+    return open_with_subgroups(d, RULE, SIZES, CHUNK, copies="log", **kwargs)
+
+
+def logged_step(pipe, step, dtype=np.float32):
+    """One step as a front-end runs it with a log: every gradient logged, then updated."""
+    outs = [np.empty(n, np.float16) for n in SIZES]
+    gs = [g.astype(dtype) for g in grads(step)]
+    with pipe.step():
+        for i, g in enumerate(gs):
+            pipe.update(i, g, outs[i], log_only=True).wait()
+        for i, g in enumerate(gs):
+            pipe.update(i, g, outs[i])
+    return outs
+
+
+@pytest.fixture(autouse=True)
+def disarm():
+    yield
+    native.disarm_fault()
+
+
+def test_a_log_gives_the_two_copy_bits(tmp_path):
+    """Params out at every step, the states after each, and after a reopen."""
+    steps = 5
+    plain = train(str(tmp_path / "plain"), steps + 1, overlap=False)
+    d = str(tmp_path / "log")
+    with open_log(d) as pipe:
+        assert pipe.logs_gradients and not pipe.settings.overlap
+        for step in range(steps):
+            assert_same(logged_step(pipe, step), plain[step][0])
+            assert_same(states(pipe), plain[step][1])
+            assert pipe.durable_step_count == step + 1
+    with open_log(d) as pipe:
+        assert pipe.step_count == steps
+        assert_same(states(pipe), plain[steps - 1][1])
+        assert_same(logged_step(pipe, steps), plain[steps][0])
+        assert_same(states(pipe), plain[steps][1])
+
+
+def test_the_disk_is_the_states_and_one_steps_gradients(tmp_path):
+    """states.bin: one copy of every chunk (each a full chunk's extent) and the spares (two
+    per slot); grads.bin one step's gradients (each but the last 4 KiB-aligned) after a 1 MiB header; the
+    journal emptied at each commit. Against two copies: S + G + spares."""
+    two = str(tmp_path / "two")
+    with open_with_subgroups(two, RULE, SIZES, CHUNK, overlap=False):
+        pass
+    d = str(tmp_path / "log")
+    with open_log(d) as pipe:
+        logged_step(pipe, 0, np.float16)
+        slots = pipe.stats["slots"]
+    extent = 12 * CHUNK + (-12 * CHUNK) % 4096  # fp32 master and two moments, aligned
+    chunks = sum(-(-n // CHUNK) for n in SIZES)
+    assert os.path.getsize(os.path.join(d, "states.bin")) == (chunks + 2 * slots) * extent
+    assert os.path.getsize(os.path.join(d, "grads.bin")) == (1 << 20) + sum(
+        -(-2 * n // 4096) * 4096 for n in SIZES[:-1]) + 2 * SIZES[-1]
+    assert os.path.getsize(os.path.join(d, "journal")) == 0
+
+
+def test_misuses_of_a_log_are_refused(tmp_path):
+    d = str(tmp_path / "d")
+    for kwargs, match in [(dict(commit_every=2), "commit_every must be 1"),
+                          (dict(master="split"), "fp32 master"),
+                          (dict(memory_budget="1MiB"), "no memory_budget"),
+                          (dict(overlap=True), "overlap=False")]:
+        with pytest.raises(ValueError, match=match):
+            smartinf.Pipeline(d, RULE, chunk=CHUNK, copies="log", **kwargs)
+    with pytest.raises(ValueError, match="one cpu device"):
+        smartinf.Pipeline([str(tmp_path / "a"), str(tmp_path / "b")], RULE, copies="log")
+    with pytest.raises(ValueError, match="expected 1, 2 or 'log'"):
+        smartinf.Pipeline(d, RULE, copies="logs")
+    outs = [np.empty(n, np.float16) for n in SIZES]
+    g = grads(0)
+    with open_log(d) as pipe:
+        with pytest.raises(ValueError, match="has no logged gradient in this step"):
+            pipe.update(0, g[0], outs[0])
+        pipe.discard()
+        pipe.update(0, g[0], outs[0], log_only=True)
+        pipe.update(1, g[1], outs[1], log_only=True)
+        with pytest.raises(ValueError, match="differs from its logged gradient"):
+            pipe.update(0, g[1][:SIZES[0]].copy() if SIZES[1] >= SIZES[0] else -g[0], outs[0])
+        with pytest.raises(ValueError, match="differs from its logged gradient or hyper"):
+            pipe.update(0, g[0], outs[0], lr=0.5)
+        pipe.update(0, g[0], outs[0]).wait()
+        with pytest.raises(ValueError, match="comes after the step's first update"):
+            pipe.update(2, g[2], outs[2], log_only=True)
+        with pytest.raises(ValueError, match="sub-group 1's gradient was logged in this step but "
+                                             "it was not updated"):
+            pipe.commit()
+        pipe.update(1, g[1], outs[1]).wait()
+        pipe.commit()
+        assert pipe.step_count == 1
+    with pytest.raises(ValueError, match="made with copies 'log', not 2"):
+        open_with_subgroups(d, RULE, SIZES, CHUNK, overlap=False)
+    with pytest.raises(ValueError, match="log_only is for directories made with copies='log'"):
+        with open_with_subgroups(str(tmp_path / "two"), RULE, SIZES, CHUNK) as pipe:
+            pipe.update(0, g[0], outs[0], log_only=True)
+
+
+def test_a_failed_step_goes_back_until_an_extent_is_written_over(tmp_path, caplog):
+    """A write failing early (the spares not yet used up): the step is forgotten, the log
+    unsealed, and the directory holds the step before; failing once the step's chunks
+    write where the step before was: closed, saying so, and the reopen finishes the step
+    from its log, the bits of an uninterrupted run."""
+    plain = train(str(tmp_path / "plain"), 3, overlap=False)
+    d = str(tmp_path / "log")
+    with open_log(d) as pipe:
+        logged_step(pipe, 0)
+        native.arm_fault("io.write", "error")
+        with pytest.raises(OSError):
+            logged_step(pipe, 1)
+        assert pipe.step_count == 1
+        assert_same(states(pipe), plain[0][1])
+        assert_same(logged_step(pipe, 1), plain[1][0])
+    chunks = sum(-(-n // CHUNK) for n in SIZES)
+    with open_log(d) as pipe:
+        slots = pipe.stats["slots"]
+        native.arm_fault("io.write", "error", after=2 * slots + 2)  # past the spares
+        with pytest.raises(RuntimeError, match="reopening the directories finishes the step"):
+            logged_step(pipe, 2)
+    assert chunks > 2 * slots + 2
+    with open_log(d) as pipe:
+        assert pipe.step_count == 3
+        assert "whose gradients were logged: that step was finished" in caplog.text
+        assert_same(states(pipe), plain[2][1])
