@@ -35,6 +35,7 @@ KILL_WINDOW_S = 0.3
 RANDOM_KILLS = int(os.environ.get("SMARTINF_CRASH_TRIALS", "70"))
 POINTS = ["io.read", "io.write", "store.synced", "manifest.written", "manifest.renamed",
           "pipeline.device_committed"]
+LOG_POINTS = ["log.written", "log.sealed", "journal.synced"]  # copies="log"
 KILLS_PER_POINT = 6
 
 
@@ -56,9 +57,13 @@ ALL_STATES = 131072  # the fp32 states of SIZES, one copy (4 KiB-aligned chunks)
 def train_step(pipe, step):
     rng = np.random.default_rng(1000 + step)
     outs = [np.empty(n, np.float16) for n in SIZES]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
     with pipe.step():
-        for i, n in enumerate(SIZES):
-            pipe.update(i, rng.standard_normal(n).astype(np.float32), outs[i])
+        if pipe.logs_gradients:  # copies="log": the step's gradients first
+            for i, g in enumerate(grads):
+                pipe.update(i, g, outs[i], log_only=True)
+        for i, g in enumerate(grads):
+            pipe.update(i, g, outs[i])
 
 
 def snapshot(pipe):
@@ -125,6 +130,31 @@ def test_sigkill_during_background_commits(tmp_path, every):
                     5 * MAX_STEPS_PER_CHILD, resident=len(SIZES))
 
 
+def test_sigkill_with_a_log(tmp_path):
+    """One copy with forward recovery (copies="log"): each step's gradients logged before
+    its first update, each chunk's new version written to a free extent. Kills at random,
+    in the log's writes (log.written, log.sealed), in the rewrite (io.write, journal.synced,
+    after which extents the step's chunks left are written over) and in the commit reopen at
+    the step before, or finish the logged step from its log: bit for bit the uninterrupted
+    run's either way, and training goes on from there. Both happen."""
+    kill_and_reopen(tmp_path, 1, dict(copies="log"), int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")),
+                    3, 30, 5 * MAX_STEPS_PER_CHILD, points=POINTS + LOG_POINTS)
+
+
+def logged_step_pending(directory: str) -> bool:
+    """Whether the directory's log holds a sealed step after its manifest's: a reopen finishes it."""
+    from smartinf.checkpoint import manifest_fields
+    try:
+        with open(os.path.join(directory, "grads.bin"), "rb") as f:
+            head = f.read(32)
+    except FileNotFoundError:
+        return False
+    if len(head) < 32 or head[:8] != b"si-log01":
+        return False
+    step, _, sealed = np.frombuffer(head[8:], np.uint64)
+    return int(sealed) == 0x5ea1ed5ea1ed and int(step) == int(manifest_fields(directory)["step"]) + 1
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_sigkill_with_one_copy(tmp_path, devices):
     """Directories of one copy (copies=1), every sub-group resident, a durable commit every 3
@@ -137,8 +167,8 @@ def test_sigkill_with_one_copy(tmp_path, devices):
 
 
 def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, min_killed, max_steps,
-                    resident=2):
-    trials = [(None, 0)] * random_kills + [(p, k) for p in POINTS for k in range(kills_per_point)]
+                    resident=2, points=POINTS):
+    trials = [(None, 0)] * random_kills + [(p, k) for p in points for k in range(kills_per_point)]
     rnd = random.Random(20261123)
     rnd.shuffle(trials)
     every = config.get("commit_every", 1)
@@ -151,7 +181,7 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
     with open_pipe(dirs, **config) as pipe:
         if config.get("memory_budget"):
             assert [pipe.resident(i) for i in range(len(SIZES))].count(True) == resident
-    killed = finished = lost = step = 0
+    killed = finished = lost = step = forward = 0
     base = 0  # a finished child's close() made its last step durable: intervals count from it
     by_point: dict = {}
     for point, k in trials:
@@ -171,6 +201,7 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
         else:
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
             finished += 1
+        forward += config.get("copies") == "log" and logged_step_pending(dirs[0])
         try:
             pipe = open_pipe(dirs, **config)  # reopen: the last durable step, bit for bit
         except ValueError as e:  # one copy, killed while written: refused, then start afresh
@@ -194,9 +225,11 @@ def kill_and_reopen(tmp_path, devices, config, random_kills, kills_per_point, mi
     reference.close()
     print(f"\ncrash harness: {len(trials)} trials, {killed} killed ({by_point}), {finished} "
           f"finished, {len(trials) - lost} reopened consistent, {lost} refused (one copy, "
-          f"killed while written); reached step {step}")
+          f"killed while written), {forward} finishing a logged step; reached step {step}")
     assert killed >= min_killed
     if config.get("copies") == 1:  # both outcomes were exercised
         assert lost >= 1 and len(trials) - lost >= 5
+    elif config.get("copies") == "log":  # back to the step before, and forward
+        assert forward >= 3 and killed - forward >= 3
     else:
         assert step >= len(trials)  # training made progress through the kills

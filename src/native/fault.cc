@@ -34,7 +34,8 @@ Action hit(const char* point) {
 
 void arm(const std::string& point, Action action, uint64_t after, int error_code) {
   static const char* const known[] = {"io.read", "io.write", "store.synced", "manifest.written",
-                                      "manifest.renamed", "pipeline.device_committed"};
+                                      "manifest.renamed", "pipeline.device_committed",
+                                      "log.written", "log.sealed", "journal.synced"};
   bool ok = false;
   for (const char* k : known) ok = ok || point == k;
   if (!ok) throw std::invalid_argument("unknown fault point '" + point + "'");

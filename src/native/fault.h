@@ -6,6 +6,10 @@
 //   manifest.written           the new manifest is durable under its temporary name
 //   manifest.renamed           renamed over the old one, directory not yet fsync'd
 //   pipeline.device_committed  one device committed, the next not yet
+//   log.written                a log's gradients synced, its header not yet written
+//   log.sealed                 its header written and synced: the step's input complete
+//   journal.synced             a log's rewritten chunks and their records synced (the
+//                              extents they left are free from here)
 #pragma once
 #include <atomic>
 #include <cstdint>
