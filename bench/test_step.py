@@ -59,13 +59,13 @@ class StepRunner:
 
     def __init__(self, directory: str, params: int, slots: int, io: str | None = None,
                  state_dtype: str = "fp32", master: str = "fp32", param_dtype=np.float16,
-                 io_schedule: str | None = None) -> None:
+                 io_schedule: str | None = None, copies: "int | str" = 2) -> None:
         self.directory = directory
         self.params = params
         self.slots = slots
         self.pipe = smartinf.Pipeline(directory, smartinf.AdamW(lr=1e-4), chunk=1 << 20,
                                       slots=slots, io=io, state_dtype=state_dtype, master=master,
-                                      io_schedule=io_schedule)
+                                      io_schedule=io_schedule, copies=copies)
         self.sizes = [min(SUBGROUP, params - i) for i in range(0, params, SUBGROUP)]
         self.sgs = [self.pipe.add_subgroup(n) for n in self.sizes]  # writes the states: not timed
         rng = np.random.default_rng(0)
@@ -81,6 +81,9 @@ class StepRunner:
         start = time.perf_counter()
         futures = [None, None]
         with self.pipe.step():
+            if self.pipe.logs_gradients:  # copies="log": the step's gradients first
+                for i, (sg, n) in enumerate(zip(self.sgs, self.sizes)):
+                    self.pipe.update(sg, self.grads[i % 2][:n], self.outs[0][:n], log_only=True)
             for i, (sg, n) in enumerate(zip(self.sgs, self.sizes)):
                 k = i % 2
                 if futures[k] is not None:
@@ -245,3 +248,37 @@ def test_step_io_schedule(benchmark, storage_limits, summary, schedule_runners, 
     which one a disk prefers is what the probe's mix curve tells io_schedule="auto"."""
     measure_alternating(benchmark, storage_limits, summary, schedule_runners, schedule,
                         f"schedule_{SCHEDULE_PARAMS / 1e6:.0f}M", "phased_vs_mixed", "phased", "mixed")
+
+
+#: Two copies on disk against one and the step's logged gradients (copies="log").
+COPIES_PARAMS = env_int("SMARTINF_BENCH_COPIES_PARAMS", 256 << 20)
+
+
+@pytest.fixture(scope="module")
+def copies_runners(bench_dir):
+    require_disk(bench_dir, COPIES_PARAMS * (STATE_BYTES + 14), "the copies comparison")
+    runners = alternating_runners(bench_dir, "copies", COPIES_PARAMS,
+                                  {"two": {"param_dtype": "bf16"},
+                                   "log": {"param_dtype": "bf16", "copies": "log"}})
+    both = next(runners)
+    for runner in both.values():  # bf16 gradients, as a bf16 model's
+        runner.grads = [torch.from_numpy(g).to(torch.bfloat16) for g in runner.grads]
+    yield both
+    runners.close()
+
+
+@pytest.mark.parametrize("copies", ["two", "log"])
+def test_step_copies(benchmark, storage_limits, summary, copies_runners, copies):
+    """fp32 states streamed with two copies on disk, and with one copy and the step's logged
+    bf16 gradients: what each takes of the disk against the states' bytes (2.0 and about
+    14 / 12), and the step's time (the log writes the gradients before the updates and syncs
+    the journal each time the spares run out)."""
+    runner = copies_runners[copies]
+    measure_alternating(benchmark, storage_limits, summary, copies_runners, copies,
+                        f"copies_{COPIES_PARAMS / 1e6:.0f}M", "log_vs_two_copies", "log", "two")
+    states = 12 * runner.params
+    disk = sum(os.path.getsize(os.path.join(runner.directory, f))
+               for f in ("states.bin", "grads.bin", "journal")
+               if os.path.exists(os.path.join(runner.directory, f)))
+    summary.setdefault("disk_vs_states", {})[copies] = disk / states
+    assert disk > states

@@ -594,6 +594,19 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
             "memory_budget": "2GiB", "reserve": "4GiB"}}})
 
 
+def test_a_log_trains_each_rank_as_two_copies_do(work, disk_dir):
+    """"copies": "log" under DeepSpeed (world 2, overlap off, clipping): each rank's step
+    logs its gradients before its updates; the losses and params of two copies, bit for
+    bit, and each rank's directory one copy of its states plus a step's gradients."""
+    extra = ("--no-overlap",)
+    two = train(work, disk_dir, "two", world=2, extra=extra)
+    log = train(work, disk_dir, "log", world=2, extra=extra + ("--copies", "log", "--if-exists", "overwrite"))
+    assert losses(log) == losses(two)
+    assert params_rel_diff(log, two) == 0
+    for rank in (0, 1):
+        assert os.path.getsize(os.path.join(disk_dir, "smartinf", f"rank{rank:05d}", "grads.bin")) > 0
+
+
 def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
     """Once a budget of "auto" is sized: the GPU holds whole sub-groups first (as the
     pipeline places them), the host's budget (sized by the plan for all of the states)

@@ -140,3 +140,25 @@ def test_a_failed_step_goes_back_until_an_extent_is_written_over(tmp_path, caplo
         assert pipe.step_count == 3
         assert "whose gradients were logged: that step was finished" in caplog.text
         assert_same(states(pipe), plain[2][1])
+
+
+def test_smartinf_optim_trains_with_a_log_as_with_two_copies(tmp_path):
+    """The front-end's steps with a log (StepSession logs every gradient first): the same
+    params as with two copies, clipping on, across a reopen."""
+    import torch
+
+    import smartinf.optim as so
+    from test_optim import SMALL, make_model, reference_grads, set_grads
+    params = {}
+    for copies in (2, "log"):
+        a, b = make_model(), make_model()
+        d = str(tmp_path / str(copies))
+        for steps in (range(4), range(4, 7)):
+            opt = so.AdamW(a.parameters(), lr=1e-2, devices=[d], max_grad_norm=0.05, copies=copies,
+                           overlap=False, if_exists="resume", **SMALL)
+            for step in steps:
+                set_grads(a, reference_grads(b, step))
+                opt.step()
+            opt.close()
+        params[copies] = [p.detach().clone() for p in a.parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(params[2], params["log"]))

@@ -161,9 +161,10 @@ def main() -> None:
                    "states offloaded to the CPU, the rest updated on the GPU (ZeRO-Offload++)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--compute-threads", type=int, help="smartinf: threads of the update")
-    p.add_argument("--copies", type=int, choices=(1, 2),
+    p.add_argument("--copies", type=lambda v: v if v == "log" else int(v), choices=(1, 2, "log"),
                    help="smartinf: copies of the states on disk (1: half the disk, every state "
-                        "resident, a crash during a durable commit loses them)")
+                        "resident, a crash during a durable commit loses them; log: one copy "
+                        "and each step's gradients, every instant recoverable, with --no-overlap)")
     p.add_argument("--no-overlap", action="store_true",
                    help="smartinf: overlap=False (updates wait for step(); durable commits are "
                         "written before commit() returns)")
