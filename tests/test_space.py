@@ -23,6 +23,7 @@ def test_a_directory_too_small_is_refused_before_the_first_byte(small_fs):
     text = str(refused.value)
     assert "1.05 M params need 25.2 MB" in text and "MB free" in text and small_fs in text
     assert "What would fit: " in text and "state_dtype='int8', master='split'" in text
+    assert "copies='log' (every instant recoverable; streamed, overlap off): one copy, 12.6 MB" in text
     assert sorted(os.listdir(small_fs)) == found  # nothing written, nothing left
     opt = so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, state_dtype="int8",
                    if_exists="overwrite")  # what it offered fits

@@ -74,8 +74,14 @@ def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
         if copies == 2 and total / 2 <= free:
             fits.insert(0, f"copies=1 (every sub-group resident, written in place at durable "
                            f"commits: a crash during one loses the states): {_size(total / 2)}")
-        what = ("two copies of its", "the committed one and the one a step writes") if copies == 2 \
-            else ("one copy of its", "written in place")
+        if copies == 2 and master == "fp32" and total / 2 + 2 * params <= free:
+            fits.insert(0, f"copies='log' (every instant recoverable; streamed, overlap off): "
+                           f"one copy, {_size(total / 2)}, a step's logged gradients "
+                           f"({_size(2 * params)} in bf16, {_size(4 * params)} in fp32) and two "
+                           f"spare extents a slot")
+        what = {2: ("two copies of its", "the committed one and the one a step writes"),
+                "log": ("one copy of its", "with spare extents and a step's logged gradients")
+                }.get(copies, ("one copy of its", "written in place"))
         raise OSError(errno.ENOSPC,
                       f"the states of {_count(params)} params need {_size(total)} in "
                       f"{', '.join(paths)} ({per_param:.1f} B a param: {what[0]} "
