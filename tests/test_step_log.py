@@ -101,6 +101,8 @@ def test_misuses_of_a_log_are_refused(tmp_path):
         pipe.update(0, g[0], outs[0]).wait()
         with pytest.raises(ValueError, match="comes after the step's first update"):
             pipe.update(2, g[2], outs[2], log_only=True)
+        with pytest.raises(ValueError, match="no longer held; read them before the update"):
+            pipe.read_states(0)
         with pytest.raises(ValueError, match="sub-group 1's gradient was logged in this step but "
                                              "it was not updated"):
             pipe.commit()

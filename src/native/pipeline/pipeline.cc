@@ -784,6 +784,12 @@ void Pipeline::read_states(size_t sg, float* const* arrays, const void* params) 
     throw std::invalid_argument("with master='split' the masters are rebuilt from the bf16 "
                                 "params: pass sub-group " + std::to_string(sg) + "'s params");
   if (updated_[sg]) {  // written in the step in progress: step()'s states are the committed copy
+    if (devices_[p.unit].store->logs())
+      throw std::invalid_argument(
+          "sub-group " + std::to_string(sg) + " was updated in the step in progress, whose "
+          "chunks are written where free extents are (copies='log'), the committed ones "
+          "among them once their chunks moved: its states at step " + std::to_string(step_) +
+          " are no longer held; read them before the update, or after commit()");
     if (p.was_dirty)
       throw std::invalid_argument(
           "sub-group " + std::to_string(sg) + " was updated in the step in progress after "
