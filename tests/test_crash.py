@@ -130,15 +130,19 @@ def test_sigkill_during_background_commits(tmp_path, every):
                     5 * MAX_STEPS_PER_CHILD, resident=len(SIZES))
 
 
-def test_sigkill_with_a_log(tmp_path):
+@pytest.mark.parametrize("devices, state_dtype", [(1, "fp32"), (2, "int8")])
+def test_sigkill_with_a_log(tmp_path, devices, state_dtype):
     """One copy with forward recovery (copies="log"): each step's gradients logged before
     its first update, each chunk's new version written to a free extent. Kills at random,
     in the log's writes (log.written, log.sealed), in the rewrite (io.write, journal.synced,
     after which extents the step's chunks left are written over) and in the commit reopen at
     the step before, or finish the logged step from its log: bit for bit the uninterrupted
-    run's either way, and training goes on from there. Both happen."""
-    kill_and_reopen(tmp_path, 1, dict(copies="log"), int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")),
-                    3, 30, 5 * MAX_STEPS_PER_CHILD, points=POINTS + LOG_POINTS)
+    run's either way, and training goes on from there. Both happen. With two devices each
+    seals its log before either updates, so a kill between their commits finishes the step
+    on the one behind, and one between their seals forgets it on the one sealed."""
+    kill_and_reopen(tmp_path, devices, dict(copies="log", state_dtype=state_dtype),
+                    int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 3, 30,
+                    5 * MAX_STEPS_PER_CHILD, points=POINTS + LOG_POINTS)
 
 
 def logged_step_pending(directory: str) -> bool:

@@ -82,8 +82,6 @@ def test_misuses_of_a_log_are_refused(tmp_path):
                           (dict(overlap=True), "overlap=False")]:
         with pytest.raises(ValueError, match=match):
             smartinf.Pipeline(d, RULE, chunk=CHUNK, copies="log", **kwargs)
-    with pytest.raises(ValueError, match="one cpu device"):
-        smartinf.Pipeline([str(tmp_path / "a"), str(tmp_path / "b")], RULE, copies="log")
     with pytest.raises(ValueError, match="expected 1, 2 or 'log'"):
         smartinf.Pipeline(d, RULE, copies="logs")
     outs = [np.empty(n, np.float16) for n in SIZES]
@@ -164,3 +162,39 @@ def test_smartinf_optim_trains_with_a_log_as_with_two_copies(tmp_path):
             opt.close()
         params[copies] = [p.detach().clone() for p in a.parameters()]
     assert all(torch.equal(x, y) for x, y in zip(params[2], params["log"]))
+
+
+def test_two_devices_and_int8_states_with_small_tensors_give_the_two_copy_bits(tmp_path):
+    """Several devices (two directories, and the small tensors' fp32 moments in a third):
+    every device's log is sealed before any update, and the run is two copies' bit for bit."""
+    small = [70, 9]
+    sizes = SIZES + small
+
+    def run(copies):
+        d = tmp_path / str(copies)
+        outs_all = []
+        with smartinf.Pipeline([str(d / "a"), str(d / "b")], RULE, chunk=CHUNK, state_dtype="int8",
+                               copies=copies, overlap=False, small_sizes=small) as pipe:
+            for n in SIZES:
+                pipe.add_subgroup(n)
+            for n in small:
+                pipe.add_subgroup(n, small=True)
+            for step in range(4):
+                rng = np.random.default_rng(step)
+                gs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+                outs = [np.empty(n, np.float16) for n in sizes]
+                with pipe.step():
+                    if pipe.logs_gradients:
+                        for i, g in enumerate(gs):
+                            pipe.update(i, g, outs[i], log_only=True)
+                    for i, g in enumerate(gs):
+                        pipe.update(i, g, outs[i])
+                outs_all.append(outs)
+            held = [np.concatenate(list(pipe.read_states(i).values())) for i in range(len(sizes))]
+        return outs_all, held
+
+    two, log = run(2), run("log")
+    for a, b in zip(two[0], log[0]):
+        assert_same(a, b)
+    assert_same(two[1], log[1])
+    assert os.path.exists(tmp_path / "log" / "a" / "fp32-moments" / "grads.bin")

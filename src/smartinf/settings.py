@@ -91,7 +91,7 @@ class PipelineSettings:
         S + G (the states, plus one step's gradients: 14 B a param for fp32 states and bf16
         gradients, against two copies' 24): each chunk's new version goes to a free extent,
         each step's gradients are logged before its first update, and a crash reopens at the
-        step before or finishes the logged one. One cpu device, fp32 master, no
+        step before or finishes the logged one. cpu devices, fp32 master, no
         memory_budget, ``commit_every=1``, ``overlap`` off (docs/memory-tiers.md).
     compute_threads
         Threads of the update kernel (``SMARTINF_COMPUTE_THREADS``; 0: the cores this

@@ -183,21 +183,24 @@ Pipeline::Pipeline(const PipelineOptions& options)
     lo = std::min(lo, u.store->step());
     hi = std::max(hi, u.store->step());
   }
-  if (hi != lo && options.copies == 1)
+  if (options.log) {
+    settle_logs(lo, hi);
+  } else if (hi != lo && options.copies == 1) {
     throw std::invalid_argument(
         "device directories of one copy (copies=1) are at steps " + std::to_string(lo) + " and " +
         std::to_string(hi) + ": a crash between their durable commits left them apart, and one "
         "copy holds no earlier step to bring them together. Restore a checkpoint, or open them "
         "with if_exists=\"overwrite\" to start afresh");
+  }
   for (const Unit& u : devices_)
-    if (u.store->step() != lo && u.store->previous_step() != lo)
+    if (!options.log && u.store->step() != lo && u.store->previous_step() != lo)
       throw std::invalid_argument("device directories are at steps " + std::to_string(lo) +
                                   " and " + std::to_string(u.store->step()) +
                                   " (one commit after step " +
                                   std::to_string(u.store->previous_step()) +
                                   "): they do not belong to one pipeline");
   for (Unit& u : devices_) {
-    if (u.store->step() == hi && hi != lo) {
+    if (!options.log && u.store->step() == hi && hi != lo) {
       u.store->rollback_last_step();
       notes_.push_back(u.store->dir() + " was committed one step ahead of the others " +
                        "(interrupted commit): rolled back to step " + std::to_string(lo));
@@ -215,8 +218,32 @@ Pipeline::Pipeline(const PipelineOptions& options)
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
   for (Unit& u : devices_)
-    if (!u.store->replay().empty()) finish_logged_step(u);
+    if (u.store->pending()) finish_logged_step(u);
   if (options.log) step_ = durable_step_ = devices_.front().store->step();
+}
+
+// Directories with a log at reopen: each device's log of the step after its own is sealed
+// before any device's update runs, so where every device behind has its log, all finish
+// that step (a crash between two devices' commits leaves some one step ahead); where one
+// lacks it, no extent was written over anywhere, and those sealed forget it.
+void Pipeline::settle_logs(uint64_t lo, uint64_t hi) {
+  const bool logged = std::all_of(devices_.begin(), devices_.end(), [&](const Unit& u) {
+    return u.store->step() != lo || u.store->pending();
+  });
+  if (hi > lo + 1 || (hi == lo + 1 && !logged))
+    throw std::invalid_argument(
+        "device directories with a log (copies='log') are at steps " + std::to_string(lo) +
+        " and " + std::to_string(hi) + ", and those at step " + std::to_string(lo) + " hold no " +
+        "log of step " + std::to_string(lo + 1) + " to finish: they do not belong to one "
+        "pipeline. Pass the directories the pipeline was made with, or restore a checkpoint");
+  if (logged) return;
+  for (Unit& u : devices_)
+    if (u.store->pending()) {
+      u.store->drop_log();
+      notes_.push_back(u.store->dir() + ": its log of step " + std::to_string(lo + 1) + " was "
+                       "sealed, another device's was not, so no update of that step had run: "
+                       "forgotten, the directory is at step " + std::to_string(lo));
+    }
 }
 
 void Pipeline::refuse_log_options(const PipelineOptions& o) const {
@@ -228,8 +255,8 @@ void Pipeline::refuse_log_options(const PipelineOptions& o) const {
   if (o.master != "fp32") no("is for an fp32 master: with a split one, two copies (copies=2) take no "
                              "more disk (docs/memory-tiers.md)");
   if (o.memory_budget) no("streams every sub-group from storage: no memory_budget");
-  if (o.devices.size() != 1 || o.devices.front().kind != "cpu" || !o.small_dir.empty())
-    no("runs on one cpu device (one directory, fp32 states) so far");
+  for (const DeviceSpec& d : o.devices)
+    if (d.kind != "cpu") no("runs on cpu devices so far, not " + d.kind + " (" + d.dir + ")");
 }
 
 // The update's own path: each chunk left at the step before is read from its committed
@@ -673,7 +700,8 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
       done->chunk_done();
       return done;
     }
-    if (!logs.log_sealed()) logs.seal_log();  // the step's first update: its input complete
+    if (!logs.log_sealed())  // the step's first update: its input complete, on every device
+      for (Unit& u : devices_) u.store->seal_log();
     const store::LoggedGradient* e = logs.logged(r.id);
     const uint64_t bytes = r.numel * kernels::dtype_size(g.dtype);
     if (!e || e->dtype != static_cast<uint32_t>(g.dtype) || e->steps != current_steps(p) + 1 ||

@@ -59,8 +59,8 @@ struct PipelineOptions {
   // copies 1 with forward recovery (store/step_log.h), fixed when the directories are made:
   // every chunk's new version goes to a free extent; each step's gradients are logged
   // (update(log_only)) before its first update; a crash reopens at the step before, or
-  // finishes the logged one. One cpu device, streamed fp32-master states, a durable
-  // commit every step.
+  // finishes the logged one. cpu devices, streamed fp32-master states, a durable commit
+  // every step.
   bool log = false;
   // A durable commit's resident states are written in the background while later steps
   // run; it becomes durable when they are written (see make_durable). false: commit() waits.
@@ -247,6 +247,7 @@ class Pipeline {
   // abandons, and says the reopen finishes the logged step.
   [[noreturn]] void finish_on_reopen(const std::string& why);
   void refuse_log_options(const PipelineOptions& o) const;
+  void settle_logs(uint64_t lo, uint64_t hi);
   // A reopen that found a logged step half done: its other chunks updated again.
   void finish_logged_step(Unit& u);
 

@@ -178,7 +178,7 @@ void StateStore::open_log() {
         if (!done[r.local][c]) r.chunks.push_back(c);
       replay_.push_back(r);
     }
-    logging_ = true;
+    logging_ = pending_ = true;
   } else {
     log_->clear_journal();
   }
@@ -383,7 +383,7 @@ void StateStore::publish(const std::vector<Written>& written, uint64_t pipeline_
   if (!manifest_.log) return;
   std::lock_guard lock(log_mu_);
   log_->clear_journal();  // (a crash before this: the log's step is the manifest's, ignored)
-  logging_ = false;
+  logging_ = pending_ = false;
   replay_.clear();
   working_.clear();
   for (const SubgroupRecord& r : manifest_.subgroups) working_.push_back(r.at);
@@ -455,6 +455,12 @@ void StateStore::forget_step() {
   working_.clear();
   for (const SubgroupRecord& r : manifest_.subgroups) working_.push_back(r.at);
   rebuild_free();
+}
+
+void StateStore::drop_log() {
+  replay_.clear();
+  pending_ = false;
+  forget_step();
 }
 
 void StateStore::publish_logged_step() {

@@ -125,9 +125,13 @@ class StateStore {
   bool reused() const;
   // The step is forgotten (nothing reused): its log unsealed, its extents free again.
   void forget_step();
-  // What a reopen found to finish (a sealed log of step() + 1); the pipeline updates those
-  // chunks again, then publish_logged_step() makes the step durable.
+  // What a reopen found to finish (a sealed log of step() + 1: pending()); the pipeline
+  // updates those chunks again, then publish_logged_step() makes the step durable. Or,
+  // where another device's log of that step was never sealed (no extent was written over
+  // anywhere), drop_log(): the directory stays at step().
+  bool pending() const { return pending_; }
   const std::vector<Replay>& replay() const { return replay_; }
+  void drop_log();
   void read_logged(const LoggedGradient& g, void* into) const { log_->read(g, into); }
   void publish_logged_step();
 
@@ -172,6 +176,7 @@ class StateStore {
   std::unordered_set<uint64_t> left_;  // extents this step's chunks left, synced as left
   bool reused_ = false;
   std::vector<Replay> replay_;
+  bool pending_ = false;
   mutable std::mutex log_mu_;
 };
 
