@@ -198,3 +198,34 @@ def test_two_devices_and_int8_states_with_small_tensors_give_the_two_copy_bits(t
         assert_same(a, b)
     assert_same(two[1], log[1])
     assert os.path.exists(tmp_path / "log" / "a" / "fp32-moments" / "grads.bin")
+
+
+def test_states_loaded_into_a_log_directory_train_on_as_saved(tmp_path):
+    """load_state_dict into a pipeline with a log (written in place, as with one copy) and
+    a reopen: the run goes on bit for bit as the one it was saved from."""
+    import torch
+
+    import smartinf.optim as so
+    from test_optim import SMALL, make_model, reference_grads, set_grads
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[str(tmp_path / "a")], copies="log", **SMALL)
+    for step in range(3):
+        set_grads(a, reference_grads(b, step))
+        oa.step()
+    saved = oa.state_dict()
+    c = make_model()
+    c.load_state_dict(a.state_dict())
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[str(tmp_path / "c")], copies="log", **SMALL)
+    oc.load_state_dict(saved)
+    oc.close()
+    oc = so.AdamW(c.parameters(), lr=1e-2, devices=[str(tmp_path / "c")], copies="log",
+                  if_exists="resume", **SMALL)
+    for step in range(3, 6):
+        grads = reference_grads(b, step)
+        set_grads(a, grads)
+        set_grads(c, grads)
+        oa.step()
+        oc.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    oa.close()
+    oc.close()
