@@ -1059,7 +1059,7 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
             time.sleep(0.05)
 
 
-def _reopened(directory: str):
+def _reopened(directory: str, **kwargs):
     """The directory opened once its killed owner's lock is free: a killed process's files
     are released when its in-flight io_uring requests have finished, after it is a zombie."""
     import errno
@@ -1069,7 +1069,7 @@ def _reopened(directory: str):
     deadline = time.monotonic() + 120
     while True:
         try:
-            return smartinf.Pipeline(directory, smartinf.AdamW(), if_exists="resume")
+            return smartinf.Pipeline(directory, smartinf.AdamW(), if_exists="resume", **kwargs)
         except OSError as e:
             if e.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise
@@ -1082,6 +1082,54 @@ def _running(proc) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_ranks_decide_together_whether_a_logged_step_is_finished():
+    """Every rank seals its step's log before any updates: a rank a step ahead means all had
+    sealed (finish); all sealed at one step (finish); one lacking it means none updated
+    (drop); a rank ahead of one without a log, or two steps apart, does not fit one run."""
+    from smartinf.integrations.deepspeed_states import logged_step_decision as decide
+    assert decide([5, 5], [True, True]) == "finish"
+    assert decide([5, 6], [True, False]) == "finish"
+    assert decide([5, 5], [True, False]) == "drop"
+    assert decide([5, 5], [False, False]) == "drop"
+    assert decide([5, 6], [False, False]) == "apart"
+    assert decide([5, 7], [True, False]) == "apart"
+    assert decide([5, 5, 6], [True, True, False]) == "finish"
+    assert decide([5, 5, 6], [True, False, False]) == "apart"
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_two_ranks_with_a_log_killed_at_random_resume_at_one_step(work, disk_dir, trial):
+    """copies="log": each rank logs and seals its step's gradients, and waits for the other
+    before updating. Both ranks killed at a random moment: the next run finishes the logged
+    step on every rank (where one rank is a step ahead, or both hold its log) or forgets it
+    (where one lacks it: no rank had updated), and trains bit for bit as a run that stopped
+    at that step."""
+    import random
+    extra = ("--copies", "log", "--no-overlap", "--compute-threads", "1")
+    killed = os.path.join(disk_dir, "killed")
+    killed_at_random(work, killed, random.Random(20261127 + trial), extra)
+    durable, pending = [], []
+    for rank in range(2):
+        with _reopened(os.path.join(killed, "smartinf", f"rank{rank:05d}"), copies="log",
+                       defer_logged_step=True) as pipe:  # (looked at, not finished)
+            durable.append(pipe.durable_step_count)
+            pending.append(pipe.logged_step_pending)
+    low = min(durable)
+    step = low + 1 if max(durable) > low or all(pending) else low
+    print(f"\nkilled with a log: durable steps {durable}, logs pending {pending}: resumed at {step}")
+    assert max(durable) - low <= 1, durable
+    if max(durable) > low:  # a rank a step ahead had updated: the one behind sealed its log
+        assert all(p for d, p in zip(durable, pending) if d == low), (durable, pending)
+    resume = ("--if-exists", "resume", "--steps", "3")
+    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
+    stopped = os.path.join(disk_dir, "stopped")
+    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
+    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
+    assert losses(resumed) == losses(ref)
+    for a, b in zip(resumed["params"], ref["params"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("trial", range(2))

@@ -229,3 +229,77 @@ def test_states_loaded_into_a_log_directory_train_on_as_saved(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
     oa.close()
     oc.close()
+
+
+def test_a_checkpoint_restored_over_a_log_directory_is_not_finished_from_its_log(tmp_path):
+    """After a restore (save_devices / restore_devices, as the DeepSpeed checkpoint does) the
+    directory's own log of a later step must not be taken for the checkpoint's next step."""
+    from smartinf.checkpoint import restore_devices, save_devices
+    d, ckpt = str(tmp_path / "log"), str(tmp_path / "ckpt")
+    with open_log(d) as pipe:
+        logged_step(pipe, 0)
+        logged_step(pipe, 1)
+        saved = states(pipe)
+        save_devices([d], ckpt)
+        logged_step(pipe, 2)
+    restore_devices(ckpt, [d])
+    assert not os.path.exists(os.path.join(d, "grads.bin"))
+    with open_log(d) as pipe:
+        assert pipe.step_count == 2
+        assert_same(states(pipe), saved)
+
+
+@pytest.mark.parametrize("crash", ["after-one-commit", "before-all-sealed"])
+def test_two_ranks_a_crash_leaves_apart_decide_together(tmp_path, crash):
+    """Two pipelines as two ranks, each logging and sealing its step before either updates
+    (as the DeepSpeed step does, with a barrier). Killed after the first committed the step
+    and before the second did: one a step ahead, the other holding its sealed log, so the
+    step is finished there from the log. Killed after the first sealed and before the
+    second did: no update ran, so the sealed log is forgotten. Either way both reopen at
+    one step, bit for bit an uninterrupted run's."""
+    import signal
+
+    from smartinf.integrations.deepspeed_states import logged_step_decision
+    dirs = [str(tmp_path / f"rank{r}") for r in range(2)]
+    plain = train(str(tmp_path / "plain"), 3, overlap=False)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            pipes = [open_log(d) for d in dirs]
+            for step in range(2):
+                for pipe in pipes:
+                    logged_step(pipe, step)
+            outs = [np.empty(n, np.float16) for n in SIZES]
+            for r, pipe in enumerate(pipes):
+                for i, g in enumerate(grads(2)):
+                    pipe.update(i, g, outs[i], log_only=True)
+                if crash == "before-all-sealed" and r == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                pipe.seal_log()
+            for i, g in enumerate(grads(2)):
+                pipes[0].update(i, g, outs[i])
+            pipes[0].commit()
+            os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status
+    steps, pending = [], []
+    for d in dirs:
+        with smartinf.Pipeline(d, RULE, chunk=CHUNK, copies="log", defer_logged_step=True) as pipe:
+            steps.append(pipe.durable_step_count)
+            pending.append(pipe.logged_step_pending)
+    decision = logged_step_decision(steps, pending)
+    assert (steps, pending, decision) == (([3, 2], [False, True], "finish") if crash == "after-one-commit"
+                                          else ([2, 2], [True, False], "drop"))
+    for d in dirs:
+        with smartinf.Pipeline(d, RULE, chunk=CHUNK, copies="log", defer_logged_step=True) as pipe:
+            if decision == "finish" and pipe.logged_step_pending:
+                pipe.finish_logged_step()
+            elif decision == "drop":
+                pipe.drop_logged_step()
+    expected = 3 if decision == "finish" else 2
+    for d in dirs:
+        with open_log(d) as pipe:
+            assert pipe.step_count == expected
+            assert_same(states(pipe), plain[expected - 1][1])

@@ -147,6 +147,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         uint64_t commit_every
         uint32_t copies
         cbool log
+        cbool defer_logged_step
         cbool background_commit
         unsigned compute_threads
         RingOptions ring
@@ -180,6 +181,10 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[ForeignChunk] take_foreign() except +raise_py_error nogil
         unsigned state_arrays()
         void commit() except +raise_py_error nogil
+        void seal_logs() except +raise_py_error nogil
+        cbool logged_step_pending() except +raise_py_error
+        void finish_logged_step() except +raise_py_error nogil
+        void drop_logged_step() except +raise_py_error nogil
         void flush() except +raise_py_error nogil
         void settle() except +raise_py_error nogil
         void discard() except +raise_py_error nogil
@@ -359,9 +364,9 @@ cdef class NativePipeline:
     cdef Pipeline* p
 
     def __cinit__(self, list devices, str optimizer, float initial_state, settings,
-                  str small_dir="", list small_numels=[]):
+                  str small_dir="", list small_numels=[], cbool defer_logged_step=False):
         """devices: smartinf.devices.NativeDeviceSpec each; settings: a PipelineSettings;
-        small_dir, small_numels: PipelineOptions'."""
+        small_dir, small_numels, defer_logged_step: PipelineOptions'."""
         cdef PipelineOptions options
         cdef DeviceSpec spec
         for d in devices:
@@ -398,6 +403,7 @@ cdef class NativePipeline:
         options.ring.queue_depth = settings.queue_depth
         options.ring.piece_bytes = settings.piece_bytes
         options.small_dir = small_dir.encode()
+        options.defer_logged_step = defer_logged_step
         for n in small_numels:
             options.small_numels.push_back(n)
         with nogil:
@@ -467,6 +473,21 @@ cdef class NativePipeline:
     def commit(self):
         with nogil:
             self.p.commit()
+
+    def seal_logs(self):
+        with nogil:
+            self.p.seal_logs()
+
+    def logged_step_pending(self) -> bool:
+        return self.p.logged_step_pending()
+
+    def finish_logged_step(self):
+        with nogil:
+            self.p.finish_logged_step()
+
+    def drop_logged_step(self):
+        with nogil:
+            self.p.drop_logged_step()
 
     def flush(self):
         with nogil:

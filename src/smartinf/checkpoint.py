@@ -33,6 +33,10 @@ def manifest_fields(directory: str) -> Optional[dict]:
         return None
 
 
+#: A directory with a log's step files (copies="log", store/step_log.h): never copied.
+LOG_FILES = ("grads.bin", "journal")
+
+
 def manifest_copies(fields: dict) -> int:
     """Extents per chunk of the run whose manifest ``fields`` are: 1 or 2 (2 before version 9,
     which did not say)."""
@@ -54,6 +58,9 @@ def copy_device_dir(source: str, target: str) -> None:
     manifest = os.path.join(target, MANIFEST)
     if os.path.exists(manifest):
         os.remove(manifest)  # from here on the target is not taken for a committed directory
+    for name in LOG_FILES:  # a log of the target's own run would finish a step of another
+        if os.path.exists(os.path.join(target, name)):
+            os.remove(os.path.join(target, name))
     shutil.copyfile(os.path.join(source, STATES), os.path.join(target, STATES))
     staged = manifest + ".copy"
     shutil.copyfile(os.path.join(source, MANIFEST), staged)

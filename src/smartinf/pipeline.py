@@ -77,6 +77,12 @@ class Pipeline(Steps, States):
         with larger neighbours costs a small tensor most of its moments' precision (lpmm
         keeps such tensors in fp32 too); their bytes are few. Reopened directories that hold
         such a device keep it.
+    defer_logged_step
+        With ``copies="log"``, for front-ends of several processes (the DeepSpeed
+        integration): a step that a crash left logged but unfinished in every device is not
+        finished (or, where some device lacks its log, forgotten) here; the caller decides
+        with the other processes (``logged_step_pending``, ``finish_logged_step``,
+        ``drop_logged_step``) before adding sub-groups.
 
     With several devices, sub-groups fill the GPU memory budgets of ``CudaDevice``s first
     (in device order; their update there is ~100x the host's), and the others are placed by
@@ -114,6 +120,7 @@ class Pipeline(Steps, States):
         settings: Optional[PipelineSettings] = None,
         subgroup_sizes: Sequence[int] = (),
         small_sizes: Optional[Sequence[int]] = None,
+        defer_logged_step: bool = False,
     ) -> None:
         self._native = None
         _check_sizes(subgroup_sizes, small_sizes)
@@ -169,7 +176,8 @@ class Pipeline(Steps, States):
             self._gpus.append(None)  # the small sub-groups' device, last
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings,
-                                              small, [int(n) for n in small_sizes or ()] if small else [])
+                                              small, [int(n) for n in small_sizes or ()] if small else [],
+                                              bool(defer_logged_step))
         self._check_disk(subgroup_sizes, small_sizes or (), small, held)
         for note in self._native.notes():
             if note not in _warned:

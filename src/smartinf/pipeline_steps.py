@@ -81,6 +81,26 @@ class Steps:
         ``update(..., log_only=True)`` for every sub-group first)."""
         return self.settings.copies == "log"
 
+    def seal_log(self) -> None:
+        """The step's logged gradients made its complete input, on every device, before its
+        first update (which does it otherwise): a front-end of several processes seals, then
+        waits for the others, so that no process updates before all have sealed."""
+        self._open().seal_logs()
+
+    @property
+    def logged_step_pending(self) -> bool:
+        """After a reopen with ``defer_logged_step``: whether every device holds a sealed log
+        of the step after its own (a crash left it unfinished)."""
+        return self._open().logged_step_pending()
+
+    def finish_logged_step(self) -> None:
+        """Finishes the logged step from its log (``defer_logged_step``)."""
+        self._open().finish_logged_step()
+
+    def drop_logged_step(self) -> None:
+        """Forgets the logged step (``defer_logged_step``): no process had updated in it."""
+        self._open().drop_logged_step()
+
     @property
     def commit_pending(self) -> bool:
         """Whether a durable commit is being written in the background (``overlap``)."""

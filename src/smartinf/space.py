@@ -97,8 +97,8 @@ def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
 def forget_new_directory(path: str) -> None:
     """Removes the files a refused pipeline's open made in ``path`` (it held no run before):
     the directory is as it was found, so another format can be tried there."""
-    from .checkpoint import MANIFEST, STATES
-    for name in (MANIFEST, STATES, "lock"):
+    from .checkpoint import LOG_FILES, MANIFEST, STATES
+    for name in (MANIFEST, STATES, "lock", *LOG_FILES):
         try:
             os.remove(os.path.join(path, name))
         except FileNotFoundError:

@@ -37,13 +37,15 @@ class StepSession:
 
     def __init__(self, pipeline: Pipeline, driver: Driver, put: Callable[[int, torch.Tensor], None],
                  speculation: Optional[Speculation] = None,
-                 restored: Optional[Callable[[list], None]] = None) -> None:
+                 restored: Optional[Callable[[list], None]] = None,
+                 sealed: Optional[Callable[[], None]] = None) -> None:
         self.pipeline = pipeline
         self.driver = driver
         self.speculation = speculation
         self.tail: Optional[StepTail] = None
         self._put = put
         self._restored = restored  # told which sub-groups' params were put back
+        self._sealed = sealed  # with a log: waits until every process sealed its step's log
         self._before = 0  # the step count when the step began
         self._touched: list[int] = []  # sub-groups whose params this step put
 
@@ -98,6 +100,9 @@ class StepSession:
                     self.put(sg, out)
                 if self.pipeline.logs_gradients:  # the step's input, durable before any update
                     self.driver.log(rest, send)
+                    self.pipeline.seal_log()
+                    if self._sealed is not None:
+                        self._sealed()  # every process sealed before any updates
                 self.run(rest, send, finish)
         except BaseException:
             self.fail()

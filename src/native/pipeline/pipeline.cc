@@ -217,9 +217,45 @@ Pipeline::Pipeline(const PipelineOptions& options)
     Unit& u = devices_[i];
     u.ring = std::make_unique<Ring>(*u.device, *u.store, ring, notes_);
   }
-  for (Unit& u : devices_)
-    if (u.store->pending()) finish_logged_step(u);
+  if (!logged_undecided_)
+    for (Unit& u : devices_)
+      if (u.store->pending()) finish_logged_step(u);
   if (options.log) step_ = durable_step_ = devices_.front().store->step();
+}
+
+void Pipeline::seal_logs() {
+  std::lock_guard lock(mu_);
+  require_open();
+  for (Unit& u : devices_)
+    if (u.store->logs() && !u.store->log_sealed()) u.store->seal_log();
+}
+
+bool Pipeline::logged_step_pending() const {
+  std::lock_guard lock(mu_);
+  return logged_undecided_ && std::all_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+    return u.store->pending();
+  });
+}
+
+void Pipeline::finish_logged_step() {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (!logged_undecided_) return;
+  for (Unit& u : devices_)
+    if (!u.store->pending())
+      throw std::invalid_argument(u.store->dir() + " holds no log of step " +
+                                  std::to_string(step_ + 1) + " to finish: drop_logged_step()");
+  for (Unit& u : devices_) finish_logged_step(u);
+  logged_undecided_ = false;
+  step_ = durable_step_ = devices_.front().store->step();
+}
+
+void Pipeline::drop_logged_step() {
+  std::lock_guard lock(mu_);
+  require_open();
+  for (Unit& u : devices_)
+    if (u.store->pending()) u.store->drop_log();
+  logged_undecided_ = false;
 }
 
 // Directories with a log at reopen: each device's log of the step after its own is sealed
@@ -230,6 +266,11 @@ void Pipeline::settle_logs(uint64_t lo, uint64_t hi) {
   const bool logged = std::all_of(devices_.begin(), devices_.end(), [&](const Unit& u) {
     return u.store->step() != lo || u.store->pending();
   });
+  if (options_.defer_logged_step && hi == lo &&
+      std::any_of(devices_.begin(), devices_.end(), [](const Unit& u) { return u.store->pending(); })) {
+    logged_undecided_ = true;  // the caller decides, with the other processes'
+    return;
+  }
   if (hi > lo + 1 || (hi == lo + 1 && !logged))
     throw std::invalid_argument(
         "device directories with a log (copies='log') are at steps " + std::to_string(lo) +
@@ -518,6 +559,9 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
                               bool& resumed, bool small) {
   std::lock_guard lock(mu_);
   require_open();
+  if (logged_undecided_)
+    throw std::logic_error("a logged step is undecided: finish_logged_step() or "
+                           "drop_logged_step() before adding sub-groups");
   if (numel == 0) throw std::invalid_argument("a sub-group needs at least one parameter");
   const auto id = static_cast<int64_t>(placement_.size());
   const size_t unit = place(id, store::ChunkLayout{options_.chunk, layout_}.copy_bytes(numel), small, loads());

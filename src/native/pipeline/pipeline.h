@@ -62,6 +62,10 @@ struct PipelineOptions {
   // finishes the logged one. cpu devices, streamed fp32-master states, a durable commit
   // every step.
   bool log = false;
+  // With a log, several processes (ranks) whose directories a crash may leave with a logged
+  // step: the caller decides for all of them whether it is finished or forgotten
+  // (logged_step_pending, finish_logged_step, drop_logged_step) before adding sub-groups.
+  bool defer_logged_step = false;
   // A durable commit's resident states are written in the background while later steps
   // run; it becomes durable when they are written (see make_durable). false: commit() waits.
   bool background_commit = true;
@@ -167,6 +171,14 @@ class Pipeline {
   std::vector<uint64_t> planned_bytes(const std::vector<uint64_t>& numels,
                                       const std::vector<bool>& small) const;
   uint64_t subgroup_steps(size_t sg) const;
+  // With a log: every device's log sealed now (the first update does it otherwise), so that
+  // a caller can tell other processes before any update runs. After a deferred reopen
+  // (PipelineOptions::defer_logged_step): whether every device holds a sealed log of the
+  // step after its own; finish it, or forget it (no update of it ran anywhere).
+  void seal_logs();
+  bool logged_step_pending() const;
+  void finish_logged_step();
+  void drop_logged_step();
   bool pending() const { return !completions_.empty(); }
   std::map<std::string, double> stats() const;  // all devices together
   std::vector<std::map<std::string, double>> device_stats() const;  // one per device
@@ -248,6 +260,7 @@ class Pipeline {
   [[noreturn]] void finish_on_reopen(const std::string& why);
   void refuse_log_options(const PipelineOptions& o) const;
   void settle_logs(uint64_t lo, uint64_t hi);
+  bool logged_undecided_ = false;  // a deferred logged step: finish_ or drop_logged_step
   // A reopen that found a logged step half done: its other chunks updated again.
   void finish_logged_step(Unit& u);
 

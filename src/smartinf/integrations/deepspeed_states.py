@@ -26,6 +26,18 @@ from .deepspeed_config import _rule, for_this_gpu
 logger = logging.getLogger("smartinf")
 
 
+def logged_step_decision(steps: list, pending: list) -> str:
+    """copies="log", from every rank's durable step and whether it holds a sealed log of the
+    next one: ``"finish"`` it on the ranks behind (one rank a step ahead had updated, so
+    every rank had sealed; or all hold it), ``"drop"`` it (all at one step, some rank lacks
+    it: no rank had updated), or ``"apart"`` (the ranks do not fit one run)."""
+    low = min(steps)
+    behind = [p for s, p in zip(steps, pending) if s == low]
+    if max(steps) > low + 1 or (max(steps) > low and not all(behind)):
+        return "apart"
+    return "finish" if max(steps) > low or all(behind) else "drop"
+
+
 class StoredStates:
     """Mixed into ``SmartInfinityStage3``."""
 
@@ -48,8 +60,10 @@ class StoredStates:
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
                               self._compress)
+        # With a log every rank seals its step's log before any rank updates (_agree_on_step)
         self._session = StepSession(self.pipeline, self._driver, self._put_params,
-                                    restored=self._release_kept_whole)
+                                    restored=self._release_kept_whole,
+                                    sealed=dist.barrier if self.pipeline.logs_gradients else None)
         # What the partitions held when the step last put them (a split master's devices
         # check their own), and what the kept-whole params held when last gathered: edits
         # since become the masters at the next step.
@@ -74,7 +88,8 @@ class StoredStates:
         return Pipeline(self._devices, rule,
                         settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
                         subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
-                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None)
+                        small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None,
+                        defer_logged_step=True)  # (copies="log": the ranks decide together)
 
     def _attach(self) -> None:
         """Registers every sub-group; resumed ones put their master weights into the model."""
@@ -113,8 +128,10 @@ class StoredStates:
         (before any sub-group is attached). Ranks further apart are refused, naming each
         rank's step."""
         world = dist.get_world_size()
-        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
         rank = dist.get_rank()
+        if self.pipeline.logs_gradients:
+            self._agree_on_logged_step(world, rank)
+        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
         mine[2 * rank] = float(self.pipeline.durable_step_count)
         mine[2 * rank + 1] = float(self.pipeline.previous_step_count)
         dist.all_reduce(mine, op=dist.ReduceOp.SUM)
@@ -133,6 +150,26 @@ class StoredStates:
         raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
                            f"durable steps ({held}), {why}: load a checkpoint or use fresh "
                            f"directories")
+
+    def _agree_on_logged_step(self, world: int, rank: int) -> None:
+        """copies="log": each rank seals its step's log before any rank updates (the step
+        session waits for all), so where some rank's directories are at the step after the
+        others', or every rank holds a sealed log of the next step, all finish it; where some
+        rank lacks one, no rank had updated in it, and the ranks holding one forget it."""
+        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
+        mine[2 * rank] = float(self.pipeline.durable_step_count)
+        mine[2 * rank + 1] = float(self.pipeline.logged_step_pending)
+        dist.all_reduce(mine, op=dist.ReduceOp.SUM)
+        steps, pending = [int(x) for x in mine[0::2].tolist()], [bool(x) for x in mine[1::2].tolist()]
+        decision = logged_step_decision(steps, pending)
+        if decision == "finish" and self.pipeline.logged_step_pending:
+            self.pipeline.finish_logged_step()
+            logger.warning("rank %d's directories %s held step %d's logged gradients, unfinished "
+                           "(a crash during that step): finished from the log", rank, self._dirs,
+                           min(steps) + 1)
+        elif decision == "drop":
+            self.pipeline.drop_logged_step()
+        # "apart": refused by _agree_on_step, naming each rank's step
 
     def _agree_on_resume(self) -> None:
         """All ranks resume or none do (at one step: ``_agree_on_step`` saw to it at open)."""
