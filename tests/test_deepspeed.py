@@ -1099,6 +1099,20 @@ def test_the_ranks_decide_together_whether_a_logged_step_is_finished():
     assert decide([5, 5, 6], [True, False, False]) == "apart"
 
 
+def resumes_as_stopped(work: Path, disk_dir: str, killed: str, trial: int, extra: tuple,
+                       step: int) -> None:
+    """The killed run resumed for 3 steps trains bit for bit as one stopped at ``step`` and
+    resumed."""
+    resume = ("--if-exists", "resume", "--steps", "3")
+    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
+    stopped = os.path.join(disk_dir, "stopped")
+    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
+    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
+    assert losses(resumed) == losses(ref)
+    for a, b in zip(resumed["params"], ref["params"]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("trial", range(3))
 def test_two_ranks_with_a_log_killed_at_random_resume_at_one_step(work, disk_dir, trial):
     """copies="log": each rank logs and seals its step's gradients, and waits for the other
@@ -1122,14 +1136,7 @@ def test_two_ranks_with_a_log_killed_at_random_resume_at_one_step(work, disk_dir
     assert max(durable) - low <= 1, durable
     if max(durable) > low:  # a rank a step ahead had updated: the one behind sealed its log
         assert all(p for d, p in zip(durable, pending) if d == low), (durable, pending)
-    resume = ("--if-exists", "resume", "--steps", "3")
-    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
-    stopped = os.path.join(disk_dir, "stopped")
-    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
-    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
-    assert losses(resumed) == losses(ref)
-    for a, b in zip(resumed["params"], ref["params"]):
-        assert torch.equal(a, b)
+    resumes_as_stopped(work, disk_dir, killed, trial, extra, step)
 
 
 @pytest.mark.parametrize("trial", range(2))
@@ -1148,11 +1155,4 @@ def test_two_ranks_killed_at_random_resume_at_one_durable_step(work, disk_dir, t
             durable.append(pipe.durable_step_count)
     assert all(d % 2 == 0 for d in durable) and abs(durable[0] - durable[1]) <= 2, durable
     step = min(durable)
-    resume = ("--if-exists", "resume", "--steps", "3")
-    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
-    stopped = os.path.join(disk_dir, "stopped")
-    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
-    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
-    assert losses(resumed) == losses(ref)
-    for a, b in zip(resumed["params"], ref["params"]):
-        assert torch.equal(a, b)
+    resumes_as_stopped(work, disk_dir, killed, trial, extra, step)
