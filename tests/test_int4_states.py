@@ -225,7 +225,7 @@ def test_int4_states_coded_on_the_earlier_map_are_refused(tmp_path):
         pipe.add_subgroup(10)
     path = os.path.join(d, "manifest")
     text = open(path, "rb").read()
-    body = text[:text.rindex(b"crc32 ")].replace(b"smartinf-manifest 9", b"smartinf-manifest 7")
+    body = text[:text.rindex(b"crc32 ")].replace(b"smartinf-manifest 10", b"smartinf-manifest 7")
     open(path, "wb").write(body + b"crc32 %08x\n" % zlib.crc32(body))
     with pytest.raises(ValueError, match="int4 states of an earlier smartinf \\(manifest version 7\\)"
                                          ".*if_exists=\"overwrite\" to start afresh"):

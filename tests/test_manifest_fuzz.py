@@ -12,7 +12,7 @@ def fuzz(examples):
     return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
-CURRENT = 9  # the version the core writes
+CURRENT = 10  # the version the core writes
 u64 = st.integers(0, 2**64 - 1)
 word = st.text("abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=12)
 
@@ -25,7 +25,7 @@ def with_crc(body: bytes) -> bytes:
 def manifests(draw):
     """A well-formed manifest, written the way the core writes one."""
     chunk = draw(st.integers(1, 5000))
-    version = draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8, 9]))
+    version = draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8, 9, 10]))
     lines = [f"smartinf-manifest {version}", f"chunk {chunk}",
              f"state_dtype {draw(st.sampled_from(['fp32', 'int8', 'int4']))}"]
     if version >= 7:
@@ -39,11 +39,15 @@ def manifests(draw):
         lines.append(f"previous {draw(st.integers(0, step))}")
     if version >= 5 and draw(st.booleans()):
         lines.append(f"attached {draw(st.integers(0, 2**63 - 1))}")
+    log = False
     if version >= 9:
         copies = draw(st.sampled_from([1, 2]))
         lines.append(f"copies {copies}")
         if copies == 1 and draw(st.booleans()):
             lines.append("rewriting")
+        log = version >= 10 and copies == 1 and draw(st.booleans())
+        if log:  # forward recovery: the spares, and each chunk's extent (below)
+            lines += ["log", f"spares {draw(st.integers(0, 2**59))} {draw(st.integers(1, 64))}"]
     count = draw(st.integers(1, 8))
     if draw(st.booleans()):
         index = draw(st.integers(0, count - 1))
@@ -56,6 +60,11 @@ def manifests(draw):
         lines.append(f"sg {i} {numel} {draw(st.integers(0, 2**59))} {draw(st.integers(0, 1))} "
                      f"{draw(u64)} {draw(u64)} {draw(u64)}")
     lines.insert(-count, f"subgroups {count}")
+    if log:
+        for i, numel in records:
+            chunks = -(-numel // chunk)
+            lines.append(f"at {i} " + " ".join(f"{x:016x}" for x in draw(
+                st.lists(st.integers(0, 2**59), min_size=chunks, max_size=chunks))))
     if version >= 5:
         for i, _ in records:
             if draw(st.booleans()):

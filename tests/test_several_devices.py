@@ -138,7 +138,7 @@ def test_version_2_manifest_without_membership_opens(tmp_path):
         body = "".join(line + "\n" for line in lines[:-1]
                        if not line.startswith(("member ", "sums ", "attached ", "fingerprint ",
                                                "previous ", "master ", "copies "))
-                       ).replace("smartinf-manifest 9", "smartinf-manifest 2")
+                       ).replace("smartinf-manifest 10", "smartinf-manifest 2")
         assert body.startswith("smartinf-manifest 2\n")
         with open(path, "w") as f:
             f.write(body + f"crc32 {zlib.crc32(body.encode()):08x}\n")
