@@ -73,6 +73,11 @@ cdef extern from "store/layout.h" namespace "smartinf::store":
         Master master
         uint64_t bytes(uint64_t)
 
+    cdef cppclass ChunkLayout:
+        uint64_t chunk
+        StateLayout layout
+        uint64_t copy_bytes(uint64_t)
+
 
 cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t extent_checksum(const void*, size_t) nogil
@@ -246,6 +251,16 @@ def state_bytes(str state_dtype, str master, uint64_t numel, unsigned arrays=3) 
     cdef StateLayout layout = adam_layout(state_dtype, master)
     layout.arrays = arrays
     return layout.bytes(numel)
+
+
+def copy_bytes(str state_dtype, str master, uint64_t chunk, uint64_t numel, unsigned arrays=3) -> int:
+    """Bytes of one copy of a sub-group of ``numel`` params in ``chunk``-param chunks, each
+    4 KiB-aligned (store/layout.h ``ChunkLayout::copy_bytes``)."""
+    cdef ChunkLayout chunks
+    chunks.chunk = chunk
+    chunks.layout = adam_layout(state_dtype, master)
+    chunks.layout.arrays = arrays
+    return chunks.copy_bytes(numel)
 
 
 def manifest_roundtrip(bytes text) -> bytes:

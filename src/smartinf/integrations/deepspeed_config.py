@@ -158,13 +158,9 @@ class Settings:
         # the pipeline's chunk (pipeline._default_chunk): given, the held run's, or a GPU's
         chunk = p.chunk or defaults.chunk() or (int(held) if held.isdigit() else defaults.GPU_CHUNK)
 
-        def stored(numel: int) -> int:  # one copy, 4 KiB-aligned chunks (store/layout.h)
-            full, last = divmod(numel, chunk)
-            aligned = lambda n: -(-_native.state_bytes(p.state_dtype, p.master, n, arrays) // 4096) * 4096
-            return full * aligned(chunk) + (aligned(last) if last else 0)
         from .. import model  # (its formulas; not at import, as twins does)
         per = 2 if self.gpu_twins is True else 1
-        sizes = [stored(n) for n in numels]
+        sizes = [_native.copy_bytes(p.state_dtype, p.master, chunk, n, arrays) for n in numels]
         tiers = model.fill(sizes, {"gpu": self.gpu_memory_budget}, {"gpu": per})
         used = sum(per * b for b, t in zip(sizes, tiers) if t == "gpu")
         host_need = sum(b for b, t in zip(sizes, tiers) if t != "gpu")
