@@ -69,6 +69,10 @@ def test_the_disk_is_the_states_and_one_steps_gradients(tmp_path):
     extent = 12 * CHUNK + (-12 * CHUNK) % 4096  # fp32 master and two moments, aligned
     chunks = sum(-(-n // CHUNK) for n in SIZES)
     assert os.path.getsize(os.path.join(d, "states.bin")) == (chunks + 2 * slots) * extent
+    with smartinf.Pipeline(str(tmp_path / "planned"), RULE, chunk=CHUNK, copies="log") as fresh:
+        # what the disk check reserves: those extents and spares, and fp32 gradients at most
+        assert fresh._native.planned_bytes(SIZES, [False] * len(SIZES)) == \
+            [(chunks + 2 * fresh.stats["slots"]) * extent + 4 * sum(SIZES)]
     assert os.path.getsize(os.path.join(d, "grads.bin")) == (1 << 20) + sum(
         -(-2 * n // 4096) * 4096 for n in SIZES[:-1]) + 2 * SIZES[-1]
     assert os.path.getsize(os.path.join(d, "journal")) == 0

@@ -500,11 +500,9 @@ std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numel
       refuse_streamed_one_copy(id, numels[k], unit);
     const store::StateStore& store = *devices_[unit].store;
     if (store.holds(id)) continue;  // reopened
+    if (options_.log)  // its logged gradient (fp32 at most), and with the device's first the spares
+      grow[unit] += numels[k] * 4 + (grow[unit] ? 0 : store.unallocated_spare_bytes());
     grow[unit] += chunks.bytes(numels[k]);
-    if (options_.log)  // its logged gradient (fp32 at most), and with the first the spares
-      grow[unit] += numels[k] * 4 + (store.subgroup_count() == 0 && k == 0
-                                         ? 2 * options_.slots * store::extent_bytes(options_.chunk, layout_)
-                                         : 0);
   }
   return grow;
 }

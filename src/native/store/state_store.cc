@@ -302,7 +302,7 @@ size_t StateStore::attach(int64_t id, uint64_t numel, uint64_t fingerprint, bool
   manifest_.add_sums(r);
   const uint64_t whole = extent_bytes(manifest_.chunk, layout_);
   // The spares come with the first sub-group (a log's directory), before its extents.
-  const uint64_t spares = manifest_.log && manifest_.subgroups.empty() ? manifest_.spares * whole : 0;
+  const uint64_t spares = unallocated_spare_bytes();
   r.offset = file_end_ + spares;
   const uint64_t bytes = spares + chunks_.bytes(numel);
   int res = ::posix_fallocate(fd_.get(), static_cast<off_t>(file_end_), static_cast<off_t>(bytes));

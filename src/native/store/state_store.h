@@ -106,6 +106,10 @@ class StateStore {
 
   // -- forward recovery (a directory with a log) -------------------------------------
   bool logs() const { return manifest_.log; }
+  // The bytes of the spares its first sub-group's attach allocates beside it (0 once there).
+  uint64_t unallocated_spare_bytes() const {
+    return manifest_.log && manifest_.subgroups.empty() ? manifest_.spares * extent_bytes(manifest_.chunk, layout_) : 0;
+  }
   size_t local(int64_t id) const { return local_of_.at(id); }
   // The step's gradient of sub-group `local`, logged before any update (the first opens
   // the log of step() + 1); then seal_log(), once all are.
