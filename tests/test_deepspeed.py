@@ -607,6 +607,21 @@ def test_a_log_trains_each_rank_as_two_copies_do(work, disk_dir):
         assert os.path.getsize(os.path.join(disk_dir, "smartinf", f"rank{rank:05d}", "grads.bin")) > 0
 
 
+def test_auto_with_a_log_asked_turns_overlap_off(work, disk_dir):
+    """"state_dtype": "auto" with "copies": "log" and overlap unset (on by default): rank 0
+    weighs the fp32 masters streamed (no probe record: the fewest bytes, int4), every rank
+    runs that with overlap off (a speculative update would be refused with a log), bit for
+    bit as those settings given by hand."""
+    auto = train(work, f"{disk_dir}/auto", "auto-log", world=2,
+                 extra=("--state-dtype", "auto", "--copies", "log"))
+    for rank in (0, 1):
+        assert os.path.getsize(os.path.join(disk_dir, "auto", "smartinf", f"rank{rank:05d}", "grads.bin")) > 0
+    given = train(work, f"{disk_dir}/given", "given-log", world=2,
+                  extra=("--state-dtype", "int4", "--copies", "log", "--no-overlap"))
+    assert losses(auto) == losses(given)
+    assert params_rel_diff(auto, given) == 0
+
+
 def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
     """Once a budget of "auto" is sized: the GPU holds whole sub-groups first (as the
     pipeline places them), the host's budget (sized by the plan for all of the states)

@@ -213,3 +213,91 @@ def test_the_gpus_share_needs_no_host_memory(tmp_path, monkeypatch):
         return next(r for r in c.weighed if r["state_dtype"] == "int4")
     assert int4(0)["resident"] < 1.0  # the buffers of every sub-group leave too little
     assert int4(gpu)["resident"] == 1.0  # the GPU's sub-groups have none
+
+
+def test_a_log_where_no_format_keeps_two_copies(tmp_path, monkeypatch):
+    """An fp32 master asked for, a disk that holds no format's two copies: auto takes
+    copies="log" (every instant recoverable, streamed, overlap off) before one copy of
+    states all resident (a crash during a commit loses them), says so and what a larger
+    disk would give. Settings a log cannot run with leave it out."""
+    params = 100_000_000
+    per = state_bytes_per_param("int4", "fp32")
+    log = plan._disk_need(params, per, [str(tmp_path)], "log")[str(tmp_path)]
+    assert log == math.ceil(params * (per + 2) + plan.LOG_SPARE_CHUNKS * (1 << 20) * per
+                            + plan.LOG_HEADER)
+    free = log + (1 << 20)
+    assert free < 2 * params * per  # int4 + fp32, the smallest with an fp32 master
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    c = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}, master="fp32")
+    assert (c.state_dtype, c.master, c.copies) == ("int4", "fp32", "log")
+    assert c.settings() == {"state_dtype": "int4", "master": "fp32", "memory_budget": 0,
+                            "commit_every": 1, "copies": "log", "overlap": False}
+    assert c.disk_bytes == {str(tmp_path): log}
+    assert "copies='log': the disk holds one copy of these states and a step's gradients" in c.why
+    assert "one copy of int8/fp32 all resident would fit too" in c.why  # 6 B a param
+    assert f"a disk with {plan.space._size(2 * params * 12)} free would give two copies of fp32/fp32" in c.why
+    # a GPU budget (now or sized later), a memory budget, commits every k > 1, overlap: one copy
+    for given in ({"gpu_budget": 1 << 20}, {"gpu_budget_later": True}, {"memory_budget": 1 << 30},
+                  {"commit_every": 10}, {"overlap": True}):
+        one = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}, master="fp32", **given)
+        assert one.copies == 1, given
+    # bf16 params without a master asked for: int4 + split's two copies are smaller than any log
+    assert plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={}).copies == 2
+
+
+def test_copies_log_asked_with_auto(tmp_path, monkeypatch):
+    """copies="log" given: only fp32 masters are weighed, streamed, every step; with a
+    setting a log cannot run with it is refused, saying which."""
+    c = plan.choose(10_000_000, [str(tmp_path)], memory=1 << 40, figures={}, copies="log")
+    assert c.copies == "log" and c.master == "fp32" and c.memory_budget == 0
+    assert all(r["copies"] == "log" and r["master"] == "fp32" for r in c.weighed)
+    assert "not two copies" not in c.why and "a disk with" not in c.why  # two would fit: asked for
+    with pytest.raises(ValueError, match="memory_budget .* given"):
+        plan.choose(10_000_000, [str(tmp_path)], figures={}, copies="log", memory_budget=1 << 30)
+    with pytest.raises(ValueError, match="copies='each'"):
+        plan.choose(10_000_000, [str(tmp_path)], figures={}, copies="each")
+
+
+def test_a_resumed_log_directory_keeps_its_log(tmp_path):
+    d = str(tmp_path / "d")
+    with smartinf.Pipeline(d, smartinf.AdamW(), chunk=1 << 20, state_dtype="int8", copies="log") as pipe:
+        pipe.add_subgroup(3 << 20)
+    c = plan.choose(3 << 20, [d], memory=1 << 40, figures={}, if_exists="resume")
+    assert (c.state_dtype, c.master, c.copies) == ("int8", "fp32", "log")
+
+
+def test_optim_auto_trains_a_log_as_two_copies_do(tmp_path, monkeypatch):
+    """smartinf.optim with state_dtype="auto" on a disk that holds a log of its states and
+    no two copies: it runs with the log (overlap off) and trains bit for bit as the same
+    format with two copies."""
+    monkeypatch.setenv("SMARTINF_CHUNK", str(1 << 16))  # (spares of small chunks: a small disk)
+    torch.manual_seed(0)
+    weights = torch.randn(2048, 2048).to(torch.bfloat16)
+    params = weights.numel()
+    per = state_bytes_per_param("int4", "fp32")
+    free = plan._disk_need(params, per, ["d"], "log")["d"] + (1 << 20)
+    assert free < 2 * params * per
+    usage = shutil.disk_usage(tmp_path)
+
+    def train(directory, **storage):
+        model = torch.nn.Linear(2048, 2048, bias=False).to(torch.bfloat16)
+        model.weight.data.copy_(weights)
+        opt = smartinf.optim.AdamW(model.parameters(), lr=1e-2, devices=[str(directory)],
+                                   master="fp32", **storage)
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.ones(4, 2048, dtype=torch.bfloat16) * (step + 1)).float().square().mean().backward()
+            opt.step()
+        settings = opt.pipeline.settings
+        opt.close()
+        return model.weight.detach().clone(), settings
+
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    logged, settings = train(tmp_path / "auto", state_dtype="auto")
+    assert (settings.state_dtype, settings.copies, settings.overlap) == ("int4", "log", False)
+    assert (tmp_path / "auto" / "grads.bin").exists()
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
+    two, _ = train(tmp_path / "two", state_dtype="int4", memory_budget=0, commit_every=1,
+                   overlap=False)
+    assert torch.equal(logged, two)

@@ -73,6 +73,9 @@ def test_the_disk_is_the_states_and_one_steps_gradients(tmp_path):
         # what the disk check reserves: those extents and spares, and fp32 gradients at most
         assert fresh._native.planned_bytes(SIZES, [False] * len(SIZES)) == \
             [(chunks + 2 * fresh.stats["slots"]) * extent + 4 * sum(SIZES)]
+        # or of the gradients' own dtype where the caller says it (bf16: what grads.bin takes)
+        assert fresh._native.planned_bytes(SIZES, [False] * len(SIZES), 2) == \
+            [(chunks + 2 * fresh.stats["slots"]) * extent + 2 * sum(SIZES)]
     assert os.path.getsize(os.path.join(d, "grads.bin")) == (1 << 20) + sum(
         -(-2 * n // 4096) * 4096 for n in SIZES[:-1]) + 2 * SIZES[-1]
     assert os.path.getsize(os.path.join(d, "journal")) == 0

@@ -204,7 +204,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
         size_t device_of(size_t) except +raise_py_error
-        vector[uint64_t] planned_bytes(const vector[uint64_t]&, const vector[cbool]&) except +raise_py_error
+        vector[uint64_t] planned_bytes(const vector[uint64_t]&, const vector[cbool]&, uint32_t) except +raise_py_error
         uint64_t subgroup_steps(size_t) except +raise_py_error
         cbool pending()
         cmap[string, double] stats()
@@ -561,11 +561,12 @@ cdef class NativePipeline:
     def device_of(self, size_t sg) -> int:
         return self.p.device_of(sg)
 
-    def planned_bytes(self, list numels, list small) -> list:
-        """Bytes each device's states file would grow by for these sub-groups, added next."""
+    def planned_bytes(self, list numels, list small, uint32_t gradient_bytes=4) -> list:
+        """Bytes each device's states file would grow by for these sub-groups, added next
+        (with a log, and a step's gradients of ``gradient_bytes`` a param)."""
         cdef vector[uint64_t] n = numels
         cdef vector[cbool] s = small
-        return list(self.p.planned_bytes(n, s))
+        return list(self.p.planned_bytes(n, s, gradient_bytes))
 
     @property
     def state_arrays(self) -> int:

@@ -37,9 +37,12 @@ def manifest_fields(directory: str) -> Optional[dict]:
 LOG_FILES = ("grads.bin", "journal")
 
 
-def manifest_copies(fields: dict) -> int:
-    """Extents per chunk of the run whose manifest ``fields`` are: 1 or 2 (2 before version 9,
-    which did not say)."""
+def manifest_copies(fields: dict) -> "int | str":
+    """The ``copies`` setting of the run whose manifest ``fields`` are: 1 or 2 extents per
+    chunk (2 before version 9, which did not say), or ``"log"`` (version 10: one extent
+    each, spares and a gradient log)."""
+    if "log" in fields:
+        return "log"
     return int(fields["copies"]) if fields.get("copies") in ("1", "2") else 2
 
 

@@ -92,6 +92,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                                            self._plan, host),
                             self._rule(self.param_groups[0]), settings=settings,
                             subgroup_sizes=[sg.numel for sg in self._plan if not sg.small],
+                            gradient_bytes=max((s.param.element_size() for sg in self._plan
+                                                for s in sg.slices), default=4),
                             small_sizes=[sg.numel for sg in self._plan if sg.small]
                             if self._small else None)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)

@@ -168,14 +168,14 @@ def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
          gpu_memory_budget: "int | str | None", if_exists: str) -> dict:
     """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
     (trainable) params and devices (explicit ``master``, ``memory_budget``, ``commit_every``
-    and ``copies`` kept), reported once."""
+    ``copies`` and ``overlap`` kept), reported once."""
     budget = storage.get("memory_budget")
     choice = plan.choose(
         sum(p.numel() for p in params), [getattr(d, "path", d) for d in devices],
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
         master=storage.get("master"), commit_every=storage.get("commit_every"),
-        copies=storage.get("copies"), if_exists=if_exists,
+        copies=storage.get("copies"), overlap=storage.get("overlap"), if_exists=if_exists,
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
     logger.warning("%s", choice.report())
     return choice.settings()

@@ -83,6 +83,10 @@ class Pipeline(Steps, States):
         finished (or, where some device lacks its log, forgotten) here; the caller decides
         with the other processes (``logged_step_pending``, ``finish_logged_step``,
         ``drop_logged_step``) before adding sub-groups.
+    gradient_bytes
+        With ``copies="log"``, the bytes a param of the gradients ``update`` will get (2 in
+        bf16 or fp16; 4, fp32, unless said): the disk checked before the first byte holds a
+        step's log of them.
 
     With several devices, sub-groups fill the GPU memory budgets of ``CudaDevice``s first
     (in device order; their update there is ~100x the host's), and the others are placed by
@@ -121,6 +125,7 @@ class Pipeline(Steps, States):
         subgroup_sizes: Sequence[int] = (),
         small_sizes: Optional[Sequence[int]] = None,
         defer_logged_step: bool = False,
+        gradient_bytes: int = 4,
     ) -> None:
         self._native = None
         _check_sizes(subgroup_sizes, small_sizes)
@@ -178,14 +183,14 @@ class Pipeline(Steps, States):
                                               float(self.optimizer.initial_state), settings,
                                               small, [int(n) for n in small_sizes or ()] if small else [],
                                               bool(defer_logged_step))
-        self._check_disk(subgroup_sizes, small_sizes or (), small, held)
+        self._check_disk(subgroup_sizes, small_sizes or (), small, held, gradient_bytes)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
                 logger.warning(note)
 
     def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str,
-                    held: set) -> None:
+                    held: set, gradient_bytes: int) -> None:
         """Before any sub-group is added: the sub-groups to come fit their file systems, or
         the pipeline is closed and refused (``space.check_disk``), the directories it made
         (not in ``held``) left as they were found."""
@@ -194,7 +199,8 @@ class Pipeline(Steps, States):
         dirs = [d.path for d in self._devices] + ([small_dir] if small_dir else [])
         try:  # copies=1 refuses a sub-group placed to stream here
             grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
-                                              [False] * len(sizes) + [True] * len(small))
+                                              [False] * len(sizes) + [True] * len(small),
+                                              gradient_bytes)
             space.check_disk(dirs, grow, sum(sizes) + sum(small), self.settings.state_dtype,
                              self.settings.master, self.settings.copies)
         except (OSError, ValueError):

@@ -3,12 +3,20 @@ and of those the fastest by the performance model (``model.predict_placed``) wit
 probe's record of the first directory (``python -m smartinf.probe DIR --record``); without
 a record, the most precise format whose states all fit in memory, else the one with the
 fewest bytes (a streamed step is storage-bound: its time follows its bytes). Explicit
-settings win: a given ``master``, ``memory_budget`` or ``copies`` is kept, and only formats
-allowing it are weighed. Each directory keeps two copies of its states where its disk holds
-them (a crash at any instant reopens at the last durable commit); only where no format's
-two copies fit, one copy of a format whose states are all resident (``copies=1``: a crash
-while a durable commit writes loses the states; the report says so, and what free space
-two copies need). A resumed run keeps its directory's format. Nothing fits: an ENOSPC
+settings win: a given ``master``, ``memory_budget``, ``commit_every``, ``copies`` or
+``overlap`` is kept, and only formats allowing it are weighed. The durability is chosen
+from the free space, each format the first of these its disk holds:
+
+1. two copies (a crash at any instant reopens at the last durable commit; the fast one);
+2. ``copies="log"``, forward recovery (one copy and a step's logged gradients: a crash at
+   any instant reopens at the step before or finishes the logged one), for an fp32
+   master streamed every step, on the host's cores (no GPU budget), overlap off;
+3. one copy of states all resident (``copies=1``: a crash while a durable commit writes
+   loses the states).
+
+A format whose every instant is recoverable (1, 2) wins over one that is not (3). The
+report says which durability the disk allows, at what predicted step, and what a larger
+disk would give. A resumed run keeps its directory's format. Nothing fits: an ENOSPC
 ``OSError`` that lists what each format needs.
 
 ``python -m smartinf.plan --params 13e9 DIR...`` prints the choice and why.
@@ -25,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from . import space
+from . import defaults, space
 from .checkpoint import MANIFEST, STATES, manifest_copies, manifest_fields
 from .devices import GPU_HOST_DIRECTORY
 from .io_schedule import find_record, load_record
@@ -47,19 +55,25 @@ BUDGET_SLACK = 0.05
 GPU_FILL_SLACK = 0.05
 #: predicted steps within this share of the fastest are a tie, won by the more precise format
 TIE = 0.03
+#: what each ``copies`` keeps, as the reports name it
+DURABILITY = {2: "two copies", "log": "a log", 1: "one copy"}
+#: copies="log": spare extents a device's states file holds (two a slot, of the pipeline's
+#: default four; more slots take more, which the pipeline's own check before the first byte
+#: counts exactly) and the gradient log's header
+LOG_SPARE_CHUNKS, LOG_HEADER = 8, 1 << 20
 
 
 @dataclass(frozen=True)
 class Choice:
     """What ``choose`` picked: the settings (``settings()``), the bytes it holds (host
-    memory for resident states; each directory's states files: two copies of every chunk),
-    the model's step where a probe record gave the rates, and why."""
+    memory for resident states; each directory's states files, and with ``copies="log"`` its
+    gradient log), the model's step where a probe record gave the rates, and why."""
 
     state_dtype: str
     master: str
     memory_budget: int
     commit_every: int
-    copies: int
+    copies: "int | str"
     ram_bytes: int
     disk_bytes: dict
     step_s: Optional[float]
@@ -67,25 +81,32 @@ class Choice:
     weighed: list = field(default_factory=list)
 
     def settings(self) -> dict:
+        log = {"overlap": False} if self.copies == "log" else {}  # (a log runs without)
         return {"state_dtype": self.state_dtype, "master": self.master,
                 "memory_budget": self.memory_budget, "commit_every": self.commit_every,
-                "copies": self.copies}
+                "copies": self.copies, **log}
 
     def report(self) -> str:
         disks = ", ".join(f"{d}: {space._size(b)}" for d, b in self.disk_bytes.items())
         step = f"; predicted step {self.step_s:.2f} s" if self.step_s is not None else ""
         return (f"smartinf auto: state_dtype={self.state_dtype!r}, master={self.master!r}, "
                 f"memory_budget={space._size(self.memory_budget)} a device, commit_every="
-                f"{self.commit_every}, copies={self.copies}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
+                f"{self.commit_every}, copies={self.copies!r}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
                 f"{self.why}")
 
 
 def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
-               copies: int = 2) -> dict:
-    """Bytes each directory's states files take: ``copies`` copies (the committed one and
-    the one a step writes, or the one written in place) of an even share of the states."""
-    share = copies * params * state_bytes / len(directories)
-    return {d: int(math.ceil(share)) for d in directories}
+               copies: "int | str" = 2, grad_bytes: int = 2) -> dict:
+    """Bytes each directory's files take for an even share of the states: ``copies`` copies
+    (the committed one and the one a step writes, or the one written in place), or with
+    ``"log"`` one, its spare extents and a step's gradients of ``grad_bytes`` a param."""
+    share = params / len(directories)
+    if copies == "log":
+        spares = LOG_SPARE_CHUNKS * (defaults.chunk() or defaults.CHUNK) * state_bytes
+        nbytes = share * (state_bytes + grad_bytes) + spares + LOG_HEADER
+    else:
+        nbytes = copies * share * state_bytes
+    return {d: int(math.ceil(nbytes)) for d in directories}
 
 
 def _held_run(directories: Sequence[str]) -> Optional[dict]:
@@ -132,28 +153,68 @@ def _disk_fits(need: dict, share: int = 1, held: Optional[dict] = None) -> Optio
     return None
 
 
+def _log_refusal(gpu_budget: int, memory_budget: Optional[int], commit_every: Optional[int],
+                 overlap: Optional[bool]) -> Optional[str]:
+    """Why explicit settings leave ``copies="log"`` out (None: they allow it)."""
+    why = [what for what, given in (
+        ("a GPU budget (a GPU's sub-groups keep no log)", gpu_budget),
+        ("a memory_budget (a log's states stream every step)", memory_budget),
+        (f"commit_every={commit_every} (a log commits every step)", (commit_every or 1) > 1),
+        ("overlap (a step's log is sealed before its first update)", overlap))
+        if given]
+    return ", ".join(why) or None
+
+
+def _pick(rows: list, weighed: int) -> tuple:
+    """The row auto takes of ``rows`` (of ``weighed`` formats), and why."""
+    if all(r["step_s"] is not None for r in rows):
+        fastest = min(r["step_s"] for r in rows)
+        return next(r for r in rows if r["step_s"] <= fastest * (1 + TIE)), (
+            f"the fastest by the model with the probe's record ({len(rows)} of {weighed} "
+            f"formats fit the disk; ties within {TIE:.0%} go to the more precise)")
+    whole = [r for r in rows if r["resident"] >= 1.0]
+    if whole:
+        return whole[0], ("no probe record (python -m smartinf.probe DIR --record) for a "
+                          "predicted step: the most precise format whose states all fit in "
+                          "host memory")
+    return min(rows, key=lambda r: r["moved"]), (
+        "no probe record (python -m smartinf.probe DIR --record) for a predicted step: no "
+        "format's states all fit in host memory: the one with the fewest bytes, as a "
+        "streamed step's time follows its bytes")
+
+
 def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            memory: Optional[int] = None, gpu_budget: int = 0,
            master: Optional[str] = None, memory_budget: Optional[int] = None,
-           commit_every: Optional[int] = None, copies: Optional[int] = None,
-           figures: Optional[dict] = None, ranks: int = 1, if_exists: str = "overwrite",
-           host_buffers: int = 0) -> Choice:
+           commit_every: Optional[int] = None, copies: "int | str | None" = None,
+           overlap: Optional[bool] = None, figures: Optional[dict] = None, ranks: int = 1,
+           if_exists: str = "overwrite", host_buffers: int = 0,
+           gpu_budget_later: bool = False) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
-    device), ``commit_every``, ``copies``: explicit settings, kept; ``figures``: a probe record (None:
-    the one found for the first directory, if any); ``ranks``: processes of this host making
-    the same choice for as many params each (each gets that share of the host's memory and
-    of each file system's free space); ``if_exists``: what the pipeline will do with a run
-    the directories hold: ``"resume"`` takes its format (state dtype, master and copies are
-    fixed for a directory); either way the bytes its states files hold count as free;
-    ``host_buffers``: bytes of host memory each rank's run holds besides the states (the
-    DeepSpeed integration's pinned gradient and param copies with ``overlap`` on a GPU: 51 GB
-    at 13 B), taken from ``memory`` where it is not given, less the share of the params whose
-    states the GPU's budget holds (their sub-groups have none); that share's states take no
-    host memory either."""
+    device), ``commit_every``, ``copies``, ``overlap``: explicit settings, kept; ``figures``:
+    a probe record (None: the one found for the first directory, if any); ``ranks``:
+    processes of this host making the same choice for as many params each (each gets that
+    share of the host's memory and of each file system's free space); ``if_exists``: what
+    the pipeline will do with a run the directories hold: ``"resume"`` takes its format
+    (state dtype, master and copies are fixed for a directory); either way the bytes its
+    states files hold count as free; ``host_buffers``: bytes of host memory each rank's run
+    holds besides the states (the DeepSpeed integration's pinned gradient and param copies
+    with ``overlap`` on a GPU: 51 GB at 13 B), taken from ``memory`` where it is not given,
+    less the share of the params whose states the GPU's budget holds (their sub-groups have
+    none); that share's states take no host memory either; ``gpu_budget_later``: a GPU
+    budget is sized after this choice (DeepSpeed's ``"auto"``: weighed as none here, but its
+    sub-groups keep no log)."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
+    if copies not in (None, 1, 2, "log"):
+        raise ValueError(f"copies={copies!r}: expected 1, 2 or 'log'")
+    log_refused = _log_refusal(gpu_budget or gpu_budget_later, memory_budget, commit_every, overlap)
+    if copies == "log" and log_refused:
+        raise ValueError(f"copies='log' runs streamed on the host's cores with an fp32 master, "
+                         f"durable every step, overlap off; {log_refused} given: leave it "
+                         f"out, or take copies=2")
     if figures is None:
         record = find_record(_existing(directories[0]))
         figures = load_record(record, "move it away") if record else None
@@ -164,14 +225,17 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     else:
         buffers = 0  # given: the run's buffers are the caller's to have left out
     devices = len(directories)
+    grad_bytes = 2 if bf16_params else 4  # a log holds the step's gradients in their dtype
     run = _held_run(directories)
+    held = run["held"] if run else None
     formats = FORMATS
     if run and if_exists == "resume":  # its format is fixed: the pipeline refuses another
         formats = [(run["state_dtype"], run["master"])]
         copies = run["copies"] if copies is None else copies
-    weighed, fitting = [], []
+    weighed, larger, one_copy = [], [], []
     for state_dtype, fmt_master in formats:
-        if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master):
+        if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master) \
+                or (copies == "log" and fmt_master != "fp32"):
             continue
         per_param = state_bytes_per_param(state_dtype, fmt_master)
         states = params * per_param
@@ -190,61 +254,56 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         budget = memory_budget if memory_budget is not None else \
             twinned if twinned <= memory_here // devices else min(whole, memory_here // devices)
         resident = 1.0 if budget >= whole or not in_ram else min(1.0, budget * devices / in_ram)
-        every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
-        # two copies where the disk holds them, else one where every state is resident
-        kept = copies or 2
-        held = run["held"] if run else None
-        need = _disk_need(params, per_param, directories, kept)
-        not_fit = _disk_fits(need, ranks, held)
-        if not_fit and copies is None and resident >= 1.0 and \
-                _disk_fits(_disk_need(params, per_param, directories, 1), ranks, held) is None:
-            two_copies, kept = not_fit, 1
-            need, not_fit = _disk_need(params, per_param, directories, 1), None
-        else:
-            two_copies = None
-        if not_fit and kept == 2 and resident < 1.0 and copies is None:
-            not_fit += " (one copy would need every state resident: more host memory)"
-
-        step_s = None
         rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
-        if rates is not None:
-            placed = place(params, per_param, gpu_budget, budget * devices)
-            step_s = predict_placed(placed, **rates, state_bytes=per_param, commit_every=every).step_s
-        row = dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
-                   commit_every=every, copies=kept, two_copies=two_copies,
-                   resident=resident, ram_bytes=budget * devices,
-                   disk_bytes=need, step_s=step_s, refused=not_fit, twins=budget >= twinned)
-        weighed.append(row)
-        if not_fit is None:
-            fitting.append(row)
-    two = [r for r in fitting if r["copies"] == 2]
-    if two:  # one copy only where no format's two copies fit: it trades crash consistency
-        fitting = two
+
+        def row(kept, budget, resident, every):
+            need = _disk_need(params, per_param, directories, kept, grad_bytes)
+            step_s = None
+            if rates is not None:
+                placed = place(params, per_param, gpu_budget, budget * devices)
+                step_s = predict_placed(placed, **rates, state_bytes=per_param,
+                                        commit_every=every).step_s
+                if kept == "log":  # the step's gradients are written before its updates
+                    step_s += params * grad_bytes / rates["write_bps"]
+            return dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
+                        commit_every=every, copies=kept, resident=resident,
+                        ram_bytes=budget * devices, disk_bytes=need, step_s=step_s,
+                        refused=_disk_fits(need, ranks, held), twins=budget >= twinned,
+                        moved=per_param * 2 + (grad_bytes if kept == "log" else 0))
+
+        every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
+        two = row(2, budget, resident, every)
+        larger.append(two)
+        # each format's durability: the first of two copies, a log, one copy its disk holds
+        options = [two] if copies in (None, 2) else []
+        if copies in (None, "log") and fmt_master == "fp32" and not log_refused:
+            options.append(row("log", 0, 0.0 if in_ram else 1.0, 1))
+        if copies == 1 or (copies is None and resident >= 1.0):
+            options.append(row(1, budget, resident, every))
+        taken = next((r for r in options if r["refused"] is None), None)
+        one_copy += [r for r in options if r["copies"] == 1 and r["refused"] is None]
+        if taken is None:
+            taken = dict(options[0], refused=options[0]["refused"] if len(options) == 1 else
+                         "; ".join(f"{DURABILITY[r['copies']]}: {r['refused']}" for r in options))
+            if copies is None and resident < 1.0:
+                taken["refused"] += " (one copy would need every state resident: more host memory)"
+        taken["two_copies"] = two["refused"] if taken["copies"] != 2 else None
+        weighed.append(taken)
+    fitting = [r for r in weighed if r["refused"] is None]
+    exact = [r for r in fitting if r["copies"] != 1]
+    if exact:  # one copy only where no format's every instant is recoverable
+        fitting = exact
     if not fitting:
         raise OSError(errno.ENOSPC, "no state format's states fit the directories: " + "; ".join(
             f"{r['state_dtype']}/{r['master']}: {r['refused']}" for r in weighed)
             + ". Give more directories (file systems) or a larger one.")
-    if all(r["step_s"] is not None for r in fitting):
-        fastest = min(r["step_s"] for r in fitting)
-        best = next(r for r in fitting if r["step_s"] <= fastest * (1 + TIE))
-        why = (f"the fastest by the model with the probe's record ({len(fitting)} of "
-               f"{len(weighed)} formats fit the disk; ties within {TIE:.0%} go to the more precise)")
-    else:
-        whole = [r for r in fitting if r["resident"] >= 1.0]
-        best = whole[0] if whole else min(fitting, key=lambda r: sum(r["disk_bytes"].values()))
-        why = ("no probe record (python -m smartinf.probe DIR --record) for a predicted step: "
-               + ("the most precise format whose states all fit in host memory" if whole else
-                  "no format's states all fit in host memory: the one with the fewest bytes, "
-                  "as a streamed step's time follows its bytes"))
+    best, why = _pick(fitting, len(weighed))
     if run and if_exists == "resume":
         why = f"resumes the run in {directories[0]} in its format; " + why
     refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in weighed if r["refused"]]
     if refused:
         why += "; refused for the disk: " + ", ".join(refused)
-    if best["two_copies"]:
-        why += (f"; copies=1: the disk holds one copy of these states, not two (which {best['two_copies']}):"
-                f" durable at each commit (every {best['commit_every']} steps), but a crash while a "
-                f"commit writes them loses them (the reopen refuses the directory)")
+    why += _durability(best, larger, one_copy, len(weighed), ranks)
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
     elif memory_budget is None:
@@ -253,6 +312,38 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                 "background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
+
+
+def _durability(best: dict, larger: list, one_copy: list, weighed: int, ranks: int) -> str:
+    """What a crash costs with ``best``'s copies; where two copies did not fit, what a disk
+    holding them would give (``larger``: every format's row with two), and beside a log,
+    what one copy of states all resident would (``one_copy``: the rows whose disk holds)."""
+    every = best["commit_every"]
+    if best["copies"] == 2:
+        return (f"; two copies: a crash at any instant reopens at the last durable commit "
+                f"(every {every} step{'s' if every > 1 else ''})")
+    if best["copies"] == "log":
+        said = (f"; copies='log': the disk holds one copy of these states and a step's "
+                f"gradients{', not two copies (which ' + best['two_copies'] + ')' if best['two_copies'] else ''}"
+                f": durable every step, and a crash at any instant reopens at the step before "
+                f"or finishes the logged one; the states stream every step, overlap off")
+        if one_copy:
+            one, _ = _pick(one_copy, weighed)
+            step = f" (predicted step {one['step_s']:.2f} s)" if one["step_s"] is not None else ""
+            said += (f"; one copy of {one['state_dtype']}/{one['master']} all resident{step} "
+                     f"would fit too, but a crash during its commits would lose the states: "
+                     f"copies=1 takes it")
+    else:
+        said = (f"; copies=1: the disk holds one copy of these states"
+                f"{', not two (which ' + best['two_copies'] + ')' if best['two_copies'] else ''}"
+                f": durable at each commit (every {every} steps), but a crash while a commit "
+                f"writes them loses them (the reopen refuses the directory)")
+    if not best["two_copies"]:
+        return said
+    two, _ = _pick(larger, weighed)
+    step = f", predicted step {two['step_s']:.2f} s" if two["step_s"] is not None else ""
+    return said + (f"; a disk with {space._size(ranks * sum(two['disk_bytes'].values()))} free "
+                   f"would give two copies of {two['state_dtype']}/{two['master']}{step}")
 
 
 def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tuple[bool, str]:

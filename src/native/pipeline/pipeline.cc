@@ -485,7 +485,8 @@ bool Pipeline::settle_load(size_t unit, uint64_t numel, uint64_t bytes,
 }
 
 std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numels,
-                                              const std::vector<bool>& small) const {
+                                              const std::vector<bool>& small,
+                                              uint32_t gradient_bytes) const {
   std::lock_guard lock(mu_);
   require_open();
   std::vector<Load> planned = loads();
@@ -500,8 +501,8 @@ std::vector<uint64_t> Pipeline::planned_bytes(const std::vector<uint64_t>& numel
       refuse_streamed_one_copy(id, numels[k], unit);
     const store::StateStore& store = *devices_[unit].store;
     if (store.holds(id)) continue;  // reopened
-    if (options_.log)  // its logged gradient (fp32 at most), and with the device's first the spares
-      grow[unit] += numels[k] * 4 + (grow[unit] ? 0 : store.unallocated_spare_bytes());
+    if (options_.log)  // its logged gradient, and with the device's first the spares
+      grow[unit] += numels[k] * gradient_bytes + (grow[unit] ? 0 : store.unallocated_spare_bytes());
     grow[unit] += chunks.bytes(numels[k]);
   }
   return grow;

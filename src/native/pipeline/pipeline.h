@@ -167,9 +167,10 @@ class Pipeline {
   size_t device_of(size_t sg) const;  // the index of the device sub-group sg is placed on
   // The bytes each device's states file would grow by if sub-groups of `numels` (`small`
   // each, as add_subgroup takes them) were added next, in order, as add_subgroup would
-  // place them; nothing is placed or written (a caller checks the space first).
+  // place them; nothing is placed or written (a caller checks the space first). With a
+  // log, a step's gradients of `gradient_bytes` a param too.
   std::vector<uint64_t> planned_bytes(const std::vector<uint64_t>& numels,
-                                      const std::vector<bool>& small) const;
+                                      const std::vector<bool>& small, uint32_t gradient_bytes = 4) const;
   uint64_t subgroup_steps(size_t sg) const;
   // With a log: every device's log sealed now (the first update does it otherwise), so that
   // a caller can tell other processes before any update runs. After a deferred reopen

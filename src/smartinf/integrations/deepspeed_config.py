@@ -112,7 +112,8 @@ class Settings:
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
                    gpu_reserve=gpu_reserve, gpu_host_states=gpu.get("host_states", "auto") if gpu else False,
-                   auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies") if k in given)
+                   auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies", "overlap")
+                              if k in given)
                    + ("auto",) if auto else ())
 
     def measures_gpu_budget(self, rank: int) -> bool:
@@ -336,6 +337,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             if_exists=given.if_exists,
             host_buffers=partition_copies * numel * max(p.element_size() for p in params),
             gpu_budget=0 if settings.gpu_memory_budget == "auto" else settings.gpu_memory_budget,
+            gpu_budget_later=settings.gpu_memory_budget == "auto",
             **{k: getattr(given, k) for k in settings.auto if k != "auto"})
         logger.warning("%s (each of %d ranks)", choice.report(), world)
         chosen = [choice.settings()]

@@ -89,6 +89,7 @@ class StoredStates:
                         settings=dataclasses.replace(self.settings.pipeline, if_exists=if_exists),
                         subgroup_sizes=[n for n, s in zip(numels, self._small) if not s],
                         small_sizes=[n for n, s in zip(numels, self._small) if s] if quantized else None,
+                        gradient_bytes=self.gradient_accumulation_dtype.itemsize,  # (the partitions')
                         defer_logged_step=True)  # (copies="log": the ranks decide together)
 
     def _attach(self) -> None:
