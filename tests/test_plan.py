@@ -23,7 +23,11 @@ def test_all_resident_picks_the_most_precise_format(tmp_path):
     assert c.memory_budget == c.ram_bytes == 2 * whole  # with room for the twins
     assert "room for every sub-group's twin" in c.why
     tight = plan.choose(1_000_000, [str(tmp_path)], memory=whole + 1, figures={})
-    assert tight.memory_budget == whole and "no room for twins" in tight.why
+    assert tight.memory_budget == whole + 1 and "no room for twins" in tight.why
+    # what the memory holds beyond the states twins as many sub-groups as it holds
+    half = plan.choose(1_000_000, [str(tmp_path)], memory=whole + whole // 2, figures={})
+    assert half.memory_budget == whole + whole // 2
+    assert "room for twins of 50% of the states: the updates of the other sub-groups wait" in half.why
     assert c.disk_bytes[str(tmp_path)] == pytest.approx(2 * states, rel=1e-6)  # both copies
     assert "no probe record" in c.why
 
@@ -165,6 +169,20 @@ def test_a_resumed_run_keeps_its_format_and_its_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=1 << 50))
     fresh = plan.choose(params, [d], memory=1 << 40, figures={}, if_exists="overwrite")
     assert (fresh.state_dtype, fresh.master, fresh.copies) == ("fp32", "fp32", 2)
+
+
+def test_the_bytes_a_run_holds_count_its_devices_sub_directories(tmp_path):
+    """What an overwritten or resumed run takes back: every states file and log under the
+    directory, its devices' own sub-directories included (the small tensors' here; the
+    GPU's gpu/ and gpu-host/ alike; a 13 B run rerun was refused for the disk without)."""
+    d = str(tmp_path / "d")
+    with smartinf.Pipeline(d, smartinf.AdamW(), chunk=1 << 20, state_dtype="int8",
+                           small_sizes=[1000]) as pipe:
+        pipe.add_subgroup(1000, small=True)
+        pipe.add_subgroup(3 << 20)
+    files = [os.path.join(d, "states.bin"), os.path.join(d, "fp32-moments", "states.bin")]
+    assert all(os.path.getsize(f) > 0 for f in files)
+    assert plan._held_run([d])["held"] == {d: sum(os.stat(f).st_blocks * 512 for f in files)}
 
 
 def test_the_runs_host_buffers_leave_less_memory_for_states(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import defaults, space
-from .checkpoint import MANIFEST, STATES, manifest_copies, manifest_fields
+from .checkpoint import LOG_FILES, MANIFEST, STATES, manifest_copies, manifest_fields
 from .devices import GPU_HOST_DIRECTORY
 from .io_schedule import find_record, load_record
 from .model import BOTH_WAYS_SHARE, place, predict_placed, recorded_rates, state_bytes_per_param
@@ -111,19 +111,18 @@ def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
 
 def _held_run(directories: Sequence[str]) -> Optional[dict]:
     """The format of the run the first directory holds (``state_dtype``, ``master``,
-    ``copies``, from its manifest), and the bytes every directory's states file holds
-    (``held``: space a resumed or overwritten run takes back); None where it holds none."""
+    ``copies``, from its manifest), and the bytes every directory's states files and logs
+    hold, its devices' sub-directories' too (the GPU's ``gpu/`` and ``gpu-host/``, the small
+    tensors' ``fp32-moments/``: at 13 B ``gpu-host/`` holds most) (``held``: space a resumed
+    or overwritten run takes back); None where it holds none."""
     found = manifest_fields(directories[0])
     if found is None:
         return None
     fields = {"state_dtype": "fp32", "master": "fp32"}  # before version 7
     fields.update({k: v for k, v in found.items() if k in fields})
-    held = {}
-    for d in directories:
-        try:
-            held[d] = os.stat(os.path.join(d, STATES)).st_blocks * 512
-        except FileNotFoundError:
-            held[d] = 0
+    held = {d: sum(os.stat(os.path.join(root, name)).st_blocks * 512
+                   for root, _, names in os.walk(d) for name in names
+                   if name in (STATES, *LOG_FILES)) for d in directories}
     return dict(fields, copies=manifest_copies(found), held=held)
 
 
@@ -247,12 +246,12 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         # (the model's bytes per param are whole chunks'; 7 B through DeepSpeed fell 0.6 GB
         # short of an exact budget, and that sub-group streamed every step)
         whole = math.ceil(in_ram * (1 + BUDGET_SLACK) / devices) + (16 << 20)
-        # and, where the memory holds them, the twins a background commit copies sub-groups
-        # into (given from what is left of the budget): without one, the next update of a
-        # sub-group being written waits for its write (7 B: 10.5 s at each commit)
+        # and, as far as the memory holds them, the twins a background commit copies
+        # sub-groups into (given from what is left of the budget): without one, the next
+        # update of a sub-group being written waits for its write (7 B: 10.5 s at each
+        # commit; 13 B on the H100 machine: 25.7 s without, 7.7 s with 30 GB of twins)
         twinned = 2 * whole
-        budget = memory_budget if memory_budget is not None else \
-            twinned if twinned <= memory_here // devices else min(whole, memory_here // devices)
+        budget = memory_budget if memory_budget is not None else min(twinned, memory_here // devices)
         resident = 1.0 if budget >= whole or not in_ram else min(1.0, budget * devices / in_ram)
         rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
 
@@ -268,7 +267,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             return dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
                         commit_every=every, copies=kept, resident=resident,
                         ram_bytes=budget * devices, disk_bytes=need, step_s=step_s,
-                        refused=_disk_fits(need, ranks, held), twins=budget >= twinned,
+                        refused=_disk_fits(need, ranks, held), twins=budget >= twinned, whole=whole,
                         moved=per_param * 2 + (grad_bytes if kept == "log" else 0))
 
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
@@ -307,9 +306,12 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
     elif memory_budget is None:
+        twinned = best["memory_budget"] / best["whole"] - 1
         why += ("; room for every sub-group's twin: background commits hold no update back"
-                if best["twins"] else "; no room for twins: an update waits for its sub-group's "
-                "background commit write")
+                if best["twins"] else f"; room for twins of {twinned:.0%} of the states: the "
+                f"updates of the other sub-groups wait for their background commit writes"
+                if twinned > 0.01 else "; no room for twins: an update waits for its "
+                "sub-group's background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
 
