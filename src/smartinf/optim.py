@@ -86,16 +86,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
             lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
-        devices = resolve_devices(devices)
-        settings, host = optim_options.host_states(settings, devices, gpu_memory_budget, gpu_host_states)
-        pipeline = Pipeline(optim_options.devices_with_gpu(devices, gpu_memory_budget, gpu_twins,
-                                                           self._plan, host),
-                            self._rule(self.param_groups[0]), settings=settings,
-                            subgroup_sizes=[sg.numel for sg in self._plan if not sg.small],
-                            gradient_bytes=max((s.param.element_size() for sg in self._plan
-                                                for s in sg.slices), default=4),
-                            small_sizes=[sg.numel for sg in self._plan if sg.small]
-                            if self._small else None)
+        pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
+                                               self._rule(self.param_groups[0]), settings,
+                                               gpu_memory_budget, gpu_twins, gpu_host_states)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             self._attach(pipeline, self._plan)
@@ -108,7 +101,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # when asked (speculate_on_cpu).
         self._speculation: Optional[Speculation] = None
         gpu = any(sg.device.type == "cuda" for sg in self._plan)
-        if settings.overlap and compress is None and (gpu or speculate_on_cpu()):
+        if pipeline.settings.overlap and compress is None and (gpu or speculate_on_cpu()):
             self._speculation = Speculation(pipeline)
             self._hooks = ParamHooks(self._speculation, lambda sg, grad, scale, hyper, out: self._driver.send(
                                          sg.id, grad, 0, scale, hyper, out=out, speculative=True,

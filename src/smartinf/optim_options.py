@@ -17,6 +17,7 @@ from . import defaults, plan, update_rules
 from .compress import TopK
 from .devices import with_gpu
 from .driver import rule_for, stored_rule
+from .pipeline import Pipeline
 from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
 from .subgroups import Subgroup
 
@@ -145,6 +146,21 @@ def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | st
                                    sum(getattr(d, "kind", "cpu") == "cpu" for d in devices),
                                    str(getattr(devices[0], "path", devices[0])))
     return (dataclasses.replace(settings, memory_budget=0) if host else settings), host
+
+
+def open_pipeline(subgroups: Sequence[Subgroup], small: bool, devices: list,
+                  rule: update_rules.UpdateRule, settings: PipelineSettings,
+                  gpu_budget: "int | str | None", gpu_twins: "bool | str | None",
+                  gpu_host_states: "bool | str") -> Pipeline:
+    """The pipeline of an optimizer's ``subgroups`` (``small``: int8/int4 states' small
+    tensors in sub-groups of their own), over ``devices`` and the GPU's (``host_states``,
+    ``devices_with_gpu``), told the sub-groups to come and their gradients' bytes."""
+    settings, host = host_states(settings, devices, gpu_budget, gpu_host_states)
+    return Pipeline(devices_with_gpu(devices, gpu_budget, gpu_twins, subgroups, host), rule,
+                    settings=settings, subgroup_sizes=[sg.numel for sg in subgroups if not sg.small],
+                    gradient_bytes=max((s.param.element_size() for sg in subgroups
+                                        for s in sg.slices), default=4),
+                    small_sizes=[sg.numel for sg in subgroups if sg.small] if small else None)
 
 
 def devices_with_gpu(devices: list, budget: "int | str | None", twins: "bool | str | None",

@@ -158,23 +158,15 @@ class Pipeline(Steps, States):
         self._params_unchecked = True
         self.settings = settings
         self.io_schedules = [schedules.choose(settings.io_schedule, d.path) for d in self._devices]
-        holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
-        gpus_host = sum(s.gpu_memory_budget for s in specs if s.gpu_host_memory)
-        host_memory = settings.memory_budget * holders + gpus_host
-        held_by = []
-        if settings.memory_budget:
-            held_by.append(f"memory_budget={settings.memory_budget} on each of {holders} cpu device(s)")
-        if gpus_host:
-            held_by.append(f"CudaDevice(memory='host') budgets of {gpus_host} bytes")
+        host_memory = _host_budgets(specs, settings.memory_budget)
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
-                                   settings.overlap, subgroup_sizes, host_memory, c.schedule)
+                                   settings.overlap, subgroup_sizes, sum(host_memory.values()), c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]
         specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins, gpu_host_twin=t.host)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
-        host_twins = sum(s.gpu_memory_budget for s in specs if s.gpu_host_twin)
-        if host_twins:
-            held_by.append(f"host twins of GPU budgets, {host_twins} bytes")
-        space.check_memory(host_memory + host_twins, " and ".join(held_by))
+        host_memory["host twins of GPU budgets"] = sum(s.gpu_memory_budget for s in specs if s.gpu_host_twin)
+        space.check_memory(sum(host_memory.values()), " and ".join(
+            f"{what} ({space._size(nbytes)})" for what, nbytes in host_memory.items() if nbytes))
         small = _small_directory(self._devices[0].path, settings.state_dtype, small_sizes)
         self._small = bool(small)
         if small:
@@ -183,32 +175,11 @@ class Pipeline(Steps, States):
                                               float(self.optimizer.initial_state), settings,
                                               small, [int(n) for n in small_sizes or ()] if small else [],
                                               bool(defer_logged_step))
-        self._check_disk(subgroup_sizes, small_sizes or (), small, held, gradient_bytes)
+        _check_disk(self, subgroup_sizes, small_sizes or (), small, held, gradient_bytes)
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
                 logger.warning(note)
-
-    def _check_disk(self, sizes: Sequence[int], small: Sequence[int], small_dir: str,
-                    held: set, gradient_bytes: int) -> None:
-        """Before any sub-group is added: the sub-groups to come fit their file systems, or
-        the pipeline is closed and refused (``space.check_disk``), the directories it made
-        (not in ``held``) left as they were found."""
-        if not sizes and not small:
-            return
-        dirs = [d.path for d in self._devices] + ([small_dir] if small_dir else [])
-        try:  # copies=1 refuses a sub-group placed to stream here
-            grow = self._native.planned_bytes([int(n) for n in (*sizes, *small)],
-                                              [False] * len(sizes) + [True] * len(small),
-                                              gradient_bytes)
-            space.check_disk(dirs, grow, sum(sizes) + sum(small), self.settings.state_dtype,
-                             self.settings.master, self.settings.copies)
-        except (OSError, ValueError):
-            self.close()
-            for d in dirs:  # those this open made (nothing held) are left as they were found
-                if d not in held:
-                    space.forget_new_directory(d)
-            raise
 
     # -- layout -----------------------------------------------------------------------
     def add_subgroup(self, numel: int, init: Any = None, *, fingerprint: int = 0,
@@ -354,6 +325,35 @@ class Pipeline(Steps, States):
         if not 0 <= sg < count:
             raise IndexError(f"unknown sub-group {sg}: the pipeline has {count} (0..{count - 1})")
         return int(sg)
+
+
+def _host_budgets(specs: list, memory_budget: int) -> dict:
+    """Bytes of host memory the devices' budgets hold, by what holds them: ``memory_budget``
+    on each device with a host tier, and ``CudaDevice(memory="host")`` budgets."""
+    holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
+    return {f"memory_budget={memory_budget} on each of {holders} cpu device(s)": memory_budget * holders,
+            "CudaDevice(memory='host') budgets": sum(s.gpu_memory_budget for s in specs if s.gpu_host_memory)}
+
+
+def _check_disk(pipe: Pipeline, sizes: Sequence[int], small: Sequence[int], small_dir: str,
+                held: set, gradient_bytes: int) -> None:
+    """Before any sub-group is added: the sub-groups to come fit their file systems, or
+    ``pipe`` is closed and refused (``space.check_disk``), the directories it made (not in
+    ``held``) left as they were found."""
+    if not sizes and not small:
+        return
+    dirs = [d.path for d in pipe._devices] + ([small_dir] if small_dir else [])
+    try:  # copies=1 refuses a sub-group placed to stream here
+        grow = pipe._native.planned_bytes([int(n) for n in (*sizes, *small)],
+                                          [False] * len(sizes) + [True] * len(small), gradient_bytes)
+        space.check_disk(dirs, grow, sum(sizes) + sum(small), pipe.settings.state_dtype,
+                         pipe.settings.master, pipe.settings.copies)
+    except (OSError, ValueError):
+        pipe.close()
+        for d in dirs:  # those this open made (nothing held) are left as they were found
+            if d not in held:
+                space.forget_new_directory(d)
+        raise
 
 
 def _check_sizes(subgroup_sizes: Sequence[int], small_sizes: Optional[Sequence[int]]) -> None:
