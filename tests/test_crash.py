@@ -119,13 +119,16 @@ def test_sigkill_with_phased_io(tmp_path, config):
                     int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 2, 30, 5 * MAX_STEPS_PER_CHILD)
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_sigkill_during_background_commits(tmp_path, every):
+@pytest.mark.parametrize("every, budget", [(1, 2 * ALL_STATES), (3, 2 * ALL_STATES),
+                                           (3, ALL_STATES + ALL_STATES // 2)])
+def test_sigkill_during_background_commits(tmp_path, every, budget):
     """Every sub-group resident with room for a second copy (overlap, the default): each
     durable commit is written in the background while the next steps update the other
     copy. Kills at random, in those writes (io.write) or as a commit lands reopen at the
-    last commit that landed, bit for bit."""
-    kill_and_reopen(tmp_path, 1, dict(memory_budget=2 * ALL_STATES, commit_every=every),
+    last commit that landed, bit for bit. With room for the twins of half the states (what
+    auto gives where the memory holds no more), sub-groups 0 and 2 are twinned and the
+    updates of 1 and 3 wait for their writes: the same."""
+    kill_and_reopen(tmp_path, 1, dict(memory_budget=budget, commit_every=every),
                     int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 2, 30,
                     5 * MAX_STEPS_PER_CHILD, resident=len(SIZES))
 
@@ -159,13 +162,16 @@ def logged_step_pending(directory: str) -> bool:
     return int(sealed) == 0x5ea1ed5ea1ed and int(step) == int(manifest_fields(directory)["step"]) + 1
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_sigkill_with_one_copy(tmp_path, devices):
+@pytest.mark.parametrize("devices, budget", [(1, 2 * ALL_STATES), (2, 2 * ALL_STATES),
+                                             (1, ALL_STATES + ALL_STATES // 2)])
+def test_sigkill_with_one_copy(tmp_path, devices, budget):
     """Directories of one copy (copies=1), every sub-group resident, a durable commit every 3
     steps written in place: a kill between commits reopens at the last one, bit for bit; a
     kill while a commit writes (or between two devices' commits) leaves directories the
-    reopen refuses, saying so, and never states read as another step's. Both happen."""
-    kill_and_reopen(tmp_path, devices, dict(memory_budget=2 * ALL_STATES, commit_every=3, copies=1),
+    reopen refuses, saying so, and never states read as another step's. Both happen. With
+    twins for half the states (the 13 B run's case: auto's budget as large as the memory
+    holds), the same."""
+    kill_and_reopen(tmp_path, devices, dict(memory_budget=budget, commit_every=3, copies=1),
                     int(os.environ.get("SMARTINF_CRASH_TRIALS", "30")), 2, 30,
                     5 * MAX_STEPS_PER_CHILD, resident=len(SIZES))
 
