@@ -428,8 +428,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for r in choice.weighed:
         step = f"{r['step_s']:.2f} s" if r["step_s"] is not None else "-"
         print(f"  {r['state_dtype']:>4}/{r['master']:<5} resident {r['resident']:>4.0%}  "
-              f"disk {space._size(sum(r['disk_bytes'].values())):>8} ({r['copies']} "
-              f"cop{'y' if r['copies'] == 1 else 'ies'})  step {step:>8}  "
+              f"disk {space._size(sum(r['disk_bytes'].values())):>8} ({DURABILITY[r['copies']]})  "
+              f"step {step:>8}  "
               f"{'refused: ' + r['refused'] if r['refused'] else ''}")
     return 0
 
