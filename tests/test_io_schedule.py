@@ -18,6 +18,11 @@ CHUNK = 1024  # several chunks per sub-group: both directions have turns within 
 
 def train(dirs, schedule, steps=5, **settings):
     """bf16 params and every stored state after ``steps`` steps from seeded inputs."""
+    return train_with(dirs, schedule, lambda pipe: None, steps, **settings)
+
+
+def train_with(dirs, schedule, look, steps=5, **settings):
+    """``train``, with ``look(pipe)`` after the steps."""
     rng = np.random.default_rng(7)
     with smartinf.Pipeline(dirs, smartinf.AdamW(lr=1e-2, weight_decay=0.1), chunk=CHUNK,
                            slots=3, io_schedule=schedule, **settings) as pipe:
@@ -35,6 +40,7 @@ def train(dirs, schedule, steps=5, **settings):
                     f.wait()
         split = settings.get("master") == "split"
         assert (pipe.stats["io_turns"] > 0) == (schedule == "phased")  # turns were taken
+        look(pipe)
         states = [pipe.read_states(sg, **({"params": params[sg]} if split else {}))
                   for sg in range(len(SIZES))]
     return params, states
@@ -172,3 +178,87 @@ def test_auto_follows_what_the_ring_drew_where_the_record_has_it(tmp_path):
         io_schedule.record(str(tmp_path / "0"), dict(curve, ring_mixed_bps=bad, ring_phased_bps=1e9))
         with pytest.raises(ValueError, match="is not a probe record.*ring's figures are out of range"):
             smartinf.Pipeline(str(tmp_path / "0"))
+
+
+def host_turns_lock(directory: str) -> str:
+    """The drive's turns lock every phased ring on ``directory``'s file system takes
+    (pipeline/host_turns.cc names it so)."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else os.environ.get("TMPDIR") or "/tmp"
+    return os.path.join(base, f"smartinf-io-turns-{os.stat(directory).st_dev:x}.lock")
+
+
+def test_a_phased_ring_waits_for_the_drives_turn_held_elsewhere(tmp_path, monkeypatch):
+    """Another process's phased ring on the same drive (here, the lock it takes, held by
+    this test) holds the drive's turn: the ring's reads wait for it, go on once it is given
+    back, and the bits are those of a run alone; a mixed ring takes no turns, nor a phased
+    one with SMARTINF_IO_TURNS=process (each process's turns alone), while the lock is
+    held; another value is refused, naming it."""
+    import fcntl
+    import threading
+    alone = train([str(tmp_path / "alone")], "phased", steps=2)
+    d = tmp_path / "held"
+    d.mkdir()
+    with open(host_turns_lock(str(d)), "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        timer = threading.Timer(0.5, fcntl.flock, (holder, fcntl.LOCK_UN))
+        timer.start()
+        waited = {}
+
+        def stats_of(pipe):
+            waited.update(pipe.stats)
+        params, states = train_with([str(d)], "phased", stats_of, steps=2)
+        timer.join()
+        assert waited["io_turn_waits"] >= 1
+        assert all(torch.equal(a, b) for a, b in zip(params, alone[0]))
+        assert all(np.array_equal(a[k], b[k]) for a, b in zip(states, alone[1]) for k in a)
+        monkeypatch.setenv("SMARTINF_IO_TURNS", "process")
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        for schedule in ("mixed", "phased"):
+            train_with([str(tmp_path / schedule)], schedule, stats_of, steps=1)  # (never waits)
+            assert waited["io_turn_waits"] == 0
+    monkeypatch.setenv("SMARTINF_IO_TURNS", "rank")
+    with pytest.raises(ValueError, match="SMARTINF_IO_TURNS=rank: expected host or process"):
+        train([str(tmp_path / "refused")], "phased", steps=1)
+
+
+def test_ranks_of_one_drive_take_turns_and_a_killed_holder_frees_it(tmp_path):
+    """Two processes' phased rings on one drive (two ranks of a host), started together:
+    both finish (whether their turns met is up to the scheduler: the test above makes
+    them meet) with the bits of a run alone. A process killed while it holds the drive's
+    turn holds no one up: the kernel gives the turn back."""
+    import multiprocessing
+    import signal
+    import time
+    ctx = multiprocessing.get_context("fork")
+    results, together = ctx.Queue(), ctx.Barrier(2)
+
+    def rank(i):
+        together.wait()
+        params, _ = train([str(tmp_path / f"rank{i}")], "phased", steps=4)
+        results.put((i, [p.view(torch.int16).numpy() for p in params]))
+    procs = [ctx.Process(target=rank, args=(i,)) for i in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    alone, _ = train([str(tmp_path / "alone")], "phased", steps=4)
+    for params in got.values():
+        assert all(np.array_equal(a, b.view(torch.int16).numpy()) for a, b in zip(params, alone))
+
+    import fcntl
+    (tmp_path / "after").mkdir()
+    ready = ctx.Event()
+
+    def holder():
+        with open(host_turns_lock(str(tmp_path / "after")), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            ready.set()
+            time.sleep(600)
+    child = ctx.Process(target=holder)
+    child.start()
+    assert ready.wait(30)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    train([str(tmp_path / "after")], "phased", steps=1)  # (would wait forever were it held)

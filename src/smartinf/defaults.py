@@ -16,6 +16,9 @@ Explicit arguments always win over these.
 - ``SMARTINF_COMPUTE_THREADS``: threads of the update kernel (0: the usable cores).
 - ``SMARTINF_IO_SCHEDULE``: ``auto`` (from the probe's mix curve recorded in a device's
   directory, else ``mixed``), ``mixed`` (reads and write-backs together) or ``phased``.
+- ``SMARTINF_IO_TURNS``: ``host`` (the default: phased rings on one drive take its turns
+  across the host's processes, e.g. a machine's ranks; ``pipeline/host_turns.h``) or
+  ``process`` (each process's rings alone). Read by the native library when a ring starts.
 - ``SMARTINF_OVERLAP``: the optimizer's work behind the caller's (1, on; 0 off).
 - ``SMARTINF_SPECULATE_RESIDENT``: under DeepSpeed with overlap, resident sub-groups' updates
   start during backward too, on their twins (off).

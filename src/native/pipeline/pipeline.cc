@@ -918,6 +918,7 @@ void add_counters(std::map<std::string, double>& s, const Counters& c) {
   s["memory_write"] += c.memory_write;
   s["foreign_chunks"] += c.foreign_chunks;
   s["io_turns"] += c.io_turns;
+  s["io_turn_waits"] += c.io_turn_waits;
   for (size_t i = 0; i < kStages; ++i)
     s[std::string("busy_") + kStageNames[i]] += c.busy_ns[i] * 1e-9;
   s["wait_host_link"] += c.host_link_wait_ns * 1e-9;

@@ -22,7 +22,10 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
       store_(store),
       computing_(device.slot_count()),
       writing_(device.slot_count()),
-      phases_(options.io_schedule == "phased", options.io_burst, counters_.io_turns) {
+      host_turns_(options.io_schedule == "phased" && HostTurns::across_host()
+                      ? std::make_unique<HostTurns>(store.directory(), counters_.io_turn_waits)
+                      : nullptr),
+      phases_(options.io_schedule == "phased", options.io_burst, counters_.io_turns, host_turns_.get()) {
   io::Options io_options;
   io_options.queue_depth = options.queue_depth;
   io_options.piece_bytes = options.piece_bytes;

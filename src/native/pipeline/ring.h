@@ -86,8 +86,9 @@ struct Counters {
   std::atomic<uint64_t> host_link_wait_ns{0}, storage_wait_ns{0};
   // Split master: chunks whose params came back other than emitted (taken as the masters).
   std::atomic<uint64_t> foreign_chunks{0};
-  // Phased I/O: turns handed from reads to write-backs or back.
-  std::atomic<uint64_t> io_turns{0};
+  // Phased I/O: turns handed from reads to write-backs or back; the drive's turn waited
+  // for while another process of the host held it (HostTurns).
+  std::atomic<uint64_t> io_turns{0}, io_turn_waits{0};
   // The background lane: time with writes in flight; resident chunks copied to their twin
   // (a background commit held the first copy, or the update was speculative).
   std::atomic<uint64_t> persist_ns{0}, twin_copies{0};
@@ -211,6 +212,7 @@ class Ring {
   Queue<Loaded> computing_, writing_;
   Queue<Job> persisting_;
   Counters counters_;
+  std::unique_ptr<HostTurns> host_turns_;  // phased: the drive's turns across the host
   IoPhases phases_;
 
   std::mutex mu_;
