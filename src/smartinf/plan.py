@@ -120,10 +120,19 @@ def _held_run(directories: Sequence[str]) -> Optional[dict]:
         return None
     fields = {"state_dtype": "fp32", "master": "fp32"}  # before version 7
     fields.update({k: v for k, v in found.items() if k in fields})
-    held = {d: sum(os.stat(os.path.join(root, name)).st_blocks * 512
-                   for root, _, names in os.walk(d) for name in names
-                   if name in (STATES, *LOG_FILES)) for d in directories}
-    return dict(fields, copies=manifest_copies(found), held=held)
+    return dict(fields, copies=manifest_copies(found), held={d: _held_bytes(d) for d in directories})
+
+
+def _held_bytes(directory: str) -> int:
+    """The bytes the states files and logs of ``directory`` and of the device directories
+    in it (those holding a manifest, at any depth) take on disk (0 where it is missing)."""
+    held = 0
+    for entry in (os.scandir(directory) if os.path.isdir(directory) else ()):
+        if entry.name in (STATES, *LOG_FILES) and entry.is_file():
+            held += entry.stat().st_blocks * 512
+        elif entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            held += _held_bytes(entry.path)
+    return held
 
 
 def _existing(path: str) -> str:
