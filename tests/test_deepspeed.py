@@ -1171,3 +1171,16 @@ def test_two_ranks_killed_at_random_resume_at_one_durable_step(work, disk_dir, t
     assert all(d % 2 == 0 for d in durable) and abs(durable[0] - durable[1]) <= 2, durable
     step = min(durable)
     resumes_as_stopped(work, disk_dir, killed, trial, extra, step)
+
+
+def test_two_ranks_on_one_drive_take_its_turns(work, disk_dir, monkeypatch):
+    """Phased I/O (SMARTINF_IO_SCHEDULE=phased) with two ranks' directories on one drive:
+    their rings take the drive's turns across the two processes (pipeline/host_turns.h),
+    while the ranks also wait for each other in DeepSpeed's collectives; the run finishes,
+    with the losses and params of mixed I/O, bit for bit."""
+    mixed = train(work, f"{disk_dir}/mixed", "mixed-2", world=2)
+    monkeypatch.setenv("SMARTINF_IO_SCHEDULE", "phased")
+    phased = train(work, f"{disk_dir}/phased", "phased-2", world=2)
+    assert all(s.startswith("phased") for s in phased["choices"]["io_schedules"])
+    assert losses(phased) == losses(mixed)
+    assert params_rel_diff(phased, mixed) == 0
