@@ -310,3 +310,26 @@ def test_two_ranks_a_crash_leaves_apart_decide_together(tmp_path, crash):
         with open_log(d) as pipe:
             assert pipe.step_count == expected
             assert_same(states(pipe), plain[expected - 1][1])
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
+def test_the_disk_of_each_format_is_within_5_percent_of_its_bound(tmp_path, state_dtype):
+    """With a log, a directory holds one copy of the states S and one step's gradients G
+    (bf16 here): S + G a param is the bound (docs/memory-tiers.md), which the chunks'
+    4 KiB alignment, the spare extents (two a slot) and the log's 1 MiB header exceed by a
+    few per cent at 16 Mi params in chunks of 64 Ki (less at a model's size)."""
+    from smartinf.model import state_bytes_per_param
+    numel, chunk = 16 << 20, 1 << 16
+    d = str(tmp_path / state_dtype)
+    with smartinf.Pipeline(d, RULE, chunk=chunk, copies="log", state_dtype=state_dtype,
+                           subgroup_sizes=[numel], gradient_bytes=2) as pipe:
+        pipe.add_subgroup(numel)
+        out = np.empty(numel, np.float16)
+        g = np.full(numel, 1e-3, np.float32).astype(np.float16)
+        with pipe.step():
+            pipe.update(0, g, out, log_only=True).wait()
+            pipe.update(0, g, out)
+    disk = sum(os.path.getsize(os.path.join(d, f)) for f in ("states.bin", "grads.bin", "journal"))
+    bound = numel * (state_bytes_per_param(state_dtype, "fp32") + 2)
+    assert bound <= disk <= 1.05 * bound, disk / bound
+    print(f"\n{state_dtype}: disk {disk / bound:.3f}x S + G")
