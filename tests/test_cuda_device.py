@@ -291,7 +291,7 @@ def test_the_gpus_memory_fills_first_then_its_host_memory_then_the_cores(disk_di
 
 @pytest.mark.skipif(not cuda_built, reason="smartinf built without CUDA")
 def test_a_host_memory_budget_beyond_the_machines_memory_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"CudaDevice\(memory='host'\) budgets of 1125899906842624 bytes holds"):
+    with pytest.raises(ValueError, match=r"CudaDevice\(memory='host'\) budgets \(1125.9 TB\) holds 1125.9 TB of host memory"):
         smartinf.Pipeline(smartinf.CudaDevice(str(tmp_path), memory_budget=1 << 50, memory="host"),
                           smartinf.AdamW(), chunk=CHUNK)
 
