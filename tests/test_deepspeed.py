@@ -1182,5 +1182,6 @@ def test_two_ranks_on_one_drive_take_its_turns(work, disk_dir, monkeypatch):
     monkeypatch.setenv("SMARTINF_IO_SCHEDULE", "phased")
     phased = train(work, f"{disk_dir}/phased", "phased-2", world=2)
     assert all(s.startswith("phased") for s in phased["choices"]["io_schedules"])
+    assert sum(s["pipeline"]["io_turns"] for s in phased["steps"]) > 0
     assert losses(phased) == losses(mixed)
     assert params_rel_diff(phased, mixed) == 0

@@ -45,6 +45,9 @@ MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
 PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
                      "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
                      "durable_step", "speculative_updates", "retracted_updates",
+                     # phased I/O: turns between reads and writes, and the drive's turns
+                     # waited for while another rank of the host held them
+                     "io_turns", "io_turn_waits",
                      # seconds with an update in flight, waited for, and hidden (the rest)
                      "update_s", "update_wait_s", "update_hidden_s",
                      # the updates finished while the next forward ran (the optimizer's)
