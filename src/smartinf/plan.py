@@ -276,7 +276,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             return dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
                         commit_every=every, copies=kept, resident=resident,
                         ram_bytes=budget * devices, disk_bytes=need, step_s=step_s,
-                        refused=_disk_fits(need, ranks, held), twins=budget >= twinned, whole=whole,
+                        refused=_disk_fits(need, ranks, held), whole=whole,
                         moved=per_param * 2 + (grad_bytes if kept == "log" else 0))
 
         every = commit_every or (RESIDENT_COMMIT_EVERY if resident > 0 else 1)
@@ -315,11 +315,11 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
     elif memory_budget is None:
-        twinned = best["memory_budget"] / best["whole"] - 1
+        share = best["memory_budget"] / best["whole"] - 1  # of the states, with a twin
         why += ("; room for every sub-group's twin: background commits hold no update back"
-                if best["twins"] else f"; room for twins of {twinned:.0%} of the states: the "
+                if share >= 1 else f"; room for twins of {share:.0%} of the states: the "
                 f"updates of the other sub-groups wait for their background commit writes"
-                if twinned > 0.01 else "; no room for twins: an update waits for its "
+                if share > 0.01 else "; no room for twins: an update waits for its "
                 "sub-group's background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)

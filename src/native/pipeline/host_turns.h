@@ -33,7 +33,6 @@ class HostTurns {
   bool try_take();
   void take();
   void give_back();
-  const std::string& path() const { return path_; }
 
  private:
   std::string path_;

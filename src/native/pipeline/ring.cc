@@ -23,7 +23,7 @@ Ring::Ring(device::Device& device, store::StateStore& store, const RingOptions& 
       computing_(device.slot_count()),
       writing_(device.slot_count()),
       host_turns_(options.io_schedule == "phased" && HostTurns::across_host()
-                      ? std::make_unique<HostTurns>(store.directory(), counters_.io_turn_waits)
+                      ? std::make_unique<HostTurns>(store.dir(), counters_.io_turn_waits)
                       : nullptr),
       phases_(options.io_schedule == "phased", options.io_burst, counters_.io_turns, host_turns_.get()) {
   io::Options io_options;

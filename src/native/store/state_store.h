@@ -148,7 +148,6 @@ class StateStore {
   void set_membership(const Membership& m);  // written to the manifest at once
   int fd() const { return fd_.get(); }
   const std::string& file_path() const { return states_path_; }
-  const std::string& directory() const { return dir_; }
   const std::string& dir() const { return dir_; }
   bool direct() const { return direct_; }
   const StateLayout& layout() const { return layout_; }
