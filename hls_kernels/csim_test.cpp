@@ -236,7 +236,7 @@ static void adam_quantized_case(int n, const k::AdamStep& s, Top top, const char
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::adam_quantized(n, c.ref, g.data(), out.data(), s);
+  k::adam_quantized(n, c.ref, g.data(), k::Fp32Masters<k::f16>{c.ref.param, out.data()}, s);
   top(dp.data(), dmq.data(), dvq.data(), dms.data(), dvs.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dvq.equals(c.codes(1)) &&
             dms.equals(c.scales(0)) && dvs.equals(c.scales(1)) && dout.equals(out),
@@ -254,7 +254,7 @@ static void lion_quantized_case(int n, Top top, const char* name) {
   Device<float> dg(g);
   std::vector<k::f16> out(n);
   Device<k::f16> dout(out);
-  k::lion_quantized(n, c.ref, g.data(), out.data(), s);
+  k::lion_quantized(n, c.ref, g.data(), k::Fp32Masters<k::f16>{c.ref.param, out.data()}, s);
   top(dp.data(), dmq.data(), dms.data(), dg.data(), dout.data(), n, s);
   check(dp.equals(c.param()) && dmq.equals(c.codes(0)) && dms.equals(c.scales(0)) &&
             dout.equals(out),

@@ -83,7 +83,7 @@ struct AdamQuantMath {
   kernels::AdamStep s;
   template <class States, class G, class P>
   void operator()(int n, const States& st, const G* g, P* out) const {
-    kernels::adam_quantized(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::adam_quantized(static_cast<std::size_t>(n), st, g, kernels::Fp32Masters<P>{st.param, out}, s);
   }
 };
 
@@ -92,7 +92,7 @@ struct LionQuantMath {
   kernels::LionStep s;
   template <class States, class G, class P>
   void operator()(int n, const States& st, const G* g, P* out) const {
-    kernels::lion_quantized(static_cast<std::size_t>(n), st, g, out, s);
+    kernels::lion_quantized(static_cast<std::size_t>(n), st, g, kernels::Fp32Masters<P>{st.param, out}, s);
   }
 };
 

@@ -17,22 +17,45 @@
 namespace smartinf::device {
 
 // The rule's kernel on params [lo, lo + n) of a chunk of `numel` whose states are at
-// `states`, with their fp32 masters at `master` (lo's), in moments format M.
+// `states`, in moments format M: fp32 masters at `master` (lo's) and the params emitted to
+// `out`, or (quantized moments) `masters` (kernels::Fp32Masters or SplitMasters, lo's).
+template <store::Moments M, class G, class Masters>
+void run_quantized(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
+                   size_t lo, size_t n, const G* grad, const Masters& masters) {
+  if constexpr (M == store::Moments::int8)
+    kernels::run_rule_quantized(k.step, n, layout.int8_at(states, numel).from(lo), grad, masters);
+  else
+    kernels::run_rule_quantized(k.step, n, layout.int4_at(states, numel).from(lo), grad, masters);
+}
+
 template <store::Moments M, class G, class P>
 void run_moments(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
                  size_t lo, size_t n, float* master, const G* grad, P* out) {
-  if constexpr (M == store::Moments::int8) {
-    store::Int8States s = layout.int8_at(states, numel).from(lo);
-    s.param = master;
-    kernels::run_rule_quantized(k.step, n, s, grad, out);
-  } else if constexpr (M == store::Moments::int4) {
-    store::Int4States s = layout.int4_at(states, numel).from(lo);
-    s.param = master;
-    kernels::run_rule_quantized(k.step, n, s, grad, out);
+  if constexpr (M != store::Moments::fp32) {
+    run_quantized<M>(k, layout, states, numel, lo, n, grad, kernels::Fp32Masters<P>{master, out});
   } else {
     float* arrays[kMaxStateArrays] = {master};  // the master, then the rule's states
     for (unsigned a = 1; a < layout.arrays; ++a) arrays[a] = layout.array(states, numel, a) + lo;
     kernels::run_rule(k.step, n, arrays, grad, out);
+  }
+}
+
+// A split master's piece of `len` params at lo: rebuilt, updated and split in the kernel's
+// loop (quantized moments), or through an fp32 buffer (fp32 moments: their kernels take
+// arrays).
+template <store::Moments M, class G>
+void run_split(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
+               size_t lo, size_t len, const G* grad, kernels::bf16* params, uint16_t* low) {
+  const bool adopt = k.adopt || k.sent_sums;
+  if constexpr (M != store::Moments::fp32) {
+    if (adopt)
+      return run_quantized<M>(k, layout, states, numel, lo, len, grad, kernels::SplitMasters<true>{params, low});
+    return run_quantized<M>(k, layout, states, numel, lo, len, grad, kernels::SplitMasters<false>{params, low});
+  } else {
+    float master[kSplitPiece];
+    kernels::rebuild_masters(len, params, low, adopt, master);
+    run_moments<M>(k, layout, states, numel, lo, len, master, grad, params);
+    kernels::split_masters(len, master, params, low);
   }
 }
 
@@ -47,13 +70,10 @@ inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
       return run_moments<M>(k, layout, s.states, numel, lo, n, layout.fp32_master(s.states) + lo, gp, op);
     if constexpr (std::is_same_v<P, kernels::bf16>) {
       uint16_t* low = layout.split_at(s.states, numel).low + lo;
-      float master[kSplitPiece];
       for (size_t at = 0; at < n; at += kSplitPiece) {
         const size_t len = std::min(kSplitPiece, n - at);
         if (k.sent_sums) k.sent_sums[(lo + at) / kSplitPiece] = store::params_piece_sum(op + at, len);
-        kernels::rebuild_masters(len, op + at, low + at, k.adopt || k.sent_sums, master);
-        run_moments<M>(k, layout, s.states, numel, lo + at, len, master, gp + at, op + at);
-        kernels::split_masters(len, master, op + at, low + at);
+        run_split<M>(k, layout, s.states, numel, lo + at, len, gp + at, op + at, low + at);
         if (k.params_sums) k.params_sums[(lo + at) / kSplitPiece] = store::params_piece_sum(op + at, len);
       }
     } else {

@@ -45,10 +45,25 @@ struct LionElement {
   }
 };
 
-// n params of quantized states `s` (s.param: their fp32 masters), from their start.
-template <class Format, class Element, class G, class P>
-inline void update_quantized(std::size_t n, const typename Format::States& s, const G* grad, P* out,
-                             const Element& e) {
+// The states' fp32 masters (s.param) as a kernel's masters, and the params emitted from
+// them; kernels/split_master.h's SplitMasters are the other kind: from(lo) the masters of
+// params lo.., get(i) one to update, put(i, m) it updated (and its param emitted).
+template <class P>
+struct Fp32Masters {
+  float* __restrict master;
+  P* __restrict out;
+  Fp32Masters from(std::size_t lo) const { return {master + lo, out + lo}; }
+  __attribute__((always_inline)) float get(std::size_t i) const { return master[i]; }
+  __attribute__((always_inline)) void put(std::size_t i, float m) const {
+    master[i] = m;
+    out[i] = from_float<P>(m);
+  }
+};
+
+// n params of quantized states `s` with masters `masters`, from their start.
+template <class Format, class Element, class G, class Masters>
+inline void update_quantized(std::size_t n, const typename Format::States& s, const G* grad,
+                             const Masters& masters, const Element& e) {
   constexpr std::size_t kPiece = Format::kPiece;
   constexpr bool two = Element::kMoments > 1;
   float m[kPiece], v[two ? kPiece : 1];
@@ -57,33 +72,31 @@ inline void update_quantized(std::size_t n, const typename Format::States& s, co
     Format::decode(s, 0, lo, len, m);
     if (two) Format::decode(s, 1, lo, len, v);
     // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
-    float* __restrict param = s.param + lo;
+    const Masters ms = masters.from(lo);
     float* __restrict mr = m;
     float* __restrict vr = v;
     const G* __restrict gr = grad + lo;
-    P* __restrict o = out + lo;
-    for (std::size_t j = 0; j < len; ++j) {
-      const float p = e.template apply<Format::kKeepsRoot>(to_float(gr[j]) * e.k.grad_scale, param[j],
-                                                            mr[j], vr[two ? j : 0]);
-      param[j] = p;
-      o[j] = from_float<P>(p);
-    }
+    for (std::size_t j = 0; j < len; ++j)
+      ms.put(j, e.template apply<Format::kKeepsRoot>(to_float(gr[j]) * e.k.grad_scale, ms.get(j), mr[j],
+                                                      vr[two ? j : 0]));
     Format::encode(s, 0, lo, len, m);
     if (two) Format::encode(s, 1, lo, len, v);
   }
 }
 
-template <class States, class G, class P>
-inline void adam_quantized(std::size_t n, const States& s, const G* grad, P* out, const AdamStep& k) {
+template <class States, class G, class Masters>
+inline void adam_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
+                           const AdamStep& k) {
   with_adam_choices(k, [&](auto decoupled, auto small) {
     update_quantized<typename FormatOf<States>::type>(
-        n, s, grad, out, AdamElement<decltype(decoupled)::value, decltype(small)::value>{k});
+        n, s, grad, masters, AdamElement<decltype(decoupled)::value, decltype(small)::value>{k});
   });
 }
 
-template <class States, class G, class P>
-inline void lion_quantized(std::size_t n, const States& s, const G* grad, P* out, const LionStep& k) {
-  update_quantized<typename FormatOf<States>::type>(n, s, grad, out, LionElement{k});
+template <class States, class G, class Masters>
+inline void lion_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
+                           const LionStep& k) {
+  update_quantized<typename FormatOf<States>::type>(n, s, grad, masters, LionElement{k});
 }
 
 }  // namespace smartinf::kernels

@@ -192,16 +192,18 @@ SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, 
 }
 
 // The CPU kernel of the step's rule on quantized states (store/layout.h's Int8States or
-// Int4States; kernels/quantized.h); only rows with `int8` (`int4`) have one (the pipeline
-// refuses those states for the others).
-template <class States, class G, class P>
-inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad, P* out) {
+// Int4States; kernels/quantized.h) with masters `masters` (Fp32Masters over st.param, or
+// SplitMasters); only rows with `int8` (`int4`) have one (the pipeline refuses those
+// states for the others).
+template <class States, class G, class Masters>
+inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad,
+                               const Masters& masters) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:
-      return adam_quantized(n, st, grad, out, s.adam);
+      return adam_quantized(n, st, grad, masters, s.adam);
     case Rule::lion:
-      return lion_quantized(n, st, grad, out, s.lion);
+      return lion_quantized(n, st, grad, masters, s.lion);
     default:
       throw std::logic_error(std::string("no quantized kernel for ") + rule_row(s.rule).name);
   }

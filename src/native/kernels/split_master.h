@@ -46,4 +46,24 @@ SMARTINF_HD inline void split_masters(std::size_t n, const float* master, const 
   for (std::size_t i = 0; i < n; ++i) low[i] = master_low(master[i], param[i]);
 }
 
+// Split masters as a kernel's masters (kernels/quantized.h's Masters): each rebuilt as the
+// update reads it and split as it writes it, in the update's own loop, where rebuilding
+// into an fp32 buffer and splitting it after took two more passes over the piece
+// (rebuild_masters' and split_masters' bits: the same operations on each element).
+template <bool Adopt>
+struct SplitMasters {
+  bf16* __restrict param;  // sent in, then emitted
+  uint16_t* __restrict low;
+  SplitMasters from(std::size_t lo) const { return {param + lo, low + lo}; }
+  __attribute__((always_inline)) float get(std::size_t i) const {
+    const float m = rebuild_master(param[i], low[i]);
+    return !Adopt || from_float<bf16>(m).bits == param[i].bits ? m : to_float(param[i]);
+  }
+  __attribute__((always_inline)) void put(std::size_t i, float master) const {
+    const bf16 p = from_float<bf16>(master);
+    param[i].bits = p.bits;  // a member's copy: GCC does not vectorise a struct's
+    low[i] = master_low(master, p);
+  }
+};
+
 }  // namespace smartinf::kernels
