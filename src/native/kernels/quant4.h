@@ -304,10 +304,13 @@ inline void quantize_first_block(std::size_t len, const float* x, uint8_t* q, fl
 // The int4 format for kernels/quantized.h's one update, a tile at a time (the second
 // moment's scales need the whole tile's new values before any is coded; a first-moment
 // block is a tile's row): moment k of params [lo, lo + len) (lo a whole number of tiles in)
-// decoded to the fp32 values the rule reads, and coded back from the values it leaves.
+// decoded to the fp32 values the rule reads; the values it leaves tracked for their
+// maxima in the update's loop, each row's first moment coded after the row, the second
+// moment after the tile.
 struct Int4Format {
   using States = Int4States;
   static constexpr std::size_t kPiece = kQuant4Tile;
+  static constexpr std::size_t kRow = kQuant4Block;
   static constexpr bool kKeepsRoot = false;
 
   static void decode(const States& s, unsigned k, std::size_t lo, std::size_t len, float* x) {
@@ -322,13 +325,46 @@ struct Int4Format {
     }
   }
 
-  static void encode(const States& s, unsigned k, std::size_t lo, std::size_t len, const float* x) {
-    constexpr std::size_t B = kQuant4Block;
-    if (k == 1) return q4::quantize_second_tile(len, x, s.code[1] + lo / 2, s.scale[1] + lo / kQuant4Tile * 2 * B);
-    for (std::size_t r = 0; r < q4::tile_rows(len); ++r)
-      q4::quantize_first_block(q4::row_len(len, r), x + r * B, s.code[0] + (lo + r * B) / 2,
-                               s.scale[0] + (lo + r * B) / B);
-  }
+  // A row's first-moment extreme, its second moment's maximum, and the tile's column maxima
+  // (float bits).
+  struct Row {
+    q4::Extreme m;
+    int32_t v = 0;
+    int32_t* __restrict columns;
+    template <bool Two>
+    __attribute__((always_inline)) void add(std::size_t j, float mj, float vj) {
+      m.add(mj);
+      if (!Two) return;
+      const int32_t a = q4::magnitude(vj);
+      v = a > v ? a : v;
+      columns[j] = a > columns[j] ? a : columns[j];
+    }
+  };
+
+  struct Piece {
+    int32_t rows[kQuant4Block] = {}, columns[kQuant4Block] = {};  // rows and columns it lacks: 0
+    Row row() { return {{}, 0, columns}; }
+    // The row's first moment coded (its extreme the block's scale); its second moment's
+    // maximum kept for the tile.
+    void close_row(const States& s, unsigned, std::size_t lo, std::size_t at, std::size_t len, const Row& r,
+                   const float* m, const float*) {
+      const float scale = s.scale[0][(lo + at) / kQuant4Block] = r.m.scale();
+      q4::encode_first(len, m + at, scale, s.code[0] + (lo + at) / 2);
+      rows[at / kQuant4Block] = r.v;
+    }
+    // The tile's second moment coded with its rank-1 scales: 128 row maxima, 128 column maxima.
+    void close(const States& s, unsigned moments, std::size_t lo, std::size_t len, const float* v) const {
+      if (moments < 2) return;
+      float* scales = s.scale[1] + lo / kQuant4Tile * 2 * kQuant4Block;
+      for (std::size_t i = 0; i < kQuant4Block; ++i) {
+        scales[i] = float_of(static_cast<uint32_t>(rows[i]));
+        scales[kQuant4Block + i] = float_of(static_cast<uint32_t>(columns[i]));
+      }
+      for (std::size_t r = 0; r < q4::tile_rows(len); ++r)
+        q4::encode_second(q4::row_len(len, r), v + r * kQuant4Block, scales[r], scales + kQuant4Block,
+                          s.code[1] + (lo + r * kQuant4Block) / 2);
+    }
+  };
 };
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int4

@@ -127,11 +127,13 @@ inline void quantize_block(unsigned k, std::size_t n, const float* x, uint8_t* q
 }
 
 // The int8 format for kernels/quantized.h's one update: moment k of params [lo, lo + len)
-// (lo a whole number of blocks in) decoded to the fp32 values the rule reads, and coded
-// back from the values it leaves (a second moment: its root, AdamResult::root).
+// (lo a whole number of blocks in) decoded to the fp32 values the rule reads; a row (a
+// block) of the values it leaves (a second moment: its root, AdamResult::root) tracked for
+// its maxima in the update's loop, then coded.
 struct Int8Format {
   using States = Int8States;
-  static constexpr std::size_t kPiece = 8 * kQuantBlock;  // params the rule's loop runs over at once
+  static constexpr std::size_t kPiece = 8 * kQuantBlock;  // params decoded at once
+  static constexpr std::size_t kRow = kQuantBlock;        // params sharing their scales
   static constexpr bool kKeepsRoot = true;
 
   static void decode(const States& s, unsigned k, std::size_t lo, std::size_t len, float* __restrict x) {
@@ -151,11 +153,32 @@ struct Int8Format {
     }
   }
 
-  static void encode(const States& s, unsigned k, std::size_t lo, std::size_t len, const float* x) {
-    for (std::size_t at = 0; at < len; at += kQuantBlock)
-      quantize_block(k, len - at < kQuantBlock ? len - at : kQuantBlock, x + at, s.code[k] + lo + at,
-                     s.scale[k] + (lo + at) / kQuantBlock);
-  }
+  // A row's largest magnitudes (float bits) of each moment.
+  struct Row {
+    int32_t m = 0, v = 0;
+    template <bool Two>
+    __attribute__((always_inline)) void add(std::size_t, float mj, float vj) {
+      const int32_t a = magnitude_bits(mj), b = magnitude_bits(vj);
+      m = a > m ? a : m;
+      if (Two) v = b > v ? b : v;
+    }
+  };
+
+  struct Piece {
+    Row row() const { return {}; }
+    // The row of `len` new values at m + at, v + at (params lo + at ..) coded: the maxima
+    // are its scales.
+    void close_row(const States& s, unsigned moments, std::size_t lo, std::size_t at, std::size_t len,
+                   const Row& r, const float* m, const float* v) const {
+      const std::size_t b = (lo + at) / kQuantBlock;
+      s.scale[0][b] = float_of(static_cast<uint32_t>(r.m));
+      encode_block<true>(len, m + at, s.scale[0][b], s.code[0] + lo + at);
+      if (moments < 2) return;
+      s.scale[1][b] = float_of(static_cast<uint32_t>(r.v));
+      encode_block<false>(len, v + at, s.scale[1][b], s.code[1] + lo + at);
+    }
+    void close(const States&, unsigned, std::size_t, std::size_t, const float*) const {}
+  };
 };
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8

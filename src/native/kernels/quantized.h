@@ -60,27 +60,38 @@ struct Fp32Masters {
   }
 };
 
-// n params of quantized states `s` with masters `masters`, from their start.
+// n params of quantized states `s` with masters `masters`, from their start: a piece's
+// moments decoded, then row by row the rule's element on each param, the row's maxima
+// found in the same loop (no pass of their own), and the format's coding of the row (and
+// of the piece, for scales a whole piece shares).
 template <class Format, class Element, class G, class Masters>
 inline void update_quantized(std::size_t n, const typename Format::States& s, const G* grad,
                              const Masters& masters, const Element& e) {
-  constexpr std::size_t kPiece = Format::kPiece;
+  constexpr std::size_t kPiece = Format::kPiece, kRow = Format::kRow;
   constexpr bool two = Element::kMoments > 1;
   float m[kPiece], v[two ? kPiece : 1];
   for (std::size_t lo = 0; lo < n; lo += kPiece) {
     const std::size_t len = n - lo < kPiece ? n - lo : kPiece;
     Format::decode(s, 0, lo, len, m);
     if (two) Format::decode(s, 1, lo, len, v);
-    // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
-    const Masters ms = masters.from(lo);
-    float* __restrict mr = m;
-    float* __restrict vr = v;
-    const G* __restrict gr = grad + lo;
-    for (std::size_t j = 0; j < len; ++j)
-      ms.put(j, e.template apply<Format::kKeepsRoot>(to_float(gr[j]) * e.k.grad_scale, ms.get(j), mr[j],
-                                                      vr[two ? j : 0]));
-    Format::encode(s, 0, lo, len, m);
-    if (two) Format::encode(s, 1, lo, len, v);
+    typename Format::Piece piece;
+    for (std::size_t at = 0; at < len; at += kRow) {
+      const std::size_t rl = len - at < kRow ? len - at : kRow;
+      // The arrays do not overlap: say so, or GCC versions the loop with a runtime check.
+      const Masters ms = masters.from(lo + at);
+      float* __restrict mr = m + at;
+      float* __restrict vr = v + (two ? at : 0);
+      const G* __restrict gr = grad + lo + at;
+      typename Format::Row row = piece.row();
+      for (std::size_t j = 0; j < rl; ++j) {
+        float& mj = mr[j];
+        float& vj = vr[two ? j : 0];
+        ms.put(j, e.template apply<Format::kKeepsRoot>(to_float(gr[j]) * e.k.grad_scale, ms.get(j), mj, vj));
+        row.template add<two>(j, mj, vj);
+      }
+      piece.close_row(s, Element::kMoments, lo, at, rl, row, m, v);
+    }
+    piece.close(s, Element::kMoments, lo, len, v);
   }
 }
 
