@@ -1,7 +1,9 @@
 // The GPU update kernels (device/cuda_update.cu) against the same kernel functions run on
 // the host, bit for bit: every rule, every (gradient, param) dtype pair, an fp32 and a split
 // master, hyper-parameters that take each branch (L2 and decoupled decay, lerp's two
-// formulas, AMSGrad, SGD's momentum / Nesterov / first step, maximize, loss scales).
+// formulas, AMSGrad, SGD's momentum / Nesterov / first step, maximize, loss scales); fp32
+// moments, and int8 and int4 moments for the rules that have them (the chunk's codes,
+// scales and masters compared byte for byte, its last block and tile partial).
 // Built and run by tests/test_cuda_kernels.py where nvcc and a GPU are found. Prints one
 // line per case that differs and a summary; exits 1 if any does.
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "device/cuda_update.h"
+#include "kernels/quantized.h"
 #include "kernels/rules.h"
 #include "kernels/split_master.h"
 #include "store/layout.h"
@@ -217,6 +220,61 @@ size_t run_case(const Case& c, DType grad, DType param, bool split, bool adopt, 
   return diff;
 }
 
+// One case on int8 or int4 moments (`moments`), on the host and on the GPU; the number of
+// bytes of the chunk's states and of the params out that differ.
+size_t run_quantized_case(const Case& c, store::Moments moments, DType grad, DType param, bool split,
+                          bool adopt, size_t n) {
+  const Inputs in = make_inputs(c, grad, n, 4321u + unsigned(c.rule) * 7 + unsigned(grad));
+  const kernels::Step step = kernels::make_step(c.rule, c.hyper, c.t);
+  store::StateLayout layout;
+  layout.arrays = kernels::rule_row(c.rule).arrays;
+  layout.moments = moments;
+  layout.master = split ? store::Master::split : store::Master::fp32;
+  std::vector<char> packed(layout.bytes(n));
+  const float* from[3] = {in.arrays[0].data(), in.arrays[1].data(),
+                          layout.arrays > 2 ? in.arrays[2].data() : nullptr};
+  const float fill[3] = {};
+  if (moments == store::Moments::int8)
+    kernels::import_int8(layout.int8_at(packed.data(), n), n, layout.arrays - 1, from, fill);
+  else
+    kernels::import_int4(layout.int4_at(packed.data(), n), n, layout.arrays - 1, from, fill);
+  if (split) std::memcpy(layout.split_at(packed.data(), n).low, in.low.data(), n * 2);
+  const size_t psize = kernels::dtype_size(param);
+  std::vector<char> host = packed, host_out(n * psize);
+  if (split) std::memcpy(host_out.data(), in.params.data(), n * 2);
+  const void* grad_host = grad == DType::f32 ? static_cast<const void*>(in.grad32.data())
+                                             : static_cast<const void*>(in.grad16.data());
+  kernels::dispatch(grad, param, [&](auto g, auto p) {
+    using G = decltype(g);
+    using P = decltype(p);
+    const G* gp = static_cast<const G*>(grad_host);
+    P* op = reinterpret_cast<P*>(host_out.data());
+    const auto run = [&](const auto& states) {
+      if (!split) return kernels::run_rule_quantized(step, n, states, gp, kernels::Fp32Masters<P>{states.param, op});
+      if constexpr (std::is_same_v<P, kernels::bf16>) {
+        uint16_t* low = layout.split_at(host.data(), n).low;
+        if (adopt) return kernels::run_rule_quantized(step, n, states, gp, kernels::SplitMasters<true>{op, low});
+        kernels::run_rule_quantized(step, n, states, gp, kernels::SplitMasters<false>{op, low});
+      }
+    };
+    if (moments == store::Moments::int8) run(layout.int8_at(host.data(), n));
+    else run(layout.int4_at(host.data(), n));
+  });
+  char* dstates = to_device(packed);
+  void* dgrad = grad == DType::f32 ? static_cast<void*>(to_device(in.grad32))
+                                   : static_cast<void*>(to_device(in.grad16));
+  char* dout = nullptr;
+  check(cudaMalloc(&dout, n * psize));
+  if (split) check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
+  device::cuda::update(step, layout, dstates, n, grad, param, dgrad, dout, adopt, nullptr);
+  check(cudaDeviceSynchronize());
+  const size_t diff = differing(to_host(dstates, packed.size()), host) + differing(to_host(dout, n * psize), host_out);
+  cudaFree(dstates);
+  cudaFree(dgrad);
+  cudaFree(dout);
+  return diff;
+}
+
 }  // namespace
 
 int main() {
@@ -240,6 +298,32 @@ int main() {
           ++failed;
           std::printf("DIFFERS %s split adopt=%d grad %s: %zu values\n", c.name.c_str(), adopt,
                       dtype_name(grad), d);
+        }
+      }
+    }
+  }
+  for (store::Moments moments : {store::Moments::int8, store::Moments::int4}) {
+    const char* format = moments == store::Moments::int8 ? "int8" : "int4";
+    for (const Case& c : cases()) {
+      if (!kernels::row_allows(kernels::rule_row(c.rule), moments)) continue;
+      for (DType grad : {DType::f32, DType::bf16, DType::f16}) {
+        for (DType param : {DType::f32, DType::bf16, DType::f16}) {
+          const size_t d = run_quantized_case(c, moments, grad, param, false, false, n);
+          ++cases_run;
+          if (d) {
+            ++failed;
+            std::printf("DIFFERS %s %s grad %s param %s: %zu bytes\n", format, c.name.c_str(),
+                        dtype_name(grad), dtype_name(param), d);
+          }
+        }
+        for (bool adopt : {false, true}) {
+          const size_t d = run_quantized_case(c, moments, grad, DType::bf16, true, adopt, n);
+          ++cases_run;
+          if (d) {
+            ++failed;
+            std::printf("DIFFERS %s %s split adopt=%d grad %s: %zu bytes\n", format, c.name.c_str(), adopt,
+                        dtype_name(grad), d);
+          }
         }
       }
     }

@@ -21,7 +21,7 @@ using store::kQuant4Block;
 using store::kQuant4Tile;
 using store::kQuantBlock;
 
-// kernels/quant4.h's maps, where the GPU reads them (a host constexpr array is not
+// kernels/quant4.h's map, where the GPU reads it (a host constexpr array is not
 // addressable in device code): the same float values, copied at compile time.
 template <std::size_t N>
 struct Map {
@@ -36,8 +36,6 @@ constexpr Map<N> map_of(const float (&values)[N]) {
 }
 
 __constant__ Map<16> kDynamic = map_of(kernels::q4::kDynamic);
-__constant__ Map<15> kDynamicMid = map_of(kernels::q4::kDynamicMid);
-__constant__ Map<15> kPow2Mid = map_of(kernels::q4::kPow2Mid);
 
 constexpr unsigned kThreads = 256;
 
@@ -81,31 +79,19 @@ struct Arrays {
   float* at[kMaxStateArrays];
 };
 
-// The largest of N values over each group of `Group` consecutive threads (the whole block,
-// or one row of a tile), in every thread of the group: integers, the bits of non-negative
-// floats, so the result is exact whatever the order. `shared` holds N values per warp; the
-// first barrier lets a second call reuse it and orders every read the threads made before
-// it ahead of writes after it.
-template <unsigned Group, unsigned N>
-__device__ void group_max(int32_t (&v)[N], int32_t* shared) {
+// The largest of N values across a warp, in every lane: integers, the bits of non-negative
+// floats, so the result is exact whatever the order.
+template <unsigned N>
+__device__ void warp_max(int32_t (&v)[N]) {
   for (unsigned o = 16; o > 0; o >>= 1)
     for (unsigned k = 0; k < N; ++k) {
       const int32_t w = __shfl_xor_sync(0xffffffffu, v[k], o);
       v[k] = w > v[k] ? w : v[k];
     }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0)
-    for (unsigned k = 0; k < N; ++k) shared[threadIdx.x / 32 * N + k] = v[k];
-  __syncthreads();
-  const int32_t* mine = shared + threadIdx.x / Group * (Group / 32) * N;
-  for (unsigned k = 0; k < N; ++k) {
-    v[k] = mine[k];
-    for (unsigned w = 1; w < Group / 32; ++w) v[k] = mine[w * N + k] > v[k] ? mine[w * N + k] : v[k];
-  }
 }
 
 // Two neighbouring params' 4-bit codes in one byte (the even one's in the low nibble),
-// written by the even thread; a thread without a param gives 0.
+// written by the even lane; a lane without a param gives 0.
 __device__ void store_nibbles(uint8_t* byte, uint32_t code, bool here) {
   const uint32_t high = __shfl_down_sync(0xffffffffu, code, 1);
   if (here && threadIdx.x % 2 == 0) *byte = static_cast<uint8_t>(code | (high << 4));
@@ -129,160 +115,204 @@ __global__ void fp32_kernel(kernels::Step step, std::size_t n, const Master ms, 
   }
 }
 
-// Adam on int8 states (kernels::adam8_range): a block of kQuantBlock params per thread block.
-template <bool Decoupled, bool Small, class G, class P>
-__global__ void adam8_kernel(std::size_t n, const Int8States s, const Master ms, const G* grad,
-                             P* out, const AdamStep k) {
-  __shared__ int32_t shared[kQuantBlock / 32 * 2];
-  const std::size_t b = blockIdx.x, i = b * kQuantBlock + threadIdx.x;
-  const bool here = i < n;
-  float m = 0.0f, root = 0.0f;
-  if (here) {
-    const float w_old = kernels::decode_unsigned(s.code[1][i], s.scale[1][b]);
-    const AdamResult r = kernels::adam_element<Decoupled, Small>(
-        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out),
-        kernels::decode_signed(s.code[0][i], s.scale[0][b]), w_old * w_old, k);
-    ms.store(i, r.p, out);
-    m = r.m;
-    root = r.root;
-  }
-  int32_t maxima[2] = {kernels::magnitude_bits(m), kernels::magnitude_bits(root)};
-  group_max<kQuantBlock>(maxima, shared);
-  const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
-  const float w_max = kernels::float_of(static_cast<uint32_t>(maxima[1]));
-  if (threadIdx.x == 0) s.scale[0][b] = m_max, s.scale[1][b] = w_max;
-  if (!here) return;
-  s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m, 1.0f / m_max) : 0;
-  s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(root, 1.0f / w_max) : 0;
-}
+// Quantized moments, written once for every rule whose row allows them (the element of
+// kernels/quantized.h: AdamElement, LionElement) and both formats (Int8Rows, Int4Tiles
+// below), as the CPU's kernels::update_quantized is: a thread block of Format::kWarps warps takes
+// a piece of Format::kPieceRows rows of Format::kRow params, each warp a row at a time,
+// lane l the row's params l, l + 32, ...; a row's maxima are reduced within its warp
+// (shuffles, no barrier), its codes written; scales a whole piece shares (int4's second
+// moment) after one barrier at its end.
 
-// A first-moment block's signed extreme (kernels::q4::Extreme) across a row of kQuant4Block
-// threads, and the largest of `also` (a second moment's row maximum: 0 where none).
-__device__ float block_extreme(float m, bool here, int32_t& also, int32_t* shared) {
-  kernels::q4::Extreme e;
-  if (here) e.add(m);
-  int32_t maxima[3] = {e.pos, e.neg, also};
-  group_max<kQuant4Block>(maxima, shared);
-  e.pos = maxima[0], e.neg = maxima[1], also = maxima[2];
-  return e.scale();
-}
-
-__device__ uint32_t code_first(float m, float scale) {
-  return kernels::q4::nearest(m / kernels::q4::divisor(scale), kDynamicMid.at);
-}
-
-// Adam on int4 states (kernels::adam4_range): a tile per thread block of kTileRowsAtOnce rows
-// of threads, thread (g, j) column j of rows g, g + kTileRowsAtOnce, ...; a row is a
-// first-moment block, coded once its extreme is reduced; the second moment is coded after
-// the tile, when its column maxima (each thread's, then across its column's threads) are.
-constexpr unsigned kTileRowsAtOnce = 8;
-
-template <bool Decoupled, bool Small, class G, class P>
-__global__ void __launch_bounds__(kQuant4Block * kTileRowsAtOnce) adam4_kernel(std::size_t n, const Int4States s, const Master ms, const G* grad,
-                             P* out, const AdamStep k) {
-  constexpr std::size_t B = kQuant4Block, kRowsEach = B / kTileRowsAtOnce;
-  __shared__ int32_t shared[kTileRowsAtOnce * B / 32 * 3];
-  __shared__ int32_t columns[kTileRowsAtOnce][B];
-  const std::size_t t = blockIdx.x, lo = t * kQuant4Tile;
-  const std::size_t j = threadIdx.x % B, g = threadIdx.x / B;
-  const std::size_t len = n - lo < kQuant4Tile ? n - lo : kQuant4Tile;
-  const std::size_t rows = kernels::q4::tile_rows(len);
-  float* mscale = s.scale[0] + lo / B;
-  float* rmax = s.scale[1] + t * 2 * B;
-  float* cmax = rmax + B;
-  uint8_t* mq = s.code[0] + lo / 2;
-  uint8_t* vq = s.code[1] + lo / 2;
-  const float c_old = cmax[j];
-  float v_new[kRowsEach];  // this thread's new second moments, coded after the tile
-  int32_t c_bits = 0;
-  for (std::size_t e = 0; e < kRowsEach; ++e) {  // every thread: the barriers are the block's
-    const std::size_t r = e * kTileRowsAtOnce + g, at = r * B + j;
-    const bool row = r < rows, here = row && j < kernels::q4::row_len(len, r);
-    float m = 0.0f, v = 0.0f;
-    if (here) {
-      const float m_old = kDynamic.at[nibble(mq, at)] * mscale[r];
-      const float v_old = kernels::q4::pow2_value(nibble(vq, at)) * kernels::q4::min(rmax[r], c_old);
-      const AdamResult res = kernels::adam_element<Decoupled, Small>(
-          kernels::to_float(grad[lo + at]) * k.grad_scale, ms.load(lo + at, out), m_old, v_old, k);
-      ms.store(lo + at, res.p, out);
-      m = res.m;
-      v = res.v;
-    }
-    v_new[e] = v;
-    const int32_t v_bits = kernels::q4::magnitude(v);
-    c_bits = v_bits > c_bits ? v_bits : c_bits;
-    int32_t r_bits = v_bits;
-    const float m_scale = block_extreme(m, here, r_bits, shared);
-    if (row && j == 0) mscale[r] = m_scale, rmax[r] = kernels::float_of(static_cast<uint32_t>(r_bits));
-    store_nibbles(mq + at / 2, here ? code_first(m, m_scale) : 0, here);
-  }
-  columns[g][j] = c_bits;
-  __syncthreads();  // the column maxima of every row group, and the new row maxima
-  for (std::size_t h = 0; h < kTileRowsAtOnce; ++h) c_bits = columns[h][j] > c_bits ? columns[h][j] : c_bits;
-  const float c_max = kernels::float_of(static_cast<uint32_t>(c_bits));
-  if (g == 0) {
-    cmax[j] = c_max;
-    if (j >= rows) rmax[j] = 0.0f;
-  }
-  for (std::size_t e = 0; e < kRowsEach; ++e) {
-    const std::size_t r = e * kTileRowsAtOnce + g, at = r * B + j;
-    const bool here = r < rows && j < kernels::q4::row_len(len, r);
-    const float d = here ? kernels::q4::divisor(kernels::q4::min(rmax[r], c_max)) : 1.0f;
-    store_nibbles(vq + at / 2, here ? kernels::q4::nearest(v_new[e] / d, kPow2Mid.at) : 0, here);
-  }
-}
-
-// How Lion's one moment is coded in a block: int8 (kernels::lion8: the block's largest
-// magnitude) or int4 (kernels::lion4: its signed extreme on the dynamic map). Every thread
-// of the block calls scale_of and encode (their reductions and nibble pairs are collective).
-struct Lion8Coding {
-  static constexpr std::size_t kBlock = kQuantBlock;
+// int8 (kernels/quant8.h): rows of kQuantBlock params, each with its own scales: a row's
+// codes are written once its maxima are known.
+struct Int8Rows {
   using States = Int8States;
-  __device__ static float decode(const States& s, std::size_t i, std::size_t b) {
-    return kernels::decode_signed(s.code[0][i], s.scale[0][b]);
-  }
-  __device__ static float scale_of(float m, bool, int32_t* shared) {
-    int32_t maxima[1] = {kernels::magnitude_bits(m)};
-    group_max<kBlock>(maxima, shared);
-    return kernels::float_of(static_cast<uint32_t>(maxima[0]));
-  }
-  __device__ static void encode(const States& s, std::size_t i, float m, float scale, bool here) {
-    if (here) s.code[0][i] = scale > 0.0f ? kernels::encode_signed(m, 1.0f / scale) : 0;
-  }
+  static constexpr unsigned kWarps = 8, kRow = kQuantBlock, kPieceRows = kWarps, kEach = kRow / 32;
+  static constexpr bool kKeepsRoot = true;
+  static constexpr std::size_t kLaterBytes = 0;  // nothing is coded after its row
+  struct Shared {};
+
+  struct Piece {
+    const States s;
+    const std::size_t lo, len;
+    __device__ float first(std::size_t i, unsigned, unsigned, bool here) const {
+      return here ? kernels::decode_signed(s.code[0][i], s.scale[0][i / kRow]) : 0.0f;
+    }
+    __device__ float second(std::size_t i, unsigned, unsigned, bool here) const {
+      const float w = here ? kernels::decode_unsigned(s.code[1][i], s.scale[1][i / kRow]) : 0.0f;
+      return w * w;
+    }
+    // Row r's new moments (a second one: its root) coded with its maxima as scales.
+    template <bool Two>
+    __device__ void close_row(unsigned r, const float (&m)[kEach], const float (&v)[kEach], float*) {
+      const std::size_t at = lo + std::size_t(r) * kRow;
+      int32_t maxima[2] = {0, 0};
+      for (unsigned e = 0; e < kEach; ++e) {
+        const int32_t a = kernels::magnitude_bits(m[e]), b = kernels::magnitude_bits(v[e]);
+        maxima[0] = a > maxima[0] ? a : maxima[0];
+        maxima[1] = b > maxima[1] ? b : maxima[1];
+      }
+      warp_max(maxima);
+      if (at >= lo + len) return;
+      const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
+      const float w_max = kernels::float_of(static_cast<uint32_t>(maxima[1]));
+      const unsigned lane = threadIdx.x % 32;
+      if (lane == 0) {
+        s.scale[0][at / kRow] = m_max;
+        if (Two) s.scale[1][at / kRow] = w_max;
+      }
+      const float m_inv = 1.0f / m_max, w_inv = 1.0f / w_max;  // used where the maxima are > 0
+      for (unsigned e = 0; e < kEach; ++e) {
+        const std::size_t i = at + e * 32 + lane;
+        if (i >= lo + len) continue;
+        s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m[e], m_inv) : 0;
+        if (Two) s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(v[e], w_inv) : 0;
+      }
+    }
+    template <bool Two>
+    __device__ void close(Shared&, const float*) {}
+  };
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
 };
 
-struct Lion4Coding {
-  static constexpr std::size_t kBlock = kQuant4Block;
+// int4 (kernels/quant4.h): a piece is a tile of kQuant4Block rows; a row is a first-moment
+// block, coded once its extreme is reduced; the second moment's rank-1 scales (the row
+// maxima, and the column maxima across the tile) are known at the tile's end, so each
+// lane keeps its new second moments until then. A lane's columns are the same in every
+// row (l, l + 32, ...): it finds their maxima over its rows, the barrier joins the warps'.
+struct Int4Tiles {
   using States = Int4States;
-  __device__ static float decode(const States& s, std::size_t i, std::size_t b) {
-    return kDynamic.at[nibble(s.code[0], i)] * s.scale[0][b];
-  }
-  __device__ static float scale_of(float m, bool here, int32_t* shared) {
-    int32_t unused = 0;
-    return block_extreme(m, here, unused, shared);
-  }
-  __device__ static void encode(const States& s, std::size_t i, float m, float scale, bool here) {
-    store_nibbles(s.code[0] + i / 2, here ? code_first(m, scale) : 0, here);
-  }
+  // Sixteen warps a tile (eight rows each): on the H100, 1.4x eight warps' params/s, and
+  // thirty-two's no faster (each warp's rows run one after another).
+  static constexpr unsigned kWarps = 16, kRow = kQuant4Block, kPieceRows = kQuant4Block, kEach = kRow / 32;
+  static constexpr bool kKeepsRoot = false;
+  // The tile's new second moments, in shared memory until its end (64 KiB: in registers they
+  // took 174 a thread, one block an SM).
+  static constexpr std::size_t kLaterBytes = std::size_t(kQuant4Tile) * sizeof(float);
+  struct Shared {
+    int32_t columns[kWarps][kRow];
+  };
+
+  struct Piece {
+    const States s;
+    const std::size_t lo, len;
+    float* const rmax;   // the tile's row maxima, then its column maxima
+    float map;           // kDynamic at this lane (& 15): lanes read the map by shuffles
+    float c_old[kEach];  // the old column maxima of this lane's columns
+    int32_t columns[kEach] = {};
+
+    __device__ Piece(const States& st, std::size_t l, std::size_t n)
+        : s(st), lo(l), len(n), rmax(st.scale[1] + l / kQuant4Tile * 2 * kRow), map(kDynamic.at[threadIdx.x % 16]) {
+      for (unsigned e = 0; e < kEach; ++e) c_old[e] = s.scale[1] ? rmax[kRow + e * 32 + threadIdx.x % 32] : 0.0f;
+    }
+    // Every lane calls it (the map is read by a shuffle); 0 where it has no param.
+    __device__ float first(std::size_t i, unsigned r, unsigned, bool here) const {
+      const float value = __shfl_sync(0xffffffffu, map, here ? nibble(s.code[0], i) : 0u);
+      return here ? value * s.scale[0][(lo + std::size_t(r) * kRow) / kRow] : 0.0f;
+    }
+    __device__ float second(std::size_t i, unsigned r, unsigned e, bool here) const {
+      return here ? kernels::q4::pow2_value(nibble(s.code[1], i)) * kernels::q4::min(rmax[r], c_old[e]) : 0.0f;
+    }
+    template <bool Two>
+    __device__ void close_row(unsigned r, const float (&m)[kEach], const float (&v)[kEach], float* later) {
+      const std::size_t at = lo + std::size_t(r) * kRow;
+      kernels::q4::Extreme x;
+      int32_t v_bits = 0;
+      for (unsigned e = 0; e < kEach; ++e) {
+        x.add(m[e]);
+        const int32_t a = kernels::q4::magnitude(v[e]);
+        v_bits = a > v_bits ? a : v_bits;
+        columns[e] = a > columns[e] ? a : columns[e];
+        later[r * kRow + e * 32 + threadIdx.x % 32] = v[e];
+      }
+      int32_t maxima[3] = {x.pos, x.neg, v_bits};
+      warp_max(maxima);
+      x.pos = maxima[0], x.neg = maxima[1];
+      const unsigned lane = threadIdx.x % 32;
+      if (at >= lo + len) {  // a row the tile lacks: its maximum 0
+        if (Two && lane == 0) rmax[r] = 0.0f;
+        return;
+      }
+      const float scale = x.scale();
+      if (lane == 0) {
+        s.scale[0][at / kRow] = scale;
+        if (Two) rmax[r] = kernels::float_of(static_cast<uint32_t>(maxima[2]));
+      }
+      const float d = kernels::q4::divisor(scale);
+      for (unsigned e = 0; e < kEach; ++e) {
+        const std::size_t i = at + e * 32 + lane;
+        const bool here = i < lo + len;
+        store_nibbles(s.code[0] + i / 2, here ? kernels::q4::nearest_dynamic(m[e] / d) : 0u, here);
+      }
+    }
+    // The tile's second moment coded: the column maxima of every warp joined.
+    template <bool Two>
+    __device__ void close(Shared& shared, const float* later) {
+      if (!Two) return;
+      const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+      for (unsigned e = 0; e < kEach; ++e) shared.columns[warp][e * 32 + lane] = columns[e];
+      __syncthreads();  // every warp's column maxima, and its rows' maxima in rmax
+      float c_max[kEach];
+      for (unsigned e = 0; e < kEach; ++e) {
+        int32_t c = 0;
+        for (unsigned w = 0; w < kWarps; ++w) c = shared.columns[w][e * 32 + lane] > c ? shared.columns[w][e * 32 + lane] : c;
+        c_max[e] = kernels::float_of(static_cast<uint32_t>(c));
+        if (warp == 0) rmax[kRow + e * 32 + lane] = c_max[e];
+      }
+#pragma unroll
+      for (unsigned q = 0; q < kPieceRows / kWarps; ++q) {
+        const unsigned r = q * kWarps + warp;
+        const std::size_t at = lo + std::size_t(r) * kRow;
+        for (unsigned e = 0; e < kEach; ++e) {
+          const std::size_t i = at + e * 32 + lane;
+          const bool here = i < lo + len;
+          const float d = here ? kernels::q4::divisor(kernels::q4::min(rmax[r], c_max[e])) : 1.0f;
+          store_nibbles(s.code[1] + i / 2, here ? kernels::q4::nearest_pow2(later[r * kRow + e * 32 + lane] / d) : 0u, here);
+        }
+      }
+    }
+  };
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
 };
 
-// Lion on quantized states: a first-moment block of Coding::kBlock params per thread block.
-template <class Coding, class G, class P>
-__global__ void lion_quantized_kernel(std::size_t n, const typename Coding::States s,
-                                      const Master ms, const G* grad, P* out, const LionStep k) {
-  __shared__ int32_t shared[Coding::kBlock / 32 * 3];
-  const std::size_t b = blockIdx.x, i = b * Coding::kBlock + threadIdx.x;
-  const bool here = i < n;
-  float m = 0.0f;
-  if (here) {
-    const kernels::LionResult r = kernels::lion_element(
-        kernels::to_float(grad[i]) * k.grad_scale, ms.load(i, out), Coding::decode(s, i, b), k);
-    ms.store(i, r.p, out);
-    m = r.m;
+// One piece of quantized states per thread block (the scheme above): each row's params
+// decoded, updated by the rule's element, the new params stored, the row closed.
+template <class Format, class Element, class G, class P>
+__global__ void __launch_bounds__(Format::kWarps * 32) quantized_kernel(std::size_t n, const typename Format::States s,
+                                                                const Master ms, const G* grad, P* out,
+                                                                const Element el) {
+  constexpr unsigned kWarps = Format::kWarps, kEach = Format::kEach, kRows = Format::kPieceRows / kWarps;
+  constexpr bool two = Element::kMoments > 1;
+  __shared__ typename Format::Shared shared;
+  const std::size_t lo = blockIdx.x * std::size_t(Format::kRow) * Format::kPieceRows;
+  const std::size_t len = n - lo < std::size_t(Format::kRow) * Format::kPieceRows ? n - lo
+                                                                                  : std::size_t(Format::kRow) * Format::kPieceRows;
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  typename Format::Piece piece = Format::piece(s, lo, len);
+  extern __shared__ float later[];  // Format::kLaterBytes: values coded at the piece's end
+  for (unsigned q = 0; q < kRows; ++q) {
+    const unsigned r = q * kWarps + warp;
+    // Every load of the row before any store: the stores might alias them for the compiler,
+    // which then issues each element's loads only after the previous element's stores.
+    float m[kEach], v[kEach], g[kEach], p[kEach];
+    const std::size_t row = lo + std::size_t(r) * Format::kRow;
+#pragma unroll
+    for (unsigned e = 0; e < kEach; ++e) {
+      const std::size_t i = row + e * 32 + lane;
+      const bool here = i < lo + len;
+      m[e] = piece.first(i, r, e, here);
+      v[e] = two ? piece.second(i, r, e, here) : 0.0f;
+      g[e] = here ? kernels::to_float(grad[i]) * el.k.grad_scale : 0.0f;
+      p[e] = here ? ms.load(i, out) : 0.0f;
+    }
+#pragma unroll
+    for (unsigned e = 0; e < kEach; ++e) {
+      const std::size_t i = row + e * 32 + lane;
+      if (i < lo + len) ms.store(i, el.template apply<Format::kKeepsRoot>(g[e], p[e], m[e], v[e]), out);
+    }
+    piece.template close_row<two>(r, m, v, later);
   }
-  const float scale = Coding::scale_of(m, here, shared);
-  if (threadIdx.x == 0) s.scale[0][b] = scale;
-  Coding::encode(s, i, m, scale, here);
+  piece.template close<two>(shared, later);
 }
 
 unsigned blocks_for(std::size_t n, std::size_t per_block) {
@@ -297,6 +327,26 @@ unsigned grid_for(std::size_t n) {
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("CUDA update: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// The step's rule (Adam's two compile-time choices, or Lion) on quantized states.
+template <class Format, class G, class P>
+void launch_quantized(const kernels::Step& step, const typename Format::States& s, std::size_t n,
+                      const Master& ms, const G* grad, P* out, cudaStream_t stream) {
+  const unsigned blocks = blocks_for(n, std::size_t(Format::kRow) * Format::kPieceRows);
+  const auto run = [&](auto kernel, const auto& element) {
+    // Above 48 KiB of shared memory a block asks for it; once per kernel.
+    static const cudaError_t allowed = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Format::kLaterBytes));
+    check(allowed, "shared memory for the quantized kernel");
+    kernel<<<blocks, Format::kWarps * 32, Format::kLaterBytes, stream>>>(n, s, ms, grad, out, element);
+  };
+  if (step.rule == kernels::Rule::lion)
+    return run(quantized_kernel<Format, kernels::LionElement, G, P>, kernels::LionElement{step.lion});
+  kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
+    using Element = kernels::AdamElement<decltype(decoupled)::value, decltype(small)::value>;
+    run(quantized_kernel<Format, Element, G, P>, Element{step.adam});
+  });
 }
 
 template <class G, class P>
@@ -315,30 +365,10 @@ void launch(const kernels::Step& step, const store::StateLayout& layout, void* s
       fp32_kernel<G, P><<<grid_for(n), kThreads, 0, stream>>>(step, n, ms, arrays, grad, out);
       return;
     }
-    case store::Moments::int8: {
-      const Int8States s = layout.int8_at(states, n);
-      const unsigned blocks = blocks_for(n, kQuantBlock);
-      if (adam)
-        return kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
-          adam8_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
-              <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.adam);
-        });
-      lion_quantized_kernel<Lion8Coding, G, P>
-          <<<blocks, kQuantBlock, 0, stream>>>(n, s, ms, grad, out, step.lion);
-      return;
-    }
-    case store::Moments::int4: {
-      const Int4States s = layout.int4_at(states, n);
-      if (adam)
-        return kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
-          adam4_kernel<decltype(decoupled)::value, decltype(small)::value, G, P>
-              <<<blocks_for(n, kQuant4Tile), kQuant4Block * kTileRowsAtOnce, 0, stream>>>(
-                  n, s, ms, grad, out, step.adam);
-        });
-      lion_quantized_kernel<Lion4Coding, G, P>
-          <<<blocks_for(n, kQuant4Block), kQuant4Block, 0, stream>>>(n, s, ms, grad, out, step.lion);
-      return;
-    }
+    case store::Moments::int8:
+      return launch_quantized<Int8Rows>(step, layout.int8_at(states, n), n, ms, grad, out, stream);
+    case store::Moments::int4:
+      return launch_quantized<Int4Tiles>(step, layout.int4_at(states, n), n, ms, grad, out, stream);
   }
 }
 

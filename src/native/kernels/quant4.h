@@ -110,20 +110,19 @@ __attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest_pow2(float x)
   return b > 0x7f800000u ? 0u : static_cast<uint32_t>(clamped);
 }
 
-// kDynamicMid[7 ..] (0 < m), as float bits: non-negative floats order like their bits.
-inline constexpr uint32_t kDynamicMidBits[8] = {0x3b343958u, 0x3c9ba5e4u, 0x3d6147aeu, 0x3e147ae1u,
-                                                0x3ea66666u, 0x3f0ccccdu, 0x3f466666u, 0x3f71999au};
-
 // nearest(x, kDynamicMid) on |x| (equal for every float; csim_test checks): the map is
 // symmetric but for +1 (kDynamicMid[i] = -kDynamicMid[13 - i]), so the count is 7 plus the
 // positive midpoints below x, or 7 less those at or below |x| (|x| >= m is |x| > m less one
-// ulp: add the sign bit to |x|'s bits); NaN counts none.
+// ulp: add the sign bit to |x|'s bits); NaN counts none. The positive midpoints
+// kDynamicMid[7 ..] are written as float bits (non-negative floats order like their bits),
+// literals where an array would not be addressable in GPU code.
 __attribute__((always_inline)) SMARTINF_HD inline uint32_t nearest_dynamic(float x) {
   const uint32_t b = bits_of(x), negative = b >> 31, a = b & 0x7fffffffu, t = a + negative;
-  uint32_t below = 0;
-#pragma GCC unroll 7
-  for (int j = 0; j < 7; ++j) below += static_cast<uint32_t>(t > kDynamicMidBits[j]);
-  const uint32_t top = static_cast<uint32_t>(t > kDynamicMidBits[7]) & (negative ^ 1u);
+  const uint32_t below = static_cast<uint32_t>(t > 0x3b343958u) + static_cast<uint32_t>(t > 0x3c9ba5e4u) +
+                         static_cast<uint32_t>(t > 0x3d6147aeu) + static_cast<uint32_t>(t > 0x3e147ae1u) +
+                         static_cast<uint32_t>(t > 0x3ea66666u) + static_cast<uint32_t>(t > 0x3f0ccccdu) +
+                         static_cast<uint32_t>(t > 0x3f466666u);
+  const uint32_t top = static_cast<uint32_t>(t > 0x3f71999au) & (negative ^ 1u);
   const uint32_t c = negative ? 7u - below : 7u + below + top;
   return a > 0x7f800000u ? 0u : c;
 }

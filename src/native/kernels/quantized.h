@@ -19,14 +19,16 @@ template <class States> struct FormatOf;
 template <> struct FormatOf<Int8States> { using type = Int8Format; };
 template <> struct FormatOf<Int4States> { using type = Int4Format; };
 
-// A rule's element on quantized moments: its moment count, its step's scalars, and one
-// element updated in place (the second moment left as the format keeps it: v or its root).
+// A rule's element on quantized moments: its moment count, its step's scalars (a copy: the
+// GPU's kernels take it as an argument), and one element updated in place (the second
+// moment left as the format keeps it: v or its root). The CPU's update below and the GPU's
+// (device/cuda_update.cu) run these.
 template <bool Decoupled, bool SmallWeight>
 struct AdamElement {
   static constexpr unsigned kMoments = 2;
-  const AdamStep& k;
+  AdamStep k;
   template <bool KeepsRoot>
-  __attribute__((always_inline)) float apply(float g, float p, float& m, float& v) const {
+  __attribute__((always_inline)) SMARTINF_HD float apply(float g, float p, float& m, float& v) const {
     const AdamResult r = adam_element<Decoupled, SmallWeight>(g, p, m, v, k);
     m = r.m;
     v = KeepsRoot ? r.root : r.v;
@@ -36,9 +38,9 @@ struct AdamElement {
 
 struct LionElement {
   static constexpr unsigned kMoments = 1;
-  const LionStep& k;
+  LionStep k;
   template <bool KeepsRoot>
-  __attribute__((always_inline)) float apply(float g, float p, float& m, float&) const {
+  __attribute__((always_inline)) SMARTINF_HD float apply(float g, float p, float& m, float&) const {
     const LionResult r = lion_element(g, p, m, k);
     m = r.m;
     return r.p;
