@@ -158,6 +158,30 @@ size_t differing(const std::vector<T>& a, const std::vector<T>& b) {
   return d;
 }
 
+// The GPU's update of states `packed` (in `layout`) with the case's gradient: the states and
+// the params out (a split master's sent in first), as the host holds them after.
+struct GpuResult {
+  std::vector<char> states, out;
+};
+GpuResult update_on_gpu(const kernels::Step& step, const store::StateLayout& layout,
+                        const std::vector<char>& packed, const Inputs& in, DType grad, DType param,
+                        bool split, bool adopt, size_t n) {
+  const size_t psize = kernels::dtype_size(param);
+  char* dstates = to_device(packed);
+  void* dgrad = grad == DType::f32 ? static_cast<void*>(to_device(in.grad32))
+                                   : static_cast<void*>(to_device(in.grad16));
+  char* dout = nullptr;
+  check(cudaMalloc(&dout, n * psize));
+  if (split) check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
+  device::cuda::update(step, layout, dstates, n, grad, param, dgrad, dout, adopt, nullptr);
+  check(cudaDeviceSynchronize());
+  GpuResult r{to_host(dstates, packed.size()), to_host(dout, n * psize)};
+  cudaFree(dstates);
+  cudaFree(dgrad);
+  cudaFree(dout);
+  return r;
+}
+
 // One case on the host and on the GPU; the number of values whose bits differ.
 size_t run_case(const Case& c, DType grad, DType param, bool split, bool adopt, size_t n) {
   const Inputs in = make_inputs(c, grad, n, 1234u + unsigned(c.rule) * 7 + unsigned(grad));
@@ -195,28 +219,18 @@ size_t run_case(const Case& c, DType grad, DType param, bool split, bool adopt, 
   for (unsigned k = split ? 1 : 0; k < arrays; ++k)
     std::memcpy(layout.array(packed.data(), n, k), in.arrays[k].data(), n * 4);
   if (split) std::memcpy(layout.split_at(packed.data(), n).low, in.low.data(), n * 2);
-  char* dstates = to_device(packed);
-  void* dgrad = grad == DType::f32 ? static_cast<void*>(to_device(in.grad32))
-                                   : static_cast<void*>(to_device(in.grad16));
-  char* dout = nullptr;
-  check(cudaMalloc(&dout, n * psize));
-  if (split) check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
-  device::cuda::update(step, layout, dstates, n, grad, param, dgrad, dout, adopt, nullptr);
-  check(cudaDeviceSynchronize());
-  packed = to_host(dstates, packed.size());
+  const GpuResult gpu = update_on_gpu(step, layout, packed, in, grad, param, split, adopt, n);
+  packed = gpu.states;
   size_t diff = 0;
   for (unsigned k = split ? 1 : 0; k < arrays; ++k) {
     const float* got = layout.array(packed.data(), n, k);
     diff += differing(std::vector<float>(got, got + n), host[k]);
   }
-  diff += differing(to_host(dout, n * psize), host_out);
+  diff += differing(gpu.out, host_out);
   if (split) {
     const uint16_t* low = layout.split_at(packed.data(), n).low;
     diff += differing(std::vector<uint16_t>(low, low + n), host_low);
   }
-  cudaFree(dstates);
-  cudaFree(dgrad);
-  cudaFree(dout);
   return diff;
 }
 
@@ -260,19 +274,8 @@ size_t run_quantized_case(const Case& c, store::Moments moments, DType grad, DTy
     if (moments == store::Moments::int8) run(layout.int8_at(host.data(), n));
     else run(layout.int4_at(host.data(), n));
   });
-  char* dstates = to_device(packed);
-  void* dgrad = grad == DType::f32 ? static_cast<void*>(to_device(in.grad32))
-                                   : static_cast<void*>(to_device(in.grad16));
-  char* dout = nullptr;
-  check(cudaMalloc(&dout, n * psize));
-  if (split) check(cudaMemcpy(dout, in.params.data(), n * 2, cudaMemcpyHostToDevice));
-  device::cuda::update(step, layout, dstates, n, grad, param, dgrad, dout, adopt, nullptr);
-  check(cudaDeviceSynchronize());
-  const size_t diff = differing(to_host(dstates, packed.size()), host) + differing(to_host(dout, n * psize), host_out);
-  cudaFree(dstates);
-  cudaFree(dgrad);
-  cudaFree(dout);
-  return diff;
+  const GpuResult gpu = update_on_gpu(step, layout, packed, in, grad, param, split, adopt, n);
+  return differing(gpu.states, host) + differing(gpu.out, host_out);
 }
 
 }  // namespace
