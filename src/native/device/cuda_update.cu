@@ -329,7 +329,7 @@ void check(cudaError_t e, const char* what) {
     throw std::runtime_error(std::string("CUDA update: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// The step's rule (Adam's two compile-time choices, or Lion) on quantized states.
+// The step's rule on quantized states: its element (kernels::with_quantized_element).
 template <class Format, class G, class P>
 void launch_quantized(const kernels::Step& step, const typename Format::States& s, std::size_t n,
                       const Master& ms, const G* grad, P* out, cudaStream_t stream) {
@@ -341,24 +341,15 @@ void launch_quantized(const kernels::Step& step, const typename Format::States& 
     check(allowed, "shared memory for the quantized kernel");
     kernel<<<blocks, Format::kWarps * 32, Format::kLaterBytes, stream>>>(n, s, ms, grad, out, element);
   };
-  if (step.rule == kernels::Rule::lion)
-    return run(quantized_kernel<Format, kernels::LionElement, G, P>, kernels::LionElement{step.lion});
-  kernels::with_adam_choices(step.adam, [&](auto decoupled, auto small) {
-    using Element = kernels::AdamElement<decltype(decoupled)::value, decltype(small)::value>;
-    run(quantized_kernel<Format, Element, G, P>, Element{step.adam});
+  kernels::with_quantized_element(step, [&](const auto& element) {
+    run(quantized_kernel<Format, std::decay_t<decltype(element)>, G, P>, element);
   });
 }
 
 template <class G, class P>
 void launch(const kernels::Step& step, const store::StateLayout& layout, void* states,
             std::size_t n, const Master& ms, const G* grad, P* out, cudaStream_t stream) {
-  const bool adam = step.rule == kernels::Rule::adam || step.rule == kernels::Rule::adamw;
-  // Quantized moments: Adam's and Lion's kernels only (the rows marked int8/int4); any other
-  // rule is refused here, not run as one of them.
-  if (layout.moments != store::Moments::fp32 && !adam && step.rule != kernels::Rule::lion)
-    throw std::logic_error(std::string("the CUDA device has no quantized kernel for rule ") +
-                           kernels::rule_row(step.rule).name);
-  switch (layout.moments) {
+  switch (layout.moments) {  // quantized: the rules with_quantized_element has, others refused
     case store::Moments::fp32: {
       Arrays arrays{};
       for (unsigned a = 1; a < layout.arrays; ++a) arrays.at[a] = layout.array(states, n, a);

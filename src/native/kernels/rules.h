@@ -28,8 +28,8 @@ struct RuleRow {
   const char* name;  // in the manifest, and in smartinf/update_rules.py
   Rule rule;
   unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
-  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in run_rule_quantized
-  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in run_rule_quantized
+  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in with_quantized_element
+  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in with_quantized_element
   bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
   const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes (int8: "8" added)
 };
@@ -191,22 +191,33 @@ SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, 
   }
 }
 
-// The CPU kernel of the step's rule on quantized states (store/layout.h's Int8States or
-// Int4States; kernels/quantized.h) with masters `masters` (Fp32Masters over st.param, or
-// SplitMasters); only rows with `int8` (`int4`) have one (the pipeline refuses those
-// states for the others).
-template <class States, class G, class Masters>
-inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad,
-                               const Masters& masters) {
+// Calls f with the step's rule as its element on quantized moments (kernels/quantized.h:
+// AdamElement with Adam's two compile-time choices, LionElement), for the CPU's update and
+// the GPU's kernel alike; only rows with `int8` (`int4`) have one (the pipeline refuses
+// those states for the others), any other is refused here.
+template <class F>
+inline void with_quantized_element(const Step& s, F&& f) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:
-      return adam_quantized(n, st, grad, masters, s.adam);
+      return with_adam_choices(s.adam, [&](auto decoupled, auto small) {
+        f(AdamElement<decltype(decoupled)::value, decltype(small)::value>{s.adam});
+      });
     case Rule::lion:
-      return lion_quantized(n, st, grad, masters, s.lion);
+      return f(LionElement{s.lion});
     default:
       throw std::logic_error(std::string("no quantized kernel for ") + rule_row(s.rule).name);
   }
+}
+
+// The CPU kernel of the step's rule on quantized states (store/layout.h's Int8States or
+// Int4States) with masters `masters` (Fp32Masters over st.param, or SplitMasters).
+template <class States, class G, class Masters>
+inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad,
+                               const Masters& masters) {
+  with_quantized_element(s, [&](const auto& element) {
+    update_quantized<typename FormatOf<States>::type>(n, st, grad, masters, element);
+  });
 }
 
 }  // namespace smartinf::kernels
