@@ -196,14 +196,15 @@ struct Int4Tiles {
   struct Piece {
     const States s;
     const std::size_t lo, len;
-    float* const rmax;   // the tile's row maxima, then its column maxima
+    float* const rmax;   // the tile's row maxima, then its column maxima (null: one moment)
     float map;           // kDynamic at this lane (& 15): lanes read the map by shuffles
     float c_old[kEach];  // the old column maxima of this lane's columns
     int32_t columns[kEach] = {};
 
     __device__ Piece(const States& st, std::size_t l, std::size_t n)
-        : s(st), lo(l), len(n), rmax(st.scale[1] + l / kQuant4Tile * 2 * kRow), map(kDynamic.at[threadIdx.x % 16]) {
-      for (unsigned e = 0; e < kEach; ++e) c_old[e] = s.scale[1] ? rmax[kRow + e * 32 + threadIdx.x % 32] : 0.0f;
+        : s(st), lo(l), len(n), rmax(st.scale[1] ? st.scale[1] + l / kQuant4Tile * 2 * kRow : nullptr),
+          map(kDynamic.at[threadIdx.x % 16]) {
+      for (unsigned e = 0; e < kEach; ++e) c_old[e] = rmax ? rmax[kRow + e * 32 + threadIdx.x % 32] : 0.0f;
     }
     // Every lane calls it (the map is read by a shuffle); 0 where it has no param.
     __device__ float first(std::size_t i, unsigned r, unsigned, bool here) const {
