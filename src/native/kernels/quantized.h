@@ -1,9 +1,11 @@
 // The update on quantized moments, written once for every format (kernels/quant8.h's
 // Int8Format, kernels/quant4.h's Int4Format) and every rule whose row allows them
-// (kernels/rules.h), for the CPU device and HLS. A piece at a time: the format decodes the
-// moments into fp32, the rule's own element (adam.h, lion.h) updates param and moments in
-// fp32 as on fp32 states, the format codes the new moments (finding their scales). Each
-// loop is plain and vectorises; a format is its decode, its encode and its piece.
+// (kernels/rules.h), for the CPU device and HLS (the GPU's kernel runs the same elements,
+// device/cuda_update.cu). A piece at a time the format decodes the moments into fp32; row
+// by row the rule's own element (adam.h, lion.h) updates param and moments in fp32 as on
+// fp32 states, the row's maxima are found in that loop, and the format codes the row. Each
+// loop is plain and vectorises; a format is its decode, its row (maxima) and its piece
+// (coding), a rule its element, the masters a policy (Fp32Masters, SplitMasters).
 #pragma once
 #include <cstddef>
 
@@ -97,6 +99,8 @@ inline void update_quantized(std::size_t n, const typename Format::States& s, co
   }
 }
 
+// Each rule's entry, for the HLS tops (compiled per rule, hls_kernels/update.h); the devices
+// take the rule's element from kernels/rules.h's with_quantized_element.
 template <class States, class G, class Masters>
 inline void adam_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
                            const AdamStep& k) {
