@@ -17,8 +17,12 @@
 # durable commit is among them; 21 or more gives deepspeed_report's model comparison the
 # whole second commit interval); MODEL, BATCH, SEQ: the model and batch (default gpt2-xl,
 # 8, 1024); CLIP: gradient clipping (default 1.0; 0 turns it off, in every mode: a step
-# after a clipped one starts no update during backward). The runs' output goes to $OUT/run.log (what comes back from the machine is
-# limited in files).
+# after a clipped one starts no update during backward); EXTRA: flags added to every mode
+# (e.g. "--zero-init --checkpoint-activations" for the large shapes); LIMIT: seconds a mode
+# may run before it is stopped (default none: the peers at sizes they cannot hold). The
+# runs' output goes to $OUT/run.log (what comes back from the machine is limited in files),
+# and each mode's host memory and disk in use, every 5 s, to $OUT/<mode>-g<GPUS>.mem
+# (seconds, MiB used by processes, MiB used on STATES' file system).
 set -u
 OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}; GPUS=${GPUS:-1}
 if [ "$GPUS" -gt 1 ]; then
@@ -28,7 +32,7 @@ else
   LAUNCH="--nproc_per_node=1"
 fi
 mkdir -p "$OUT" "$STATES"
-COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --clip ${CLIP:-1.0} --if-exists overwrite"
+COMMON="--model ${MODEL:-gpt2-xl} --dtype bf16 --batch ${BATCH:-8} --seq ${SEQ:-1024} --clip ${CLIP:-1.0} --if-exists overwrite ${EXTRA:-}"
 INT8_STATES=9400000000   # 1.56 B params x 6.03 B
 FP32_STATES=18700000000  # 1.56 B params x 12 B
 
@@ -91,9 +95,16 @@ for mode in "$@"; do
   run=$mode-g$GPUS
   start=$(date +%s)
   rm -rf "${STATES:?}/$run"
-  python3 -m torch.distributed.run $LAUNCH examples/deepspeed/train.py $f $COMMON \
-      --steps "$steps" --dir "$STATES/$run" --json "$OUT/$run.json" > "$STATES/$run.log" 2>&1
+  while :; do
+    echo "$(( $(date +%s) - start )) $(free -m | awk '/^Mem:/ {print $3}') $(df -m --output=used "$STATES" | tail -1)"
+    sleep 5
+  done > "$OUT/$run.mem" &
+  sampler=$!
+  timeout --kill-after=30 "${LIMIT:-0}" python3 -m torch.distributed.run $LAUNCH examples/deepspeed/train.py \
+      $f $COMMON --steps "$steps" --dir "$STATES/$run" --json "$OUT/$run.json" > "$STATES/$run.log" 2>&1
   rc=$?
+  kill $sampler
+  [ $rc = 124 ] && echo "stopped after LIMIT=$LIMIT s" >> "$STATES/$run.log"
   { echo "== $run: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$run.log"; } >> "$OUT/run.log"
   echo "== $run: rc $rc, $(( $(date +%s) - start )) s"
   grep -aE "^step " "$STATES/$run.log"
