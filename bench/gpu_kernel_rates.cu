@@ -17,7 +17,8 @@ int main() {
   for (size_t i = 0; i < n; ++i) g[i] = kernels::from_float<kernels::bf16>(1e-3f * (float(i % 251) - 125.5f) / 125.5f).bits;
   void *dg, *dout; cudaMalloc(&dg, n * 2); cudaMalloc(&dout, n * 2);
   cudaMemcpy(dg, g.data(), n * 2, cudaMemcpyHostToDevice);
-  for (auto mo : {store::Moments::fp32, store::Moments::int8, store::Moments::int4}) {
+  for (unsigned f = 0; f < store::kMomentsCount; ++f) {
+    const auto mo = static_cast<store::Moments>(f);
     store::StateLayout layout; layout.arrays = 3; layout.moments = mo;
     std::vector<void*> st(chunks);
     for (auto& p : st) { cudaMalloc(&p, layout.bytes(n)); cudaMemset(p, 0, layout.bytes(n)); }
@@ -31,7 +32,7 @@ int main() {
       float ms; cudaEventElapsedTime(&ms, a, b);
       if (t > 2 && ms < best) best = ms;
     }
-    std::printf("%s %.1f G params/s\n", mo == store::Moments::fp32 ? "fp32" : mo == store::Moments::int8 ? "int8" : "int4", n * chunks / (best * 1e-3) / 1e9);
+    std::printf("%s %.1f G params/s\n", store::kMomentsNames[f], n * chunks / (best * 1e-3) / 1e9);
     for (auto p : st) cudaFree(p);
   }
   std::printf("err: %s\n", cudaGetErrorString(cudaGetLastError()));

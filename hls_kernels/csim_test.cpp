@@ -194,7 +194,7 @@ struct Int8Case {
     ref = store::int8_states(buf.data(), n, moments);
     const float* from[3] = {states[0].data(), states[1].data(), m > 1 ? states[2].data() : nullptr};
     const float fill[3] = {0.0f, 0.0f, 0.0f};
-    k::import_int8(ref, n, moments, from, fill);
+    k::import_quantized(ref, n, moments, from, fill);
   }
   std::vector<float> param() const { return {ref.param, ref.param + n}; }
   std::vector<uint8_t> codes(unsigned k) const { return {ref.code[k], ref.code[k] + n}; }
@@ -214,7 +214,7 @@ struct Int4Case {
     ref = store::int4_moments_at(buf.data() + n, reinterpret_cast<float*>(buf.data()), n, moments);
     const float* from[3] = {states[0].data(), states[1].data(), m > 1 ? states[2].data() : nullptr};
     const float fill[3] = {0.0f, 0.0f, 0.0f};
-    k::import_int4(ref, n, moments, from, fill);
+    k::import_quantized(ref, n, moments, from, fill);
   }
   std::vector<float> param() const { return {ref.param, ref.param + n}; }
   std::vector<uint8_t> codes(unsigned k) const { return {ref.code[k], ref.code[k] + (n + 1) / 2}; }

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import smartinf
-from smartinf import model, model_cli
+from smartinf import _native, model, model_cli, settings
 
 
 def test_table_one_traffic_per_param():
@@ -106,6 +106,14 @@ def test_int8_states_halve_the_storage_traffic():
     assert fp32["smartupdate"]["step_s"] / int8["smartupdate"]["step_s"] == pytest.approx(12 / 6.03125)
     with pytest.raises(ValueError, match="state_dtype"):
         model.state_bytes_per_param("int2")
+
+
+def test_the_moments_formats_are_the_layouts_list():
+    """state_dtype's values are store/layout.h's one list of formats; a name not in it is
+    refused by the layout itself, with the list."""
+    assert settings.STATE_DTYPES == _native.moments_names() == ("fp32", "int8", "int4")
+    with pytest.raises(ValueError, match="state_dtype must be one of fp32, int8, int4, got 'int2'"):
+        _native.state_bytes("int2", "fp32", 1000)
 
 
 def test_split_masters_and_int4_moments_in_bytes_per_param():

@@ -59,9 +59,10 @@ cdef extern from "store/manifest.h" namespace "smartinf::store":
 
 cdef extern from "store/layout.h" namespace "smartinf::store":
     cdef enum class Moments(uint8_t):
-        fp32 "smartinf::store::Moments::fp32"
-        int8 "smartinf::store::Moments::int8"
-        int4 "smartinf::store::Moments::int4"
+        pass
+    const char* kMomentsNames[]
+    const unsigned kMomentsCount
+    cbool moments_named(const char*, Moments*)
 
     cdef enum class Master(uint8_t):
         fp32 "smartinf::store::Master::fp32"
@@ -237,10 +238,17 @@ def checksum(uintptr_t address, size_t nbytes) -> int:
     return h
 
 
+def moments_names() -> tuple:
+    """The moments formats' names (store/layout.h's list): ``state_dtype``'s values."""
+    return tuple(kMomentsNames[i].decode() for i in range(kMomentsCount))
+
+
 cdef StateLayout adam_layout(str state_dtype, str master):
     cdef StateLayout layout
     layout.arrays = 3
-    layout.moments = {"fp32": Moments.fp32, "int8": Moments.int8, "int4": Moments.int4}[state_dtype]
+    cdef bytes name = state_dtype.encode()
+    if not moments_named(name, &layout.moments):
+        raise ValueError(f"state_dtype must be one of {', '.join(moments_names())}, got {state_dtype!r}")
     layout.master = {"fp32": Master.fp32, "split": Master.split}[master]
     return layout
 

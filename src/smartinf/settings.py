@@ -10,10 +10,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Optional
 
-from . import defaults
+from . import _native, defaults
 from .devices import positive_gbps
 
-STATE_DTYPES = ("fp32", "int8", "int4")
+STATE_DTYPES = _native.moments_names()  # store/layout.h's list of moments formats
 MASTERS = ("fp32", "split")
 IF_EXISTS = ("resume", "overwrite", "error")
 

@@ -205,7 +205,7 @@ class Adamax:
 
 
 # The Python side of src/native/kernels/rules.h: the rules by their manifest names. Which
-# rules take int8 states is decided there only (a row's `int8`); the pipeline refuses others.
+# rules take quantized states is decided there only (a row's `quantized`); the pipeline refuses others.
 # Everything else that names the rules (the exports, messages, the DeepSpeed block's checks)
 # reads this table.
 RULES = {"adam": Adam, "adamw": AdamW, "adam_amsgrad": Adam, "adamw_amsgrad": AdamW,

@@ -248,10 +248,9 @@ size_t run_quantized_case(const Case& c, store::Moments moments, DType grad, DTy
   const float* from[3] = {in.arrays[0].data(), in.arrays[1].data(),
                           layout.arrays > 2 ? in.arrays[2].data() : nullptr};
   const float fill[3] = {};
-  if (moments == store::Moments::int8)
-    kernels::import_int8(layout.int8_at(packed.data(), n), n, layout.arrays - 1, from, fill);
-  else
-    kernels::import_int4(layout.int4_at(packed.data(), n), n, layout.arrays - 1, from, fill);
+  store::with_quantized(moments, [&](auto m) {
+    kernels::import_quantized(layout.quantized_at<m.value>(packed.data(), n), n, layout.arrays - 1, from, fill);
+  });
   if (split) std::memcpy(layout.split_at(packed.data(), n).low, in.low.data(), n * 2);
   const size_t psize = kernels::dtype_size(param);
   std::vector<char> host = packed, host_out(n * psize);
@@ -271,8 +270,7 @@ size_t run_quantized_case(const Case& c, store::Moments moments, DType grad, DTy
         kernels::run_rule_quantized(step, n, states, gp, kernels::SplitMasters<false>{op, low});
       }
     };
-    if (moments == store::Moments::int8) run(layout.int8_at(host.data(), n));
-    else run(layout.int4_at(host.data(), n));
+    store::with_quantized(moments, [&](auto m) { run(layout.quantized_at<m.value>(host.data(), n)); });
   });
   const GpuResult gpu = update_on_gpu(step, layout, packed, in, grad, param, split, adopt, n);
   return differing(gpu.states, host) + differing(gpu.out, host_out);
@@ -305,8 +303,9 @@ int main() {
       }
     }
   }
-  for (store::Moments moments : {store::Moments::int8, store::Moments::int4}) {
-    const char* format = moments == store::Moments::int8 ? "int8" : "int4";
+  for (unsigned f = 1; f < store::kMomentsCount; ++f) {  // every quantized format
+    const auto moments = static_cast<store::Moments>(f);
+    const char* format = store::kMomentsNames[f];
     for (const Case& c : cases()) {
       if (!kernels::row_allows(kernels::rule_row(c.rule), moments)) continue;
       for (DType grad : {DType::f32, DType::bf16, DType::f16}) {

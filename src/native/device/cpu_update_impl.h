@@ -22,10 +22,7 @@ namespace smartinf::device {
 template <store::Moments M, class G, class Masters>
 void run_quantized(const Kernel& k, const store::StateLayout& layout, void* states, size_t numel,
                    size_t lo, size_t n, const G* grad, const Masters& masters) {
-  if constexpr (M == store::Moments::int8)
-    kernels::run_rule_quantized(k.step, n, layout.int8_at(states, numel).from(lo), grad, masters);
-  else
-    kernels::run_rule_quantized(k.step, n, layout.int4_at(states, numel).from(lo), grad, masters);
+  kernels::run_rule_quantized(k.step, n, layout.quantized_at<M>(states, numel).from(lo), grad, masters);
 }
 
 template <store::Moments M, class G, class P>

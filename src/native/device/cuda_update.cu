@@ -276,6 +276,10 @@ struct Int4Tiles {
   __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
 };
 
+// Each quantized format's GPU piece, by its states.
+Int8Rows gpu_format_of(const Int8States&);
+Int4Tiles gpu_format_of(const Int4States&);
+
 // One piece of quantized states per thread block (the scheme above): each row's params
 // decoded, updated by the rule's element, the new params stored, the row closed.
 template <class Format, class Element, class G, class P>
@@ -350,18 +354,15 @@ void launch_quantized(const kernels::Step& step, const typename Format::States& 
 template <class G, class P>
 void launch(const kernels::Step& step, const store::StateLayout& layout, void* states,
             std::size_t n, const Master& ms, const G* grad, P* out, cudaStream_t stream) {
-  switch (layout.moments) {  // quantized: the rules with_quantized_element has, others refused
-    case store::Moments::fp32: {
-      Arrays arrays{};
-      for (unsigned a = 1; a < layout.arrays; ++a) arrays.at[a] = layout.array(states, n, a);
-      fp32_kernel<G, P><<<grid_for(n), kThreads, 0, stream>>>(step, n, ms, arrays, grad, out);
-      return;
-    }
-    case store::Moments::int8:
-      return launch_quantized<Int8Rows>(step, layout.int8_at(states, n), n, ms, grad, out, stream);
-    case store::Moments::int4:
-      return launch_quantized<Int4Tiles>(step, layout.int4_at(states, n), n, ms, grad, out, stream);
-  }
+  // quantized: the rules with_quantized_element has, others refused
+  if (store::with_quantized(layout.moments, [&](auto m) {
+        const auto s = layout.quantized_at<m.value>(states, n);
+        launch_quantized<decltype(gpu_format_of(s))>(step, s, n, ms, grad, out, stream);
+      }))
+    return;
+  Arrays arrays{};
+  for (unsigned a = 1; a < layout.arrays; ++a) arrays.at[a] = layout.array(states, n, a);
+  fp32_kernel<G, P><<<grid_for(n), kThreads, 0, stream>>>(step, n, ms, arrays, grad, out);
 }
 
 }  // namespace

@@ -58,14 +58,11 @@ inline void import_split_master(const store::SplitMaster& s, const float* from, 
 inline void import_host_states(void* states, const store::StateLayout& layout,
                                const float* const* from, const float* fill, size_t numel) {
   if (layout.split()) import_split_master(layout.split_at(states, numel), from[0], fill[0], numel);
-  switch (layout.moments) {
-    case store::Moments::int8:
-      return kernels::import_int8(layout.int8_at(states, numel), numel, layout.moment_count(), from, fill);
-    case store::Moments::int4:
-      return kernels::import_int4(layout.int4_at(states, numel), numel, layout.moment_count(), from, fill);
-    case store::Moments::fp32:
-      break;
-  }
+  if (store::with_quantized(layout.moments, [&](auto m) {
+        kernels::import_quantized(layout.quantized_at<m.value>(states, numel), numel, layout.moment_count(),
+                                  from, fill);
+      }))
+    return;
   for (unsigned a = layout.split() ? 1 : 0; a < layout.arrays; ++a) {
     float* to = layout.array(states, numel, a);
     if (from[a])
@@ -82,14 +79,10 @@ inline void export_host_states(void* states, const store::StateLayout& layout,
     if (!params) throw std::logic_error("a split master is exported with its params");
     kernels::rebuild_masters(numel, params, layout.split_at(states, numel).low, adopt, to[0]);
   }
-  switch (layout.moments) {
-    case store::Moments::int8:
-      return kernels::export_int8(layout.int8_at(states, numel), numel, layout.moment_count(), to);
-    case store::Moments::int4:
-      return kernels::export_int4(layout.int4_at(states, numel), numel, layout.moment_count(), to);
-    case store::Moments::fp32:
-      break;
-  }
+  if (store::with_quantized(layout.moments, [&](auto m) {
+        kernels::export_quantized(layout.quantized_at<m.value>(states, numel), numel, layout.moment_count(), to);
+      }))
+    return;
   for (unsigned a = layout.split() ? 1 : 0; a < layout.arrays; ++a)
     if (to[a]) std::memcpy(to[a], layout.array(states, numel, a), numel * 4);
 }

@@ -366,11 +366,13 @@ struct Int4Format {
   };
 };
 
+Int4Format format_of(const Int4States&);  // kernels/quantized.h's FormatOf
+
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int4
 // states (the fp32 param skipped when the states hold none: a split master). The second
 // moment is Adam's exp_avg_sq itself.
-inline void import_int4(const Int4States& s, std::size_t n, unsigned moments,
-                        const float* const* from, const float* fill) {
+inline void import_quantized(const Int4States& s, std::size_t n, unsigned moments,
+                             const float* const* from, const float* fill) {
   constexpr std::size_t B = kQuant4Block;
   float x[kQuant4Tile];
   for (std::size_t t = 0; t * kQuant4Tile < n; ++t) {
@@ -392,7 +394,7 @@ inline void import_int4(const Int4States& s, std::size_t n, unsigned moments,
 
 // int4 states -> fp32 arrays (the second moment as exp_avg_sq); a null array, and the param
 // when the states hold none (a split master), is skipped.
-inline void export_int4(const Int4States& s, std::size_t n, unsigned moments, float* const* to) {
+inline void export_quantized(const Int4States& s, std::size_t n, unsigned moments, float* const* to) {
   constexpr std::size_t B = kQuant4Block;
   for (std::size_t lo = 0; lo < n; lo += B) {
     const std::size_t len = n - lo < B ? n - lo : B;

@@ -180,11 +180,12 @@ struct Int8Format {
     void close(const States&, unsigned, std::size_t, std::size_t, const float*) const {}
   };
 };
+Int8Format format_of(const Int8States&);  // kernels/quantized.h's FormatOf
 
 // A rule's fp32 arrays (param, then its `moments` states; a null one is `fill`) -> int8
 // states (the fp32 param skipped when the states hold none: a split master). A second moment (exp_avg_sq) is coded as its root.
-inline void import_int8(const Int8States& s, std::size_t n, unsigned moments,
-                        const float* const* from, const float* fill) {
+inline void import_quantized(const Int8States& s, std::size_t n, unsigned moments,
+                             const float* const* from, const float* fill) {
   float x[kQuantBlock];
   for (std::size_t b = 0; b * kQuantBlock < n; ++b) {
     const std::size_t lo = b * kQuantBlock, len = n - lo < kQuantBlock ? n - lo : kQuantBlock;
@@ -201,7 +202,7 @@ inline void import_int8(const Int8States& s, std::size_t n, unsigned moments,
 
 // int8 states -> fp32 arrays (a second moment as the square of the decoded root); a null
 // array, and the param when the states hold none (a split master), is skipped.
-inline void export_int8(const Int8States& s, std::size_t n, unsigned moments, float* const* to) {
+inline void export_quantized(const Int8States& s, std::size_t n, unsigned moments, float* const* to) {
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t b = i / kQuantBlock;
     if (to[0] && s.param) to[0][i] = s.param[i];

@@ -8,6 +8,7 @@
 // (coding), a rule its element, the masters a policy (Fp32Masters, SplitMasters).
 #pragma once
 #include <cstddef>
+#include <utility>
 
 #include "kernels/adam.h"
 #include "kernels/lion.h"
@@ -17,9 +18,9 @@
 
 namespace smartinf::kernels {
 
-template <class States> struct FormatOf;
-template <> struct FormatOf<Int8States> { using type = Int8Format; };
-template <> struct FormatOf<Int4States> { using type = Int4Format; };
+// A states type's format: each format's header declares its format_of.
+template <class States>
+using FormatOf = decltype(format_of(std::declval<States>()));
 
 // A rule's element on quantized moments: its moment count, its step's scalars (a copy: the
 // GPU's kernels take it as an argument), and one element updated in place (the second
@@ -105,7 +106,7 @@ template <class States, class G, class Masters>
 inline void adam_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
                            const AdamStep& k) {
   with_adam_choices(k, [&](auto decoupled, auto small) {
-    update_quantized<typename FormatOf<States>::type>(
+    update_quantized<FormatOf<States>>(
         n, s, grad, masters, AdamElement<decltype(decoupled)::value, decltype(small)::value>{k});
   });
 }
@@ -113,7 +114,7 @@ inline void adam_quantized(std::size_t n, const States& s, const G* grad, const 
 template <class States, class G, class Masters>
 inline void lion_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
                            const LionStep& k) {
-  update_quantized<typename FormatOf<States>::type>(n, s, grad, masters, LionElement{k});
+  update_quantized<FormatOf<States>>(n, s, grad, masters, LionElement{k});
 }
 
 }  // namespace smartinf::kernels

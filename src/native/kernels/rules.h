@@ -1,11 +1,11 @@
 // The update rules, one row each. Everything that depends on which rule runs (its name in
-// the manifest, its state arrays, whether 8-bit states apply, its kernel scalars, its CPU
-// kernels on fp32 and int8 states, its HLS top function) is read from here: nothing else
+// the manifest, its state arrays, whether quantized states apply, its kernel scalars, its CPU
+// kernels on fp32 and quantized states, its HLS top function) is read from here: nothing else
 // switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
 // cases and RuleKernel below, its HLS top's line (hls_kernels/kernels.cpp, Makefile,
 // smartssd.cfg), and its Python class (smartinf/update_rules.py, smartinf/optim.py);
-// quantized states for it: its element in kernels/quantized.h (one for int8 and int4),
-// `int8` / `int4` in its row, its case in run_rule_quantized, its HLS top.
+// quantized states for it: its element in kernels/quantized.h (one for every format),
+// `quantized` in its row, its case in with_quantized_element, its HLS top.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -28,30 +28,29 @@ struct RuleRow {
   const char* name;  // in the manifest, and in smartinf/update_rules.py
   Rule rule;
   unsigned arrays;   // fp32 arrays per param on storage: the master, then the states
-  bool int8;         // its states may be 8-bit moments (kernels/quant8.h): a case in with_quantized_element
-  bool int4;         // its states may be 4-bit moments (kernels/quant4.h): a case in with_quantized_element
+  bool quantized;    // its moments may be any quantized format (store/layout.h's list): a case in with_quantized_element
   bool betas;        // reads beta1/beta2 (recorded in the manifest with lr, weight_decay)
   const char* hls;   // hls_kernels/ top function, before _<grad>_<param> dtypes (int8: "8" added)
 };
 
 inline constexpr RuleRow kRules[] = {
-    {"adam", Rule::adam, 3, true, true, true, "smartinf_adam"},
-    {"adamw", Rule::adamw, 3, true, true, true, "smartinf_adam"},
-    {"adam_amsgrad", Rule::adam_amsgrad, 4, false, false, true, "smartinf_amsgrad"},
-    {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, false, true, "smartinf_amsgrad"},
-    {"sgd", Rule::sgd, 2, false, false, false, "smartinf_sgd"},
-    {"adagrad", Rule::adagrad, 2, false, false, false, "smartinf_adagrad"},
-    {"lion", Rule::lion, 2, true, true, true, "smartinf_lion"},
-    {"adamax", Rule::adamax, 3, false, false, true, "smartinf_adamax"},
+    {"adam", Rule::adam, 3, true, true, "smartinf_adam"},
+    {"adamw", Rule::adamw, 3, true, true, "smartinf_adam"},
+    {"adam_amsgrad", Rule::adam_amsgrad, 4, false, true, "smartinf_amsgrad"},
+    {"adamw_amsgrad", Rule::adamw_amsgrad, 4, false, true, "smartinf_amsgrad"},
+    {"sgd", Rule::sgd, 2, false, false, "smartinf_sgd"},
+    {"adagrad", Rule::adagrad, 2, false, false, "smartinf_adagrad"},
+    {"lion", Rule::lion, 2, true, true, "smartinf_lion"},
+    {"adamax", Rule::adamax, 3, false, true, "smartinf_adamax"},
 };
 inline constexpr unsigned kMaxStateArrays = 4;
 
-constexpr bool int8_rows_fit_the_layout() {
+constexpr bool quantized_rows_fit_the_layout() {
   for (const RuleRow& row : kRules)
-    if ((row.int8 || row.int4) && row.arrays - 1 > store::kMaxInt8Moments) return false;
+    if (row.quantized && row.arrays - 1 > store::kMaxInt8Moments) return false;
   return true;
 }
-static_assert(int8_rows_fit_the_layout(), "an int8 row keeps at most kMaxInt8Moments moments");
+static_assert(quantized_rows_fit_the_layout(), "a quantized row keeps at most kMaxInt8Moments moments");
 
 constexpr bool rows_in_enum_order() {
   for (std::size_t i = 0; i < sizeof kRules / sizeof kRules[0]; ++i)
@@ -71,11 +70,9 @@ inline const RuleRow& rule_row(const std::string& name) {
   throw std::invalid_argument("unknown optimizer '" + name + "' (expected one of " + known + ")");
 }
 
-// Whether a row allows moments of `dtype` ("fp32", "int8", "int4").
+// Whether a row allows moments of format `moments`.
 inline bool row_allows(const RuleRow& row, store::Moments moments) {
-  return moments == store::Moments::int8   ? row.int8
-         : moments == store::Moments::int4 ? row.int4
-                                           : true;
+  return moments == store::Moments::fp32 || row.quantized;
 }
 
 // The rules whose row allows those moments, for messages: "adam, adamw, lion".
@@ -193,7 +190,7 @@ SMARTINF_HD inline void run_rule(const Step& s, std::size_t n, float* const* a, 
 
 // Calls f with the step's rule as its element on quantized moments (kernels/quantized.h:
 // AdamElement with Adam's two compile-time choices, LionElement), for the CPU's update and
-// the GPU's kernel alike; only rows with `int8` (`int4`) have one (the pipeline refuses
+// the GPU's kernel alike; only rows with `quantized` have one (the pipeline refuses
 // those states for the others), any other is refused here.
 template <class F>
 inline void with_quantized_element(const Step& s, F&& f) {
@@ -216,7 +213,7 @@ template <class States, class G, class Masters>
 inline void run_rule_quantized(const Step& s, std::size_t n, const States& st, const G* grad,
                                const Masters& masters) {
   with_quantized_element(s, [&](const auto& element) {
-    update_quantized<typename FormatOf<States>::type>(n, st, grad, masters, element);
+    update_quantized<FormatOf<States>>(n, st, grad, masters, element);
   });
 }
 

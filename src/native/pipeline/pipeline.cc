@@ -75,9 +75,14 @@ Pipeline::Pipeline(const PipelineOptions& options)
   if (options.slots > kMaxSlots)
     throw std::invalid_argument("slots must be between 1 and " + std::to_string(kMaxSlots) +
                                 " (0: auto), got " + std::to_string(options.slots));
-  if (options.state_dtype != "fp32" && options.state_dtype != "int8" && options.state_dtype != "int4")
-    throw std::invalid_argument("state_dtype must be 'fp32', 'int8' or 'int4', got '" +
-                                options.state_dtype + "'");
+  store::Moments moments;
+  if (!store::moments_named(options.state_dtype.c_str(), &moments)) {
+    std::string names;
+    for (unsigned i = 0; i < store::kMomentsCount; ++i)
+      names += std::string(i == 0 ? "'" : i + 1 < store::kMomentsCount ? ", '" : " or '") +
+               store::kMomentsNames[i] + "'";
+    throw std::invalid_argument("state_dtype must be " + names + ", got '" + options.state_dtype + "'");
+  }
   if (options.master != "fp32" && options.master != "split")
     throw std::invalid_argument("master must be 'fp32' or 'split', got '" + options.master + "'");
   if (options.commit_every == 0 || options.commit_every > kMaxCommitEvery)
@@ -85,10 +90,7 @@ Pipeline::Pipeline(const PipelineOptions& options)
                                 std::to_string(kMaxCommitEvery) + ", got " +
                                 std::to_string(options.commit_every));
   const store::StateLayout layout{
-      state_arrays(),
-      options.state_dtype == "int8"   ? store::Moments::int8
-      : options.state_dtype == "int4" ? store::Moments::int4
-                                      : store::Moments::fp32,
+      state_arrays(), moments,
       options.master == "split" ? store::Master::split : store::Master::fp32};
   layout_ = layout;
   if (!kernels::row_allows(kernels::rule_row(rule_), layout.moments))

@@ -15,6 +15,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace smartinf::store {
 
@@ -24,7 +26,31 @@ inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign
 inline uint64_t align4(uint64_t n) { return (n + 3) / 4 * 4; }
 
 enum class Master : uint8_t { fp32, split };
-enum class Moments : uint8_t { fp32, int8, int4 };
+
+// The moments formats (a pipeline's state_dtype): fp32, then each quantized one as
+// X(name, coding), its coding below with its name##_moment_bytes and name##_moments_at, its
+// kernels in kernels/<name>.h's format. The one list of them: the enum, the names, the bytes,
+// every device's dispatch (with_quantized) and the host's update units (CMakeLists.txt) follow it.
+#define SMARTINF_QUANTIZED_MOMENTS(X) X(int8, Int8Coding) X(int4, Int4Coding)
+
+#define SMARTINF_MOMENTS_ENUM(name, coding) name,
+enum class Moments : uint8_t { fp32, SMARTINF_QUANTIZED_MOMENTS(SMARTINF_MOMENTS_ENUM) };
+#undef SMARTINF_MOMENTS_ENUM
+
+#define SMARTINF_MOMENTS_NAME(name, coding) #name,
+inline constexpr const char* kMomentsNames[] = {"fp32", SMARTINF_QUANTIZED_MOMENTS(SMARTINF_MOMENTS_NAME)};
+#undef SMARTINF_MOMENTS_NAME
+inline constexpr unsigned kMomentsCount = sizeof kMomentsNames / sizeof kMomentsNames[0];
+
+// The format named `name` into *m; false where none is.
+inline bool moments_named(const char* name, Moments* m) {
+  for (unsigned i = 0; i < kMomentsCount; ++i)
+    if (std::strcmp(name, kMomentsNames[i]) == 0) {
+      *m = static_cast<Moments>(i);
+      return true;
+    }
+  return false;
+}
 
 // int8 states: each moment's values are coded in blocks of kQuantBlock params, one fp32
 // scale per block; blocks restart at every chunk.
@@ -126,6 +152,33 @@ inline Int4States int4_moments_at(void* base, float* param, std::size_t n, unsig
   return s;
 }
 
+// Each quantized format's coding, bytes and states (QuantizedStates<M>), from the list.
+template <Moments M> struct MomentsFormat;
+#define SMARTINF_MOMENTS_FORMAT(name, coding)                                                  \
+  template <> struct MomentsFormat<Moments::name> {                                            \
+    using States = QuantStates<coding>;                                                        \
+    static std::size_t bytes(std::size_t n, unsigned moments) { return name##_moment_bytes(n, moments); } \
+    static States at(void* base, float* param, std::size_t n, unsigned moments) {             \
+      return name##_moments_at(base, param, n, moments);                                       \
+    }                                                                                          \
+  };
+SMARTINF_QUANTIZED_MOMENTS(SMARTINF_MOMENTS_FORMAT)
+#undef SMARTINF_MOMENTS_FORMAT
+template <Moments M> using QuantizedStates = typename MomentsFormat<M>::States;
+
+// f(std::integral_constant<Moments, m>{}) where m is a quantized format (true); nothing for
+// fp32 moments (false): every device's dispatch over the formats.
+template <class F>
+inline bool with_quantized(Moments m, F&& f) {
+  switch (m) {
+#define SMARTINF_MOMENTS_CASE(name, coding) \
+  case Moments::name: f(std::integral_constant<Moments, Moments::name>{}); return true;
+    SMARTINF_QUANTIZED_MOMENTS(SMARTINF_MOMENTS_CASE)
+#undef SMARTINF_MOMENTS_CASE
+    default: return false;
+  }
+}
+
 // A split master: the low 16 bits of each fp32 master, and the checksum of the bf16 params
 // (the high halves) the device emitted with them.
 struct SplitMaster {
@@ -144,11 +197,9 @@ struct StateLayout {
     return split() ? (2 * numel + 63) / 64 * 64 : 4 * numel;
   }
   uint64_t moment_bytes(uint64_t numel) const {
-    switch (moments) {
-      case Moments::int8: return int8_moment_bytes(numel, moment_count());
-      case Moments::int4: return int4_moment_bytes(numel, moment_count());
-      default: return uint64_t(moment_count()) * numel * 4;
-    }
+    uint64_t bytes = uint64_t(moment_count()) * numel * 4;  // fp32
+    with_quantized(moments, [&](auto m) { bytes = MomentsFormat<m.value>::bytes(numel, moment_count()); });
+    return bytes;
   }
   uint64_t params_sum_offset(uint64_t numel) const {  // split only
     return (master_bytes(numel) + moment_bytes(numel) + 7) / 8 * 8;
@@ -156,9 +207,7 @@ struct StateLayout {
   uint64_t bytes(uint64_t numel) const {
     return split() ? params_sum_offset(numel) + 8 : master_bytes(numel) + moment_bytes(numel);
   }
-  const char* dtype() const {
-    return moments == Moments::int8 ? "int8" : moments == Moments::int4 ? "int4" : "fp32";
-  }
+  const char* dtype() const { return kMomentsNames[static_cast<unsigned>(moments)]; }
   const char* master_format() const { return split() ? "split" : "fp32"; }
   // fp32 array `a` of a chunk of `numel` params held at `states`: 0 the fp32 master (not
   // with a split one), then the fp32 moments.
@@ -171,13 +220,11 @@ struct StateLayout {
   float* fp32_master(void* states) const {
     return split() ? nullptr : static_cast<float*>(states);
   }
-  Int8States int8_at(void* states, uint64_t numel) const {
-    return int8_moments_at(static_cast<char*>(states) + master_bytes(numel), fp32_master(states),
-                           numel, moment_count());
-  }
-  Int4States int4_at(void* states, uint64_t numel) const {
-    return int4_moments_at(static_cast<char*>(states) + master_bytes(numel), fp32_master(states),
-                           numel, moment_count());
+  // The states of quantized format M (this layout's).
+  template <Moments M>
+  QuantizedStates<M> quantized_at(void* states, uint64_t numel) const {
+    return MomentsFormat<M>::at(static_cast<char*>(states) + master_bytes(numel), fp32_master(states),
+                                numel, moment_count());
   }
   SplitMaster split_at(void* states, uint64_t numel) const {
     char* p = static_cast<char*>(states);
