@@ -39,6 +39,7 @@ import torch
 
 from . import _native, buffers, build_info, defaults, io_schedule, model
 from .pipeline import Pipeline
+from .settings import STATE_DTYPES
 from .update_rules import AdamW
 
 logger = logging.getLogger("smartinf")
@@ -388,7 +389,7 @@ def measure_gpu(numel: int = GPU_NUMEL, copy_bytes: int = HOST_COPY_BYTES,
     rates = {}
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device="cuda")
     params = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
-    for state_dtype in ("fp32", "int8", "int4"):
+    for state_dtype in STATE_DTYPES:  # every moments format
         budget = int(numel * model.state_bytes_per_param(state_dtype) * 1.05) + 64 * MiB
         with tempfile.TemporaryDirectory(prefix="smartinf-probe-gpu-") as d:
             pipe = Pipeline(CudaDevice(d, memory_budget=budget, twins=False), AdamW(),

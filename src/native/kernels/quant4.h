@@ -63,6 +63,9 @@
 #include <cstring>
 
 #include "kernels/numeric.h"
+#if defined(__CUDACC__)
+#include "kernels/warp.h"
+#endif
 #include "store/layout.h"
 
 namespace smartinf::kernels {
@@ -408,5 +411,114 @@ inline void export_quantized(const Int4States& s, std::size_t n, unsigned moment
     }
   }
 }
+
+#if defined(__CUDACC__)
+namespace q4 {
+static __constant__ Map<16> kDynamicOnGpu = map_of(kDynamic);
+}  // namespace q4
+
+// The GPU's piece of int4 (device/cuda_update.cu's quantized_kernel runs it, the scheme
+// there): a piece is a tile of kQuant4Block rows; a row is a first-moment
+// block, coded once its extreme is reduced; the second moment's rank-1 scales (the row
+// maxima, and the column maxima across the tile) are known at the tile's end, so each
+// lane keeps its new second moments until then. A lane's columns are the same in every
+// row (l, l + 32, ...): it finds their maxima over its rows, the barrier joins the warps'.
+struct Int4Tiles {
+  using States = Int4States;
+  // Sixteen warps a tile (eight rows each): on the H100, 1.4x eight warps' params/s, and
+  // thirty-two's no faster (each warp's rows run one after another).
+  static constexpr unsigned kWarps = 16, kRow = kQuant4Block, kPieceRows = kQuant4Block, kEach = kRow / 32;
+  static constexpr bool kKeepsRoot = false;
+  // The tile's new second moments, in shared memory until its end (64 KiB: in registers they
+  // took 174 a thread, one block an SM).
+  static constexpr std::size_t kLaterBytes = std::size_t(kQuant4Tile) * sizeof(float);
+  struct Shared {
+    int32_t columns[kWarps][kRow];
+  };
+
+  struct Piece {
+    const States s;
+    const std::size_t lo, len;
+    float* const rmax;   // the tile's row maxima, then its column maxima (null: one moment)
+    float map;           // the map's value at this lane (& 15): lanes read the map by shuffles
+    float c_old[kEach];  // the old column maxima of this lane's columns
+    int32_t columns[kEach] = {};
+
+    __device__ Piece(const States& st, std::size_t l, std::size_t n)
+        : s(st), lo(l), len(n), rmax(st.scale[1] ? st.scale[1] + l / kQuant4Tile * 2 * kRow : nullptr),
+          map(q4::kDynamicOnGpu.at[threadIdx.x % 16]) {
+      for (unsigned e = 0; e < kEach; ++e) c_old[e] = rmax ? rmax[kRow + e * 32 + threadIdx.x % 32] : 0.0f;
+    }
+    // Every lane calls it (the map is read by a shuffle); 0 where it has no param.
+    __device__ float first(std::size_t i, unsigned r, unsigned, bool here) const {
+      const float value = __shfl_sync(0xffffffffu, map, here ? nibble(s.code[0], i) : 0u);
+      return here ? value * s.scale[0][(lo + std::size_t(r) * kRow) / kRow] : 0.0f;
+    }
+    __device__ float second(std::size_t i, unsigned r, unsigned e, bool here) const {
+      return here ? kernels::q4::pow2_value(nibble(s.code[1], i)) * kernels::q4::min(rmax[r], c_old[e]) : 0.0f;
+    }
+    template <bool Two>
+    __device__ void close_row(unsigned r, const float (&m)[kEach], const float (&v)[kEach], float* later) {
+      const std::size_t at = lo + std::size_t(r) * kRow;
+      kernels::q4::Extreme x;
+      int32_t v_bits = 0;
+      for (unsigned e = 0; e < kEach; ++e) {
+        x.add(m[e]);
+        const int32_t a = kernels::q4::magnitude(v[e]);
+        v_bits = a > v_bits ? a : v_bits;
+        columns[e] = a > columns[e] ? a : columns[e];
+        later[r * kRow + e * 32 + threadIdx.x % 32] = v[e];
+      }
+      int32_t maxima[3] = {x.pos, x.neg, v_bits};
+      warp_max(maxima);
+      x.pos = maxima[0], x.neg = maxima[1];
+      const unsigned lane = threadIdx.x % 32;
+      if (at >= lo + len) {  // a row the tile lacks: its maximum 0
+        if (Two && lane == 0) rmax[r] = 0.0f;
+        return;
+      }
+      const float scale = x.scale();
+      if (lane == 0) {
+        s.scale[0][at / kRow] = scale;
+        if (Two) rmax[r] = kernels::float_of(static_cast<uint32_t>(maxima[2]));
+      }
+      const float d = kernels::q4::divisor(scale);
+      for (unsigned e = 0; e < kEach; ++e) {
+        const std::size_t i = at + e * 32 + lane;
+        const bool here = i < lo + len;
+        store_nibbles(s.code[0] + i / 2, here ? kernels::q4::nearest_dynamic(m[e] / d) : 0u, here);
+      }
+    }
+    // The tile's second moment coded: the column maxima of every warp joined.
+    template <bool Two>
+    __device__ void close(Shared& shared, const float* later) {
+      if (!Two) return;
+      const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+      for (unsigned e = 0; e < kEach; ++e) shared.columns[warp][e * 32 + lane] = columns[e];
+      __syncthreads();  // every warp's column maxima, and its rows' maxima in rmax
+      float c_max[kEach];
+      for (unsigned e = 0; e < kEach; ++e) {
+        int32_t c = 0;
+        for (unsigned w = 0; w < kWarps; ++w) c = shared.columns[w][e * 32 + lane] > c ? shared.columns[w][e * 32 + lane] : c;
+        c_max[e] = kernels::float_of(static_cast<uint32_t>(c));
+        if (warp == 0) rmax[kRow + e * 32 + lane] = c_max[e];
+      }
+#pragma unroll
+      for (unsigned q = 0; q < kPieceRows / kWarps; ++q) {
+        const unsigned r = q * kWarps + warp;
+        const std::size_t at = lo + std::size_t(r) * kRow;
+        for (unsigned e = 0; e < kEach; ++e) {
+          const std::size_t i = at + e * 32 + lane;
+          const bool here = i < lo + len;
+          const float d = here ? kernels::q4::divisor(kernels::q4::min(rmax[r], c_max[e])) : 1.0f;
+          store_nibbles(s.code[1] + i / 2, here ? kernels::q4::nearest_pow2(later[r * kRow + e * 32 + lane] / d) : 0u, here);
+        }
+      }
+    }
+  };
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
+};
+Int4Tiles gpu_format_of(const Int4States&);  // device/cuda_update.cu's
+#endif
 
 }  // namespace smartinf::kernels

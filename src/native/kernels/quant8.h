@@ -27,6 +27,9 @@
 #include <cstring>
 
 #include "kernels/numeric.h"
+#if defined(__CUDACC__)
+#include "kernels/warp.h"
+#endif
 #include "store/layout.h"
 
 namespace smartinf::kernels {
@@ -213,5 +216,61 @@ inline void export_quantized(const Int8States& s, std::size_t n, unsigned moment
     }
   }
 }
+
+#if defined(__CUDACC__)
+// The GPU's piece of int8 (device/cuda_update.cu's quantized_kernel runs it, the scheme
+// there): rows of kQuantBlock params, each with its own scales: a row's codes are written
+// once its maxima are known.
+struct Int8Rows {
+  using States = Int8States;
+  static constexpr unsigned kWarps = 8, kRow = kQuantBlock, kPieceRows = kWarps, kEach = kRow / 32;
+  static constexpr bool kKeepsRoot = true;
+  static constexpr std::size_t kLaterBytes = 0;  // nothing is coded after its row
+  struct Shared {};
+
+  struct Piece {
+    const States s;
+    const std::size_t lo, len;
+    __device__ float first(std::size_t i, unsigned, unsigned, bool here) const {
+      return here ? kernels::decode_signed(s.code[0][i], s.scale[0][i / kRow]) : 0.0f;
+    }
+    __device__ float second(std::size_t i, unsigned, unsigned, bool here) const {
+      const float w = here ? kernels::decode_unsigned(s.code[1][i], s.scale[1][i / kRow]) : 0.0f;
+      return w * w;
+    }
+    // Row r's new moments (a second one: its root) coded with its maxima as scales.
+    template <bool Two>
+    __device__ void close_row(unsigned r, const float (&m)[kEach], const float (&v)[kEach], float*) {
+      const std::size_t at = lo + std::size_t(r) * kRow;
+      int32_t maxima[2] = {0, 0};
+      for (unsigned e = 0; e < kEach; ++e) {
+        const int32_t a = kernels::magnitude_bits(m[e]), b = kernels::magnitude_bits(v[e]);
+        maxima[0] = a > maxima[0] ? a : maxima[0];
+        maxima[1] = b > maxima[1] ? b : maxima[1];
+      }
+      warp_max(maxima);
+      if (at >= lo + len) return;
+      const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
+      const float w_max = kernels::float_of(static_cast<uint32_t>(maxima[1]));
+      const unsigned lane = threadIdx.x % 32;
+      if (lane == 0) {
+        s.scale[0][at / kRow] = m_max;
+        if (Two) s.scale[1][at / kRow] = w_max;
+      }
+      const float m_inv = 1.0f / m_max, w_inv = 1.0f / w_max;  // used where the maxima are > 0
+      for (unsigned e = 0; e < kEach; ++e) {
+        const std::size_t i = at + e * 32 + lane;
+        if (i >= lo + len) continue;
+        s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m[e], m_inv) : 0;
+        if (Two) s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(v[e], w_inv) : 0;
+      }
+    }
+    template <bool Two>
+    __device__ void close(Shared&, const float*) {}
+  };
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
+};
+Int8Rows gpu_format_of(const Int8States&);  // device/cuda_update.cu's
+#endif
 
 }  // namespace smartinf::kernels
