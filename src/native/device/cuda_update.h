@@ -3,8 +3,8 @@
 // same order, with nvcc's contraction of a * b + c into one FMA turned off (-fmad=false) and
 // division and square root correctly rounded (its defaults), so the bits are the cpu
 // device's. fp32 moments run one thread per param; int8 and int4 moments one kernel for
-// both formats and every rule that has them: a thread block of eight warps takes a piece
-// (int8: eight 256-param blocks; int4: a 128 x 128 tile), a warp a row at a time, whose new
+// every format and every rule that has them: a thread block of warps takes a piece
+// (int8: four 256-param blocks, four warps; int4: a 128 x 128 tile, sixteen), a warp a row at a time, whose new
 // maxima are reduced within the warp before its codes are written (int4's second moment at
 // the tile's end). A split master is rebuilt per param from the bf16 param sent in and split again.
 #pragma once

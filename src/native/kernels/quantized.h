@@ -39,6 +39,15 @@ struct AdamElement {
   }
 };
 
+// f(AdamElement<...>{k}) with Adam's two compile-time choices for step k (with_adam_choices):
+// the one place an Adam step becomes its element.
+template <class F>
+inline void with_adam_element(const AdamStep& k, F&& f) {
+  with_adam_choices(k, [&](auto decoupled, auto small) {
+    f(AdamElement<decltype(decoupled)::value, decltype(small)::value>{k});
+  });
+}
+
 struct LionElement {
   static constexpr unsigned kMoments = 1;
   LionStep k;
@@ -105,9 +114,8 @@ inline void update_quantized(std::size_t n, const typename Format::States& s, co
 template <class States, class G, class Masters>
 inline void adam_quantized(std::size_t n, const States& s, const G* grad, const Masters& masters,
                            const AdamStep& k) {
-  with_adam_choices(k, [&](auto decoupled, auto small) {
-    update_quantized<FormatOf<States>>(
-        n, s, grad, masters, AdamElement<decltype(decoupled)::value, decltype(small)::value>{k});
+  with_adam_element(k, [&](const auto& element) {
+    update_quantized<FormatOf<States>>(n, s, grad, masters, element);
   });
 }
 

@@ -197,9 +197,7 @@ inline void with_quantized_element(const Step& s, F&& f) {
   switch (s.rule) {
     case Rule::adam:
     case Rule::adamw:
-      return with_adam_choices(s.adam, [&](auto decoupled, auto small) {
-        f(AdamElement<decltype(decoupled)::value, decltype(small)::value>{s.adam});
-      });
+      return with_adam_element(s.adam, f);
     case Rule::lion:
       return f(LionElement{s.lion});
     default:
