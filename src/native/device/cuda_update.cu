@@ -79,20 +79,17 @@ __global__ void fp32_kernel(kernels::Step step, std::size_t n, const Master ms, 
 // moment) after one barrier at its end.
 
 // One piece of quantized states per thread block (the scheme above): each row's params
-// decoded, updated by the rule's element, the new params stored, the row closed.
-template <class Format, class Element, class G, class P>
-__global__ void __launch_bounds__(Format::kWarps * 32) quantized_kernel(std::size_t n, const typename Format::States s,
-                                                                const Master ms, const G* grad, P* out,
-                                                                const Element el) {
+// decoded, updated by the rule's element, the new params stored, the row closed. `Full`: the
+// piece has all its rows (every block but a chunk's last), so no param needs a bounds check
+// (on the H100 these checks and their branches were a large share of int4's instructions).
+template <bool Full, class Format, class Element, class G, class P>
+__device__ void quantized_piece(std::size_t lo, std::size_t len, const typename Format::States& s, const Master& ms,
+                                const G* grad, P* out, const Element& el, typename Format::Shared& shared,
+                                float* later) {
   constexpr unsigned kWarps = Format::kWarps, kEach = Format::kEach, kRows = Format::kPieceRows / kWarps;
   constexpr bool two = Element::kMoments > 1;
-  __shared__ typename Format::Shared shared;
-  const std::size_t lo = blockIdx.x * std::size_t(Format::kRow) * Format::kPieceRows;
-  const std::size_t len = n - lo < std::size_t(Format::kRow) * Format::kPieceRows ? n - lo
-                                                                                  : std::size_t(Format::kRow) * Format::kPieceRows;
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  typename Format::Piece piece = Format::piece(s, lo, len);
-  extern __shared__ float later[];  // Format::kLaterBytes: values coded at the piece's end
+  typename Format::Piece piece = Format::piece(s, lo, len, Full);
   for (unsigned q = 0; q < kRows; ++q) {
     const unsigned r = q * kWarps + warp;
     // Every load of the row before any store: the stores might alias them for the compiler,
@@ -102,7 +99,7 @@ __global__ void __launch_bounds__(Format::kWarps * 32) quantized_kernel(std::siz
 #pragma unroll
     for (unsigned e = 0; e < kEach; ++e) {
       const std::size_t i = row + e * 32 + lane;
-      const bool here = i < lo + len;
+      const bool here = piece.has(i);
       m[e] = piece.first(i, r, e, here);
       v[e] = two ? piece.second(i, r, e, here) : 0.0f;
       g[e] = here ? kernels::to_float(grad[i]) * el.k.grad_scale : 0.0f;
@@ -111,11 +108,25 @@ __global__ void __launch_bounds__(Format::kWarps * 32) quantized_kernel(std::siz
 #pragma unroll
     for (unsigned e = 0; e < kEach; ++e) {
       const std::size_t i = row + e * 32 + lane;
-      if (i < lo + len) ms.store(i, el.template apply<Format::kKeepsRoot>(g[e], p[e], m[e], v[e]), out);
+      if (piece.has(i)) ms.store(i, el.template apply<Format::kKeepsRoot>(g[e], p[e], m[e], v[e]), out);
     }
     piece.template close_row<two>(r, m, v, later);
   }
   piece.template close<two>(shared, later);
+}
+
+template <class Format, class Element, class G, class P>
+__global__ void __launch_bounds__(Format::kWarps * 32) quantized_kernel(std::size_t n, const typename Format::States s,
+                                                                const Master ms, const G* grad, P* out,
+                                                                const Element el) {
+  constexpr std::size_t kPieceLen = std::size_t(Format::kRow) * Format::kPieceRows;
+  __shared__ typename Format::Shared shared;
+  extern __shared__ float later[];  // Format::kLaterBytes: values coded at the piece's end
+  const std::size_t lo = blockIdx.x * kPieceLen, len = n - lo < kPieceLen ? n - lo : kPieceLen;
+  if (len == kPieceLen)
+    quantized_piece<true, Format>(lo, len, s, ms, grad, out, el, shared, later);
+  else
+    quantized_piece<false, Format>(lo, len, s, ms, grad, out, el, shared, later);
 }
 
 unsigned blocks_for(std::size_t n, std::size_t per_block) {

@@ -439,16 +439,18 @@ struct Int4Tiles {
   struct Piece {
     const States s;
     const std::size_t lo, len;
+    const bool full;     // all its rows: no param outside it
     float* const rmax;   // the tile's row maxima, then its column maxima (null: one moment)
     float map;           // the map's value at this lane (& 15): lanes read the map by shuffles
     float c_old[kEach];  // the old column maxima of this lane's columns
     int32_t columns[kEach] = {};
 
-    __device__ Piece(const States& st, std::size_t l, std::size_t n)
-        : s(st), lo(l), len(n), rmax(st.scale[1] ? st.scale[1] + l / kQuant4Tile * 2 * kRow : nullptr),
+    __device__ Piece(const States& st, std::size_t l, std::size_t n, bool f)
+        : s(st), lo(l), len(n), full(f), rmax(st.scale[1] ? st.scale[1] + l / kQuant4Tile * 2 * kRow : nullptr),
           map(q4::kDynamicOnGpu.at[threadIdx.x % 16]) {
       for (unsigned e = 0; e < kEach; ++e) c_old[e] = rmax ? rmax[kRow + e * 32 + threadIdx.x % 32] : 0.0f;
     }
+    __device__ bool has(std::size_t i) const { return full || i < lo + len; }
     // Every lane calls it (the map is read by a shuffle); 0 where it has no param.
     __device__ float first(std::size_t i, unsigned r, unsigned, bool here) const {
       const float value = __shfl_sync(0xffffffffu, map, here ? nibble(s.code[0], i) : 0u);
@@ -473,7 +475,7 @@ struct Int4Tiles {
       warp_max(maxima);
       x.pos = maxima[0], x.neg = maxima[1];
       const unsigned lane = threadIdx.x % 32;
-      if (at >= lo + len) {  // a row the tile lacks: its maximum 0
+      if (!has(at)) {  // a row the tile lacks: its maximum 0
         if (Two && lane == 0) rmax[r] = 0.0f;
         return;
       }
@@ -485,7 +487,7 @@ struct Int4Tiles {
       const float d = kernels::q4::divisor(scale);
       for (unsigned e = 0; e < kEach; ++e) {
         const std::size_t i = at + e * 32 + lane;
-        const bool here = i < lo + len;
+        const bool here = has(i);
         store_nibbles(s.code[0] + i / 2, here ? kernels::q4::nearest_dynamic(m[e] / d) : 0u, here);
       }
     }
@@ -509,14 +511,16 @@ struct Int4Tiles {
         const std::size_t at = lo + std::size_t(r) * kRow;
         for (unsigned e = 0; e < kEach; ++e) {
           const std::size_t i = at + e * 32 + lane;
-          const bool here = i < lo + len;
+          const bool here = has(i);
           const float d = here ? kernels::q4::divisor(kernels::q4::min(rmax[r], c_max[e])) : 1.0f;
           store_nibbles(s.code[1] + i / 2, here ? kernels::q4::nearest_pow2(later[r * kRow + e * 32 + lane] / d) : 0u, here);
         }
       }
     }
   };
-  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len, bool full) {
+    return {s, lo, len, full};
+  }
 };
 Int4Tiles gpu_format_of(const Int4States&);  // device/cuda_update.cu's
 #endif

@@ -234,6 +234,8 @@ struct Int8Rows {
   struct Piece {
     const States s;
     const std::size_t lo, len;
+    const bool full;  // all its rows: no param outside it
+    __device__ bool has(std::size_t i) const { return full || i < lo + len; }
     __device__ float first(std::size_t i, unsigned, unsigned, bool here) const {
       return here ? kernels::decode_signed(s.code[0][i], s.scale[0][i / kRow]) : 0.0f;
     }
@@ -252,7 +254,7 @@ struct Int8Rows {
         maxima[1] = b > maxima[1] ? b : maxima[1];
       }
       warp_max(maxima);
-      if (at >= lo + len) return;
+      if (!has(at)) return;
       const float m_max = kernels::float_of(static_cast<uint32_t>(maxima[0]));
       const float w_max = kernels::float_of(static_cast<uint32_t>(maxima[1]));
       const unsigned lane = threadIdx.x % 32;
@@ -263,7 +265,7 @@ struct Int8Rows {
       const float m_inv = 1.0f / m_max, w_inv = 1.0f / w_max;  // used where the maxima are > 0
       for (unsigned e = 0; e < kEach; ++e) {
         const std::size_t i = at + e * 32 + lane;
-        if (i >= lo + len) continue;
+        if (!has(i)) continue;
         s.code[0][i] = m_max > 0.0f ? kernels::encode_signed(m[e], m_inv) : 0;
         if (Two) s.code[1][i] = w_max > 0.0f ? kernels::encode_unsigned(v[e], w_inv) : 0;
       }
@@ -271,7 +273,9 @@ struct Int8Rows {
     template <bool Two>
     __device__ void close(Shared&, const float*) {}
   };
-  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len) { return {s, lo, len}; }
+  __device__ static Piece piece(const States& s, std::size_t lo, std::size_t len, bool full) {
+    return {s, lo, len, full};
+  }
 };
 Int8Rows gpu_format_of(const Int8States&);  // device/cuda_update.cu's
 #endif
