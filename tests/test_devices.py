@@ -31,7 +31,8 @@ def test_the_device_registry_says_what_each_kind_takes():
     rows = {k: _native.device_kind(k) for k in ("cpu", "xrt", "cuda")}
     assert rows["cpu"]["quantized"] and rows["cpu"]["host_budget"] and rows["cpu"]["storage_cap"]
     assert not rows["xrt"]["quantized"] and not rows["xrt"]["split_master"]
-    assert rows["cuda"]["gpu_budget"] and not rows["cuda"]["host_budget"]
+    assert "memory_budget" in rows["cuda"]["options"] and not rows["cuda"]["host_budget"]
+    assert rows["cpu"]["options"] == () and rows["xrt"]["options"] == ("fpga", "xclbin")
     with pytest.raises(ValueError, match=r"unknown device kind 'tpu' \(known: cpu, xrt, cuda\)"):
         _native.device_kind("tpu")
 
@@ -47,3 +48,37 @@ def test_a_kind_refuses_the_formats_its_row_does_not_take(tmp_path, monkeypatch,
         smartinf.Pipeline([smartinf.XrtDevice(str(tmp_path), 0)], smartinf.AdamW(), chunk=1024,
                           slots=2, **settings)
     assert not list(tmp_path.iterdir())  # refused before the device or its files were made
+
+
+def test_a_kinds_own_options_pass_through_as_text_and_are_checked(tmp_path):
+    """device/registry.h: a kind's own options reach its factory as text through the
+    pipeline and the binding, which name none of them; an option the kind's row does not
+    name is refused (naming those it does) before any device or file is made, and a
+    malformed value is refused naming the option."""
+    from smartinf import _build_info, _native
+    from smartinf.devices import NativeDeviceSpec
+    from smartinf.settings import PipelineSettings
+
+    settings = PipelineSettings.resolve(chunk=1024, slots=2)
+
+    def open_with(kind, options):
+        return _native.NativePipeline([NativeDeviceSpec(kind, str(tmp_path), options)], "adamw", 0.0,
+                                      settings)
+
+    with pytest.raises(ValueError, match=r"a cpu device takes no option 'memory_budget' \(it takes none\)"):
+        open_with("cpu", {"memory_budget": 1 << 20})
+    with pytest.raises(ValueError, match=r"a cuda device takes no option 'gpu_memory' \(it takes: gpu, "
+                                         r"memory_budget, memory, host_twin\)"):
+        open_with("cuda", {"gpu_memory": 1})
+    assert not list(tmp_path.iterdir())
+    assert _native.option_text(True) == "true" and _native.option_text(7) == "7"
+    if not _build_info.CUDA:
+        return
+    # the cuda factory reads its options before it looks for a GPU
+    for options, match in [({"memory_budget": "12x"}, "option memory_budget must be a non-negative integer, got '12x'"),
+                           ({"gpu": "-1"}, "option gpu must be a non-negative integer, got '-1'"),
+                           ({"host_twin": "yes"}, "option host_twin must be true or false, got 'yes'"),
+                           ({"memory": "disk"}, "memory is \"gpu\" or \"host\", got 'disk'")]:
+        with pytest.raises(ValueError, match=match):
+            open_with("cuda", options)
+    assert not list(tmp_path.iterdir())

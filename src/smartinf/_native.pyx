@@ -44,7 +44,8 @@ cdef extern from "device/compute_pool.h" namespace "smartinf::device":
 cdef extern from "device/registry.h" namespace "smartinf::device":
     cdef cppclass DeviceKind:
         const char* name
-        bint quantized, split_master, host_budget, gpu_budget, storage_cap, phased_io
+        bint quantized, split_master, host_budget, storage_cap, phased_io
+        const char* options
 
 
     const DeviceKind& device_kind_ "smartinf::device::device_kind"(const string&) except +raise_py_error
@@ -115,19 +116,11 @@ cdef extern from "device/xrt_device.h" namespace "smartinf::device":
     XrtBandwidth time_xrt(const XrtOptions&, const string&, uint64_t) except +raise_py_error nogil
 
 
-cdef extern from "device/cuda_device.h" namespace "smartinf::device":
-    cdef cppclass CudaOptions:
-        int gpu
-        uint64_t resident_bytes
-        cbool host_memory
-        cbool host_twin
-
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
         string kind
         string dir
-        XrtOptions xrt
-        CudaOptions cuda
+        cmap[string, string] options
         double storage_bps
         string io_schedule
         uint64_t io_burst
@@ -356,8 +349,8 @@ def device_kind(str kind) -> dict:
     it; an unknown kind raises ValueError naming the known ones."""
     cdef const DeviceKind* row = &device_kind_(kind.encode())
     return {"name": row.name.decode(), "quantized": row.quantized, "split_master": row.split_master,
-            "host_budget": row.host_budget, "gpu_budget": row.gpu_budget,
-            "storage_cap": row.storage_cap, "phased_io": row.phased_io}
+            "host_budget": row.host_budget, "storage_cap": row.storage_cap,
+            "phased_io": row.phased_io, "options": tuple(row.options.decode().split())}
 
 
 def rank_cores() -> list:
@@ -383,6 +376,13 @@ cdef class NativeCompletion:
             self.c.get().wait()
 
 
+def option_text(value) -> str:
+    """A device kind's option as the core reads it (device/registry.h's OwnOptions)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 cdef class NativePipeline:
     cdef Pipeline* p
 
@@ -395,13 +395,9 @@ cdef class NativePipeline:
         for d in devices:
             spec.kind = d.kind.encode()
             spec.dir = d.dir.encode()
-            spec.xrt.index = d.fpga_index
-            spec.xrt.bdf = d.fpga_bdf.encode()
-            spec.xrt.xclbin = d.xclbin.encode()
-            spec.cuda.gpu = d.gpu
-            spec.cuda.resident_bytes = d.gpu_memory_budget
-            spec.cuda.host_memory = d.gpu_host_memory
-            spec.cuda.host_twin = d.gpu_host_twin
+            spec.options.clear()
+            for name, value in d.options.items():
+                spec.options[name.encode()] = option_text(value).encode()
             spec.storage_bps = d.storage_bps
             spec.io_schedule = d.io_schedule.encode()
             spec.io_burst = d.io_burst

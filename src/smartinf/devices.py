@@ -5,7 +5,8 @@ import math
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _build_info, defaults, smartssd
 
@@ -13,18 +14,13 @@ from . import _build_info, defaults, smartssd
 class NativeDeviceSpec(NamedTuple):
     """What the native core is told of one device (the binding reads it by name)."""
 
-    kind: str            # cpu | xrt | cuda
+    kind: str            # a row of the core's device registry: cpu | xrt | cuda
     dir: str
-    fpga_index: int = 0  # xrt: the FPGA by index, or
-    fpga_bdf: str = ""   # by PCIe BDF
-    xclbin: str = ""     # xrt: the build of hls_kernels/
+    # the kind's own options, which its registry row names (bool, int or str values)
+    options: Mapping[str, object] = MappingProxyType({})
     storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
     io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
-    gpu: int = 0  # cuda: the CUDA device ordinal
-    gpu_memory_budget: int = 0  # cuda: bytes of GPU memory for resident states
-    gpu_host_memory: bool = False  # cuda: that budget is page-locked host memory instead
-    gpu_host_twin: bool = False  # cuda: a page-locked host copy of that budget (twins="host")
     twins: bool = False  # resident sub-groups placed with their twin (smartinf.twins)
 
 
@@ -111,8 +107,7 @@ class XrtDevice:
                           "XILINX_XRT to XRT's install prefix) before opening a SmartSSD")
         if isinstance(self.fpga, str):
             smartssd.check_pairing(self.path, self.fpga)
-        index, bdf = (self.fpga, "") if isinstance(self.fpga, int) else (0, self.fpga)
-        return NativeDeviceSpec("xrt", self.path, index, bdf, self.xclbin or "")
+        return NativeDeviceSpec("xrt", self.path, {"fpga": self.fpga, "xclbin": self.xclbin or ""})
 
     @classmethod
     def discover(cls, subdir: str = "smartinf", xclbin: Optional[str] = None,
@@ -184,10 +179,9 @@ class CudaDevice:
         if not _build_info.CUDA:
             raise OSError("smartinf was built without CUDA: install a CUDA toolkit (nvcc on the "
                           "PATH, or CUDACXX) and reinstall smartinf")
-        return NativeDeviceSpec("cuda", self.path, gpu=self.ordinal(),
-                                gpu_memory_budget=self.memory_budget,
-                                gpu_host_memory=self.memory == "host",
-                                gpu_host_twin=self.twins == "host")
+        # host_twin: the pipeline's (smartinf.twins chooses it)
+        return NativeDeviceSpec("cuda", self.path, {"gpu": self.ordinal(), "memory_budget": self.memory_budget,
+                                                    "memory": self.memory})
 
     def ordinal(self) -> int:
         """The CUDA ordinal: ``gpu``, or torch's current device (each rank's own under DDP)."""

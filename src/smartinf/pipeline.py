@@ -131,7 +131,7 @@ class Pipeline(Steps, States):
         _check_sizes(subgroup_sizes, small_sizes)
         self._devices = resolve(devices)
         specs = [d.native_spec() for d in self._devices]  # environment errors before any I/O
-        self._gpus = [s.gpu if s.kind == "cuda" else None for s in specs]
+        self._gpus = [s.options["gpu"] if s.kind == "cuda" else None for s in specs]
         self.optimizer = AdamW() if optimizer is None else optimizer
         if not isinstance(self.optimizer, UpdateRule):
             raise TypeError(f"optimizer must be one of smartinf's rules ("
@@ -162,9 +162,11 @@ class Pipeline(Steps, States):
         self.twins = [twins.choose(d, settings.state_dtype, settings.master, settings.commit_every,
                                    settings.overlap, subgroup_sizes, sum(host_memory.values()), c.schedule)
                       for d, c in zip(self._devices, self.io_schedules)]
-        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins, gpu_host_twin=t.host)
+        specs = [s._replace(io_schedule=c.schedule, io_burst=c.burst, twins=t.twins,
+                            options={**s.options, "host_twin": True} if t.host else s.options)
                  for s, c, t in zip(specs, self.io_schedules, self.twins)]
-        host_memory["host twins of GPU budgets"] = sum(s.gpu_memory_budget for s in specs if s.gpu_host_twin)
+        host_memory["host twins of GPU budgets"] = sum(s.options["memory_budget"] for s in specs
+                                                       if s.options.get("host_twin"))
         space.check_memory(sum(host_memory.values()), " and ".join(
             f"{what} ({space._size(nbytes)})" for what, nbytes in host_memory.items() if nbytes))
         small = _small_directory(self._devices[0].path, settings.state_dtype, small_sizes)
@@ -332,7 +334,8 @@ def _host_budgets(specs: list, memory_budget: int) -> dict:
     on each device with a host tier, and ``CudaDevice(memory="host")`` budgets."""
     holders = sum(_native.device_kind(s.kind)["host_budget"] for s in specs)
     return {f"memory_budget={memory_budget} on each of {holders} cpu device(s)": memory_budget * holders,
-            "CudaDevice(memory='host') budgets": sum(s.gpu_memory_budget for s in specs if s.gpu_host_memory)}
+            "CudaDevice(memory='host') budgets": sum(s.options["memory_budget"] for s in specs
+                                                     if s.options.get("memory") == "host")}
 
 
 def _check_disk(pipe: Pipeline, sizes: Sequence[int], small: Sequence[int], small_dir: str,

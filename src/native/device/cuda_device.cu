@@ -1,6 +1,6 @@
-// A GPU as the update device (cuda_device.h): host slots the storage engine fills and
-// drains as on the cpu device, the kernel on the GPU over a mirror of the slot.
-#include "device/cuda_device.h"
+// A GPU as the update device (device/registry.h's "cuda" row; cuda_unavailable.cc where
+// CMake finds no CUDA toolkit): host slots the storage engine fills and drains as on the cpu
+// device, the kernel on the GPU over a mirror of the slot.
 
 #include <cstring>
 #include <stdexcept>
@@ -12,10 +12,37 @@
 #include "device/cuda_checksum.h"
 #include "device/cuda_update.h"
 #include "device/host_states.h"
+#include "device/registry.h"
 
 namespace smartinf::device {
 
 namespace {
+
+// Slots in page-locked host memory (the storage engine reads and writes them as on the cpu
+// device), mirrored in GPU memory for the kernel (device/cuda_update.h): a streamed chunk's
+// states cross PCIe to the GPU and back. `resident_bytes` of GPU memory (allocated at
+// creation) hold resident states, updated where they are; a gradient and params in this
+// GPU's memory are read and written where they are. With `host_memory` the budget is
+// page-locked host memory instead: resident states cross PCIe to the GPU and back each
+// update (the copy engines, both directions at once over the slots' streams), and the host
+// reads and writes them as a cpu device's (loads, durable commits, twins). fp32, int8 and
+// int4 moments with an fp32 or a split master; dense gradients.
+struct CudaOptions {
+  int gpu = 0;                  // option gpu: the CUDA device ordinal
+  uint64_t resident_bytes = 0;  // option memory_budget: GPU memory, or host memory (host_memory)
+  bool host_memory = false;     // option memory: "gpu" (the default) or "host"
+  // option host_twin: a budget in GPU memory with a page-locked host copy of its size
+  // (Device::host_twin): a durable commit copies the resident states there and writes them
+  // from it, so the next update never waits for the disk.
+  bool host_twin = false;
+
+  explicit CudaOptions(const OwnOptions& own)
+      : gpu(static_cast<int>(own.count("gpu"))), resident_bytes(own.count("memory_budget")),
+        host_memory(own.text("memory", "gpu") == "host"), host_twin(own.flag("host_twin")) {
+    if (const std::string m = own.text("memory", "gpu"); m != "gpu" && m != "host")
+      throw std::invalid_argument("a cuda device's memory is \"gpu\" or \"host\", got '" + m + "'");
+  }
+};
 
 void check(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess)
@@ -358,8 +385,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
 }  // namespace
 
 std::unique_ptr<Device> make_cuda_device(const std::string& dir, const SlotGeometry& geometry,
-                                         const CudaOptions& options) {
-  return std::make_unique<CudaDevice>(dir, geometry, options);
+                                         const DeviceOptions& options) {
+  return std::make_unique<CudaDevice>(dir, geometry, CudaOptions(options.own));
 }
 
 }  // namespace smartinf::device

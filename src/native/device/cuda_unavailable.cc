@@ -2,11 +2,11 @@
 // clear error.
 #include <stdexcept>
 
-#include "device/cuda_device.h"
+#include "device/registry.h"
 
 namespace smartinf::device {
 
-std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&, const CudaOptions&) {
+std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&, const DeviceOptions&) {
   throw std::invalid_argument("smartinf was built without CUDA: install a CUDA toolkit (nvcc on "
                               "the PATH, or CUDACXX) and reinstall smartinf");
 }

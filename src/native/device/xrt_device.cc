@@ -21,6 +21,7 @@
 
 #include "device/host_states.h"
 #include "device/xrt_device.h"
+#include "device/registry.h"
 #include "store/state_store.h"
 
 namespace smartinf::device {
@@ -33,6 +34,18 @@ const char* dtype_name(DType t) { return t == DType::f32 ? "f32" : t == DType::f
 std::string kernel_name(const Kernel& k) {
   const std::string types = std::string(dtype_name(k.grad)) + "_" + dtype_name(k.param);
   return std::string(kernels::rule_row(k.step.rule).hls) + (k.compressed ? "_topk_" : "_") + types;
+}
+
+// The row's options: fpga (an index, or a PCIe BDF) and xclbin.
+XrtOptions xrt_options(const OwnOptions& own) {
+  XrtOptions o;
+  const std::string fpga = own.text("fpga", "0");
+  if (!fpga.empty() && fpga.find_first_not_of("0123456789") == std::string::npos)
+    o.index = static_cast<unsigned>(own.count("fpga"));
+  else
+    o.bdf = fpga;
+  o.xclbin = own.text("xclbin");
+  return o;
 }
 
 class XrtDevice final : public SlottedDevice<std::vector<Slot>> {
@@ -240,8 +253,8 @@ XrtBandwidth time_xrt(const XrtOptions& options, const std::string& dir, uint64_
 }
 
 std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
-                                        const XrtOptions& options) {
-  return std::make_unique<XrtDevice>(dir, geometry, options);
+                                        const DeviceOptions& options) {
+  return std::make_unique<XrtDevice>(dir, geometry, xrt_options(options.own));
 }
 
 }  // namespace smartinf::device

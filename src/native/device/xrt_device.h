@@ -2,7 +2,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 
 #include "device/device.h"
@@ -10,15 +9,14 @@
 namespace smartinf::device {
 
 // A SmartSSD through XRT (xrt_device.cc when CMake finds libxrt, else
-// xrt_unavailable.cc): the FPGA by index or PCIe BDF, and the xclbin of hls_kernels/
-// (without one the kernel stage is unavailable; data movement still works).
+// xrt_unavailable.cc; device/registry.h's "xrt" row, whose options fpga and xclbin these
+// are): the FPGA by index or PCIe BDF, and the xclbin of hls_kernels/ (without one the
+// kernel stage is unavailable; data movement still works).
 struct XrtOptions {
   unsigned index = 0;
   std::string bdf;
   std::string xclbin;
 };
-std::unique_ptr<Device> make_xrt_device(const std::string& dir, const SlotGeometry& geometry,
-                                        const XrtOptions& options);
 
 // The probe's SmartSSD figures: `nbytes` through a P2P buffer to and from a file in `dir`
 // (SSD -> FPGA DRAM and back, no host copy), and host <-> FPGA DRAM syncs of a normal one.

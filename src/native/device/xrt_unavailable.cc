@@ -1,6 +1,7 @@
 // Built instead of xrt_device.cc when XRT is not found: an XRT device is a clear error.
 #include <stdexcept>
 
+#include "device/registry.h"
 #include "device/xrt_device.h"
 
 namespace smartinf::device {
@@ -12,7 +13,7 @@ namespace {
 }
 }  // namespace
 
-std::unique_ptr<Device> make_xrt_device(const std::string&, const SlotGeometry&, const XrtOptions&) {
+std::unique_ptr<Device> make_xrt_device(const std::string&, const SlotGeometry&, const DeviceOptions&) {
   unavailable();
 }
 

@@ -114,20 +114,24 @@ Pipeline::Pipeline(const PipelineOptions& options)
   // One pool for every cpu device's kernel: they take turns, each with all threads.
   const device::CpuOptions cpu{options.memory_budget, std::make_shared<device::ComputePool>(
       options.compute_threads ? options.compute_threads : device::default_compute_threads())};
-  // The small sub-groups' device: fp32 moments, two slots, all resident where the pipeline
-  // keeps states in host memory (a memory budget, or a GPU's in host memory), with room for
-  // their twins where durable commits are written in the background.
+  // The small sub-groups' device (made last): fp32 moments, two slots, all resident where
+  // the pipeline keeps states in host memory (a memory budget, or a device's budget in host
+  // memory: a GPU's with memory "host"), with room for their twins where durable commits are
+  // written in the background.
   const store::StateLayout small_layout{layout.arrays, store::Moments::fp32, layout.master};
-  device::CpuOptions small_cpu = cpu;
-  small_cpu.resident_bytes = 0;
-  const bool host_states = options.memory_budget ||
-      std::any_of(options.devices.begin(), options.devices.end(), [](const DeviceSpec& d) {
-        return d.cuda.host_memory && d.cuda.resident_bytes;
-      });
-  if (host_states)
-    for (uint64_t n : options.small_numels)
-      small_cpu.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.copy_bytes(n) *
-                                  (options.background_commit ? 2 : 1);
+  const auto small_cpu = [&] {
+    device::CpuOptions o = cpu;
+    o.resident_bytes = 0;
+    const bool host_states = options.memory_budget ||
+        std::any_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+          return u.device->host_visible_resident() && u.device->resident_bytes();
+        });
+    if (host_states)
+      for (uint64_t n : options.small_numels)
+        o.resident_bytes += store::ChunkLayout{options.chunk, small_layout}.copy_bytes(n) *
+                            (options.background_commit ? 2 : 1);
+    return o;
+  };
   if (!options.small_dir.empty()) {
     if (layout.moments == store::Moments::fp32)
       throw std::invalid_argument("small_dir keeps small tensors' moments in fp32 beside int8/int4 "
@@ -149,8 +153,6 @@ Pipeline::Pipeline(const PipelineOptions& options)
     const device::DeviceKind& kind = device::device_kind(spec.kind);
     if (const std::string why = device::refuses(kind, layout); !why.empty())
       throw std::invalid_argument(why);
-    if (!kind.gpu_budget && spec.cuda.resident_bytes)
-      throw std::invalid_argument("a GPU memory budget is for cuda devices, not " + spec.dir);
     if (spec.io_schedule != "mixed" && spec.io_schedule != "phased")
       throw std::invalid_argument("io_schedule must be 'mixed' or 'phased', got '" +
                                   spec.io_schedule + "' for " + spec.dir);
@@ -162,8 +164,8 @@ Pipeline::Pipeline(const PipelineOptions& options)
     unit.twins = spec.twins;
     unit.small = small;
     unit.layout = small ? small_layout : layout;
-    unit.device = small ? device::make_cpu_device(spec.dir, {2, options.chunk, small_layout}, small_cpu)
-                        : kind.make(spec.dir, geometry, {cpu, spec.xrt, spec.cuda});
+    unit.device = small ? device::make_cpu_device(spec.dir, {2, options.chunk, small_layout}, small_cpu())
+                        : device::make_device(kind, spec.dir, geometry, cpu, spec.options);
     if (options.chunk % unit.device->param_multiple() != 0)
       throw std::invalid_argument(unit.device->describe() + " needs chunks of a multiple of " +
                                   std::to_string(unit.device->param_multiple()) +

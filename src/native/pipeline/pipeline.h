@@ -9,9 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "device/cuda_device.h"
 #include "device/device.h"
-#include "device/xrt_device.h"
+#include "device/registry.h"
 #include "pipeline/activity.h"
 #include "pipeline/placement.h"
 #include "pipeline/ring.h"
@@ -22,8 +21,7 @@ namespace smartinf::pipeline {
 struct DeviceSpec {
   std::string kind = "cpu";  // a row of device/registry.h: cpu | xrt | cuda
   std::string dir;
-  device::XrtOptions xrt;    // kind xrt: which FPGA, which xclbin
-  device::CudaOptions cuda;  // kind cuda: which GPU
+  device::KindOptions options;  // the kind's own (its row names them; its factory reads them)
   double storage_bps = 0;    // kind cpu: emulated internal storage bandwidth; 0: the disk's
   std::string io_schedule = "mixed";  // mixed | phased: see RingOptions
   uint64_t io_burst = 0;     // phased: bytes of one direction per turn; 0: RingOptions' default
@@ -46,7 +44,7 @@ struct PipelineOptions {
   bool verify = false;              // checksum every extent loaded (always on resume)
   std::string if_exists = "resume";  // directories holding a run: resume | overwrite | error
   // The memory tier: bytes of states per cpu device kept resident in host RAM, held from
-  // creation (a cuda device's GPU budget is its own: CudaOptions); sub-groups that fit stay
+  // creation (a cuda device's GPU budget is its own option); sub-groups that fit stay
   // there, the rest stream. 0: none.
   uint64_t memory_budget = 0;
   // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
