@@ -104,7 +104,11 @@ for mode in "$@"; do
       $f $COMMON --steps "$steps" --dir "$STATES/$run" --json "$OUT/$run.json" > "$STATES/$run.log" 2>&1
   rc=$?
   kill $sampler
-  [ $rc = 124 ] && echo "stopped after LIMIT=$LIMIT s" >> "$STATES/$run.log"
+  # 124: stopped by timeout's TERM; 137 once the limit has passed: by its KILL, 30 s after
+  # (an OOM kill also exits 137; past the limit the run was being stopped either way)
+  if [ $rc = 124 ] || { [ $rc = 137 ] && [ "${LIMIT:-0}" != 0 ] && [ $(( $(date +%s) - start )) -ge "$LIMIT" ]; }; then
+    echo "stopped after LIMIT=$LIMIT s (rc $rc)" >> "$STATES/$run.log"
+  fi
   { echo "== $run: rc $rc, $(( $(date +%s) - start )) s"; cat "$STATES/$run.log"; } >> "$OUT/run.log"
   echo "== $run: rc $rc, $(( $(date +%s) - start )) s"
   grep -aE "^step " "$STATES/$run.log"
