@@ -38,9 +38,11 @@ struct CudaOptions {
 
   explicit CudaOptions(const OwnOptions& own)
       : gpu(static_cast<int>(own.count("gpu"))), resident_bytes(own.count("memory_budget")),
-        host_memory(own.text("memory", "gpu") == "host"), host_twin(own.flag("host_twin")) {
-    if (const std::string m = own.text("memory", "gpu"); m != "gpu" && m != "host")
-      throw std::invalid_argument("a cuda device's memory is \"gpu\" or \"host\", got '" + m + "'");
+        host_twin(own.flag("host_twin")) {
+    const std::string memory = own.text("memory", "gpu");
+    if (memory != "gpu" && memory != "host")
+      throw std::invalid_argument("a cuda device's memory is \"gpu\" or \"host\", got '" + memory + "'");
+    host_memory = memory == "host";
   }
 };
 

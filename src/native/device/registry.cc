@@ -1,7 +1,9 @@
 #include "device/registry.h"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 namespace smartinf::device {
 
@@ -24,17 +26,15 @@ std::string refuses(const DeviceKind& kind, const store::StateLayout& layout) {
 
 std::unique_ptr<Device> make_device(const DeviceKind& kind, const std::string& dir, const SlotGeometry& geometry,
                                     const CpuOptions& host, const KindOptions& options) {
+  std::vector<std::string> takes;
+  std::istringstream names(kind.options);
+  for (std::string n; names >> n;) takes.push_back(n);
   for (const auto& [name, value] : options) {
-    std::istringstream takes(kind.options);
+    if (std::find(takes.begin(), takes.end(), name) != takes.end()) continue;
     std::string known;
-    bool found = false;
-    for (std::string n; takes >> n;) {
-      found = found || n == name;
-      known += (known.empty() ? "" : ", ") + n;
-    }
-    if (!found)
-      throw std::invalid_argument("a " + std::string(kind.name) + " device takes no option '" + name + "' (" +
-                                  (known.empty() ? "it takes none" : "it takes: " + known) + "); for " + dir);
+    for (const std::string& n : takes) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("a " + std::string(kind.name) + " device takes no option '" + name + "' (" +
+                                (known.empty() ? "it takes none" : "it takes: " + known) + "); for " + dir);
   }
   return kind.make(dir, geometry, {host, OwnOptions(kind.name, options)});
 }
