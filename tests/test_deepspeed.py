@@ -183,6 +183,29 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world, monkeypatc
                        if i not in (2, 3)), name
 
 
+def test_gradients_set_through_deepspeed_between_backward_and_step(work, disk_dir):
+    """Step 4's gradients halved between backward and step through DeepSpeed's own
+    safe_get_full_grad / safe_set_full_grad, at world 2: the step uses them, as DeepSpeed's
+    ZeRO-3 + CPU Adam does (loss for loss); the updates started during backward from the
+    unhalved partitions are redone (their digests differ: no version counter moved), so the
+    run is bit for bit the one with --no-overlap."""
+    extra = ("--halve-grads-at", "4", "--clip", "0", "--sub-group-size", "60000")
+    on = train(work, os.path.join(disk_dir, "halve-on"), "halve-on", world=2, extra=extra)
+    off = train(work, os.path.join(disk_dir, "halve-off"), "halve-off", world=2,
+                extra=(*extra, "--no-overlap"))
+    ref = train(work, disk_dir, "halve-ref", mode="deepspeed-cpu", world=2, extra=extra)
+    plain = train(work, os.path.join(disk_dir, "halve-none"), "halve-none", world=2,
+                  extra=extra[2:])
+    assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)]
+    assert params_rel_diff(on, off) == 0.0
+    for step, (a, b) in enumerate(zip(losses(on), losses(ref)), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    assert losses(on)[4] != losses(plain)[4]  # the halved gradients were the ones stepped
+    retracted = [s["pipeline"]["retracted_updates"] for s in on["steps"]]
+    started = [s["pipeline"]["speculative_updates"] for s in on["steps"]]
+    assert started[3] > 0 and retracted[3] == started[3]
+
+
 def test_four_ranks_with_overlap_train_bit_for_bit_as_without(work, disk_dir, monkeypatch):
     """World 4 (one host's ranks, each with its own slice of the cores and its own
     directories): updates during backward and the step's tail change no bit against

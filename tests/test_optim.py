@@ -3,6 +3,7 @@ import errno
 import hashlib
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -592,10 +593,15 @@ def test_state_dict_on_a_full_disk_raises_enospc(small_fs):
     model(torch.randn(4, 300)).sum().backward()
     opt.step()
     filler = fill(small_fs)
-    os.truncate(filler, os.path.getsize(filler) - (256 << 10))  # 256 KiB free, 722 KB needed
+    os.truncate(filler, os.path.getsize(filler) - (256 << 10))  # 256 KiB free
+    # needed: two moments of 90,000 + 300 params, each a file of whole pages: 729.1 kB
     with pytest.raises(OSError) as e:
         opt.state_dict()
     assert e.value.errno == errno.ENOSPC
+    # where it writes, what it needs and has, and what else to do: refused before any file
+    assert e.value.filename == small_fs and f"unlinked files in {small_fs}" in str(e.value)
+    assert re.search(r"needs 729\.1 kB there, [\d.]+ k?B free", str(e.value))  # (free: a non-root's)
+    assert "opt.save(DIR)" in str(e.value)
     assert [f for f in os.listdir(small_fs) if f.startswith(".state_dict")] == []
     os.remove(filler)
     assert opt.state_dict()["state"][0]["step"] == 1

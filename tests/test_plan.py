@@ -144,6 +144,11 @@ def test_two_copies_of_a_compact_format_win_over_one_of_a_precise_one(tmp_path, 
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=free))
     c = plan.choose(params, [str(tmp_path)], memory=1 << 40, figures={})
     assert (c.state_dtype, c.master, c.copies) == ("int8", "split", 2)
+    # each more precise format with the reason it was left (not "the states do not fit in
+    # host memory": they all do)
+    assert "fp32/fp32: refused for the disk (two copies: needs" in c.why
+    assert "fp32/split: only one copy fits the disk (two needs" in c.why
+    assert "more precise formats ruled out" in c.why and "int8/fp32" not in c.why
 
 
 def test_a_resumed_run_keeps_its_format_and_its_disk(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.model  # noqa: E402
@@ -179,6 +180,9 @@ def main() -> None:
     p.add_argument("--loss-scale-window", type=int, default=1000, help="fp16 loss scaling")
     p.add_argument("--nan-at", type=int, default=0,
                    help="make this step's gradients NaN (the step must be skipped)")
+    p.add_argument("--halve-grads-at", type=int, default=0,
+                   help="halve this step's gradients between backward and step, as a user "
+                        "would through DeepSpeed's safe_get_full_grad / safe_set_full_grad")
     p.add_argument("--save", help="checkpoint directory: save after --save-at steps")
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load", help="checkpoint directory to resume from")
@@ -263,6 +267,11 @@ def main() -> None:
         get_accelerator().synchronize()
         t1 = time.perf_counter()
         engine.backward(loss)
+        if step + 1 == args.halve_grads_at:
+            for param in engine.module.parameters():  # (a gather each: every rank calls it)
+                grad = safe_get_full_grad(param)
+                if grad is not None:
+                    safe_set_full_grad(param, grad * 0.5)
         get_accelerator().synchronize()
         t2 = time.perf_counter()
         engine.step()

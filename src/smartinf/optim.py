@@ -16,6 +16,7 @@ constructing the optimizer on them.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -47,6 +48,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     torch_class: Optional[type] = torch.optim.Optimizer  # None: torch has no such optimizer
     rule_class: type = update_rules.AdamW
+    #: torch.amp.GradScaler's protocol for optimizers that unscale themselves (torch's fused
+    #: ones): its step() sets ``grad_scale`` (the loss scale) and ``found_inf`` on the
+    #: optimizer instead of dividing the gradients in place, so the devices multiply by
+    #: 1/scale in the update and the updates started during backward stay valid.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, defaults: dict, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
@@ -220,9 +226,17 @@ class _StorageOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
         """One optimizer step over every sub-group. ``grad_scale`` multiplies the
-        gradients (pass 1/loss scale with manual loss scaling). A step whose gradients
-        hold inf/NaN is skipped without touching the stored states:
-        ``last_step_skipped`` tells, ``skipped_steps`` counts (a loss scaler backs off)."""
+        gradients (pass 1/loss scale with manual loss scaling; ``torch.amp.GradScaler``'s
+        ``scaler.step(opt)`` passes its own, see ``_amp``). A step whose gradients hold
+        inf/NaN is skipped without touching the stored states: ``last_step_skipped`` tells,
+        ``skipped_steps`` counts (a loss scaler backs off)."""
+        try:
+            return self._step(closure, *self._amp(grad_scale))
+        except BaseException:
+            self._forget_amp()
+            raise
+
+    def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -234,7 +248,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         hyper = [overrides(self._rule(group)) for group in self.param_groups]
         grads = {id(p): g for group in self.param_groups for p in group["params"]
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
-        scale, norm = gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm)
+        scale, norm = (None, None) if found_inf else \
+            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm)
         if norm is not None:
             self.last_grad_norm = norm
         session = self._session
@@ -271,6 +286,26 @@ class _StorageOptimizer(torch.optim.Optimizer):
                         params=self._flat_params(self._plan[i]) if self._split else None),
                     self._finish)
         return loss
+
+    def _amp(self, grad_scale: float) -> tuple[float, bool]:
+        """(``grad_scale`` times 1/the loss scale GradScaler set on this optimizer for this
+        call, whether it found inf/NaN). After ``scaler.unscale_(opt)`` it sets no scale: the
+        gradients were divided in place (the digests of ``Speculation`` see it)."""
+        amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if amp_scale is not None:
+            amp_scale = float(amp_scale)
+            if not math.isfinite(amp_scale) or amp_scale <= 0:
+                raise ValueError(f"GradScaler's scale is {amp_scale}: a positive finite loss "
+                                 f"scale is needed (its init_scale, or a scale it never "
+                                 f"backed off to 0)")
+            grad_scale = grad_scale / amp_scale
+        return grad_scale, found_inf is not None and bool(found_inf)
+
+    def _forget_amp(self) -> None:
+        """GradScaler deletes the attributes it set only when step() returns: after a failed
+        step they would multiply into its next scale."""
+        for name in ("grad_scale", "found_inf"):
+            self.__dict__.pop(name, None)
 
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]

@@ -183,8 +183,8 @@ def _pick(rows: list, weighed: int) -> tuple:
     whole = [r for r in rows if r["resident"] >= 1.0]
     if whole:
         return whole[0], ("no probe record (python -m smartinf.probe DIR --record) for a "
-                          "predicted step: the most precise format whose states all fit in "
-                          "host memory")
+                          "predicted step: the most precise format left whose states all "
+                          "fit in host memory")
     return min(rows, key=lambda r: r["moved"]), (
         "no probe record (python -m smartinf.probe DIR --record) for a predicted step: no "
         "format's states all fit in host memory: the one with the fewest bytes, as a "
@@ -308,9 +308,11 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     best, why = _pick(fitting, len(weighed))
     if run and if_exists == "resume":
         why = f"resumes the run in {directories[0]} in its format; " + why
-    refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in weighed if r["refused"]]
+    why += _ruled_out(best, weighed, fitting)
+    less = weighed[weighed.index(best) + 1:]
+    refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in less if r["refused"]]
     if refused:
-        why += "; refused for the disk: " + ", ".join(refused)
+        why += "; less precise ones refused for the disk: " + ", ".join(refused)
     why += _durability(best, larger, one_copy, len(weighed), ranks)
     if best["resident"] < 1.0:
         why += f"; {best['resident']:.0%} of the states resident, the rest streamed"
@@ -323,6 +325,25 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                 "sub-group's background commit write")
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
+
+
+def _ruled_out(best: dict, weighed: list, fitting: list) -> str:
+    """Why each format more precise than ``best`` (``weighed`` runs most precise first) was
+    not taken."""
+    why = []
+    for r in weighed[:weighed.index(best)]:
+        name = f"{r['state_dtype']}/{r['master']}"
+        if r["refused"]:
+            why.append(f"{name}: refused for the disk ({r['refused']})")
+        elif r not in fitting:
+            why.append(f"{name}: only one copy fits the disk (two {r['two_copies']}), and "
+                       f"{best['state_dtype']}/{best['master']} keeps every instant "
+                       f"recoverable")
+        elif r["step_s"] is not None:
+            why.append(f"{name}: predicted step {r['step_s']:.2f} s")
+        else:
+            why.append(f"{name}: {r['resident']:.0%} of its states fit host memory")
+    return "; more precise formats ruled out: " + "; ".join(why) if why else ""
 
 
 def _durability(best: dict, larger: list, one_copy: list, weighed: int, ranks: int) -> str:

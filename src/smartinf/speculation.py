@@ -11,6 +11,12 @@ the model by ``step()`` only. ``Speculation`` owns the updates in flight and the
 validation; the front-ends say when a gradient is final: ``ParamHooks`` (``smartinf.optim``:
 each param's post-accumulate-grad hook) and the DeepSpeed integration (its partitioned
 gradients).
+
+Whether a gradient is still the one an update read is told by a digest of it (``edits``'s,
+exact for any change of bits), taken as the update starts and compared at ``take()``: not by
+version counters alone, which in-place edits outside autograd do not advance
+(``GradScaler.unscale_``, ``p.grad.data.mul_``, custom kernels, DeepSpeed's
+``safe_set_full_grad``).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
-from . import defaults
+from . import defaults, edits
 
 logger = logging.getLogger("smartinf")
 
@@ -61,6 +67,10 @@ class Speculation:
         self._launcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.enabled = True
         self.counts = Counts()
+        # each flight's gradient as it is now, and its digest as the update read it
+        self._gradients: dict[int, Callable[[], Sequence[torch.Tensor]]] = {}
+        self._read = edits.ParamWatch(lambda sg: self._gradients[sg]())
+        self.check_digests = True  # off only to time what they cost (bench/gpu_amp_step.py)
 
     def predict(self, scale: Optional[float]) -> None:
         """The gradient scale the next step is expected to use (None: do not speculate)."""
@@ -72,12 +82,19 @@ class Speculation:
 
     def start(self, sg: int, hyper: dict, out: torch.Tensor, launch: Callable[[float], Any],
               ready: Optional[torch.cuda.Event] = None,
-              guard: Optional[Callable[[], Optional[str]]] = None) -> None:
+              guard: Optional[Callable[[], Optional[str]]] = None,
+              gradient: Optional[Callable[[], Sequence[torch.Tensor]]] = None) -> None:
         """Starts ``sg``'s update: ``launch(scale)`` returns its future, and is called now, or
         once ``ready`` (an event the host copies of its inputs were recorded after) has
         happened, on a thread of this class (backward goes on meanwhile). ``guard()`` is asked
-        at ``take()`` whether the gradient is still what was sent (a reason if not)."""
+        at ``take()`` whether the gradient is still what was sent (a reason if not);
+        ``gradient()`` gives the gradient's flat parts as they are: digested now, before the
+        update reads them (on a GPU, queued on the current stream ahead of its copy), and
+        again at ``take()``."""
         scale = self._scale
+        if gradient is not None and self.check_digests:
+            self._gradients[sg] = gradient
+            self._read.record(sg)
         launched = self.launch(lambda: launch(scale), ready)
         self._flights[sg] = _Flight(launched, out, scale, hyper, guard)
         self.counts.started += 1
@@ -116,6 +133,8 @@ class Speculation:
         the last step, and they started from the stored masters."""
         with self._lock:
             flights = {sg: self._flights.pop(sg) for sg in subgroups if sg in self._flights}
+            for sg in flights:
+                self._gradients.pop(sg, None)
         for sg, f in flights.items():
             f.future()  # launched (its inputs on the host), so it can be retracted
             self.pipeline.retract(sg)
@@ -133,8 +152,13 @@ class Speculation:
             flights, self._flights = self._flights, {}
         kept: dict[int, torch.Tensor] = {}
         error: Optional[BaseException] = None
+        reasons = {sg: self._why_not(f, scale, hyper_of(sg)) for sg, f in flights.items()}
+        digested = [sg for sg, reason in reasons.items() if reason is None and sg in self._gradients]
+        for sg in self._read.changed(digested) if digested else ():  # one sync per GPU
+            reasons[sg] = "gradient changed"
+        self._gradients = {}
         for sg, f in flights.items():
-            reason = self._why_not(f, scale, hyper_of(sg))
+            reason = reasons[sg]
             try:
                 if reason is None:
                     if later is None:
@@ -155,10 +179,10 @@ class Speculation:
                 self.enabled = False
                 logger.warning(
                     "a gradient changed between backward and step() (edited in place, e.g. "
-                    "clip_grad_norm_ or GradScaler.unscale_ -- pass max_grad_norm= and "
-                    "step(grad_scale=) instead -- or replaced, e.g. by DDP's all-reduce): the "
-                    "updates started during backward were redone, and updates wait for step() "
-                    "from now on")
+                    "clip_grad_norm_ or GradScaler.unscale_ -- pass max_grad_norm= and leave "
+                    "unscaling to GradScaler.step, or step(grad_scale=) -- or replaced, e.g. "
+                    "by DDP's all-reduce): the updates started during backward were redone, "
+                    "and updates wait for step() from now on")
         if error is not None:
             raise error
         return kept
@@ -190,7 +214,8 @@ class ParamHooks:
     """``smartinf.optim``'s trigger: a post-accumulate-grad hook per param; a sub-group's
     gradient is final when each of its params has been accumulated as many times as in the
     last step (gradient accumulation), and an update is stale if one is accumulated again, or
-    if its gradient is replaced or edited in place before ``step()`` (``_version``).
+    if its gradient is replaced (``is``, ``_version``) or its bits change (the digest) before
+    ``step()``.
 
     ``send(sg, grad, scale, hyper, out)`` starts an update and returns its future;
     ``hyper_of(sg)`` gives a sub-group's current hyper-parameters; ``gather(sg, grads)`` its
@@ -285,7 +310,9 @@ class ParamHooks:
                 return "gradient changed"
             return None
         self.speculation.start(sg.id, hyper, out,
-                               lambda scale: self._send(sg, flat, scale, hyper, out), ready, guard)
+                               lambda scale: self._send(sg, flat, scale, hyper, out), ready, guard,
+                               lambda: [s.param.grad.detach().reshape(-1)[s.start:s.stop]
+                                        for s in sg.slices])
 
     def close(self) -> None:
         for h in self._hooks:

@@ -11,23 +11,27 @@ says how its states map to torch's entries (``_torch_state``, ``_stored_steps``)
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 import tempfile
 import weakref
 from typing import Any, Optional
 
 import torch
 
-from . import optim_options, subgroups
+from . import optim_options, space, subgroups
 from .rounding import round_to
 from .subgroups import Slice, Subgroup
 
+PAGE = 4096  # the unit a file's blocks are reserved in
 MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)
 
 
 def export(opt: Any) -> dict:
     """torch's optimizer ``state_dict`` of ``opt``'s states (see the module)."""
+    _check_room(opt)
     ids = subgroups.param_ids(opt.param_groups)
     per_param: dict[int, dict] = {}
     for sg in opt._plan:
@@ -141,6 +145,35 @@ def _subgroup_steps(opt: Any, sg: Subgroup, states: dict, ids: dict, group: dict
     return steps.pop()
 
 
+def _export_bytes(opt: Any) -> int:
+    """The bytes ``export``'s files take: each stepped param's states (and master), fp32,
+    a file each, in whole pages."""
+    arrays, counted = len(opt.pipeline.optimizer.state_names), set()
+    nbytes = 0
+    for sg in opt._plan:
+        if opt.pipeline.subgroup_steps(sg.id) == 0:
+            continue
+        for s in sg.slices:
+            if id(s.param) not in counted:
+                counted.add(id(s.param))
+                per_file = -(-max(1, s.param.numel()) * 4 // PAGE) * PAGE
+                nbytes += (arrays + (sg.dtype != torch.float32)) * per_file
+    return nbytes
+
+
+def _check_room(opt: Any) -> None:
+    """Refuses ``export`` before its first file where the first device directory's file
+    system lacks the room its files take."""
+    directory = opt.pipeline.devices[0].path
+    need, free = _export_bytes(opt), shutil.disk_usage(directory).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"state_dict() puts the states in unlinked files in "
+                      f"{directory} (the first device directory: page cache, so a model larger "
+                      f"than host memory exports) and needs {space._size(need)} there, "
+                      f"{space._size(free)} free: free that much, or checkpoint with "
+                      f"opt.save(DIR) (copies of the device directories)", directory)
+
+
 def _export_tensor(opt: Any, shape: torch.Size) -> torch.Tensor:
     """An fp32 tensor backed by an unlinked file in the first device directory: the
     exported states live in the page cache (evictable, written back to disk), not in
@@ -149,7 +182,12 @@ def _export_tensor(opt: Any, shape: torch.Size) -> torch.Tensor:
     size = max(1, math.prod(shape))
     try:
         # Reserved now: a page of a sparse mapping that finds the disk full is a SIGBUS.
-        os.posix_fallocate(fd, 0, size * 4)
+        try:
+            os.posix_fallocate(fd, 0, size * 4)
+        except OSError as e:  # the disk filled since _check_room (another writer)
+            raise OSError(e.errno, f"state_dict() could not reserve {space._size(size * 4)} "
+                          f"for a state in {path} ({os.strerror(e.errno)}): it needs room for "
+                          f"every state in the first device directory", path) from e
         flat = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
     finally:
         os.close(fd)

@@ -150,7 +150,10 @@ class Overlap:
             return
         hyper = overrides(_rule(self._rule_class, self.optimizer.param_groups[self.sub_group_to_group_id[i]]))
         send, ready = self._host_update(i, hyper, speculative=True)
-        self._speculation.start(i, hyper, self._speculated_params[i], send, ready)
+        # the partition digested as read: an edit step() would not see otherwise (DeepSpeed's
+        # safe_set_full_grad, a hook of the user's) has the update redone
+        self._speculation.start(i, hyper, self._speculated_params[i], send, ready,
+                                gradient=lambda: [self._grad_partition(i)])
 
     def _host_update(self, i: int, hyper: dict, speculative: bool) -> tuple:
         """Sub-group ``i``'s update through the host buffers of the speculation: its
