@@ -10,6 +10,7 @@ feeds the same scaled gradients to torch's optimizer under a GradScaler of its o
 params after every step within the README's fp32 tolerance of torch's, the same loss-scale
 sequence, and overlap on equal to overlap off bit for bit."""
 import logging
+import os
 
 import pytest
 import torch
@@ -206,3 +207,50 @@ def test_grad_scale_protocol_attributes_forgotten_after_a_failed_step(tmp_path):
         scaler.step(opt)
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     opt.close()
+
+
+def _ddp_train(rank, directory, port, overlap, out):
+    """One rank of DDP (gloo, world 2) training with GradScaler: each rank's batch its own,
+    the gradients averaged by DDP's all-reduce, which lands after the optimizer's hooks
+    started updates from the rank's own gradients."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(make_model("cpu"))
+    ref = make_model("cpu")
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[directory], overlap=overlap, **SMALL)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for step in range(5):
+        loss = scaled_backward(model, scaler, 10 * step + rank, "cpu", torch.bfloat16)
+        ref_scaler.scale(loss)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()  # the averaged gradients
+        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            s.step(o)
+            s.update()
+            o.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save({"ours": [p.detach().clone() for p in model.parameters()],
+                    "torch": [p.detach().clone() for p in ref.parameters()],
+                    "reasons": opt._speculation and opt._speculation.counts.reasons}, out)
+    opt.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_all_reduce_after_the_hooks(tmp_path):
+    """DDP replaces each gradient with the ranks' mean at the end of backward, after the
+    updates started from the rank's own: those are redone (the digests differ), and the
+    run is torch's AdamW on the averaged gradients, the same bits as without updates during
+    backward."""
+    port = 29000 + os.getpid() % 400
+    results = {}
+    for overlap in (True, False):
+        out = tmp_path / f"{overlap}.pt"
+        torch.multiprocessing.spawn(_ddp_train, args=(str(tmp_path / str(overlap)), port + overlap,
+                                                      overlap, str(out)), nprocs=2)
+        results[overlap] = torch.load(out)
+    on, off = results[True], results[False]
+    for p, q, r in zip(on["ours"], off["ours"], on["torch"]):
+        assert torch.equal(p, q)
+        assert_close_fp32(p.numpy(), r.numpy(), "param")
+    assert on["reasons"] == {"gradient changed": SUBGROUPS}
