@@ -9,7 +9,7 @@ import json
 import sys
 
 from smartinf import _native
-from smartinf.probe import measure_kernel
+from smartinf.planning.probe import measure_kernel
 
 FORMATS = (("fp32", "fp32"), ("int8", "fp32"), ("int8", "split"), ("int4", "split"))
 

@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from smartinf import model
+from smartinf.planning import placement
 
 TRAFFIC_BOUND = 32 / 24  # storage B/param per iteration: ZeRO-Infinity / smartinf
 
@@ -50,7 +50,7 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     fwd_bwd = statistics.mean(s["fwd_s"] - s.get("pipeline", {}).get("gather_wait_s", 0.0)
                               + s["bwd_s"] for s in window)
     measured_iteration = statistics.mean(s["fwd_s"] + s["bwd_s"] + s["step_s"] for s in window)
-    model_iteration = predicted and model.iteration_s(predicted["step_s"], predicted["exposed_s"],
+    model_iteration = predicted and placement.iteration_s(predicted["step_s"], predicted["exposed_s"],
                                                       fwd_bwd)
     limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.gpt.train import TrainConfig, optimizers, plot_losses, summarize, train  # noqa: E402
-from smartinf import compute_dtype  # noqa: E402
+from smartinf.planning import compute_dtype  # noqa: E402
 
 
 WINDOW = 20  # steps per moving mean: batches differ in difficulty by several percent

@@ -2,7 +2,7 @@
 
     python bench/gpt_topk_accuracy.py [--steps 250] [--out bench/results/gpt_topk.json]
 
-Runs on CUDA when present (the numbers behind smartinf.compress's defaults were taken on
+Runs on CUDA when present (the numbers behind smartinf.pipeline.compress's defaults were taken on
 an H100), else on the CPU (~3 min per run here). Every run sees the same weights and
 batches; the dense smartinf run is the reference.
 """
@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import smartinf.optim  # noqa: E402
-from smartinf import compute_dtype  # noqa: E402
+from smartinf.planning import compute_dtype  # noqa: E402
 from examples.gpt.train import TrainConfig, summarize, train  # noqa: E402
-from smartinf.compress import TopK  # noqa: E402
+from smartinf.pipeline.compress import TopK  # noqa: E402
 
 SETTINGS = [(None, False), (0.1, False), (0.1, True), (0.05, True), (0.02, True),
             (0.01, False), (0.01, True)]

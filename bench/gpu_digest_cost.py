@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from smartinf.edits import ParamWatch
+from smartinf.step.edits import ParamWatch
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import time
 import torch
 
 import smartinf
-from smartinf import model
+from smartinf.planning import model
 
 FORMATS = {"fp32": ("fp32", "fp32"), "int8+split": ("int8", "split"), "int4+split": ("int4", "split")}
 

@@ -1,4 +1,4 @@
-"""The GPU, host memory and storage placement against smartinf.model's prediction, on a
+"""The GPU, host memory and storage placement against smartinf.planning.model's prediction, on a
 machine with a CUDA GPU (the lent H100: `python bench/gpu_placement.py DIR --out F.json`).
 
 The probe measures the GPU's update and PCIe rates, the host's kernel on the usable cores,
@@ -7,8 +7,8 @@ Pipeline of a CudaDevice with that budget in front of a CpuDevice whose memory h
 rest (with room for twins) trains `--params` (GPT-2 XL's 1.56 B by default) in sub-groups of `--subgroup`: bf16
 gradients and params in the GPU's memory, as in training; the host's sub-groups' gradients
 are copied to pinned host buffers and their params back (what the front-ends do). The step
-is timed whole, beside `model.predict_placed` for the placement the pipeline made (checked
-against `model.place`): with a durable commit every `--commit-every` steps, the GPU's
+is timed whole, beside `placement.predict_placed` for the placement the pipeline made (checked
+against `placement.place`): with a durable commit every `--commit-every` steps, the GPU's
 sub-groups placed with their twins or without (`--twins off,on`), the mean over the steps
 of the second commit interval (from the step after the first durable commit: its writes,
 without twins the GPU's wait for them, and the second commit's wait for the first's
@@ -28,7 +28,7 @@ import time
 import torch
 
 import smartinf
-from smartinf import io_schedule, model, probe
+from smartinf.planning import io_schedule, model, placement, probe
 
 
 def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_every: int,
@@ -53,7 +53,7 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_
         host = {sg: (torch.empty(n, dtype=torch.bfloat16, pin_memory=True),
                      torch.empty(n, dtype=torch.bfloat16, pin_memory=True))
                 for sg, n in enumerate(sizes) if not on_gpu[sg]}
-        placed = model.Placement(
+        placed = placement.Placement(
             gpu=float(sum(n for n, g in zip(sizes, on_gpu) if g)),
             ram=float(sum(n for sg, n in enumerate(sizes) if not on_gpu[sg] and pipe.resident(sg))),
             streamed=float(sum(n for sg, n in enumerate(sizes) if not on_gpu[sg] and not pipe.resident(sg))))
@@ -83,11 +83,11 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_
     finally:
         pipe.close()
         shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)  # ~2 x 12 B/param
-    expected = model.place(params, state, gpu_budget, ram_budget, subgroup, twins)
+    expected = placement.place(params, state, gpu_budget, ram_budget, subgroup, twins)
     gpu = figures["gpu"]
     storage = figures["storage"][0]
-    host_pps = model.host_update_pps(figures, state_dtype, "fp32")
-    p = model.predict_placed(placed, gpu["update_pps"][state_dtype], host_pps,
+    host_pps = placement.host_update_pps(figures, state_dtype, "fp32")
+    p = placement.predict_placed(placed, gpu["update_pps"][state_dtype], host_pps,
                              figures["triad"]["bps"], storage["read_bps"], storage["write_bps"],
                              gpu["host_to_gpu_bps"], gpu["gpu_to_host_bps"], state,
                              commit_every=commit_every, twins=twins,
@@ -104,7 +104,7 @@ def run(directory: str, params: int, subgroup: int, gpu_fraction: float, commit_
             "step_mean_s": measured, "step_median_s": statistics.median(interval),
             "predicted": dict(dataclasses.asdict(p), bound=p.bound),
             "predicted_over_measured": p.step_s / measured,
-            "twins_pay": model.twins_pay(state, commit_every, host_pps, storage["write_bps"]),
+            "twins_pay": placement.twins_pay(state, commit_every, host_pps, storage["write_bps"]),
             "wait_commit_s": stats.get("wait_commit"), "busy_compute_s": stats.get("busy_compute")}
 
 

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import smartinf
-from smartinf import io_schedule, probe
+from smartinf.planning import io_schedule, probe
 
 FORMATS = {"fp32": {}, "int8": {"state_dtype": "int8"},
            "int8_split": {"state_dtype": "int8", "master": "split"},

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import env_int
-from smartinf.compress import TopK
+from smartinf.pipeline.compress import TopK
 
 NUMEL = env_int("SMARTINF_BENCH_TOPK_NUMEL", 10**8)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,7 +18,7 @@ import torch
 
 import smartinf._native as native
 from conftest import RESULTS, env_int
-from smartinf import probe
+from smartinf.planning import probe
 
 NUMEL = env_int("SMARTINF_BENCH_KERNEL_NUMEL", 1 << 23)
 ROUNDS = env_int("SMARTINF_BENCH_ROUNDS", 3)

@@ -1,4 +1,4 @@
-"""1, 2 and 4 devices: measured step time against ``smartinf.model``'s prediction.
+"""1, 2 and 4 devices: measured step time against ``smartinf.planning.model``'s prediction.
 
 Two series, each fed by the raw bandwidth of the bench directory measured in this run:
 
@@ -27,8 +27,8 @@ import pytest
 
 import smartinf
 import smartinf._native as native
-from smartinf import model
-from smartinf.staging import depth_for, pipelined
+from smartinf.planning import model
+from smartinf.step.staging import depth_for, pipelined
 from conftest import RESULTS, env_int, require_disk
 
 DEVICES = [1, 2, 4]

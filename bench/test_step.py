@@ -24,7 +24,7 @@ STEP_PARAMS = env_int("SMARTINF_BENCH_PARAMS", 256 << 20)
 ENGINE_PARAMS = env_int("SMARTINF_BENCH_ENGINE_PARAMS", 64 << 20)
 SLOTS = [int(s) for s in os.environ.get("SMARTINF_BENCH_SLOTS", "4").split(",") if s.strip()]
 STATE_BYTES = 24  # per param on disk: two shadow copies of param32 + exp_avg + exp_avg_sq
-F32, F16 = 0, 1   # kernels::DType codes (smartinf.buffers)
+F32, F16 = 0, 1   # kernels::DType codes (smartinf.pipeline.buffers)
 
 
 def test_storage_write(benchmark, storage_limits):

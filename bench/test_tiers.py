@@ -1,5 +1,5 @@
 """The memory tier on this machine: the step against the fraction of states resident in
-memory (0, 25, 50, 100 %), on one directory in one run, beside ``smartinf.model``'s
+memory (0, 25, 50, 100 %), on one directory in one run, beside ``smartinf.planning.model``'s
 prediction from the bandwidths measured in the same run; and the parallel update's rate
 against a STREAM triad over the same threads (goal >= 0.7).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import smartinf
-from smartinf import model, probe
+from smartinf.planning import model, probe
 from conftest import RESULTS, env_int, require_disk
 
 SUBGROUP = 16 << 20
@@ -205,7 +205,7 @@ def plot(result: dict, path: str) -> None:
     x = [100 * r["resident"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [r["step_s"] for r in rows], "o-", label="measured (median)")
-    ax.plot(x, [r["predicted_s"] for r in rows], "s--", label="smartinf.model")
+    ax.plot(x, [r["predicted_s"] for r in rows], "s--", label="smartinf.planning.model")
     ax.set_xlabel("states resident in memory (%)")
     ax.set_ylabel("optimizer step (s)")
     ax.set_title(f"{result['params'] / 1e6:.0f} M params, fp32 AdamW, one directory", fontsize=10)

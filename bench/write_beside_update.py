@@ -8,7 +8,8 @@ import argparse
 import json
 import statistics
 
-from smartinf import _native, probe
+from smartinf import _native
+from smartinf.planning import probe
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from smartinf.compress import Compressed, TopK, decompress
+from smartinf.pipeline.compress import Compressed, TopK, decompress
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="no CUDA device (torch.cuda.is_available() is False)")

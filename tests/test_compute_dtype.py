@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartinf import compute_dtype
+from smartinf.planning import compute_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
 from examples.gpt import train as gpt  # noqa: E402

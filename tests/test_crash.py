@@ -150,7 +150,7 @@ def test_sigkill_with_a_log(tmp_path, devices, state_dtype):
 
 def logged_step_pending(directory: str) -> bool:
     """Whether the directory's log holds a sealed step after its manifest's: a reopen finishes it."""
-    from smartinf.checkpoint import manifest_fields
+    from smartinf.pipeline.checkpoint import manifest_fields
     try:
         with open(os.path.join(directory, "grads.bin"), "rb") as f:
             head = f.read(32)

@@ -18,7 +18,7 @@ import torch
 
 import smartinf
 import smartinf.optim as so
-from smartinf.rounding import to_bf16
+from smartinf.step.rounding import to_bf16
 
 CHUNK = 5000  # two full chunks and a partial one per sub-group
 

@@ -113,7 +113,7 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     default) while the next steps update the twins (rank 0's pinned copies counted). Where
     the states' directory has a probe record, the example records the model's step for rank
     0's placement (all resident here), its host shared by the two ranks; without one, none."""
-    from smartinf import io_schedule, model
+    from smartinf.planning import io_schedule, placement
     plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
     figures = {"read_bps": 2e9, "write_bps": 1e9, "write_beside_update_bps": 0.5e9,
                "triad": {"bps": 1e10},
@@ -127,8 +127,8 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     placed = tiered["predicted"]["placement"]
     assert placed["gpu"] == placed["streamed"] == 0 and 0 < placed["ram"] <= tiered["num_params"]
     # the two ranks of this host step at once: each has half its memory, cores and disk
-    want = model.predict_placed(model.Placement(**placed),
-                                **model.rank_share(model.recorded_rates(figures, "fp32", "fp32"), 2),
+    want = placement.predict_placed(placement.Placement(**placed),
+                                **placement.rank_share(placement.recorded_rates(figures, "fp32", "fp32"), 2),
                                 commit_every=3)
     assert tiered["predicted"]["step_s"] == pytest.approx(want.step_s)
     assert losses(tiered) == losses(plain)
@@ -532,7 +532,7 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
     ({"smartinf": None}, 'needs a "smartinf" block'),
     ({"smartinf": {"devices": []}}, "non-empty list of directories"),
     ({"smartinf": {"devices": ["/a"], "slot": 4}}, "unknown keys ['slot']"),
-    ({"smartinf": {"devices": ["/a"], "compress": {"k": 3}}}, '"smartinf.compress" must be'),
+    ({"smartinf": {"devices": ["/a"], "compress": {"k": 3}}}, '"smartinf.pipeline.compress" must be'),
     ({"zero_optimization": {"stage": 2}}, "ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "remove offload_optimizer"),
@@ -591,7 +591,7 @@ def test_an_auto_gpu_budget_is_what_the_gpu_leaves(monkeypatch):
     less what DeepSpeed allocates after it and a reserve for the activations (given, or a
     share of the GPU); a host twin where the host's memory holds it, else no twins, unless
     asked for; refused clearly without a GPU."""
-    from smartinf import space
+    from smartinf.planning import space
     monkeypatch.setattr(space, "available_memory", lambda: 0)
     s = sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"memory_budget": "auto"}}})
     assert s.gpu_memory_budget == "auto" and s.gpu_reserve is None
@@ -651,7 +651,8 @@ def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
     shrinks to twice what is left, at least 1 MiB; a host twin of what the GPU holds where
     the host's memory takes it (the GPU's budget then shrinks to that), else no twins;
     twins asked for are kept, and a budget given in bytes is not fitted."""
-    from smartinf import _native, space
+    from smartinf import _native
+    from smartinf.planning import space
     mib = 1 << 20
     monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
     block = {"devices": ["/a", "/b"], "memory_budget": 3000 * mib, "chunk": 1 << 20,
@@ -682,7 +683,7 @@ def test_an_auto_gpu_budget_is_fitted_to_the_ranks_sub_groups(monkeypatch):
 def test_an_auto_gpu_budget_is_fitted_in_the_chunks_of_the_run_it_resumes(monkeypatch, tmp_path):
     """Without a chunk given, the pipeline takes the held run's (else a GPU's, 16 Mi): the
     bytes a sub-group takes are reckoned in those chunks, each 4 KiB-aligned."""
-    from smartinf import space
+    from smartinf.planning import space
     monkeypatch.setattr(space, "available_memory", lambda: 1 << 50)
     block = {"devices": [str(tmp_path / "run")], "gpu": {"memory_budget": "auto"}}
     s = dataclasses.replace(sds.Settings.from_config({"smartinf": block}),
@@ -764,7 +765,7 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     and int4 moments (a few bytes a param each way over PCIe), the host's cores fp32 ones;
     with a record, whichever rate is higher: the link's over the states' bytes or the
     cores' kernel. Nothing moves without a GPU, or without a memory budget."""
-    from smartinf import plan
+    from smartinf.planning import host_states
 
     def block(state_dtype, **gpu):
         return sds.Settings.from_config({"smartinf": {
@@ -794,15 +795,15 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     assert block("fp32", host_states=True).with_host_states_on_gpu().gpu_host_budget == 1 << 30
     assert block("int8", host_states=False).with_host_states_on_gpu().gpu_host_budget == 0
     rates = {"host_pps": 3e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9}
-    monkeypatch.setattr(plan, "find_record", lambda d: "/rec")
-    monkeypatch.setattr(plan, "load_record", lambda p, instead: {"figures": 1})
-    monkeypatch.setattr(plan, "recorded_rates", lambda f, s, m: rates)
+    monkeypatch.setattr(host_states, "find_record", lambda d: "/rec")
+    monkeypatch.setattr(host_states, "load_record", lambda p, instead: {"figures": 1})
+    monkeypatch.setattr(host_states, "recorded_rates", lambda f, s, m: rates)
     # 50 GB/s, 78 % of it each way at once, over fp32's 12 B a param: 3.25 G params/s
-    assert plan.gpu_takes_host_states("fp32", "fp32", "/a")[0] is True
+    assert host_states.gpu_takes_host_states("fp32", "fp32", "/a")[0] is True
     rates["host_pps"] = 4e9
-    takes, why = plan.gpu_takes_host_states("fp32", "fp32", "/a")
+    takes, why = host_states.gpu_takes_host_states("fp32", "fp32", "/a")
     assert not takes and "the host's cores 4.00 G params/s" in why
-    takes, why = plan.gpu_takes_host_states("int8", "split", "/a")
+    takes, why = host_states.gpu_takes_host_states("int8", "split", "/a")
     assert takes and "39.0 GB/s each way" in why
 
 

@@ -3,7 +3,7 @@ import os
 import pytest
 
 import smartinf
-from smartinf.devices import resolve
+from smartinf.pipeline.devices import resolve
 
 
 def test_paths_become_cpu_devices(tmp_path):
@@ -56,8 +56,8 @@ def test_a_kinds_own_options_pass_through_as_text_and_are_checked(tmp_path):
     name is refused (naming those it does) before any device or file is made, and a
     malformed value is refused naming the option."""
     from smartinf import _build_info, _native
-    from smartinf.devices import NativeDeviceSpec
-    from smartinf.settings import PipelineSettings
+    from smartinf.pipeline.devices import NativeDeviceSpec
+    from smartinf.pipeline.settings import PipelineSettings
 
     settings = PipelineSettings.resolve(chunk=1024, slots=2)
 

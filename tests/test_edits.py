@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import smartinf.optim as so
-from smartinf import edits
+from smartinf.step import edits
 from conftest import assert_close_fp32
 
 SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks

@@ -1,11 +1,11 @@
-"""The cores nearest each rank's GPU (smartinf.gpu_cores), on a host described by a sysfs
+"""The cores nearest each rank's GPU (smartinf.planning.gpu_cores), on a host described by a sysfs
 tree of its own: two NUMA nodes, four GPUs numbered against the nodes' order."""
 from __future__ import annotations
 
 import os
 
 
-from smartinf import gpu_cores
+from smartinf.planning import gpu_cores
 
 
 def host(root, nodes: dict, gpus: dict) -> str:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import smartinf
-from smartinf import io_schedule, probe
-from smartinf.rounding import to_bf16
+from smartinf.planning import io_schedule, probe, probe_cli
+from smartinf.step.rounding import to_bf16
 
 SIZES = [5000, 3000, 7000, 1000]
 CHUNK = 1024  # several chunks per sub-group: both directions have turns within a step
@@ -145,7 +145,7 @@ def test_the_probe_records_its_mix_curve_where_auto_reads_it(capsys, disk_dir):
     """--record: the curve and what the ring drew under each schedule (8 MiB: no bursts,
     so the ring's phased turns are its default), the choice from the ring's figures, and
     nothing left behind but the record."""
-    assert probe.main([disk_dir, "--size-mib", "8", "--record"]) == 0
+    assert probe_cli.main([disk_dir, "--size-mib", "8", "--record"]) == 0
     recorded = json.loads(open(os.path.join(disk_dir, io_schedule.RECORD)).read())
     assert recorded["directory"] == disk_dir and recorded["mixed_bps"] > 0
     assert recorded["phased_bps"] == []

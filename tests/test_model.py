@@ -6,7 +6,10 @@ import os
 import pytest
 
 import smartinf
-from smartinf import _native, model, model_cli, settings
+from smartinf import _native
+from smartinf.planning import model, model_cli
+from smartinf.planning import placement as pl
+from smartinf.pipeline import settings
 
 
 def test_table_one_traffic_per_param():
@@ -264,26 +267,26 @@ def test_sub_groups_fill_the_gpu_budget_then_host_memory_then_stream():
     """Whole sub-groups, in order: 10 of 1e8 params at 12 B; a GPU budget of 2.5 sub-groups'
     states takes 2, host memory of 4.5 takes the next 4 (the third does not fit the GPU's
     half left), the last 4 stream; a short last sub-group fits what is left."""
-    got = model.place(1e9, 12, 2.5 * 12e8, 4.5 * 12e8, subgroup=1e8)
+    got = pl.place(1e9, 12, 2.5 * 12e8, 4.5 * 12e8, subgroup=1e8)
     assert (got.gpu, got.ram, got.streamed) == (2e8, 4e8, 4e8)
-    got = model.place(1.05e9, 12, 0, 10.6 * 12e8, subgroup=1e8)
+    got = pl.place(1.05e9, 12, 0, 10.6 * 12e8, subgroup=1e8)
     assert (got.gpu, got.ram, got.streamed) == (0, 1.05e9, 0)
     with pytest.raises(ValueError, match="positive"):
-        model.place(1e9, 12, -1, 0)
+        pl.place(1e9, 12, -1, 0)
 
 
 def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
     """The GPU's part at its rate beside the host's tiered step and the PCIe copies of its
     sub-groups' gradients and params; the balance point equalises the two."""
     P, gpu_pps, host_pps, mem = 1e9, 50e9, 1e9, 1e12  # memory fast: the host's kernel bounds
-    placement = model.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
-    p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 1e9, 20e9, 10e9)
+    placement = pl.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
+    p = pl.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 1e9, 20e9, 10e9)
     assert p.gpu_s == pytest.approx(0.25 * P / gpu_pps)
     # the host's part all resident with a durable commit every step: its write-back, and the
     # GPU's beside it, bound (the GPU's 6 s wait for its write fits in the disk's 12 s)
     assert p.host_s == pytest.approx(0.75 * P * 12 / 1e9) and p.bound == "storage"
     assert p.disk_s == pytest.approx(P * 12 / 1e9) == p.step_s
-    p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 100e9, 20e9, 10e9,
+    p = pl.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 100e9, 20e9, 10e9,
                              commit_every=10)
     # ... and the GPU's first updates after a commit wait for its 3 GB written at 100 GB/s
     # beside as many of the host's, 0.06 s, while the host's part of that step takes 0.75
@@ -293,16 +296,16 @@ def test_the_placed_step_is_the_longer_of_the_gpu_and_the_host():
     assert p.balance_gpu_params == pytest.approx(P * gpu_pps / (gpu_pps + host_pps))
     # at 1 GB/s the wait, 6 s, outlasts that step: the interval is 6 s + the GPU's update,
     # then 9 steps of 0.75 s, longer than the disk's 12 GB (1.2 s a step)
-    p = model.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 1e9, 20e9, 10e9,
+    p = pl.predict_placed(placement, gpu_pps, host_pps, mem, 2e9, 1e9, 20e9, 10e9,
                              commit_every=10)
     assert p.disk_s == pytest.approx(1.2) and p.bound == "storage"
     assert p.step_s == pytest.approx((6 + 0.25 * P / gpu_pps + 9 * 0.75) / 10)
     assert p.commit_s == pytest.approx(p.step_s - 1.2)
-    alone = model.predict_placed(model.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
+    alone = pl.predict_placed(pl.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
                                  1e9, 20e9, 10e9, commit_every=1 << 40)
     assert alone.step_s == pytest.approx(P / gpu_pps) and alone.host_s == 0 and alone.bound == "gpu"
     # a durable commit every step: the GPU's 12 GB written at 1 GB/s, waited for
-    alone = model.predict_placed(model.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
+    alone = pl.predict_placed(pl.place(P, 12, P * 12, 0), gpu_pps, host_pps, mem, 2e9,
                                  1e9, 20e9, 10e9)
     assert alone.step_s == pytest.approx(P / gpu_pps + 12)
 
@@ -327,15 +330,15 @@ def test_resident_writes_beside_the_hosts_update_take_the_probes_slower_rate():
     assert half.storage_s == pytest.approx(6e9 / 4e9 + 6e9 / W + 0.5 + 1e9 / W)
     # placed: a quarter on the GPU with twins, the rest in host memory; the GPU's states
     # are written beside the host's update too (3 + 9 GB over 4 steps: 3 GB a step)
-    placement = model.place(P, 12, 2 * 0.25 * P * 12, P * 12, subgroup=1e7, twins=True)
+    placement = pl.place(P, 12, 2 * 0.25 * P * 12, P * 12, subgroup=1e7, twins=True)
     args = (50e9, host_pps, mem, 4e9, W, 20e9, 20e9)
-    p = model.predict_placed(placement, *args, commit_every=4, twins=True)
+    p = pl.predict_placed(placement, *args, commit_every=4, twins=True)
     assert p.disk_s == pytest.approx(3e9 / W) == p.step_s
-    q = model.predict_placed(placement, *args, commit_every=4, twins=True, commit_write_bps=beside)
+    q = pl.predict_placed(placement, *args, commit_every=4, twins=True, commit_write_bps=beside)
     assert q.disk_s == pytest.approx(0.375 + (3e9 - 0.375 * beside) / W) == q.step_s  # host 0.375 s
     # without twins the GPU's wait for its 3 GB (beside 3 GB of the host's) is at that rate too
-    placement = model.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
-    r = model.predict_placed(placement, *args, commit_every=4, commit_write_bps=beside)
+    placement = pl.place(P, 12, 0.25 * P * 12, P * 12, subgroup=1e7)
+    r = pl.predict_placed(placement, *args, commit_every=4, commit_write_bps=beside)
     wait = 0.375 + (6e9 - 0.375 * beside) / W
     assert r.step_s == pytest.approx(max(r.disk_s, (wait + r.gpu_s + 3 * 0.375) / 4))
     with pytest.raises(ValueError, match="commit_write_bps"):
@@ -358,9 +361,9 @@ def test_streamed_states_go_at_what_the_ring_draws_and_follow_backward():
     assert model.predict_tiered(P, 0.0, R, W, mem, 10, update_pps=host_pps).storage_s == \
         pytest.approx(12 * P / R + 12 * P / W)
     # a quarter on the GPU with twins, a quarter in host memory, half streamed
-    placement = model.Placement(gpu=0.25 * P, ram=0.25 * P, streamed=0.5 * P)
+    placement = pl.Placement(gpu=0.25 * P, ram=0.25 * P, streamed=0.5 * P)
     args = (50e9, host_pps, mem, R, W, 20e9, 20e9)
-    p = model.predict_placed(placement, *args, commit_every=10, twins=True, mix_bps=M)
+    p = pl.predict_placed(placement, *args, commit_every=10, twins=True, mix_bps=M)
     streamed_s = 2 * 12 * 0.5 * P / M
     assert p.disk_s == pytest.approx(streamed_s + 0.5 * P * 12 / 10 / W) == p.step_s
     assert p.exposed_s == pytest.approx(streamed_s)
@@ -368,10 +371,10 @@ def test_streamed_states_go_at_what_the_ring_draws_and_follow_backward():
     assert p.iteration_s(0.0) == pytest.approx(p.step_s)
     # without twins the step after a commit waits for the GPU's 3 GB beside as many of the
     # host's (3 s at W), and its streamed traffic comes after the wait
-    q = model.predict_placed(placement, *args, commit_every=10, mix_bps=M)
+    q = pl.predict_placed(placement, *args, commit_every=10, mix_bps=M)
     assert q.exposed_s == pytest.approx((3 + streamed_s + 9 * streamed_s) / 10)
     assert q.step_s == pytest.approx(max(q.disk_s, q.exposed_s))
-    assert model.iteration_s(1.0, 0.25, 0.5) == 1.0 and model.iteration_s(1.0, 0.75, 0.5) == 1.25
+    assert pl.iteration_s(1.0, 0.25, 0.5) == 1.0 and pl.iteration_s(1.0, 0.75, 0.5) == 1.25
 
 
 def test_recorded_rates_take_the_rings_figure_for_the_schedule():
@@ -383,30 +386,30 @@ def test_recorded_rates_take_the_rings_figure_for_the_schedule():
                         "threads": 2, "master": "fp32", "params_per_s": 1e8}]}
     curve = {"mixed_bps": 1.5e9, "phased_bps": [[64 << 20, 1.6e9], [256 << 20, 1.8e9]]}
     ring = {"ring_mixed_bps": 2.9e9, "ring_phased_bps": 2.2e9}
-    assert model.recorded_rates(host, "fp32", "fp32")["mix_bps"] is None
-    assert model.recorded_rates(host | curve, "fp32", "fp32")["mix_bps"] == 1.8e9  # auto: phased
-    assert model.recorded_rates(host | curve, "fp32", "fp32", "mixed")["mix_bps"] == 1.5e9
-    assert model.recorded_rates(host | curve | ring, "fp32", "fp32")["mix_bps"] == 2.9e9
-    assert model.recorded_rates(host | curve | ring, "fp32", "fp32", "phased")["mix_bps"] == 2.2e9
+    assert pl.recorded_rates(host, "fp32", "fp32")["mix_bps"] is None
+    assert pl.recorded_rates(host | curve, "fp32", "fp32")["mix_bps"] == 1.8e9  # auto: phased
+    assert pl.recorded_rates(host | curve, "fp32", "fp32", "mixed")["mix_bps"] == 1.5e9
+    assert pl.recorded_rates(host | curve | ring, "fp32", "fp32")["mix_bps"] == 2.9e9
+    assert pl.recorded_rates(host | curve | ring, "fp32", "fp32", "phased")["mix_bps"] == 2.2e9
     with pytest.raises(ValueError, match="ring"):
-        model.recorded_rates(host | {"ring_mixed_bps": -1.0}, "fp32", "fp32")
+        pl.recorded_rates(host | {"ring_mixed_bps": -1.0}, "fp32", "fp32")
 
 
 def test_twins_pay_where_the_hosts_update_of_half_a_budget_beats_waiting_for_its_write():
     """Per byte of a GPU budget over a commit interval of k steps: twins cost k / (2 s H)
     (half its params updated by the host), none costs 1 / W (the write waited for)."""
     s, host, write = 12, 4e9, 2e9  # 2 s H / W = 48
-    assert model.twins_pay(s, 47, host, write) and not model.twins_pay(s, 49, host, write)
-    assert model.twins_pay(6, 10, 2.3e9, 2e9) and not model.twins_pay(5, 10, 1.2e9, 2e9)
+    assert pl.twins_pay(s, 47, host, write) and not pl.twins_pay(s, 49, host, write)
+    assert pl.twins_pay(6, 10, 2.3e9, 2e9) and not pl.twins_pay(5, 10, 1.2e9, 2e9)
     with pytest.raises(ValueError, match="commit_every"):
-        model.twins_pay(s, 0, host, write)
+        pl.twins_pay(s, 0, host, write)
     # with twins a sub-group takes twice its bytes of the GPU's budget, and the GPU's
     # resident states are written in the background (the disk's traffic, not a wait)
     P = 1e9
-    plain, twin = (model.place(P, 12, 0.5 * P * 12, P * 12, subgroup=1e8, twins=t)
+    plain, twin = (pl.place(P, 12, 0.5 * P * 12, P * 12, subgroup=1e8, twins=t)
                    for t in (False, True))
     assert (plain.gpu, twin.gpu, twin.ram) == (5e8, 2e8, 8e8)
-    p = model.predict_placed(twin, 50e9, 1e9, 1e12, 2e9, 1e9, 20e9, 10e9, commit_every=10,
+    p = pl.predict_placed(twin, 50e9, 1e9, 1e12, 2e9, 1e9, 20e9, 10e9, commit_every=10,
                              twins=True)
     assert p.commit_s == 0 and p.twins
     assert p.host_s == pytest.approx(max(0.8, 8e8 * 12 / 10 / 1e9))
@@ -417,7 +420,7 @@ def test_a_gpus_twins_are_chosen_by_the_model_from_the_probes_record(tmp_path, m
     """CudaDevice(twins=None), where the host has no memory for a host twin: twins where the
     directory's probe record (or none) says so; as given otherwise; none without a budget or
     with overlap off."""
-    from smartinf import io_schedule, space, twins
+    from smartinf.planning import io_schedule, space, twins
     monkeypatch.setattr(space, "available_memory", lambda: 0)
     (tmp_path / "run" / "gpu").mkdir(parents=True)
     gpu = smartinf.CudaDevice(str(tmp_path / "run" / "gpu"), memory_budget="1GB")
@@ -462,7 +465,7 @@ def test_a_gpu_budget_takes_a_host_twin_where_the_hosts_memory_holds_it(tmp_path
     that durable commits write from) where the host's available memory holds it for every
     local rank beside the pipeline's other host budgets, with a tenth of the machine spare;
     else the model's choice. Asked for, it is taken; refused for a budget in host memory."""
-    from smartinf import space, twins
+    from smartinf.planning import space, twins
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spare = int(0.1 * total)
     (tmp_path / "gpu").mkdir()
@@ -492,7 +495,7 @@ def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path, m
     GPU's wait outlasts what twins send to the host (twins); (c) a budget of one sub-group,
     which twins leave empty: the wait hides behind the host's part of its step (none), where
     the rule per byte takes twins. (No memory for a host twin.)"""
-    from smartinf import io_schedule, space, twins
+    from smartinf.planning import io_schedule, space, twins
     monkeypatch.setattr(space, "available_memory", lambda: 0)
     (tmp_path / "gpu").mkdir()
     sizes, ram = [int(1e8)] * 10, 12e9
@@ -515,11 +518,11 @@ def test_twins_by_the_whole_placement_where_the_sub_groups_are_known(tmp_path, m
     got = choice(3e9, 1e9)
     assert got.twins and "with twins 0.900 s, without 0.960 s" in got.reason
     # without: 1 there, its 1.2 s wait beside the host's 0.9 s, then 9 of 0.9; with: none
-    assert model.twins_pay(12, 10, 1e9, 2e9)
+    assert pl.twins_pay(12, 10, 1e9, 2e9)
     got = choice(1.2e9, 1e9)
     assert not got.twins and "with twins 1.000 s, without 0.930 s" in got.reason
     # the margin: without twins only where more than 1 % shorter
-    assert model.twins_win(1.0, 0.991) and not model.twins_win(1.0, 0.989)
+    assert pl.twins_win(1.0, 0.991) and not pl.twins_win(1.0, 0.989)
     with pytest.raises(ValueError, match="a sub-group of 0"):
         choice(1.2e9, 1e9, sizes=[int(1e8), 0])
     with pytest.raises(ValueError, match=r"subgroup_sizes must be positive ints .*got -5 among them"):
@@ -595,7 +598,7 @@ def test_the_model_predicts_a_pipelines_own_placement_from_its_directorys_record
     """predict_pipeline: the sub-groups where the pipeline put them (here 2 of 3 resident in
     host memory, one streamed), its settings, and the probe's record of its directory (or
     above it); without a record, or one without the host's figures, none."""
-    from smartinf import io_schedule
+    from smartinf.planning import io_schedule
     state = 12
     sizes = (3000, 2000, 4000)
     kernel = {"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32", "threads": 14,
@@ -606,14 +609,14 @@ def test_the_model_predicts_a_pipelines_own_placement_from_its_directorys_record
                            commit_every=4) as pipe:
         for n in sizes:
             pipe.add_subgroup(n)
-        assert model.predict_pipeline(pipe) is None  # no record yet
+        assert pl.predict_pipeline(pipe) is None  # no record yet
         io_schedule.record(str(tmp_path), {"read_bps": 2e6, "write_bps": 1e6})
-        assert model.predict_pipeline(pipe) is None  # no host figures in it
+        assert pl.predict_pipeline(pipe) is None  # no host figures in it
         io_schedule.record(str(tmp_path), figures)
-        got = model.predict_pipeline(pipe)
+        got = pl.predict_pipeline(pipe)
         resident = [pipe.resident(sg) for sg in range(3)]
     assert resident == [True, True, False]
-    want = model.predict_placed(model.Placement(gpu=0, ram=5000, streamed=4000), math.inf, 1e6,
+    want = pl.predict_placed(pl.Placement(gpu=0, ram=5000, streamed=4000), math.inf, 1e6,
                                 1e9, 2e6, 1e6, math.inf, math.inf, state, commit_every=4,
                                 commit_write_bps=0.5e6)
     assert got == want
@@ -623,7 +626,7 @@ def test_the_model_predicts_a_pipelines_own_placement_from_its_directorys_record
     io_schedule.record(str(tmp_path), dict(figures, read_bps="fast"))
     with smartinf.Pipeline(str(tmp_path / "run")) as pipe, \
             pytest.raises(ValueError, match="is not a probe record"):
-        model.predict_pipeline(pipe)
+        pl.predict_pipeline(pipe)
 
 
 def test_ranks_of_one_host_share_its_memory_cores_and_disk():
@@ -634,14 +637,14 @@ def test_ranks_of_one_host_share_its_memory_cores_and_disk():
     rates = {"gpu_pps": 5e9, "host_pps": 4e9, "memory_bps": 80e9, "read_bps": 2e9,
              "write_bps": 2e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9,
              "commit_write_bps": None, "mix_bps": 2.4e9}
-    half = model.rank_share(rates, 2)
+    half = pl.rank_share(rates, 2)
     assert half["host_pps"] == 2e9 and half["read_bps"] == 1e9 and half["mix_bps"] == 1.2e9
     assert half["gpu_pps"] == 5e9 and half["host_to_gpu_bps"] == 50e9 and half["commit_write_bps"] is None
-    one = model.predict_placed(model.Placement(gpu=0, ram=1e9, streamed=1e9), **rates, state_bytes=12)
-    two = model.predict_placed(model.Placement(gpu=0, ram=0.5e9, streamed=0.5e9), **half, state_bytes=12)
+    one = pl.predict_placed(pl.Placement(gpu=0, ram=1e9, streamed=1e9), **rates, state_bytes=12)
+    two = pl.predict_placed(pl.Placement(gpu=0, ram=0.5e9, streamed=0.5e9), **half, state_bytes=12)
     assert two.step_s == pytest.approx(one.step_s)
     with pytest.raises(ValueError, match="ranks must be a positive int"):
-        model.rank_share(rates, 0)
+        pl.rank_share(rates, 0)
 
 
 def test_the_gpus_states_in_host_memory_cross_pcie_both_ways():
@@ -650,10 +653,10 @@ def test_the_gpus_states_in_host_memory_cross_pcie_both_ways():
     is bound by that where the host's cores would take longer."""
     rates = dict(gpu_pps=1e11, host_pps=3e9, memory_bps=80e9, read_bps=2e9, write_bps=2e9,
                  host_to_gpu_bps=50e9, gpu_to_host_bps=50e9)
-    on_gpu = model.predict_placed(model.Placement(gpu=0, ram=0, streamed=0, gpu_host=8e9),
+    on_gpu = pl.predict_placed(pl.Placement(gpu=0, ram=0, streamed=0, gpu_host=8e9),
                                   **rates, state_bytes=4, commit_every=100)
-    assert on_gpu.link_s == pytest.approx(8e9 * 4 / (50e9 * model.BOTH_WAYS_SHARE))
+    assert on_gpu.link_s == pytest.approx(8e9 * 4 / (50e9 * pl.BOTH_WAYS_SHARE))
     assert on_gpu.bound == "pcie" and on_gpu.step_s == pytest.approx(on_gpu.link_s)
-    on_cores = model.predict_placed(model.Placement(gpu=0, ram=8e9, streamed=0), **rates,
+    on_cores = pl.predict_placed(pl.Placement(gpu=0, ram=8e9, streamed=0), **rates,
                                     state_bytes=4, commit_every=100)
     assert on_cores.step_s == pytest.approx(8e9 / 3e9) and on_cores.step_s > on_gpu.step_s

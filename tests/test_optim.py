@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import smartinf.optim as so
-from smartinf.compress import TopK, decompress
+from smartinf.pipeline.compress import TopK, decompress
 from conftest import assert_close_fp32
 
 CASES = [

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import smartinf
-from smartinf.compress import Compressed, TopK, decompress
-from smartinf.rounding import round_to
+from smartinf.pipeline.compress import Compressed, TopK, decompress
+from smartinf.step.rounding import round_to
 from conftest import ENGINES, TorchReference, assert_close_fp32
 
 SIZES = [2500, 1000, 7, 3001]  # not multiples of the chunk, a full chunk, a tiny one
@@ -102,7 +102,7 @@ def test_low_precision_grads_and_params(disk_dir, grad_dtype, out_dtype):
             expected = torch.from_numpy(ref.states(i)["param"])
             stored = torch.from_numpy(pipe.read_states(i)["param"])
             assert_close_fp32(stored.numpy(), expected.numpy(), f"master of sub-group {i}")
-            # The cast of our fp32 master is exact (bf16: ties away from zero, smartinf.rounding);
+            # The cast of our fp32 master is exact (bf16: ties away from zero, smartinf.step.rounding);
             # against torch's it is within one ulp.
             assert torch.equal(out, round_to(stored, out_dtype))
             ulp = (expected.to(out_dtype).float() - out.float()).abs()
@@ -113,7 +113,7 @@ def test_low_precision_grads_and_params(disk_dir, grad_dtype, out_dtype):
 def test_fp16_conversions_match_torch(disk_dir):
     """Every fp16 value widens as torch does; fp32 -> fp16 rounds to nearest even, as torch;
     fp32 -> bf16 to nearest, ties away from zero (the split master's rule), as
-    smartinf.rounding.to_bf16, which differs from torch only at ties."""
+    smartinf.step.rounding.to_bf16, which differs from torch only at ties."""
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     finite = halves[np.isfinite(halves)]
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""state_dtype="auto" (smartinf.plan): what it picks without a probe record, that explicit
+"""state_dtype="auto" (smartinf.planning.plan): what it picks without a probe record, that explicit
 settings win, that split masters need bf16 params, the refusal when no format fits the
 disk, and smartinf.optim resolving "auto" into the settings its pipeline runs with."""
 import errno
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import smartinf.optim
-from smartinf import plan
-from smartinf.model import state_bytes_per_param
+from smartinf.planning import plan
+from smartinf.planning.model import state_bytes_per_param
 
 
 def test_all_resident_picks_the_most_precise_format(tmp_path):

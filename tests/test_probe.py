@@ -4,13 +4,14 @@ import os
 
 import pytest
 
-from smartinf import _native, defaults, probe
+from smartinf import _native, defaults
+from smartinf.planning import probe, probe_cli
 
 SMALL = ["--size-mib", "8"]
 
 
 def run_json(capsys, *args):
-    assert probe.main([*args, "--json"]) == 0
+    assert probe_cli.main([*args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -112,7 +113,7 @@ def test_size_is_rounded_up_to_whole_blocks(disk_dir):
 
 
 def test_table_names_directory_and_kernels(capsys, disk_dir):
-    assert probe.main([disk_dir, *SMALL]) == 0
+    assert probe_cli.main([disk_dir, *SMALL]) == 0
     out = capsys.readouterr().out
     assert disk_dir in out
     for grad, param in probe.KERNEL_DTYPES:
@@ -124,7 +125,7 @@ def test_no_direct_io_is_flagged_as_buffered(capsys, no_direct_dir, caplog):
     result = run_json(capsys, no_direct_dir, *SMALL)
     assert result["storage"][0]["direct"] is False
     assert any("no O_DIRECT" in r.getMessage() for r in caplog.records)
-    assert probe.main([no_direct_dir, *SMALL]) == 0
+    assert probe_cli.main([no_direct_dir, *SMALL]) == 0
     assert "buffered: no O_DIRECT here" in capsys.readouterr().out
 
 
@@ -135,7 +136,7 @@ def test_no_direct_io_is_flagged_as_buffered(capsys, no_direct_dir, caplog):
 ])
 def test_bad_directory_is_a_clear_error(capsys, tmp_path, make, message):
     path = make(str(tmp_path))
-    assert probe.main([path, *SMALL]) == 1
+    assert probe_cli.main([path, *SMALL]) == 1
     err = capsys.readouterr().err
     assert message in err and path in err
 
@@ -150,7 +151,7 @@ def test_too_little_space_is_refused_before_writing(disk_dir):
 @pytest.mark.parametrize("args", [["--size-mib", "0"], ["--repeats", "0"], ["--engine", "spdk"]])
 def test_bad_options_exit_with_usage_error(args):
     with pytest.raises(SystemExit) as e:
-        probe.main(args)
+        probe_cli.main(args)
     assert e.value.code == 2
 
 

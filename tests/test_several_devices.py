@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import smartinf
-from smartinf.compress import TopK
+from smartinf.pipeline.compress import TopK
 
 SIZES = [4000, 1000, 1000, 1000, 1000, 2500, 7, 1500]
 CHUNK = 1000

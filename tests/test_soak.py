@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import smartinf
-from smartinf.compress import Compressed
+from smartinf.pipeline.compress import Compressed
 
 STEPS = 1000
 SIZES = [3000, 2000]

@@ -9,7 +9,7 @@ import torch
 
 import smartinf
 import smartinf.optim as so
-from smartinf import space
+from smartinf.planning import space
 
 
 def test_a_directory_too_small_is_refused_before_the_first_byte(small_fs):

@@ -10,7 +10,7 @@ import torch
 
 import smartinf
 import smartinf.optim as so
-from smartinf.speculation import Speculation
+from smartinf.step.speculation import Speculation
 
 SMALL = dict(subgroup_size=700, chunk=256)  # params split across sub-groups and chunks
 

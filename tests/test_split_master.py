@@ -14,9 +14,9 @@ import torch
 import smartinf
 from conftest import step_traffic_per_param
 import smartinf.optim as so
-from smartinf.compress import TopK
-from smartinf.pipeline import ParamsChangedWarning
-from smartinf.rounding import to_bf16
+from smartinf.pipeline.compress import TopK
+from smartinf.pipeline.pipeline import ParamsChangedWarning
+from smartinf.step.rounding import to_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
 from examples.gpt.data import Language, batches  # noqa: E402
@@ -71,7 +71,7 @@ def assert_same_bits(a, b):
 
 
 def test_bf16_rounds_to_nearest_ties_away_from_zero_on_both_sides(disk_dir):
-    """The devices' bf16 rounding and smartinf.rounding.to_bf16 agree on every class of value,
+    """The devices' bf16 rounding and smartinf.step.rounding.to_bf16 agree on every class of value,
     and differ from torch's nearest-even exactly at the ties it rounds towards zero."""
     rng = np.random.default_rng(1)
     high = rng.integers(0, 1 << 16, 4000).astype(np.uint32)

@@ -241,7 +241,7 @@ def test_states_loaded_into_a_log_directory_train_on_as_saved(tmp_path):
 def test_a_checkpoint_restored_over_a_log_directory_is_not_finished_from_its_log(tmp_path):
     """After a restore (save_devices / restore_devices, as the DeepSpeed checkpoint does) the
     directory's own log of a later step must not be taken for the checkpoint's next step."""
-    from smartinf.checkpoint import restore_devices, save_devices
+    from smartinf.pipeline.checkpoint import restore_devices, save_devices
     d, ckpt = str(tmp_path / "log"), str(tmp_path / "ckpt")
     with open_log(d) as pipe:
         logged_step(pipe, 0)
@@ -318,7 +318,7 @@ def test_the_disk_of_each_format_is_within_5_percent_of_its_bound(tmp_path, stat
     (bf16 here): S + G a param is the bound (docs/memory-tiers.md), which the chunks'
     4 KiB alignment, the spare extents (two a slot) and the log's 1 MiB header exceed by a
     few per cent at 16 Mi params in chunks of 64 Ki (less at a model's size)."""
-    from smartinf.model import state_bytes_per_param
+    from smartinf.planning.model import state_bytes_per_param
     numel, chunk = 16 << 20, 1 << 16
     d = str(tmp_path / state_dtype)
     with smartinf.Pipeline(d, RULE, chunk=chunk, copies="log", state_dtype=state_dtype,

@@ -11,7 +11,7 @@ import torch
 
 import smartinf
 import smartinf._native as native
-from smartinf.compress import Compressed
+from smartinf.pipeline.compress import Compressed
 from conftest import open_with_subgroups
 
 SIZES = [3000, 2500, 1000, 4000]

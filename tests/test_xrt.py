@@ -164,7 +164,7 @@ def test_noop_errors_name_the_fix(noop_env, tmp_path):
 
 
 # -- finding SmartSSDs in sysfs (a made-up sysfs tree: two cards and a plain NVMe drive) --
-from smartinf import smartssd  # noqa: E402
+from smartinf.pipeline import smartssd  # noqa: E402
 
 
 def fake_sysfs(root, data_dir):
@@ -229,10 +229,10 @@ def test_storage_directory_must_be_on_the_cards_own_drive(tmp_path):
 
 PROBE = textwrap.dedent("""
     import json, sys
-    from smartinf import probe
-    r = probe.measure_smartssd(sys.argv[1], 0, 8 << 20)
+    from smartinf.planning import probe_cli, probe_devices
+    r = probe_devices.measure_smartssd(sys.argv[1], 0, 8 << 20)
     print(json.dumps(r))
-    print(probe.format_report({"build": {"io_uring": True, "xrt": True}, "engine_requested": "auto",
+    print(probe_cli.format_report({"build": {"io_uring": True, "xrt": True}, "engine_requested": "auto",
                                "storage": [], "host_copy": {"bps": 1e9, "nbytes": 1 << 20, "repeats": 1},
                                "kernel": [], "smartssd": [r]}))
 """)

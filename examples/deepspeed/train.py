@@ -36,7 +36,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
-import smartinf.model  # noqa: E402
+import smartinf.planning.model  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--topk", type=float, default=0.0, help="SmartComp top-k ratio (smartinf)")
     p.add_argument("--state-dtype", choices=["fp32", "int8", "int4", "auto"], default="fp32",
                    help="smartinf: Adam moments in fp32, 8-bit or 4-bit block-wise; auto: the "
-                        "format, master, memory budget and commit interval smartinf.plan picks")
+                        "format, master, memory budget and commit interval smartinf.planning.plan picks")
     p.add_argument("--split-master", action="store_true",
                    help="smartinf, bf16: store only the low halves of the fp32 masters "
                         "(master=\"split\"); else fp32 masters")
@@ -235,11 +235,11 @@ def main() -> None:
         --record): compare with the forward's waits + the step."""
         choices = {"io_schedules": [f"{c.schedule}: {c.reason}" for c in pipeline.io_schedules],
                    "twins": [f"{c.twins}: {c.reason}" for c in pipeline.twins]}
-        prediction = smartinf.model.predict_pipeline(pipeline)
+        prediction = smartinf.planning.placement.predict_pipeline(pipeline)
         if rank == 0:
             print(f"smartinf: {choices}", flush=True)
             if prediction:
-                print(f"smartinf.model: step {prediction.step_s:.3f} s ({prediction.bound}) for "
+                print(f"smartinf.planning.model: step {prediction.step_s:.3f} s ({prediction.bound}) for "
                       f"{prediction.placement}", flush=True)
         return choices, prediction and dict(dataclasses.asdict(prediction), bound=prediction.bound)
 

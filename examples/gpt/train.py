@@ -27,8 +27,8 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import smartinf.optim  # noqa: E402
-from smartinf import compute_dtype  # noqa: E402
-from smartinf.compress import TopK  # noqa: E402
+from smartinf.planning import compute_dtype  # noqa: E402
+from smartinf.pipeline.compress import TopK  # noqa: E402
 
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402

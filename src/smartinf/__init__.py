@@ -4,14 +4,14 @@ The optimizer states (fp32 master weights, Adam moments) live on computational s
 devices and are updated next to the storage; only gradients go in and updated params
 come out.
 """
-from . import _build_info
-from ._native import io_uring_built
-from .devices import CpuDevice, CudaDevice, XrtDevice
-from .pipeline import ParamsChangedWarning, Pipeline, UpdateFuture
-from .settings import PipelineSettings
-from . import update_rules as _update_rules
-from .update_rules import *  # noqa: F401,F403 (the rules: update_rules.__all__)
-from .integrations import deepspeed_hook
+from smartinf import _build_info
+from smartinf._native import io_uring_built
+from smartinf.pipeline.devices import CpuDevice, CudaDevice, XrtDevice
+from smartinf.pipeline.pipeline import ParamsChangedWarning, Pipeline, UpdateFuture
+from smartinf.pipeline.settings import PipelineSettings
+from smartinf import update_rules as _update_rules
+from smartinf.update_rules import *  # noqa: F401,F403 (the rules: update_rules.__all__)
+from smartinf.integrations import deepspeed_hook
 
 deepspeed_hook.install()  # a "smartinf" block in a DeepSpeed config takes effect
 

@@ -50,12 +50,12 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError("smartinf.integrations.deepspeed needs DeepSpeed: "
                       "pip install 'smartinf[deepspeed]'") from e
 
-from ..devices import rank_directory
-from ..optim import _StorageOptimizer as StorageOptimizer
-from . import deepspeed_hook
-from .deepspeed_config import (CONFIG_KEY, LionParams, Settings, _with_lion_params,
+from smartinf.pipeline.devices import rank_directory
+from smartinf.optim import _StorageOptimizer as StorageOptimizer
+from smartinf.integrations import deepspeed_hook
+from smartinf.integrations.deepspeed_config import (CONFIG_KEY, LionParams, Settings, _with_lion_params,
                                _with_torch_adam, check_config)
-from .deepspeed_zero3 import SmartInfinityStage3
+from smartinf.integrations.deepspeed_zero3 import SmartInfinityStage3
 
 # DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
 # hand must not make ours call itself.

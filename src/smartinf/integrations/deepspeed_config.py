@@ -15,13 +15,14 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
-from .. import _native, defaults, gpu_cores, plan, twins, update_rules
-from ..checkpoint import STATES, manifest_copies, manifest_fields
-from ..compress import TopK
-from ..devices import GPU_DIRECTORY, rank_directory, with_gpu
-from ..driver import rule_for
-from ..settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
-from . import deepspeed_hook
+from smartinf import _native, defaults, update_rules
+from smartinf.planning import gpu_cores, host_states, plan, twins
+from smartinf.pipeline.checkpoint import STATES, manifest_copies, manifest_fields
+from smartinf.pipeline.compress import TopK
+from smartinf.pipeline.devices import GPU_DIRECTORY, rank_directory, with_gpu
+from smartinf.step.driver import rule_for
+from smartinf.pipeline.settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from smartinf.integrations import deepspeed_hook
 
 logger = logging.getLogger("smartinf")
 CONFIG_KEY = deepspeed_hook.CONFIG_KEY
@@ -41,7 +42,7 @@ class Settings:
     gpu_reserve: Optional[int] = None
     # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU,
     # its states crossing PCIe (CudaDevice(memory="host")); "auto" (with a "gpu" block, the
-    # default): where that is faster than the host's cores (plan.gpu_takes_host_states).
+    # default): where that is faster than the host's cores (host_states.gpu_takes_host_states).
     # Its bytes, once moved there (``with_host_states_on_gpu``): gpu_host_budget
     gpu_host_states: Union[bool, str] = False
     gpu_host_budget: int = 0
@@ -159,10 +160,10 @@ class Settings:
         # the pipeline's chunk (pipeline._default_chunk): given, the held run's, or a GPU's
         chunk = p.chunk or defaults.chunk() or (int(held) if held.isdigit() else defaults.GPU_CHUNK)
 
-        from .. import model  # (its formulas; not at import, as twins does)
+        from smartinf.planning import placement  # (its formulas; not at import, as twins does)
         per = 2 if self.gpu_twins is True else 1
         sizes = [_native.copy_bytes(p.state_dtype, p.master, chunk, n, arrays) for n in numels]
-        tiers = model.fill(sizes, {"gpu": self.gpu_memory_budget}, {"gpu": per})
+        tiers = placement.fill(sizes, {"gpu": self.gpu_memory_budget}, {"gpu": per})
         used = sum(per * b for b, t in zip(sizes, tiers) if t == "gpu")
         host_need = sum(b for b, t in zip(sizes, tiers) if t != "gpu")
         holders = len(self.devices)
@@ -184,12 +185,12 @@ class Settings:
     def with_host_states_on_gpu(self, rank: int = 0) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
         move to the GPU's device for states in host memory, the directories keeping none
-        (``plan.host_states_budget``: ``"auto"`` where faster, or where rank ``rank``'s
+        (``host_states.host_states_budget``: ``"auto"`` where faster, or where rank ``rank``'s
         directory holds a run with them there)."""
         if self.gpu_host_budget:
             return self
         given = self.pipeline
-        budget = plan.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
+        budget = host_states.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
                                          given.memory_budget, len(self.devices),
                                          rank_directory(self.devices[0], rank))
         return dataclasses.replace(self, gpu_host_states=bool(budget), gpu_host_budget=budget,

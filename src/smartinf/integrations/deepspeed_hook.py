@@ -27,6 +27,9 @@ import sys
 from typing import Any
 
 CONFIG_KEY = "smartinf"
+#: named, not imported: this module runs at interpreter start (the .pth) and imports neither
+#: DeepSpeed nor the integration, which imports both (and this module, for CONFIG_KEY)
+INTEGRATION = "smartinf.integrations.deepspeed"
 
 
 def install() -> None:
@@ -62,9 +65,8 @@ def patch(deepspeed: Any) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
-        if _wants_smartinf(args, kwargs):
-            from . import deepspeed as smartinf_deepspeed  # noqa: PLC0415 (DeepSpeed is loaded)
-            return smartinf_deepspeed.initialize(*args, **kwargs)
+        if _wants_smartinf(args, kwargs):  # (DeepSpeed is loaded: the integration may be)
+            return importlib.import_module(INTEGRATION).initialize(*args, **kwargs)
         return original(*args, **kwargs)
 
     deepspeed.initialize = initialize
@@ -87,7 +89,7 @@ def config_of(args: Any, kwargs: dict) -> Any:
 
 def _wants_smartinf(args: Any, kwargs: dict) -> bool:
     optimizer = kwargs.get("optimizer")
-    if type(optimizer).__module__ == "smartinf.optim":
+    if type(optimizer).__module__.startswith("smartinf.optim"):
         return True  # refused there with what to do instead
     config = config_of(args, kwargs)
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):

@@ -8,11 +8,12 @@ from typing import Any, Optional
 
 import torch
 
-from .. import defaults, edits
-from ..driver import overrides
-from ..speculation import Speculation
-from ..step_tail import StepTail
-from .deepspeed_config import _rule
+from smartinf import defaults
+from smartinf.step import edits
+from smartinf.step.driver import overrides
+from smartinf.step.speculation import Speculation
+from smartinf.step.tail import StepTail
+from smartinf.integrations.deepspeed_config import _rule
 
 #: Updates started during backward while fewer than this are unfinished: one running and
 #: one queued keep the devices busy; the rest wait for the tail, in the forward's order.

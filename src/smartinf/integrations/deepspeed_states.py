@@ -15,13 +15,13 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
 
-from .. import edits
-from ..checkpoint import restore_devices, save_devices
-from ..driver import Driver, stored_rule
-from ..pipeline import Pipeline
-from ..rounding import to_bf16
-from ..step_session import StepSession
-from .deepspeed_config import _rule, for_this_gpu
+from smartinf.step import edits
+from smartinf.pipeline.checkpoint import restore_devices, save_devices
+from smartinf.step.driver import Driver, stored_rule
+from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.rounding import to_bf16
+from smartinf.step.session import StepSession
+from smartinf.integrations.deepspeed_config import _rule, for_this_gpu
 
 logger = logging.getLogger("smartinf")
 

@@ -16,13 +16,13 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
 
-from .. import defaults
-from ..driver import overrides
-from ..pipeline import Pipeline
-from ..rounding import round_to
-from .deepspeed_config import _rule, _rule_class, check_config, choose, measured_gpu_budget
-from .deepspeed_overlap import Overlap
-from .deepspeed_states import StoredStates
+from smartinf import defaults
+from smartinf.step.driver import overrides
+from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.rounding import round_to
+from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose, measured_gpu_budget
+from smartinf.integrations.deepspeed_overlap import Overlap
+from smartinf.integrations.deepspeed_states import StoredStates
 
 logger = logging.getLogger("smartinf")
 

@@ -21,9 +21,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import optim_options, space, subgroups
-from .rounding import round_to
-from .subgroups import Slice, Subgroup
+from smartinf.optim import subgroups
+from smartinf.optim import options as optim_options
+from smartinf.planning import space
+from smartinf.step.rounding import round_to
+from smartinf.optim.subgroups import Slice, Subgroup
 
 PAGE = 4096  # the unit a file's blocks are reserved in
 MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master (torch ignores it)

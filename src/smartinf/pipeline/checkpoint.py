@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from typing import Optional, Sequence
 
-from .devices import SMALL_DIRECTORY
+from smartinf.pipeline.devices import SMALL_DIRECTORY
 
 STATES = "states.bin"
 MANIFEST = "manifest"

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .rounding import round_to
+from smartinf.step.rounding import round_to
 
 
 @dataclass

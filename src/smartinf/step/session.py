@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .driver import Driver
-from .pipeline import Pipeline
-from .speculation import Speculation
-from .step_tail import StepTail
+from smartinf.step.driver import Driver
+from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.speculation import Speculation
+from smartinf.step.tail import StepTail
 
 logger = logging.getLogger("smartinf")
 

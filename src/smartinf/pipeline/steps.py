@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import numpy as np
 import torch
 
-from . import buffers
-from .compress import Compressed
-from .update_rules import UpdateRule
+from smartinf.pipeline import buffers
+from smartinf.pipeline.compress import Compressed
+from smartinf.update_rules import UpdateRule
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
+    from smartinf.pipeline.pipeline import Pipeline
 
 
 class ParamsChangedWarning(UserWarning):
@@ -123,7 +123,7 @@ class Steps:
         """Starts the update of sub-group ``sg``; returns a future done when ``out`` is.
 
         ``grad`` is the sub-group's gradient: a dense fp32/fp16/bf16 buffer, or a
-        ``smartinf.compress.Compressed`` (top-k int32 indices + fp16/bf16 values, on the
+        ``smartinf.pipeline.compress.Compressed`` (top-k int32 indices + fp16/bf16 values, on the
         CPU) that the device decompresses. Buffers are contiguous CPU numpy arrays or
         tensors. The gradient is multiplied by ``grad_scale`` (1/loss scale, times a
         clipping coefficient) before use. ``out`` receives the updated params

@@ -16,10 +16,11 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from .model import (Hardware, PlacedPrediction, budget_for, host_update_pps, place,
-                    predict_placed, predict_tiered, scaling_table, state_bytes_per_param,
-                    twins_win)
-from .settings import MASTERS, STATE_DTYPES
+from smartinf.planning.model import (Hardware, budget_for, predict_tiered, scaling_table,
+                                     state_bytes_per_param)
+from smartinf.planning.placement import (PlacedPrediction, host_update_pps, place, predict_placed,
+                                         twins_win)
+from smartinf.pipeline.settings import MASTERS, STATE_DTYPES
 
 def parse_devices(text: str) -> list[int]:
     """``"1-10"``, ``"4"`` or ``"1,2,4,8"`` -> device counts."""
@@ -148,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.plot:
             plot(rows, args.plot, f"{args.params:.3g} params")
     except (OSError, ValueError, KeyError, ImportError) as e:
-        print(f"smartinf.model: {e}", file=sys.stderr)
+        print(f"smartinf.planning.model: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"params": args.params, "hardware": dataclasses.asdict(hw), "rows": rows},
                      indent=1) if args.json else format_table(args.params, hw, rows, args.ratio))
@@ -189,7 +190,7 @@ def _print_tiers(args: argparse.Namespace, hw: Hardware, probe_triad: Optional[f
 
 
 def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
-    from . import defaults  # noqa: PLC0415
+    from smartinf import defaults  # noqa: PLC0415
     gpu = result.get("gpu")
     triad = (result.get("triad") or {}).get("bps")
     if not gpu or not triad:
@@ -206,7 +207,7 @@ def _print_placed(args: argparse.Namespace, hw: Hardware, result: dict) -> int:
                               gpu["gpu_to_host_bps"], state, args.commit_every, args.grad_bytes,
                               args.param_bytes, twins, hw.commit_write_bps, hw.mix_bps)
 
-    # auto: the whole placement with and without twins, as smartinf.twins chooses where the
+    # auto: the whole placement with and without twins, as smartinf.planning.twins chooses where the
     # sub-groups are known
     if args.twins == "auto":
         with_twins, without = predicted(True), predicted(False)

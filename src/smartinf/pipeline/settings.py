@@ -10,8 +10,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _native, defaults
-from .devices import positive_gbps
+from smartinf import _native, defaults
+from smartinf.pipeline.devices import positive_gbps
 
 STATE_DTYPES = _native.moments_names()  # store/layout.h's list of moments formats
 MASTERS = ("fp32", "split")

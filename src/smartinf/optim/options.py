@@ -13,13 +13,15 @@ from typing import Any, Optional, Sequence
 import torch
 from typing_extensions import TypedDict
 
-from . import defaults, plan, update_rules
-from .compress import TopK
-from .devices import with_gpu
-from .driver import rule_for, stored_rule
-from .pipeline import Pipeline
-from .settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
-from .subgroups import Subgroup
+from smartinf import defaults, update_rules
+from smartinf.planning import plan
+from smartinf.planning.host_states import host_states_budget
+from smartinf.pipeline.compress import TopK
+from smartinf.pipeline.devices import with_gpu
+from smartinf.step.driver import rule_for, stored_rule
+from smartinf.pipeline.pipeline import Pipeline
+from smartinf.pipeline.settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from smartinf.optim.subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
 
@@ -27,22 +29,22 @@ class StorageOptions(TypedDict, total=False):
     """Keyword arguments every ``smartinf.optim`` optimizer takes besides torch's.
 
     ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
-    ``smartinf.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
+    ``smartinf.pipeline.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
     ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
     ``overlap``, ``copies`` as for ``smartinf.Pipeline``
-    (``smartinf.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
-    budget, commit interval and copies ``smartinf.plan`` picks for these params, devices and
+    (``smartinf.pipeline.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
+    budget, commit interval and copies ``smartinf.planning.plan`` picks for these params, devices and
     host, reported as a warning, explicit ``master``/``memory_budget``/``commit_every``/``copies`` kept); ``if_exists`` what to do with directories holding an
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
     directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
     (``"host"``: a host copy of the budget that durable commits write from; None: chosen,
-    ``smartinf.twins``); ``gpu_host_states`` whether that GPU also
+    ``smartinf.planning.twins``); ``gpu_host_states`` whether that GPU also
     updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
     ``CudaDevice(memory="host")``, directory ``gpu-host/``; ``"auto"``, the default with a
-    ``gpu_memory_budget``: where faster than the host's cores, ``plan.host_states_budget``).
+    ``gpu_memory_budget``: where faster than the host's cores, ``host_states.host_states_budget``).
     """
 
     subgroup_size: int
@@ -86,7 +88,7 @@ def check_keywords(subgroup_size: Any, compress: Any, max_grad_norm: Any) -> Non
     if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
         raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
     if compress is not None and not isinstance(compress, TopK):
-        raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
+        raise TypeError(f"compress must be a smartinf.pipeline.compress.TopK, got {type(compress).__name__}")
     if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
 
@@ -142,9 +144,9 @@ def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | st
     """``gpu_host_states``: the settings, and the bytes of host memory moved from the cpu
     devices' memory tier to the GPU's device for states in host memory (0: none)."""
     given = wanted if gpu_budget is not None else wanted is True
-    host = plan.host_states_budget(given, settings.state_dtype, settings.master, settings.memory_budget,
-                                   sum(getattr(d, "kind", "cpu") == "cpu" for d in devices),
-                                   str(getattr(devices[0], "path", devices[0])))
+    host = host_states_budget(given, settings.state_dtype, settings.master, settings.memory_budget,
+                              sum(getattr(d, "kind", "cpu") == "cpu" for d in devices),
+                              str(getattr(devices[0], "path", devices[0])))
     return (dataclasses.replace(settings, memory_budget=0) if host else settings), host
 
 

@@ -33,7 +33,7 @@ class Choice:
 
 def record(directory: str, storage: dict) -> str:
     """Writes the probe's storage figures of ``directory`` (``StorageLimit`` as a dict, and
-    the host's figures ``smartinf.twins`` reads) to its record, atomically; returns the
+    the host's figures ``smartinf.planning.twins`` reads) to its record, atomically; returns the
     record's path."""
     path = os.path.join(directory, RECORD)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -117,7 +117,7 @@ def choose(setting: str, directory: str) -> Choice:
     path = find_record(directory)
     if path is None:
         return Choice("mixed", f"no probe record in {directory} or above it (python -m "
-                               f"smartinf.probe {directory} --record measures one)")
+                               f"smartinf.planning.probe {directory} --record measures one)")
     instead = "pass io_schedule='mixed' or 'phased'"
     figures = load_record(path, instead)
     try:

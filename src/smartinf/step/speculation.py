@@ -9,7 +9,7 @@ What a speculative update may change is what a retract undoes: the devices keep 
 it read (``Pipeline.retractable``), and its params go to buffers of the front-end, put into
 the model by ``step()`` only. ``Speculation`` owns the updates in flight and their
 validation; the front-ends say when a gradient is final: ``ParamHooks`` (``smartinf.optim``:
-each param's post-accumulate-grad hook) and the DeepSpeed integration (its partitioned
+each param's post-accumulate-grad hook, ``optim/hooks.py``) and the DeepSpeed integration (its partitioned
 gradients).
 
 Whether a gradient is still the one an update read is told by a digest of it (``edits``'s,
@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
-from . import defaults, edits
+from smartinf.step import edits
 
 logger = logging.getLogger("smartinf")
 
@@ -208,113 +208,3 @@ class Speculation:
     def close(self) -> None:
         if self._launcher is not None:
             self._launcher.shutdown()
-
-
-class ParamHooks:
-    """``smartinf.optim``'s trigger: a post-accumulate-grad hook per param; a sub-group's
-    gradient is final when each of its params has been accumulated as many times as in the
-    last step (gradient accumulation), and an update is stale if one is accumulated again, or
-    if its gradient is replaced (``is``, ``_version``) or its bits change (the digest) before
-    ``step()``.
-
-    ``send(sg, grad, scale, hyper, out)`` starts an update and returns its future;
-    ``hyper_of(sg)`` gives a sub-group's current hyper-parameters; ``gather(sg, grads)`` its
-    flat gradient from {id(param): grad}. Only for GPU params (``defaults.speculate_on_cpu``:
-    a backward on the CPU holds the cores). Its params come out into buffers of this class (and
-    GPU params' gradients go through host buffers): one copy of the params, allocated when
-    they are registered."""
-
-    def __init__(self, speculation: Speculation, send: Callable, hyper_of: Callable,
-                 gather: Callable) -> None:
-        self.speculation = speculation
-        self._send = send
-        self._hyper_of = hyper_of
-        self._gather = gather
-        self._lock = threading.Lock()
-        self._subgroups_of: dict[int, list] = {}  # id(param) -> its sub-groups
-        self._params: dict[int, list] = {}  # sub-group id -> its distinct params
-        self._out: dict[int, torch.Tensor] = {}
-        self._grad_host: dict[int, torch.Tensor] = {}
-        self._hooks: list = []
-        self._seen: dict[int, int] = {}  # accumulations per param since the last step
-        self._expected = 1  # accumulations per step, as in the last step
-        self._stale: set[int] = set()  # sub-groups accumulated into after their update started
-        self._on_cpu = defaults.speculate_on_cpu()  # else only gradients of GPU params
-
-    def register(self, plan: Sequence[Any]) -> None:
-        """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
-        hooked = set(self._subgroups_of)
-        for sg in plan:
-            params = list({id(s.param): s.param for s in sg.slices}.values())
-            self._params[sg.id] = params
-            for p in params:
-                self._subgroups_of.setdefault(id(p), []).append(sg)
-            pin = sg.device.type == "cuda"
-            self._out[sg.id] = torch.empty(sg.numel, dtype=sg.dtype, pin_memory=pin)
-            if pin:
-                self._grad_host[sg.id] = torch.empty(sg.numel, dtype=sg.dtype, pin_memory=True)
-        for sg in plan:
-            for p in self._params[sg.id]:
-                if id(p) not in hooked and p.requires_grad:
-                    hooked.add(id(p))
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
-
-    def end_step(self) -> None:
-        """At ``step()``: the accumulations of this step are what the next one expects."""
-        with self._lock:
-            if self._seen:
-                self._expected = max(self._seen.values())
-            self._seen = {}
-            self._stale = set()
-
-    def _accumulated(self, p: torch.Tensor) -> None:
-        try:
-            with self._lock:
-                seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
-                for sg in self._subgroups_of.get(id(p), ()):
-                    if self.speculation.flying(sg.id):
-                        self._stale.add(sg.id)  # its gradient grew after the update started
-                    elif seen == self._expected and all(
-                            self._seen.get(id(q), 0) == self._expected for q in self._params[sg.id]):
-                        self._start(sg)
-        except Exception as e:  # backward must go on: the step updates it instead
-            logger.warning("an update could not start during backward (%s): updates wait for "
-                           "step() from now on", e)
-            self.speculation.enabled = False
-
-    def _start(self, sg: Any) -> None:
-        if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id):
-            return
-        if self.speculation.pipeline.gpu_of(sg.id) is not None:
-            return  # updated on the GPU at step(), where its gradient is: milliseconds
-        grads = []
-        for p in self._params[sg.id]:
-            g = p.grad
-            if g is None or g.is_sparse:
-                return
-            grads.append((p, g, g._version))
-        flat = self._gather(sg, {id(p): g.detach() for p, g, _ in grads})
-        ready = None
-        if flat.is_cuda:
-            host = self._grad_host[sg.id]
-            host.copy_(flat, non_blocking=True)
-            ready = torch.cuda.Event(blocking=True)  # its waiter sleeps: the cores are the update's
-            ready.record()  # the launch waits for it, not backward
-            flat = host
-        out, hyper = self._out[sg.id], self._hyper_of(sg)
-
-        def guard() -> Optional[str]:
-            if sg.id in self._stale:
-                return "accumulated again"
-            if any(p.grad is not g or g._version != version for p, g, version in grads):
-                return "gradient changed"
-            return None
-        self.speculation.start(sg.id, hyper, out,
-                               lambda scale: self._send(sg, flat, scale, hyper, out), ready, guard,
-                               lambda: [s.param.grad.detach().reshape(-1)[s.start:s.stop]
-                                        for s in sg.slices])
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -21,14 +21,16 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _native, buffers, defaults, space, twins, update_rules
-from . import io_schedule as schedules
-from .checkpoint import MANIFEST, manifest_fields
-from .devices import DeviceLike, resolve, small_directory
-from .pipeline_states import States
-from .pipeline_steps import ParamsChangedWarning, Steps, UpdateFuture
-from .settings import PipelineSettings
-from .update_rules import AdamW, UpdateRule
+from smartinf import _native, defaults, update_rules
+from smartinf.pipeline import buffers
+from smartinf.planning import space, twins
+from smartinf.planning import io_schedule as schedules
+from smartinf.pipeline.checkpoint import MANIFEST, manifest_fields
+from smartinf.pipeline.devices import DeviceLike, resolve, small_directory
+from smartinf.pipeline.states import States
+from smartinf.pipeline.steps import ParamsChangedWarning, Steps, UpdateFuture
+from smartinf.pipeline.settings import PipelineSettings
+from smartinf.update_rules import AdamW, UpdateRule
 
 __all__ = ["Pipeline", "UpdateFuture", "ParamsChangedWarning"]
 
@@ -64,7 +66,7 @@ class Pipeline(Steps, States):
     subgroup_sizes
         The sizes of the sub-groups the caller will add, in order, where it knows them (the
         front-ends do): a ``CudaDevice(twins=None)`` then takes twins by the model's
-        prediction of the whole placement with and without (``smartinf.twins``). Placement
+        prediction of the whole placement with and without (``smartinf.planning.twins``). Placement
         itself is by ``add_subgroup``, as always.
     small_sizes
         With int8/int4 states, the sizes of the sub-groups of small tensors the caller will

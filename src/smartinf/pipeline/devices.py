@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
-from . import _build_info, defaults, smartssd
+from smartinf import _build_info, defaults
+from smartinf.pipeline import smartssd
 
 
 class NativeDeviceSpec(NamedTuple):
@@ -19,9 +20,9 @@ class NativeDeviceSpec(NamedTuple):
     # the kind's own options, which its registry row names (bool, int or str values)
     options: Mapping[str, object] = MappingProxyType({})
     storage_bps: float = 0.0  # cpu: emulated storage bandwidth cap (0: the disk's)
-    io_schedule: str = "mixed"  # mixed | phased (smartinf.io_schedule chooses it)
+    io_schedule: str = "mixed"  # mixed | phased (smartinf.planning.io_schedule chooses it)
     io_burst: int = 0  # phased: bytes per turn (0: the core's default, 256 MiB)
-    twins: bool = False  # resident sub-groups placed with their twin (smartinf.twins)
+    twins: bool = False  # resident sub-groups placed with their twin (smartinf.planning.twins)
 
 
 _BDF = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
@@ -54,7 +55,7 @@ class CpuDevice:
     GB/s = 1e9 bytes/s) to model a CSD's internal SSD, e.g. several emulated CSDs on one
     fast disk; ``None`` (the default) runs at the disk's speed. ``twins``: its share of the
     pipeline's ``memory_budget`` holds each resident sub-group with room for a second copy
-    (``smartinf.twins``; default False).
+    (``smartinf.planning.twins``; default False).
     """
 
     path: str
@@ -113,7 +114,7 @@ class XrtDevice:
     def discover(cls, subdir: str = "smartinf", xclbin: Optional[str] = None,
                  sysfs: str = "/sys", mounts_file: str = "/proc/mounts") -> list:
         """One ready device per SmartSSD whose drive is mounted: its FPGA paired with
-        ``<mount point>/<subdir>`` on its own NVMe (see smartinf.smartssd)."""
+        ``<mount point>/<subdir>`` on its own NVMe (see smartinf.pipeline.smartssd)."""
         return [cls(os.path.join(card.mounts[0], subdir), card.fpga, xclbin)
                 for card in smartssd.discover(sysfs, mounts_file) if card.mounts]
 
@@ -136,7 +137,7 @@ class CudaDevice:
     sub-groups (False); ``"host"``: a page-locked host copy of the budget (as large, allocated
     with it), into which a durable commit copies the resident states (about a second for
     25 GB) and from which it writes them, so no update waits for the disk and the budget
-    keeps its whole capacity; None (the default): ``smartinf.twins`` chooses, ``"host"``
+    keeps its whole capacity; None (the default): ``smartinf.planning.twins`` chooses, ``"host"``
     where the host's available memory holds it, else by the model.
 
     ``memory="host"``: the budget is page-locked host memory instead, for states the GPU
@@ -179,7 +180,7 @@ class CudaDevice:
         if not _build_info.CUDA:
             raise OSError("smartinf was built without CUDA: install a CUDA toolkit (nvcc on the "
                           "PATH, or CUDACXX) and reinstall smartinf")
-        # host_twin: the pipeline's (smartinf.twins chooses it)
+        # host_twin: the pipeline's (smartinf.planning.twins chooses it)
         return NativeDeviceSpec("cuda", self.path, {"gpu": self.ordinal(), "memory_budget": self.memory_budget,
                                                     "memory": self.memory})
 

@@ -56,7 +56,7 @@ def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
     """Refuses states files growing by ``grow`` bytes in ``directories`` (one each) where
     their file system has less free; ``params``, ``state_dtype``, ``master`` and ``copies``
     say what would fit instead."""
-    from .model import state_bytes_per_param  # the layout's bytes per param
+    from smartinf.planning.model import state_bytes_per_param  # the layout's bytes per param
     need: dict[int, tuple[int, list[str]]] = {}
     for path, nbytes in zip(directories, grow):
         device = os.stat(path).st_dev
@@ -97,7 +97,7 @@ def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
 def forget_new_directory(path: str) -> None:
     """Removes the files a refused pipeline's open made in ``path`` (it held no run before):
     the directory is as it was found, so another format can be tried there."""
-    from .checkpoint import LOG_FILES, MANIFEST, STATES
+    from smartinf.pipeline.checkpoint import LOG_FILES, MANIFEST, STATES
     for name in (MANIFEST, STATES, "lock", *LOG_FILES):
         try:
             os.remove(os.path.join(path, name))

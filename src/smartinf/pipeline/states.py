@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import buffers
+from smartinf.pipeline import buffers
 
 
 class States:

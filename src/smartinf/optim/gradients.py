@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import update_rules
-from .subgroups import Subgroup
+from smartinf import update_rules
+from smartinf.optim.subgroups import Subgroup
 
 
 def dense(p: torch.Tensor, optimizer: torch.optim.Optimizer, stored: set,

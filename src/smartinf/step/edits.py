@@ -26,8 +26,8 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _native
-from .rounding import round_to
+from smartinf import _native
+from smartinf.step.rounding import round_to
 
 logger = logging.getLogger("smartinf")
 

@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .compress import Compressed, TopK
-from .pipeline import Pipeline
-from .staging import Staging, depth_for, pipelined
+from smartinf.pipeline.compress import Compressed, TopK
+from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.staging import Staging, depth_for, pipelined
 
 TRAFFIC = ("host_to_device", "device_to_host", "storage_read", "storage_write", "step")
 

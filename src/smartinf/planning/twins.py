@@ -11,10 +11,10 @@ For a GPU the price is small: a sub-group its budget cannot take is updated in h
 instead. ``twins=None`` (a ``CudaDevice``'s default) lets the model weigh the two with the
 probe's figures (``python -m smartinf.probe DIR --record`` on the GPU's machine): where the
 caller says which sub-groups will come (``Pipeline(subgroup_sizes=...)``, as the front-ends
-do) and the record has the GPU's and the host's figures, by ``model.predict_placed`` of the
-whole placement with twins and without (``model.twins_win``: none only where faster by
-more than ``model.TWINS_TIE``; where the host's part or the disk bounds the step after a
-commit anyway, the GPU's wait costs nothing and twins only capacity); else per byte of budget by ``model.twins_pay`` (the
+do) and the record has the GPU's and the host's figures, by ``placement.predict_placed`` of the
+whole placement with twins and without (``placement.twins_win``: none only where faster by
+more than ``placement.TWINS_TIE``; where the host's part or the disk bounds the step after a
+commit anyway, the GPU's wait costs nothing and twins only capacity); else per byte of budget by ``placement.twins_pay`` (the
 host's update rate against the disk's write rate). It keeps twins where there is no record.
 Host memory (a ``CpuDevice``) keeps no twins by default: a sub-group its budget cannot take
 streams from storage every step, which costs more than one write per commit interval.
@@ -32,7 +32,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import defaults, io_schedule, space
+from smartinf import defaults
+from smartinf.planning import io_schedule, model, placement, space
 
 
 # How to go without a record that is not one.
@@ -94,10 +95,9 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
         return Choice(True, f"no probe record with the host's update rate in {device.path} or "
                             f"above it (python -m smartinf.probe DIR --record): twins, so that "
                             f"a durable commit's write never holds the GPU's updates")
-    from . import model  # not at import: `python -m smartinf.model` runs it as __main__
     host_pps, write_bps = rates
     state = model.state_bytes_per_param(state_dtype, master)
-    pays = model.twins_pay(state, commit_every, host_pps, write_bps)
+    pays = placement.twins_pay(state, commit_every, host_pps, write_bps)
     return Choice(pays, f"{path}: the host updates {host_pps / 1e9:.2f} G params/s, the disk "
                         f"writes {write_bps / 1e9:.2f} GB/s; with commit_every={commit_every} "
                         + ("a twin costs less than its sub-group's wait for its write" if pays
@@ -107,26 +107,25 @@ def choose(device, state_dtype: str, master: str, commit_every: int, overlap: bo
 def _by_placement(path: str, figures: dict, gpu_budget: int, sizes: Sequence[int],
                   ram_budget: float, state_dtype: str, master: str,
                   commit_every: int, schedule: Optional[str] = None) -> Choice | None:
-    """The whole placement the model prefers (``model.twins_win``), from the record's
+    """The whole placement the model prefers (``placement.twins_win``), from the record's
     ``figures``; None where it lacks the GPU's, the host's or the disk's figures."""
-    from . import model
     if figures.get("gpu") is None:  # a record without them: the rule per byte
         return None
     try:
-        rates = model.recorded_rates(figures, state_dtype, master, schedule)
+        rates = placement.recorded_rates(figures, state_dtype, master, schedule)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise io_schedule.not_a_record(path, f"its figures: {e!r}", INSTEAD) from e
     if rates is None:  # no triad or kernel timed on the usable cores: the rule per byte
         return None
     state = model.state_bytes_per_param(state_dtype, master)
-    step = {t: model.predict_placed(model.place_sizes(sizes, state, gpu_budget, ram_budget, t),
+    step = {t: placement.predict_placed(placement.place_sizes(sizes, state, gpu_budget, ram_budget, t),
                                     **rates, state_bytes=state, commit_every=commit_every,
                                     twins=t).step_s
             for t in (False, True)}
-    return Choice(model.twins_win(step[True], step[False]),
+    return Choice(placement.twins_win(step[True], step[False]),
                   f"{path}: over its {len(sizes)} sub-groups the model's mean step with twins "
                   f"{step[True]:.3f} s, without {step[False]:.3f} s (commit_every={commit_every}; "
-                  f"without only where more than {model.TWINS_TIE:.0%} shorter)")
+                  f"without only where more than {placement.TWINS_TIE:.0%} shorter)")
 
 
 def _recorded_rates(path: str, figures: dict, state_dtype: str,
@@ -135,9 +134,8 @@ def _recorded_rates(path: str, figures: dict, state_dtype: str,
     ``figures`` (beside the host's update where the probe measured it: the GPU's wait for its
     write runs beside the host's part of the step); None where it holds no kernel rates
     (probes before they were recorded)."""
-    from . import model
     try:
-        host_pps = model.host_update_pps(figures, state_dtype, master)
+        host_pps = placement.host_update_pps(figures, state_dtype, master)
     except ValueError:  # no kernel timed on the usable cores
         return None
     except (KeyError, TypeError, AttributeError) as e:
@@ -149,9 +147,8 @@ def _recorded_rates(path: str, figures: dict, state_dtype: str,
 
 
 def _check_rates(path: str, rates: dict) -> None:
-    """``model.check_rates``; a bad rate refuses the record, naming it."""
-    from . import model
+    """``placement.check_rates``; a bad rate refuses the record, naming it."""
     try:
-        model.check_rates(rates)
+        placement.check_rates(rates)
     except ValueError as e:
         raise io_schedule.not_a_record(path, e, INSTEAD) from e

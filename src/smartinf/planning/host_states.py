@@ -1,0 +1,80 @@
+"""Where the states a memory budget keeps in host memory are updated: on the host's cores,
+or on the GPU over PCIe (``CudaDevice(memory="host")``), for the ``"gpu"`` block's and
+``smartinf.optim``'s ``host_states``: by the probe's record where there is one
+(``gpu_takes_host_states``), and the bytes of host memory the GPU takes (``host_states_budget``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from smartinf.pipeline.checkpoint import MANIFEST
+from smartinf.pipeline.devices import GPU_HOST_DIRECTORY
+from smartinf.planning.io_schedule import find_record, load_record
+from smartinf.planning.model import state_bytes_per_param
+from smartinf.planning.placement import BOTH_WAYS_SHARE, recorded_rates
+from smartinf.planning.plan import _existing
+
+logger = logging.getLogger("smartinf")
+
+
+def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tuple[bool, str]:
+    """Whether the GPU updates the states kept in host memory faster than the host's cores
+    (the ``"gpu"`` block's ``"host_states": "auto"``), and why. Over PCIe each param's states
+    cross both ways (its gradient and params stay in the GPU's memory), so the GPU's rate is
+    the link's over the states' bytes; the cores' is the probe's kernel rate. Without a
+    probe record with both: the GPU for int8 and int4 moments (2.3x and 2.9x the cores on
+    the lent H100's 14 update threads, `bench/measured/h100-gpu-host-states.json`), the cores for fp32
+    (0.87x: 12 B a param each way)."""
+    state = state_bytes_per_param(state_dtype, master)
+    path = find_record(_existing(directory))
+    figures = load_record(path, "move it away") if path else None
+    rates = recorded_rates(figures, state_dtype, master) if figures else None
+    if rates is None or math.isinf(rates["host_to_gpu_bps"]):
+        quantized = state_dtype != "fp32"
+        return quantized, (f"no probe record with the GPU's link and the host's kernel "
+                           f"(python -m smartinf.probe DIR --record): {state_dtype} moments "
+                           f"(~{state:.1f} B a param each way) on the "
+                           + ("GPU" if quantized else "host's cores"))
+    link = min(rates["host_to_gpu_bps"], rates["gpu_to_host_bps"]) * BOTH_WAYS_SHARE
+    gpu_pps, host_pps = link / state, rates["host_pps"]
+    return gpu_pps > host_pps, (f"{path}: the GPU over PCIe {gpu_pps / 1e9:.2f} G params/s "
+                                f"({link / 1e9:.1f} GB/s each way, {state:.2f} B a param), the "
+                                f"host's cores {host_pps / 1e9:.2f} G params/s")
+
+
+def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
+                       memory_budget: int, holders: int, directory: str) -> int:
+    """Bytes of host memory the GPU takes from the cores' memory tier (``memory_budget`` on
+    each of ``holders`` directories) for its states in host memory (``CudaDevice(memory=
+    "host")``, in ``directory``'s ``gpu-host/``): all for ``host_states=True``, none for
+    False, and for ``"auto"`` all where the GPU updates them faster (``gpu_takes_host_states``,
+    logged), none where not or where there is no GPU or no budget; but where ``directory``
+    holds a run, as that run placed them (in ``gpu-host/`` or not: its sub-groups are where
+    it put them, and another device list would be refused). True without a GPU or a budget
+    is refused, saying why."""
+    if not host_states:
+        return 0
+    run = os.path.isfile(os.path.join(directory, MANIFEST))
+    held = os.path.isfile(os.path.join(directory, GPU_HOST_DIRECTORY, MANIFEST))
+    import torch  # (not at import: plan's command line runs without torch's CUDA)
+    budget = memory_budget * holders
+    why_not = ("no CUDA GPU is visible here" if not torch.cuda.is_available() else
+               "there is no memory_budget: no states are kept in host memory" if not budget else "")
+    if why_not and host_states == "auto":
+        return 0
+    if why_not:
+        raise ValueError(f"host_states=True updates the states a memory_budget keeps in host "
+                         f"memory on the GPU, and {why_not}: give a GPU and a memory_budget "
+                         f"(or state_dtype='auto'), or leave host_states out")
+    if host_states == "auto" and (held or run):
+        logger.warning("smartinf: the states in host memory updated on the %s: %s holds a run "
+                       "with them there", "GPU" if held else "host's cores", directory)
+        return budget if held else 0
+    if host_states == "auto":
+        takes, why = gpu_takes_host_states(state_dtype, master, directory)
+        logger.warning("smartinf: the states in host memory updated on the %s (host_states "
+                       "says otherwise): %s", "GPU" if takes else "host's cores", why)
+        return budget if takes else 0
+    return budget
