@@ -1,8 +1,9 @@
 // The end of a Pipeline's step: commit() (durable every commit_every-th time, its resident
 // states written on the rings' background lanes and the stores committed when they are:
 // make_durable, land), flush, settle, going back to the durable commit after a failure
-// (back_to_durable, discard) and close. Placement, membership and the updates are in
-// pipeline.cc.
+// (back_to_durable, discard) and close; with a log, the step's logs sealed, finished,
+// dropped and settled, and the rollback to a step. Construction and membership are
+// pipeline.cc's, placement placement.cc's, updates steps.cc's.
 #include <algorithm>
 
 #include "fault.h"
@@ -275,6 +276,147 @@ void Pipeline::close() {
   }
   devices_.clear();
   if (error) std::rethrow_exception(error);
+}
+
+void Pipeline::seal_logs() {
+  std::lock_guard lock(mu_);
+  require_open();
+  for (Unit& u : devices_)
+    if (u.store->logs() && !u.store->log_sealed()) u.store->seal_log();
+}
+
+bool Pipeline::logged_step_pending() const {
+  std::lock_guard lock(mu_);
+  return logged_undecided_ && std::all_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+    return u.store->pending();
+  });
+}
+
+void Pipeline::finish_logged_step() {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (!logged_undecided_) return;
+  for (Unit& u : devices_)
+    if (!u.store->pending())
+      throw std::invalid_argument(u.store->dir() + " holds no log of step " +
+                                  std::to_string(step_ + 1) + " to finish: drop_logged_step()");
+  for (Unit& u : devices_) finish_logged_step(u);
+  logged_undecided_ = false;
+  step_ = durable_step_ = devices_.front().store->step();
+}
+
+void Pipeline::drop_logged_step() {
+  std::lock_guard lock(mu_);
+  require_open();
+  for (Unit& u : devices_)
+    if (u.store->pending()) u.store->drop_log();
+  logged_undecided_ = false;
+}
+
+// Directories with a log at reopen: each device's log of the step after its own is sealed
+// before any device's update runs, so where every device behind has its log, all finish
+// that step (a crash between two devices' commits leaves some one step ahead); where one
+// lacks it, no extent was written over anywhere, and those sealed forget it.
+void Pipeline::settle_logs(uint64_t lo, uint64_t hi) {
+  const bool logged = std::all_of(devices_.begin(), devices_.end(), [&](const Unit& u) {
+    return u.store->step() != lo || u.store->pending();
+  });
+  if (options_.defer_logged_step && hi == lo &&
+      std::any_of(devices_.begin(), devices_.end(), [](const Unit& u) { return u.store->pending(); })) {
+    logged_undecided_ = true;  // the caller decides, with the other processes'
+    return;
+  }
+  if (hi > lo + 1 || (hi == lo + 1 && !logged))
+    throw std::invalid_argument(
+        "device directories with a log (copies='log') are at steps " + std::to_string(lo) +
+        " and " + std::to_string(hi) + ", and those at step " + std::to_string(lo) + " hold no " +
+        "log of step " + std::to_string(lo + 1) + " to finish: they do not belong to one "
+        "pipeline. Pass the directories the pipeline was made with, or restore a checkpoint");
+  if (logged) return;
+  for (Unit& u : devices_)
+    if (u.store->pending()) {
+      u.store->drop_log();
+      notes_.push_back(u.store->dir() + ": its log of step " + std::to_string(lo + 1) + " was "
+                       "sealed, another device's was not, so no update of that step had run: "
+                       "forgotten, the directory is at step " + std::to_string(lo));
+    }
+}
+
+void Pipeline::refuse_log_options(const PipelineOptions& o) const {
+  const auto no = [](const std::string& what) {
+    throw std::invalid_argument("copies='log' (one copy, each step's gradients logged) " + what);
+  };
+  if (o.copies != 1) no("keeps one copy: copies must be 1 with it");
+  if (o.commit_every != 1) no("makes every step durable: commit_every must be 1");
+  if (o.master != "fp32") no("is for an fp32 master: with a split one, two copies (copies=2) take no "
+                             "more disk (docs/memory-tiers.md)");
+  if (o.memory_budget) no("streams every sub-group from storage: no memory_budget");
+  for (const DeviceSpec& d : o.devices)
+    if (d.kind != "cpu") no("runs on cpu devices so far, not " + d.kind + " (" + d.dir + ")");
+}
+
+// The update's own path: each chunk left at the step before is read from its committed
+// extent, updated by the device's kernel with the logged gradient and hyper-parameters (the
+// same bits as the update that was interrupted), and written to a free extent; then the
+// step is committed.
+void Pipeline::finish_logged_step(Unit& u) {
+  store::StateStore& store = *u.store;
+  uint64_t chunks = 0;
+  for (const store::Replay& r : store.replay()) {
+    if (r.chunks.empty()) continue;
+    const store::SubgroupRecord& rec = store.record(r.local);
+    const auto dtype = static_cast<kernels::DType>(r.gradient.dtype);
+    const size_t gsize = kernels::dtype_size(dtype);
+    std::vector<char> grad(rec.numel * gsize);
+    std::vector<float> out(rec.numel);
+    store.read_logged(r.gradient, grad.data());
+    auto done = std::make_shared<Completion>(r.chunks.size());
+    for (uint64_t c : r.chunks) {
+      Job job;
+      job.kind = JobKind::update;
+      job.completion = done;
+      job.src = store.extent(r.local, c, rec.copy);
+      job.dst = store.extent(r.local, c, rec.copy ^ 1u);
+      job.subgroup = rec.id;
+      job.chunk = c;
+      job.written_at = rec.last;
+      job.kernel.step = kernels::make_step(rule_, r.gradient.hyper, r.gradient.steps);
+      job.kernel.grad = dtype;
+      job.kernel.param = kernels::DType::f32;
+      job.input = grad.data() + c * options_.chunk * gsize;
+      job.output = out.data() + c * options_.chunk;
+      u.ring->push(job);
+    }
+    done->wait();
+    u.ring->drain();
+    chunks += r.chunks.size();
+  }
+  store.publish_logged_step();
+  notes_.push_back(store.dir() + ": its run stopped in step " + std::to_string(store.step()) +
+                   ", whose gradients were logged: that step was finished (" +
+                   std::to_string(chunks) + " chunks updated again from the log)");
+}
+
+uint64_t Pipeline::previous_step() const {
+  const uint64_t previous = devices_.front().store->previous_step();
+  for (const Unit& u : devices_)
+    if (u.store->previous_step() != previous) return durable_step_;  // not one step for all
+  return previous;
+}
+
+void Pipeline::roll_back_to(uint64_t step) {
+  std::lock_guard lock(mu_);
+  if (step == durable_step_) return;
+  if (step_ != durable_step_ || subgroup_count() != 0 || step != previous_step() || step > durable_step_)
+    throw std::invalid_argument(
+        "cannot go back to step " + std::to_string(step) + ": these directories are at step " +
+        std::to_string(durable_step_) + " and hold step " + std::to_string(previous_step()) +
+        " besides (a rollback goes back one durable commit, before any sub-group is added)");
+  for (Unit& u : devices_)
+    if (u.store->step() != step) u.store->rollback_last_step();
+  notes_.push_back("rolled back from step " + std::to_string(durable_step_) + " to step " +
+                   std::to_string(step) + ", where the other ranks' directories are");
+  step_ = durable_step_ = step;
 }
 
 }  // namespace smartinf::pipeline
