@@ -185,7 +185,7 @@ class Adamax:
     weight_decay: float = 0.0
     maximize: bool = False
     name = "adamax"
-    torch_name = "Adamax"  # smartinf.optim.Adamax: torch's signature (optim._drop_in)
+    torch_name = "Adamax"  # smartinf.optim.Adamax: torch's signature (optim/drop_in.py)
     base_optimizers = ("Adamax",)
     state_names = ("exp_avg", "exp_inf")
     initial_state = 0.0

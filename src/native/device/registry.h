@@ -3,7 +3,7 @@
 // own it takes, and its factory. The pipeline reads rows; nothing else switches on a kind's
 // name, and a kind's own options pass through the pipeline and the binding as text. A new
 // kind: its <kind>_device.cc (the Device and its factory, declared here) and its row here
-// (ARCHITECTURE.md, "A new device", lists the rest: its Python class, test and docs line).
+// (docs/extending.md, "A new device kind", lists the rest: its Python class, test and docs line).
 #pragma once
 #include <cstdint>
 #include <map>

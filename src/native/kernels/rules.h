@@ -3,7 +3,7 @@
 // kernels on fp32 and quantized states, its HLS top function) is read from here: nothing else
 // switches on a rule. Adding a rule: its element-wise kernel (kernels/<rule>.h), a row, its
 // cases and RuleKernel below, its HLS top's line (hls_kernels/kernels.cpp, Makefile,
-// smartssd.cfg), and its Python class (smartinf/update_rules.py, smartinf/optim.py);
+// smartssd.cfg), and its Python class (smartinf/update_rules.py, smartinf/optim/drop_in.py);
 // quantized states for it: its element in kernels/quantized.h (one for every format),
 // `quantized` in its row, its case in with_quantized_element, its HLS top.
 #pragma once

@@ -1,5 +1,5 @@
 // Where one sub-group of a Pipeline lives and where its states stand against its
-// directory's committed copy: the commit state pipeline.cc and commit.cc share, changed
+// directory's committed copy: the commit state placement.cc, steps.cc and commit.cc share, changed
 // only through the transitions below, each named for what happened to the sub-group.
 #pragma once
 #include <cstddef>

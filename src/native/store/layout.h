@@ -29,7 +29,7 @@ enum class Master : uint8_t { fp32, split };
 
 // The moments formats (a pipeline's state_dtype): fp32, then each quantized one as
 // X(name, coding), its coding below with its name##_moment_bytes and name##_moments_at, its
-// kernels in a header of its own (kernels/quant8.h, quant4.h; ARCHITECTURE.md lists what a new
+// kernels in a header of its own (kernels/quant8.h, quant4.h; docs/extending.md lists what a new
 // one takes). The one list of them: the enum, the names, the bytes, every device's dispatch
 // (with_quantized) and the host's update units (CMakeLists.txt, which reads this one line) follow it.
 #define SMARTINF_QUANTIZED_MOMENTS(X) X(int8, Int8Coding) X(int4, Int4Coding)

@@ -1,5 +1,5 @@
 """``smartinf.optim``'s class for a rule row that names a torch optimizer (``torch_name``)
-and has none written in optim.py: torch's signature and defaults, the states on the
+and has none written in optim/__init__.py: torch's signature and defaults, the states on the
 devices. A new rule's Python is then its row in update_rules.py."""
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ parameters out, while the transfer handler overlaps storage reads, the update ke
 the parameter copy-out and the write-back of the states of different chunks.
 
 This file: opening the devices, the layout (``add_subgroup``, where each sub-group is)
-and the lifetime; ``pipeline_steps``: the step protocol (``update``, ``retract``,
-``commit``/``discard``/``settle``); ``pipeline_states``: the states between steps. Their
+and the lifetime; ``steps.py``: the step protocol (``update``, ``retract``,
+``commit``/``discard``/``settle``); ``states.py``: the states between steps. Their
 keywords' owner: ``smartinf.PipelineSettings``.
 """
 from __future__ import annotations
