@@ -23,6 +23,8 @@ from smartinf.step.driver import Driver, overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
 from smartinf.optim.hooks import ParamHooks
+from smartinf.optim.sharding import Sharding, local
+from smartinf.step import ranks
 from smartinf.step.speculation import Speculation
 from smartinf.step.session import StepSession
 from smartinf.optim.subgroups import Subgroup
@@ -67,6 +69,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             optim_options.check_group(self, group)
             optim_options.check_params(self, group)
+        # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
+        # the sharding is not FSDP2's)
+        self._sharding = Sharding([p for g in self.param_groups for p in g["params"] if p.requires_grad])
         self._subgroup_size = subgroup_size
         if storage.get("state_dtype") == "auto":
             params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -76,7 +81,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
         self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
-        self._stored = {id(s.param) for sg in self._plan for s in sg.slices}
+        # (a sharded param whose shard here is empty has no slice, and is stored all the same)
+        self._stored = {id(p) for group in self.param_groups for p in group["params"] if p.requires_grad}
+        self._marked = False  # self.state names the params whose states exist (_mark_states)
         self._split = settings.master == "split"
         optim_options.refuse_split_of_other_dtypes(self._split, self._plan)
         # What the model's params held when the optimizer last put or took them: an edit
@@ -88,6 +95,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                                gpu_memory_budget, gpu_twins, gpu_host_states)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
+            if self._sharding.active:  # every rank at one durable step before any is attached
+                ranks.agree_on_step(pipeline, self._sharding.gather, self._sharding.rank,
+                                    [d.path for d in pipeline.devices], settings.copies)
             self._attach(pipeline, self._plan)
         except BaseException:
             pipeline.close()
@@ -134,9 +144,24 @@ class _StorageOptimizer(torch.optim.Optimizer):
             if new and self._plan[-1] is new[-1]:
                 del self._plan[-len(new):]
             raise
-        self._stored.update(id(s.param) for sg in new for s in sg.slices)
+        self._stored.update(id(p) for p in group["params"] if p.requires_grad)
+        if self._marked:
+            self._mark_states()
         if self._speculation is not None:
             self._hooks.register(new)
+
+    def _mark_states(self) -> None:
+        """Once states exist (a step, a resume, a load): an empty entry in ``self.state`` per
+        stored param (the states are on the devices; ``state_dict()`` reads them).
+        torch.distributed.checkpoint's helpers take an empty ``optim.state`` for an optimizer
+        never stepped and "initialise" it with a step() of zero gradients at lr 0: before
+        any step that is what torch's optimizers get too, after one it would be a real step
+        on the devices (moments decayed, one more step counted)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.state[p] = {}
+        self._marked = True
 
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
@@ -160,6 +185,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             else:
                 self._watch.record(sg.id)
         resumed = sum(pipeline.resumed(sg.id) for sg in plan)
+        if resumed:
+            self._mark_states()
         if resumed and self._split:
             logger.warning("resumed %d of %d sub-groups at step %d from %s with master='split': "
                            "the directories hold the low halves of the masters, the model's "
@@ -186,8 +213,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     def _adopt(self, edited: Sequence[int]) -> None:
         """The edited params become the masters (``ParamWatch.adopt``); never overwritten by
-        stored ones."""
-        if edited:
+        stored ones. FSDP2: where any rank's were edited, every rank writes its own (maybe none)
+        as a step, so that the ranks' step counts stay one."""
+        if edited or (self._sharding.active and self._sharding.any(bool(edited))):
             self._watch.adopt(self.pipeline, edited,
                               lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
                               self._speculation)
@@ -201,13 +229,14 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """Puts masters (or updated params) into the model, as what it now holds (host
         params of its dtype hashed as they are copied: ``edits.copy``)."""
         hashed = self._watch is not None and flat.dtype == sg.dtype and flat.is_cpu and \
-            sg.device.type == "cpu" and all(s.param.is_contiguous() for s in sg.slices)
+            sg.device.type == "cpu" and all(local(s.param).is_contiguous() for s in sg.slices)
         pieces = []
         for s in sg.slices:
             src = flat[s.offset:s.offset + s.stop - s.start]
             if hashed:
-                pieces.append(edits.copy(s.param.detach().view(-1)[s.start:s.stop], src))
-                torch.autograd.graph.increment_version(s.param)  # written, as copy_ says
+                held = local(s.param)
+                pieces.append(edits.copy(held.detach().view(-1)[s.start:s.stop], src))
+                torch.autograd.graph.increment_version(held)  # written, as copy_ says
             else:
                 subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:
@@ -239,8 +268,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         hyper = [overrides(self._rule(group)) for group in self.param_groups]
         grads = {id(p): g for group in self.param_groups for p in group["params"]
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
+        if self._sharding.active:  # every rank skips the step where any found inf/NaN
+            found_inf = self._sharding.any(found_inf)
         scale, norm = (None, None) if found_inf else \
-            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm)
+            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
         if norm is not None:
             self.last_grad_norm = norm
         session = self._session
@@ -264,6 +295,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
             return loss
         self._stepped = True
         self._export = None
+        if not self._marked:
+            self._mark_states()
         active = [sg for sg in self._plan if any(id(s.param) in grads for s in sg.slices)]
         partial = gradients.partial([sg for sg in active if sg.id not in kept])
         if partial and not self._warned_partial:

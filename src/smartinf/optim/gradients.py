@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from smartinf import update_rules
+from smartinf.optim.sharding import Sharding, local
 from smartinf.optim.subgroups import Subgroup
 
 
@@ -16,7 +17,7 @@ def dense(p: torch.Tensor, optimizer: torch.optim.Optimizer, stored: set,
     """``p``'s gradient, dense (a sparse one is densified where torch's optimizer takes
     sparse gradients: the same update, absent entries being zeros); ``stored``: the ids of
     the params the devices hold states for."""
-    g = p.grad
+    g = local(p.grad)
     if g is None:
         return None
     if id(p) not in stored:
@@ -51,24 +52,36 @@ def flat(sg: Subgroup, grads: dict) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync)."""
+def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,
+               sharding: Optional[Sharding] = None) -> torch.Tensor:
+    """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync); of every
+    rank's shards where ``sharding`` is active (their squares summed over the ranks)."""
     norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0).cpu()
+    device = norms[0].device if norms else torch.device("cpu")
+    norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0) if norms \
+        else torch.zeros((), dtype=dtype)
+    if sharding is None or not sharding.active:
+        return norm.cpu()
+    return sharding.sum(norm.pow(2).reshape(1)).sqrt()[0].cpu()
 
 
-def scale(grad_scale: float, grads: Sequence[torch.Tensor],
-          max_grad_norm: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+def scale(grad_scale: float, grads: Sequence[torch.Tensor], max_grad_norm: Optional[float],
+          sharding: Optional[Sharding] = None) -> tuple[Optional[float], Optional[float]]:
     """(the factor every gradient is multiplied by: ``grad_scale``, 1/loss scale, then
     clipping; None when a gradient holds inf/NaN and the step must be skipped, the norm of
-    the unscaled gradients, or None where there are none)."""
-    if not grads:
+    the unscaled gradients, or None where there are none). With ``sharding`` active, of every
+    rank's gradients: each rank gets the same answer."""
+    sharded = sharding is not None and sharding.active
+    if not grads and not sharded:
         return grad_scale, None
-    total = total_norm(grads, torch.float32)  # fp16's own norm overflows at 65504
+    total = total_norm(grads, torch.float32, sharding)  # fp16's own norm overflows at 65504
     if not torch.isfinite(total):
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if sharded:  # (every rank is here: the norm is theirs)
+            finite = not sharding.any(not finite)
+        if not finite:
             return None, None
-        total = total_norm(grads, torch.float64)  # finite, only the fp32 sum overflowed
+        total = total_norm(grads, torch.float64, sharding)  # finite, only the fp32 sum overflowed
     norm = float(total) * grad_scale
     if max_grad_norm is None:
         return grad_scale, norm

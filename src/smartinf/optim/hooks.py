@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from smartinf import defaults
+from smartinf.optim.sharding import local
 from smartinf.step.speculation import Speculation
 
 logger = logging.getLogger("smartinf")
@@ -19,7 +20,7 @@ class ParamHooks:
     """``smartinf.optim``'s trigger: a post-accumulate-grad hook per param; a sub-group's
     gradient is final when each of its params has been accumulated as many times as in the
     last step (gradient accumulation), and an update is stale if one is accumulated again, or
-    if its gradient is replaced (``is``, ``_version``) or its bits change (the digest) before
+    if its gradient is replaced (``is``) or its bits change (the digest) before
     ``step()``.
 
     ``send(sg, grad, scale, hyper, out)`` starts an update and returns its future;
@@ -94,11 +95,11 @@ class ParamHooks:
             return  # updated on the GPU at step(), where its gradient is: milliseconds
         grads = []
         for p in self._params[sg.id]:
-            g = p.grad
+            g = local(p.grad)  # (an FSDP2 param's: its shard, reduce-scattered)
             if g is None or g.is_sparse:
                 return
-            grads.append((p, g, g._version))
-        flat = self._gather(sg, {id(p): g.detach() for p, g, _ in grads})
+            grads.append((p, g))
+        flat = self._gather(sg, {id(p): g.detach() for p, g in grads})
         ready = None
         if flat.is_cuda:
             host = self._grad_host[sg.id]
@@ -111,12 +112,14 @@ class ParamHooks:
         def guard() -> Optional[str]:
             if sg.id in self._stale:
                 return "accumulated again"
-            if any(p.grad is not g or g._version != version for p, g, version in grads):
+            # replaced; in place, the digests tell (not ``_version``: FSDP2's gradients of one
+            # group share one, which every accumulation into any of them advances)
+            if any(local(p.grad) is not g for p, g in grads):
                 return "gradient changed"
             return None
         self.speculation.start(sg.id, hyper, out,
                                lambda scale: self._send(sg, flat, scale, hyper, out), ready, guard,
-                               lambda: [s.param.grad.detach().reshape(-1)[s.start:s.stop]
+                               lambda: [local(s.param.grad).detach().reshape(-1)[s.start:s.stop]
                                         for s in sg.slices])
 
     def close(self) -> None:

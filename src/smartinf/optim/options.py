@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from smartinf.pipeline.devices import with_gpu
 from smartinf.step.driver import rule_for, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
+from smartinf.optim.sharding import Sharding, local
 from smartinf.optim.subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
@@ -188,8 +190,10 @@ def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
     (trainable) params and devices (explicit ``master``, ``memory_budget``, ``commit_every``
     ``copies`` and ``overlap`` kept), reported once."""
     budget = storage.get("memory_budget")
+    sharded = Sharding(params)  # (FSDP2: this rank's shards; the host's ranks share it)
     choice = plan.choose(
-        sum(p.numel() for p in params), [getattr(d, "path", d) for d in devices],
+        sum(local(p).numel() for p in params), [getattr(d, "path", d) for d in devices],
+        ranks=int(os.environ.get("LOCAL_WORLD_SIZE", sharded.world)) if sharded.active else 1,
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
         master=storage.get("master"), commit_every=storage.get("commit_every"),

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from smartinf.optim.sharding import local
 from smartinf.step.rounding import round_to
 
 
@@ -40,13 +41,14 @@ def plan_subgroups(param_groups: Sequence[dict], size: int, first_group: int = 0
     sub-groups of at most ``size`` elements; a sub-group holds one dtype and one device, a
     param may span sub-groups. Frozen params get no states, as in torch. Params of at most
     ``small`` elements (0: none) go to sub-groups of their own after the group's others
-    (``Subgroup.small``: fp32 moments with int8/int4 states). The plan is deterministic, so
-    reopening the devices finds every sub-group again."""
+    (``Subgroup.small``: fp32 moments with int8/int4 states). An FSDP2-sharded param counts
+    by its local shard (``sharding.local``). The plan is deterministic, so reopening the
+    devices finds every sub-group again."""
     plan: list[Subgroup] = []
     for g, group in enumerate(param_groups, first_group):
         trained = [p for p in group["params"] if p.requires_grad]
         for is_small in (False, True):
-            _cut([p for p in trained if (p.numel() <= small) == is_small], size, g,
+            _cut([p for p in trained if (local(p).numel() <= small) == is_small], size, g,
                  first_id, plan, is_small)
     return plan
 
@@ -56,13 +58,13 @@ def _cut(params: Sequence[torch.Tensor], size: int, g: int, first_id: int,
     """Appends ``params``' sub-groups (of group ``g``) to ``plan``."""
     current: Optional[Subgroup] = None
     for p in params:
-        start = 0
-        while start < p.numel():
-            if (current is None or current.numel == size or current.dtype != p.dtype
-                    or current.device != p.device):
-                current = Subgroup(first_id + len(plan), g, 0, p.dtype, p.device, [], small)
+        start, held = 0, local(p)
+        while start < held.numel():
+            if (current is None or current.numel == size or current.dtype != held.dtype
+                    or current.device != held.device):
+                current = Subgroup(first_id + len(plan), g, 0, held.dtype, held.device, [], small)
                 plan.append(current)
-            stop = min(p.numel(), start + size - current.numel)
+            stop = min(held.numel(), start + size - current.numel)
             current.slices.append(Slice(p, start, stop, current.numel))
             current.numel += stop - start
             start = stop
@@ -71,18 +73,21 @@ def _cut(params: Sequence[torch.Tensor], size: int, g: int, first_id: int,
 def fingerprint(sg: Subgroup) -> int:
     """A 64-bit name of the sub-group's layout (dtype, shapes, slices): a directory made for
     another model of the same size refuses to resume into this one."""
-    text = repr([str(sg.dtype)] + [(tuple(s.param.shape), s.start, s.stop) for s in sg.slices])
+    text = repr([str(sg.dtype)] + [(*(() if local(s.param) is s.param else (tuple(local(s.param).shape),)),
+                                    tuple(s.param.shape), s.start, s.stop) for s in sg.slices])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
 
 
 def read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) of ``p`` in torch's logical (row-major) order, any strides."""
-    return p.detach().reshape(-1)[start:stop]
+    """Elements [start, stop) of ``p`` (its local shard where sharded) in torch's logical
+    (row-major) order, any strides."""
+    return local(p).detach().reshape(-1)[start:stop]
 
 
 def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
     """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
     transposed): a non-contiguous param is written whole."""
+    p = local(p)
     src = round_to(src, p.dtype)  # fp32 masters round as the devices round them
     if p.is_contiguous():
         p.detach().view(-1)[start:stop].copy_(src, non_blocking=True)

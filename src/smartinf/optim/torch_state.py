@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from smartinf.optim import subgroups
+from smartinf.optim.sharding import Sharding, local
 from smartinf.optim import options as optim_options
 from smartinf.planning import space
 from smartinf.step.rounding import round_to
@@ -38,8 +39,8 @@ def export(opt: Any) -> dict:
     per_param: dict[int, dict] = {}
     for sg in opt._plan:
         steps = opt.pipeline.subgroup_steps(sg.id)
-        if steps == 0:
-            continue  # initial states: torch has none either
+        if steps == 0 and not opt._sharding.active:
+            continue  # initial states: torch has none either (FSDP2: every entry, see below)
         params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
         stored = opt.pipeline.read_states(
             sg.id, opt._driver.host_arrays(1 + len(opt.pipeline.optimizer.state_names), sg.numel),
@@ -49,14 +50,13 @@ def export(opt: Any) -> dict:
         for s in sg.slices:
             entry = per_param.get(ids[id(s.param)])
             if entry is None:
-                arrays = {n: _export_tensor(opt, s.param.shape) for n in opt.pipeline.optimizer.state_names}
-                entry = per_param[ids[id(s.param)]] = opt._torch_state(steps, arrays, group)
-                if MASTER in names:
-                    entry[MASTER] = _export_tensor(opt, s.param.shape)
+                entry = per_param[ids[id(s.param)]] = _entry(opt, s.param, steps, group, MASTER in names)
             for n in names:
                 if isinstance(entry.get(n), torch.Tensor):
                     entry[n].view(-1)[s.start:s.stop] = \
                         stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start]
+    if opt._sharding.active:
+        _empty_shards(opt, ids, per_param)
     groups = []
     for group in opt.param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
@@ -65,10 +65,37 @@ def export(opt: Any) -> dict:
     # torch has no entry for a param without states (SGD before momentum is used).
     state = {k: v for k, v in per_param.items()
              if any(x is not None for n, x in v.items() if n != MASTER)}
+    params = {ids[id(p)]: p for group in opt.param_groups for p in group["params"]}
+    for k, v in state.items():  # an FSDP2 param's states as DTensors of its global shape
+        v.update({n: Sharding.state(x, params[k]) for n, x in v.items()
+                  if isinstance(x, torch.Tensor) and x.dim() > 0})
     opt._export = (opt.pipeline.step_count,
                    [(k, n, weakref.ref(t), t._version) for k, v in state.items()
                     for n, t in v.items() if isinstance(t, torch.Tensor)])
     return {"state": state, "param_groups": groups}
+
+
+def _entry(opt: Any, param: torch.Tensor, steps: int, group: dict, master: bool) -> dict:
+    """A param's entry of torch's state, its arrays (of its local shard) to be filled."""
+    shape = local(param).shape
+    entry = opt._torch_state(steps, {n: _export_tensor(opt, shape)
+                                     for n in opt.pipeline.optimizer.state_names}, group)
+    if master:
+        entry[MASTER] = _export_tensor(opt, shape)
+    return entry
+
+
+def _empty_shards(opt: Any, ids: dict, per_param: dict) -> None:
+    """FSDP2: the entries of params whose shard on this rank is empty (no sub-group here),
+    so that every rank's state_dict has the same keys (a checkpoint's collectives need them);
+    their step is this rank's sub-groups' (the ranks step together). Every entry is there,
+    initial states too: ``get_optimizer_state_dict`` gives the template ``dcp.load`` fills,
+    and a key it lacks would not be loaded."""
+    steps = max((opt.pipeline.subgroup_steps(sg.id) for sg in opt._plan), default=0)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and local(p).numel() == 0 and ids[id(p)] not in per_param:
+                per_param[ids[id(p)]] = _entry(opt, p, steps, group, p.dtype != torch.float32)
 
 
 def load(opt: Any, state_dict: dict) -> None:
@@ -123,10 +150,11 @@ def load(opt: Any, state_dict: dict) -> None:
                     if value is None:
                         arrays[n][dst].fill_(opt.pipeline.optimizer.initial_state)
                     else:
-                        arrays[n][dst].copy_(value.detach().reshape(-1)[s.start:s.stop])
+                        arrays[n][dst].copy_(local(value).detach().reshape(-1)[s.start:s.stop])
             opt.pipeline.write_states(sg.id, {k: v.numpy() for k, v in arrays.items()},
                                       steps[sg.id])
     opt._stepped = True
+    opt._mark_states()
     for sg in opt._plan:  # the masters are what the model holds now
         if opt._watch is not None:
             opt._watch.record(sg.id)
@@ -158,7 +186,7 @@ def _export_bytes(opt: Any) -> int:
         for s in sg.slices:
             if id(s.param) not in counted:
                 counted.add(id(s.param))
-                per_file = -(-max(1, s.param.numel()) * 4 // PAGE) * PAGE
+                per_file = -(-max(1, local(s.param).numel()) * 4 // PAGE) * PAGE
                 nbytes += (arrays + (sg.dtype != torch.float32)) * per_file
     return nbytes
 
@@ -201,8 +229,8 @@ def _is_own_export(opt: Any, states: dict) -> bool:
     """Whether ``states`` is what state_dict() last returned, untouched, with no step
     since: loading it changes nothing on the devices (Accelerate's prepare() does
     that round trip)."""
-    if opt._export is None or opt._export[0] != opt.pipeline.step_count:
-        return False
+    if opt._export is None or opt._export[0] != opt.pipeline.step_count or opt._sharding.active:
+        return False  # (FSDP2: dcp.load fills the export in place, under its DTensors)
     tensors = opt._export[1]
     count = sum(isinstance(t, torch.Tensor) for v in states.values() for t in v.values())
     return count == len(tensors) and all(
@@ -222,7 +250,7 @@ def _master(s: Slice, saved: Optional[torch.Tensor]) -> torch.Tensor:
     the caller loaded win)."""
     held = subgroups.read(s.param, s.start, s.stop)
     if isinstance(saved, torch.Tensor) and saved.numel() == s.param.numel():
-        master = saved.detach().reshape(-1)[s.start:s.stop].to(torch.float32)
+        master = local(saved).detach().reshape(-1)[s.start:s.stop].to(torch.float32)
         if torch.equal(round_to(master, held.dtype).to(held.device), held):
             return master
     return held

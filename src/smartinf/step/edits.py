@@ -177,11 +177,12 @@ class ParamWatch:
         retracted first."""
         if speculation is not None:
             speculation.drop(edited)
-        (logger.debug if self._warned else logger.warning)(
-            "the model's params of sub-groups %s changed since the optimizer put them (weights "
-            "loaded or edited): they are the new master weights (said once at warning level)",
-            list(edited))
-        self._warned = True
+        if edited:  # (none: a step of its own all the same, with the other ranks')
+            (logger.debug if self._warned else logger.warning)(
+                "the model's params of sub-groups %s changed since the optimizer put them (weights "
+                "loaded or edited): they are the new master weights (said once at warning level)",
+                list(edited))
+            self._warned = True
         with pipeline.step():
             for sg in edited:
                 states = pipeline.read_states(sg)

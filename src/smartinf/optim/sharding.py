@@ -1,0 +1,94 @@
+"""``smartinf.optim`` over FSDP2-sharded params (``torch.distributed.fsdp.fully_shard``): each
+param is a DTensor sharded on dim 0 over a 1-D mesh, its gradient too (FSDP2's
+reduce-scatter sets it before the param's post-accumulate-grad hook runs). The optimizer
+keeps states for the rank's own shard only (``local``: the tensor sharing the param's storage,
+possibly empty), in the rank's own directories; what must hold across ranks goes through the
+mesh's process group (``Sharding``): the gradients' norm and their inf/NaN, so every rank
+clips by the same coefficient and skips the same steps, and the durable step every rank
+opens at. ``state_dict()`` gives each state as a DTensor of the param's global shape and
+placements, so ``torch.distributed.checkpoint`` saves it sharded and loads it at another
+world size.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # torch without distributed
+    DTensor = Shard = None
+
+
+def is_sharded(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The elements of ``t`` this rank holds: a DTensor's local shard (the same storage), else
+    ``t`` itself."""
+    return t._local_tensor if is_sharded(t) else t
+
+
+class Sharding:
+    """The process group an optimizer's sharded params live on, and what it reduces over it."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        meshes = {(p.device_mesh.device_type, tuple(p.device_mesh.mesh.flatten().tolist())): p
+                  for p in params if is_sharded(p)}  # (each fully_shard call: a mesh object)
+        self.group = None
+        if not meshes:
+            return
+        for p in params:
+            if not is_sharded(p):
+                raise ValueError(f"a param of shape {tuple(p.shape)} is a plain tensor beside "
+                                 f"FSDP2-sharded ones: shard the whole model (fully_shard on "
+                                 f"the root too), or give smartinf.optim only sharded params")
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ValueError(f"a param of shape {tuple(p.shape)} is a DTensor on a "
+                                 f"{p.device_mesh.ndim}-D mesh with placements "
+                                 f"{tuple(p.placements)}: smartinf.optim takes FSDP2's "
+                                 f"fully_shard over a 1-D mesh (Shard(0)); HSDP and tensor "
+                                 f"parallelism are not supported")
+        if len(meshes) > 1:
+            raise ValueError("the params are sharded over more than one device mesh: "
+                             "smartinf.optim takes one FSDP2 mesh")
+        mesh = next(iter(meshes.values())).device_mesh
+        self.group = mesh.get_group()
+        self.rank = torch.distributed.get_rank(self.group)
+        self.world = torch.distributed.get_world_size(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if mesh.device_type == "cuda" else torch.device(mesh.device_type)  # its collectives'
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, on the device of the group's collectives (``t``
+        itself where there is no group)."""
+        if self.group is None:
+            return t
+        t = t.to(self.device)
+        torch.distributed.all_reduce(t, group=self.group)
+        return t
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        return bool(self.sum(torch.tensor([float(flag)])).item())
+
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        """Each rank's ``values``, by rank (one collective)."""
+        mine = torch.zeros(self.world, len(values), dtype=torch.float64)
+        mine[self.rank] = torch.tensor(values, dtype=torch.float64)
+        return self.sum(mine).cpu().tolist()
+
+    @staticmethod
+    def state(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """A state of ``param``'s local shard as torch's sharded optimizers hold it: a DTensor
+        of the param's global shape and placements (a plain tensor for a plain param)."""
+        if not is_sharded(param):
+            return value
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())

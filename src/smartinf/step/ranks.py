@@ -1,0 +1,30 @@
+"""Ranks that open one run's directories together (DeepSpeed's, FSDP2's) reopen at one durable
+step: a crash between the ranks' commits leaves some one commit ahead, whose shadow copies
+still hold the others' step, so they go back to it (before any sub-group is attached). Ranks
+further apart are refused, naming each rank's step."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger("smartinf")
+
+
+def agree_on_step(pipeline: Any, gather: Callable[[Sequence[float]], list], rank: int,
+                  directories: Any, copies: Any) -> None:
+    """``gather(values)``: each rank's ``values``, by rank (a collective every rank calls)."""
+    held = gather([pipeline.durable_step_count, pipeline.previous_step_count])
+    steps, previous = [int(s) for s, _ in held], [int(p) for _, p in held]
+    low = min(steps)
+    if all(s == low or p == low for s, p in zip(steps, previous)):
+        if steps[rank] != low:
+            pipeline.roll_back_to(low)
+            logger.warning("rank %d's directories %s were one commit ahead of the other ranks' "
+                           "(step %d; a crash between the ranks' commits): rolled back to step "
+                           "%d", rank, directories, steps[rank], low)
+        return
+    which = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+    why = ("of one copy (copies=1), which holds no earlier step to bring them together"
+           if copies == 1 else "more than one commit apart")
+    raise RuntimeError(f"the ranks' directories {directories} hold different durable steps "
+                       f"({which}), {why}: load a checkpoint or use fresh directories")

@@ -1,0 +1,103 @@
+"""One rank of an FSDP2 run (gloo, on the CPU) for tests/test_fsdp.py: a small MLP with
+``fully_shard`` on each Linear and the root, trained by ``smartinf.optim`` or by torch's own
+optimizer on the same batches; rank 0 writes every step's loss and full params.
+
+    spawn(run, args=(world, port, config), nprocs=world)
+
+``config``: ``optim`` ("smartinf" or "torch"; "both": smartinf, and torch's AdamW on a copy
+fed smartinf's gradients, recorded as ``torch_params``), ``dir`` (smartinf's devices), ``out`` (rank
+0's record), ``steps``, ``first`` (the step to start at), ``clip`` (smartinf:
+``max_grad_norm``; torch: ``clip_grad_norm_`` on the DTensor gradients), ``nan_at`` (a step
+whose loss is NaN: skipped), ``kw`` (smartinf's options), ``mixed`` (MixedPrecisionPolicy
+bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory written after
+the last step / read before the first).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import smartinf.optim as so
+
+LR, WEIGHT_DECAY = 1e-2, 1e-2
+BATCH = 16
+
+
+def model(config: dict) -> torch.nn.Module:
+    torch.manual_seed(0)  # 9 output rows: uneven shards, and an empty one at world 4
+    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if config.get("mixed") else MixedPrecisionPolicy()
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(m, mp_policy=policy)
+    return m
+
+
+def optimizer(m: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
+    if config["optim"] == "torch":
+        return torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    return so.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, devices=[config["dir"]],
+                    max_grad_norm=config.get("clip"), subgroup_size=300, chunk=128,
+                    if_exists=config.get("if_exists", "error"), **config.get("kw", {}))
+
+
+def run(rank: int, world: int, port: int, config: dict) -> None:
+    os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    m = model(config)
+    opt = optimizer(m, dict(config, optim="smartinf" if config["optim"] == "both" else config["optim"]))
+    ref = model(config) if config["optim"] == "both" else None
+    ref_opt = optimizer(ref, dict(config, optim="torch")) if ref is not None else None
+    if config.get("load"):
+        state = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}
+        dcp.load(state, checkpoint_id=config["load"])
+        set_model_state_dict(m, state["model"])
+        set_optimizer_state_dict(m, opt, state["optim"])
+    record = {"loss": [], "params": [], "skipped": [], "torch_params": []}
+    for step in range(config.get("first", 0), config["steps"]):
+        g = torch.Generator().manual_seed(100 + step)
+        rows = BATCH // world  # each rank's part of one global batch, whatever the world size
+        x = torch.randn(BATCH, 24, generator=g)[rows * rank:rows * (rank + 1)]
+        loss = m(x).float().pow(2).mean()
+        if step == config.get("nan_at"):
+            loss = loss * float("nan")
+        loss.backward()
+        if config["optim"] == "torch":
+            grads = [p.grad for p in m.parameters()]
+            finite = all(bool(torch.isfinite(g.full_tensor()).all()) for g in grads)
+            if config.get("clip"):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), config["clip"])
+            if finite:  # (smartinf skips a step with inf/NaN gradients itself)
+                opt.step()
+            record["skipped"].append(not finite)
+        else:
+            if ref is not None:  # the same gradients, bit for bit
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    q.grad = p.grad.clone()
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
+                record["torch_params"].append([q.full_tensor().detach().clone() for q in ref.parameters()])
+            opt.step()
+            record["skipped"].append(opt.last_step_skipped)
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        record["loss"].append(float(total) / world)
+        record["params"].append([p.full_tensor().detach().clone() for p in m.parameters()])
+    if config.get("save"):
+        dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)},
+                 checkpoint_id=config["save"])
+    if config["optim"] != "torch":
+        record["counts"] = opt._speculation and dict(vars(opt._speculation.counts))
+        opt.close()
+    if rank == 0:
+        torch.save(record, config["out"])
+    dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""smartinf.optim over FSDP2 (``fully_shard``), on the CPU with gloo (issue 61): each rank's
+shards in its own sub-groups and directories, the gradients' norm and inf/NaN agreed over
+the ranks; against FSDP2 + torch's AdamW on the same batches (tests/fsdp_train.py)."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_close_fp32
+from fsdp_train import run
+
+STEPS = 6
+
+
+def train(tmp_path, name, world, **config):
+    config = dict(config, out=str(tmp_path / f"{name}.pt"), steps=config.get("steps", STEPS))
+    config.setdefault("dir", str(tmp_path / name))
+    port = 20000 + (os.getpid() * 7 + hash(name)) % 20000
+    torch.multiprocessing.spawn(run, args=(world, port, config), nprocs=world)
+    return torch.load(config["out"])
+
+
+def assert_params_close(ours, theirs):
+    for step, (a, b) in enumerate(zip(ours["params"], theirs["params"]), 1):
+        for i, (p, q) in enumerate(zip(a, b)):
+            assert_close_fp32(p.numpy(), q.numpy(), f"param {i} after step {step}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_trains_as_torch_adamw(tmp_path, world):
+    """fp32 params sharded over 1, 2 and 4 ranks (at 4 the last Linear's 9 rows leave one
+    rank an empty shard): torch's AdamW's params after every step, clipping acting (the
+    norm over every rank's shards) and step 3's NaN skipped on every rank."""
+    kw = dict(world=world, clip=0.05, nan_at=3)
+    ours = train(tmp_path, "ours", optim="smartinf", **kw)
+    theirs = train(tmp_path, "torch", optim="torch", **kw)
+    assert ours["skipped"] == theirs["skipped"] == [s == 3 for s in range(STEPS)]
+    assert_params_close(ours, theirs)
+    assert ours["loss"][-1] < ours["loss"][0]
+
+
+def test_mixed_precision_policy(tmp_path):
+    """MixedPrecisionPolicy(bf16 compute, fp32 reduce) over fp32 sharded params: torch's
+    AdamW fed the same gradients gives the same params (two runs of their own drift apart:
+    bf16 compute turns a last-bit difference of a param into another gradient)."""
+    both = train(tmp_path, "both", 2, optim="both", mixed=True)
+    assert_params_close(both, {"params": both["torch_params"]})
+    assert both["loss"][-1] < both["loss"][0]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(memory_budget="1MiB")], ids=["streamed", "resident"])
+def test_updates_during_backward_change_no_bit(tmp_path, kw):
+    """Updates started in the post-accumulate-grad hooks (after FSDP2's reduce-scatter):
+    the same bits as overlap=False, and kept from the second step on."""
+    on = train(tmp_path, "on", 2, optim="smartinf", kw=dict(kw, overlap=True))
+    off = train(tmp_path, "off", 2, optim="smartinf", kw=dict(kw, overlap=False))
+    for a, b in zip(on["params"], off["params"]):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+    assert on["counts"]["kept"] > 0
+
+
+@pytest.mark.parametrize("world_after", [2, 1])
+def test_dcp_checkpoint_continues_the_run(tmp_path, world_after):
+    """get_optimizer_state_dict + dcp.save after step 3 at world 2, dcp.load +
+    set_optimizer_state_dict into fresh directories at world 2 and 1: steps 4-6 as the
+    uninterrupted run's (bit for bit at world 2; at world 1 one rank takes the whole batch,
+    whose gradient is summed in another order: within the fp32 tolerance)."""
+    whole = train(tmp_path, "whole", 2, optim="smartinf")
+    ckpt = str(tmp_path / "ckpt")
+    train(tmp_path, "first", 2, optim="smartinf", steps=3, save=ckpt)
+    if world_after == 2:
+        rest = train(tmp_path, "rest", 2, optim="smartinf", first=3, load=ckpt)
+        for a, b in zip(rest["params"], whole["params"][3:]):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q)
+    else:
+        rest = train(tmp_path, "rest1", 1, optim="smartinf", first=3, load=ckpt)
+        assert_params_close(rest, {"params": whole["params"][3:]})
+
+
+def test_ranks_one_commit_apart_reopen_at_one_step(tmp_path):
+    """A crash between the ranks' commits: rank 1's directories one step behind rank 0's.
+    Reopened (if_exists="resume"), rank 0 goes back to rank 1's step and both continue as
+    the uninterrupted run, bit for bit."""
+    whole = train(tmp_path, "whole", 2, optim="smartinf")
+    directory = str(tmp_path / "run")
+    train(tmp_path, "first", 2, optim="smartinf", steps=3, dir=directory)
+    behind = tmp_path / "rank1-at-3"
+    shutil.copytree(os.path.join(directory, "rank00001"), behind)
+    train(tmp_path, "fourth", 2, optim="smartinf", first=3, steps=4, dir=directory, if_exists="resume")
+    shutil.rmtree(os.path.join(directory, "rank00001"))
+    shutil.copytree(behind, os.path.join(directory, "rank00001"))
+    rest = train(tmp_path, "rest", 2, optim="smartinf", first=3, dir=directory, if_exists="resume")
+    for a, b in zip(rest["params"], whole["params"][3:]):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
+def test_plain_params_beside_sharded_ones_refused(tmp_path):
+    torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path),), nprocs=1)
+
+
+def _mixed_params(rank, directory):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import smartinf.optim as so
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{21000 + os.getpid() % 9000}",
+                            rank=0, world_size=1)
+    sharded, plain = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    fully_shard(sharded)
+    with pytest.raises(ValueError, match="plain tensor beside FSDP2-sharded"):
+        so.AdamW([*sharded.parameters(), *plain.parameters()], devices=[directory])
+    assert not os.listdir(directory)  # refused before anything was stored
+    dist.destroy_process_group()
