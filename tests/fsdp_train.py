@@ -10,7 +10,7 @@ fed smartinf's gradients, recorded as ``torch_params``), ``dir`` (smartinf's dev
 ``max_grad_norm``; torch: ``clip_grad_norm_`` on the DTensor gradients), ``nan_at`` (a step
 whose loss is NaN: skipped), ``kw`` (smartinf's options), ``mixed`` (MixedPrecisionPolicy
 bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory written after
-the last step / read before the first).
+the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ BATCH = 16
 def model(config: dict) -> torch.nn.Module:
     torch.manual_seed(0)  # 9 output rows: uneven shards, and an empty one at world 4
     m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
+    if config.get("bf16"):  # bf16 sharded params (and gradients)
+        m = m.to(torch.bfloat16)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config.get("mixed") else MixedPrecisionPolicy()
     for layer in (m[0], m[2]):
@@ -66,6 +68,7 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
         g = torch.Generator().manual_seed(100 + step)
         rows = BATCH // world  # each rank's part of one global batch, whatever the world size
         x = torch.randn(BATCH, 24, generator=g)[rows * rank:rows * (rank + 1)]
+        x = x.to(torch.bfloat16) if config.get("bf16") else x
         loss = m(x).float().pow(2).mean()
         if step == config.get("nan_at"):
             loss = loss * float("nan")

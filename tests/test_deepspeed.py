@@ -532,7 +532,7 @@ BASE = {"zero_optimization": {"stage": 3}, "smartinf": {"devices": ["/tmp/x"]}}
     ({"smartinf": None}, 'needs a "smartinf" block'),
     ({"smartinf": {"devices": []}}, "non-empty list of directories"),
     ({"smartinf": {"devices": ["/a"], "slot": 4}}, "unknown keys ['slot']"),
-    ({"smartinf": {"devices": ["/a"], "compress": {"k": 3}}}, '"smartinf.pipeline.compress" must be'),
+    ({"smartinf": {"devices": ["/a"], "compress": {"k": 3}}}, '"smartinf.compress" must be'),
     ({"zero_optimization": {"stage": 2}}, "ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "remove offload_optimizer"),

@@ -98,6 +98,34 @@ def test_ranks_one_commit_apart_reopen_at_one_step(tmp_path):
             assert torch.equal(p, q)
 
 
+def test_bf16_params_split_master_int8(tmp_path):
+    """bf16 sharded params (and gradients) with a split master and int8 moments: updates
+    during backward change no bit, and the loss falls."""
+    kw = dict(master="split", state_dtype="int8", memory_budget="1MiB")
+    on = train(tmp_path, "on", 2, optim="smartinf", bf16=True, kw=dict(kw, overlap=True))
+    off = train(tmp_path, "off", 2, optim="smartinf", bf16=True, kw=dict(kw, overlap=False))
+    for a, b in zip(on["params"], off["params"]):
+        for p, q in zip(a, b):
+            assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+    assert on["loss"][-1] < on["loss"][0] and on["counts"]["kept"] > 0
+
+
+def test_params_replaced_after_the_optimizer_was_made(tmp_path):
+    """What Accelerate's prepare() and the Trainer do with FSDP2 (the params in the groups
+    replaced by sharded ones after the optimizer was built): refused at the first step,
+    saying how to build it instead, not trained on states of other params."""
+    import smartinf.optim as so
+    model = torch.nn.Linear(4, 4)
+    opt = so.AdamW(model.parameters(), devices=[str(tmp_path)])
+    swapped = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt.param_groups[0]["params"] = swapped
+    for p in swapped:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="replaced after it was made.*placeholder"):
+        opt.step()
+    opt.close()
+
+
 def test_plain_params_beside_sharded_ones_refused(tmp_path):
     torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path),), nprocs=1)
 

@@ -20,6 +20,7 @@ from smartinf.pipeline.checkpoint import restore_devices, save_devices
 from smartinf.step.driver import Driver, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.step.rounding import to_bf16
+from smartinf.step import ranks
 from smartinf.step.session import StepSession
 from smartinf.integrations.deepspeed_config import _rule, for_this_gpu
 
@@ -124,33 +125,20 @@ class StoredStates:
         return result
 
     def _agree_on_step(self) -> None:
-        """Every rank opens at one durable step: a crash between the ranks' commits leaves
-        some one commit ahead, whose shadow copies hold the others' step: they go back to it
-        (before any sub-group is attached). Ranks further apart are refused, naming each
-        rank's step."""
+        """Every rank opens at one durable step (``step.ranks.agree_on_step``); with a log,
+        the logged step is decided first."""
         world = dist.get_world_size()
         rank = dist.get_rank()
         if self.pipeline.logs_gradients:
             self._agree_on_logged_step(world, rank)
-        mine = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
-        mine[2 * rank] = float(self.pipeline.durable_step_count)
-        mine[2 * rank + 1] = float(self.pipeline.previous_step_count)
-        dist.all_reduce(mine, op=dist.ReduceOp.SUM)
-        steps, previous = [int(x) for x in mine[0::2].tolist()], [int(x) for x in mine[1::2].tolist()]
-        low = min(steps)
-        if all(s == low or p == low for s, p in zip(steps, previous)):
-            if steps[rank] != low:
-                self.pipeline.roll_back_to(low)
-                logger.warning("rank %d's directories %s were one commit ahead of the other "
-                               "ranks' (step %d; a crash between the ranks' commits): rolled back "
-                               "to step %d", rank, self._dirs, steps[rank], low)
-            return
-        held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
-        why = ("of one copy (copies=1), which holds no earlier step to bring them together"
-               if self.settings.pipeline.copies == 1 else "more than one commit apart")
-        raise RuntimeError(f"the ranks' directories in {self.settings.devices} hold different "
-                           f"durable steps ({held}), {why}: load a checkpoint or use fresh "
-                           f"directories")
+
+        def gather(values: list) -> list:
+            mine = torch.zeros(world, len(values), dtype=torch.float64, device=self.device)
+            mine[rank] = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.SUM)
+            return mine.cpu().tolist()
+        ranks.agree_on_step(self.pipeline, gather, rank, self.settings.devices,
+                            self.settings.pipeline.copies)
 
     def _agree_on_logged_step(self, world: int, rank: int) -> None:
         """copies="log": each rank seals its step's log before any rank updates (the step

@@ -78,6 +78,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
             storage.update(optim_options.auto(params, storage, resolve_devices(devices),
                                               gpu_memory_budget, if_exists))
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
+        if self._sharding.active and settings.copies == "log":
+            raise ValueError("copies='log' over FSDP2-sharded params: the ranks would have to "
+                             "agree on a logged step when they reopen, which smartinf.optim "
+                             "does not do yet (docs/fsdp.md); take copies=2 or copies=1")
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
         self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
@@ -257,6 +261,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
+        self._refuse_replaced_params()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -310,6 +315,24 @@ class _StorageOptimizer(torch.optim.Optimizer):
                         params=self._flat_params(self._plan[i]) if self._split else None),
                     self._finish)
         return loss
+
+    def _refuse_replaced_params(self) -> None:
+        """Params put into the groups in place of those the optimizer was made with (what
+        Accelerate's prepare() and the Trainer do with FSDP2: they shard the model after the
+        optimizer is built) have no states here: refused, saying how to build it instead."""
+        current = {id(p) for group in self.param_groups for p in group["params"]}
+        if all(id(s.param) in current for sg in self._plan for s in sg.slices):
+            return
+        raise RuntimeError(
+            f"smartinf.optim.{type(self).__name__}'s params were replaced after it was made "
+            f"(Accelerate's prepare() and the Trainer with FSDP2 shard the model after the "
+            f"optimizer is built and put the sharded params in its groups): its states were "
+            f"laid out for the params it was made with. Make it after sharding, over the "
+            f"sharded params: with Accelerate, prepare the model with a placeholder optimizer "
+            f"(model, placeholder = accelerator.prepare(model, torch.optim.SGD("
+            f"model.parameters(), lr=0))), then placeholder.optimizer = smartinf.optim."
+            f"{type(self).__name__}(model.parameters(), ...); or call fully_shard yourself "
+            f"before making it (docs/fsdp.md)")
 
     def _amp(self, grad_scale: float) -> tuple[float, bool]:
         """(``grad_scale`` times 1/the loss scale GradScaler set on this optimizer for this

@@ -90,7 +90,7 @@ def check_keywords(subgroup_size: Any, compress: Any, max_grad_norm: Any) -> Non
     if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
         raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
     if compress is not None and not isinstance(compress, TopK):
-        raise TypeError(f"compress must be a smartinf.pipeline.compress.TopK, got {type(compress).__name__}")
+        raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
     if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
 
@@ -197,7 +197,9 @@ def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
         master=storage.get("master"), commit_every=storage.get("commit_every"),
-        copies=storage.get("copies"), overlap=storage.get("overlap"), if_exists=if_exists,
+        copies=storage.get("copies"), if_exists=if_exists,
+        # (FSDP2: no log, whose step the ranks would have to agree on: docs/fsdp.md)
+        overlap=storage.get("overlap", True if sharded.active else None),
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
     logger.warning("%s", choice.report())
     return choice.settings()
