@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 import smartinf
-from smartinf.planning import model, probe
+from smartinf import model, probe  # (smartinf.planning.model and .probe, by their public names)
 
 SUBGROUP = 16 << 20  # params per sub-group (DeepSpeed's sub_group_size)
 CHUNK = 1 << 20  # params per pipeline chunk

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 
 import smartinf.optim  # noqa: E402
 from smartinf.planning import compute_dtype  # noqa: E402
-from smartinf.pipeline.compress import TopK  # noqa: E402
+from smartinf.compress import TopK  # noqa: E402
 
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
