@@ -132,12 +132,11 @@ class StoredStates:
         if self.pipeline.logs_gradients:
             self._agree_on_logged_step(world, rank)
 
-        def gather(values: list) -> list:
-            mine = torch.zeros(world, len(values), dtype=torch.float64, device=self.device)
-            mine[rank] = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(mine, op=dist.ReduceOp.SUM)
-            return mine.cpu().tolist()
-        ranks.agree_on_step(self.pipeline, gather, rank, self.settings.devices,
+        def summed(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return t
+        ranks.agree_on_step(self.pipeline, summed, rank, world, self.settings.devices,
                             self.settings.pipeline.copies)
 
     def _agree_on_logged_step(self, world: int, rank: int) -> None:

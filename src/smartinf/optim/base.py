@@ -100,8 +100,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             if self._sharding.active:  # every rank at one durable step before any is attached
-                ranks.agree_on_step(pipeline, self._sharding.gather, self._sharding.rank,
-                                    [d.path for d in pipeline.devices], settings.copies)
+                ranks.agree_on_step(pipeline, self._sharding.sum, self._sharding.rank,
+                                    self._sharding.world, [d.path for d in pipeline.devices],
+                                    settings.copies)
             self._attach(pipeline, self._plan)
         except BaseException:
             pipeline.close()

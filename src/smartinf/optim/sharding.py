@@ -78,12 +78,6 @@ class Sharding:
         """Whether ``flag`` holds on any rank."""
         return bool(self.sum(torch.tensor([float(flag)])).item())
 
-    def gather(self, values: Sequence[float]) -> list[list[float]]:
-        """Each rank's ``values``, by rank (one collective)."""
-        mine = torch.zeros(self.world, len(values), dtype=torch.float64)
-        mine[self.rank] = torch.tensor(values, dtype=torch.float64)
-        return self.sum(mine).cpu().tolist()
-
     @staticmethod
     def state(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """A state of ``param``'s local shard as torch's sharded optimizers hold it: a DTensor

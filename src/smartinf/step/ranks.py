@@ -5,15 +5,20 @@ further apart are refused, naming each rank's step."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
+
+import torch
 
 logger = logging.getLogger("smartinf")
 
 
-def agree_on_step(pipeline: Any, gather: Callable[[Sequence[float]], list], rank: int,
-                  directories: Any, copies: Any) -> None:
-    """``gather(values)``: each rank's ``values``, by rank (a collective every rank calls)."""
-    held = gather([pipeline.durable_step_count, pipeline.previous_step_count])
+def agree_on_step(pipeline: Any, summed: Callable[[torch.Tensor], torch.Tensor], rank: int,
+                  world: int, directories: Any, copies: Any) -> None:
+    """``summed(t)``: ``t`` summed over the ranks (an all-reduce every rank calls)."""
+    held = torch.zeros(world, 2, dtype=torch.float64)  # each rank's row, the others' zeros
+    held[rank] = torch.tensor([pipeline.durable_step_count, pipeline.previous_step_count],
+                              dtype=torch.float64)
+    held = summed(held).cpu().tolist()
     steps, previous = [int(s) for s, _ in held], [int(p) for _, p in held]
     low = min(steps)
     if all(s == low or p == low for s, p in zip(steps, previous)):
