@@ -10,7 +10,8 @@ fed smartinf's gradients, recorded as ``torch_params``), ``dir`` (smartinf's dev
 ``max_grad_norm``; torch: ``clip_grad_norm_`` on the DTensor gradients), ``nan_at`` (a step
 whose loss is NaN: skipped), ``kw`` (smartinf's options), ``mixed`` (MixedPrecisionPolicy
 bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory written after
-the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``.
+the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``, ``edit_at`` (a step before which rank 0 halves its
+shard of the first param).
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
     record = {"loss": [], "params": [], "skipped": [], "torch_params": []}
     for step in range(config.get("first", 0), config["steps"]):
         g = torch.Generator().manual_seed(100 + step)
+        if step == config.get("edit_at") and rank == 0:  # one rank's shard edited between steps
+            with torch.no_grad():
+                next(m.parameters())._local_tensor.mul_(0.5)
         rows = BATCH // world  # each rank's part of one global batch, whatever the world size
         x = torch.randn(BATCH, 24, generator=g)[rows * rank:rows * (rank + 1)]
         x = x.to(torch.bfloat16) if config.get("bf16") else x
@@ -100,6 +104,9 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
                  checkpoint_id=config["save"])
     if config["optim"] != "torch":
         record["counts"] = opt._speculation and dict(vars(opt._speculation.counts))
+        steps = torch.tensor([float(opt.pipeline.step_count), -float(opt.pipeline.step_count)])
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        record["step_counts_agree"] = steps[0].item() == -steps[1].item()
         opt.close()
     if rank == 0:
         torch.save(record, config["out"])

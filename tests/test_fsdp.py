@@ -126,6 +126,16 @@ def test_params_replaced_after_the_optimizer_was_made(tmp_path):
     opt.close()
 
 
+def test_a_shard_edited_on_one_rank_between_steps(tmp_path):
+    """Rank 0 alone halves its shard of a weight before step 3: the edit becomes its master
+    (as torch's AdamW steps the edited param), and every rank writes the edits as a step of
+    its own, so the ranks' step counts stay one."""
+    ours = train(tmp_path, "ours", 2, optim="smartinf", edit_at=3)
+    theirs = train(tmp_path, "torch", 2, optim="torch", edit_at=3)
+    assert_params_close(ours, theirs)
+    assert ours["step_counts_agree"]
+
+
 def test_plain_params_beside_sharded_ones_refused(tmp_path):
     torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path),), nprocs=1)
 

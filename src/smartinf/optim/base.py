@@ -220,7 +220,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         """The edited params become the masters (``ParamWatch.adopt``); never overwritten by
         stored ones. FSDP2: where any rank's were edited, every rank writes its own (maybe none)
         as a step, so that the ranks' step counts stay one."""
-        if edited or (self._sharding.active and self._sharding.any(bool(edited))):
+        anywhere = self._sharding.any(bool(edited)) if self._sharding.active else bool(edited)
+        if anywhere:  # (FSDP2: every rank asks, edited or not: a collective)
             self._watch.adopt(self.pipeline, edited,
                               lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
                               self._speculation)
