@@ -1,7 +1,7 @@
 #!/bin/bash
 # The DeepSpeed head-to-head on a lent GPU machine (GPT-2 XL shape, bf16, batch 8 x 1024,
-# ZeRO-3, one NVMe): each named mode runs examples/deepspeed/train.py on fresh
-# directories, one after another on the same machine; its record goes to
+# ZeRO-3, one NVMe): each named mode runs examples/deepspeed/train.py (the fsdp2-* modes
+# examples/fsdp/train.py, FSDP2) on fresh directories, one after another on the same machine; its record goes to
 # $OUT/<mode>-g<GPUS>.json (summarise with bench/deepspeed_report.py). Environment first, in
 # the same run: `bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env` (carry .devkit).
 #
@@ -85,6 +85,13 @@ flags() {  # mode name -> train.py flags
     # are updated ("host_states": "auto"), durable every 10 steps as auto sets it (run with
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as in docs/deepspeed.md)
     auto-gpu-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;
+    # FSDP2 (examples/fsdp/train.py): no offload (torch's fused AdamW on the GPU: the floor),
+    # CPUOffloadPolicy (params, gradients and states on the host, torch's fused AdamW on its
+    # cores), and smartinf.optim over the shards (bf16 shards, fp32 masters in its states)
+    fsdp2-none) echo "--mode fsdp" ;;
+    fsdp2-cpu-offload) echo "--mode cpu-offload" ;;
+    fsdp2-fp32-all-k10) echo "--mode smartinf --memory-budget 40GiB --commit-every 10" ;;
+    fsdp2-auto-gpu-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }
@@ -100,7 +107,8 @@ for mode in "$@"; do
     sleep 5
   done > "$OUT/$run.mem" &
   sampler=$!
-  timeout --kill-after=30 "${LIMIT:-0}" python3 -m torch.distributed.run $LAUNCH examples/deepspeed/train.py \
+  script=examples/deepspeed/train.py; case $mode in fsdp2-*) script=examples/fsdp/train.py ;; esac
+  timeout --kill-after=30 "${LIMIT:-0}" python3 -m torch.distributed.run $LAUNCH $script \
       $f $COMMON --steps "$steps" --dir "$STATES/$run" --json "$OUT/$run.json" > "$STATES/$run.log" 2>&1
   rc=$?
   kill $sampler

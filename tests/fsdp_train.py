@@ -35,6 +35,8 @@ def model(config: dict) -> torch.nn.Module:
     m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
     if config.get("bf16"):  # bf16 sharded params (and gradients)
         m = m.to(torch.bfloat16)
+    if config.get("unsharded"):  # sharded by a framework (tests/fsdp_frameworks.py)
+        return m
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config.get("mixed") else MixedPrecisionPolicy()
     for layer in (m[0], m[2]):

@@ -25,6 +25,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 import smartinf  # noqa: E402
 import smartinf.integrations.deepspeed as sds  # noqa: E402
 import smartinf.integrations.deepspeed_config as sds_config  # noqa: E402
+from smartinf.planning import gpu_budget  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
@@ -709,10 +710,10 @@ def test_an_auto_gpu_budget_is_measured_by_the_first_step_on_a_fresh_run(monkeyp
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 30 << 30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 22 << 30)
-    measured = sds_config.measured_gpu_budget()
-    assert measured == (50 << 30) - (8 << 30) - int((80 << 30) * sds_config.defaults.GPU_MARGIN_SHARE)
+    measured = gpu_budget.measured()
+    assert measured == (50 << 30) - (8 << 30) - int((80 << 30) * gpu_budget.defaults.GPU_MARGIN_SHARE)
     assert fresh.with_gpu_budget(10 << 30, 0, measured).gpu_memory_budget == measured
-    assert sds_config.measured_gpu_budget(margin=60 << 30) == 0
+    assert gpu_budget.measured(margin=60 << 30) == 0
     # a run in the directories: its GPU's states (a cpu device's directory stands in) are
     # resumed with the budget they take, one copy of its states file
     rank = tmp_path / "run" / "rank00000"

@@ -121,7 +121,7 @@ def test_params_replaced_after_the_optimizer_was_made(tmp_path):
     opt.param_groups[0]["params"] = swapped
     for p in swapped:
         p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match="replaced after it was made.*placeholder"):
+    with pytest.raises(RuntimeError, match="replaced after its states were laid out.*after Accelerator"):
         opt.step()
     opt.close()
 

@@ -38,7 +38,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.planning.model  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
-from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
 MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
 # smartinf: the pipeline's counters recorded per step (seconds busy per stage, and the
@@ -53,16 +53,6 @@ PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_d
                      "update_s", "update_wait_s", "update_hidden_s",
                      # the updates finished while the next forward ran (the optimizer's)
                      "deferred_updates", "gather_waits", "gather_wait_s")
-MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
-    "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
-    "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
-    "270m": (1024, 21, 16, None),        # 266 M: the CPU head-to-head benchmark
-    "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
-    "3b": (3200, 26, 32, 32000),         # 3.3 B: OpenLLaMA 3B's (the peers' largest here)
-    "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
-    "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
-    "30b": (6656, 60, 52, 32000),        # 32.1 B: Llama-1 30B's width, depth and heads
-}
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict:

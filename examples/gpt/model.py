@@ -16,6 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+#: The examples' model shapes (examples/deepspeed, examples/fsdp)
+MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's own)
+    "tiny": (64, 2, 4, None),            # ~0.2 M params: tests
+    "small": (512, 7, 8, None),          # ~23 M: the smartinf.optim demo's GPT
+    "270m": (1024, 21, 16, None),        # 266 M: the CPU head-to-head benchmark
+    "gpt2-xl": (1600, 48, 25, 50257),    # 1.56 B: GPT-2 XL's shape
+    "3b": (3200, 26, 32, 32000),         # 3.3 B: OpenLLaMA 3B's (the peers' largest here)
+    "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
+    "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
+    "30b": (6656, 60, 52, 32000),        # 32.1 B: Llama-1 30B's width, depth and heads
+}
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
@@ -84,7 +97,8 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.reset_parameters(seed, whole or (lambda p: contextlib.nullcontext()))
+        if self.ln_f.weight.device.type != "meta":  # (built on "meta": initialised once placed)
+            self.reset_parameters(seed, whole or (lambda p: contextlib.nullcontext()))
 
     @torch.no_grad()
     def reset_parameters(self, seed: int,
@@ -95,23 +109,30 @@ class GPT(nn.Module):
         from a generator of its own there, seeded by ``seed`` and its index: a 13 B model's
         draws on one host thread took over 5 minutes; on its GPU they take a moment."""
         gen = torch.Generator().manual_seed(seed)
-        # Residual projections are scaled down so the residual stream's variance does not
-        # grow with depth.
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for i, (name, p) in enumerate(self.named_parameters()):
             with whole(p):
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                elif ".ln" in name or name.startswith("ln_"):
-                    nn.init.ones_(p)
+                if p.device.type == "cpu" and self._std(name):
+                    p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, self._std(name), generator=gen))
                 else:
-                    std = resid_std if name.endswith("proj.weight") else 0.02
-                    if p.device.type == "cpu":
-                        p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen))
-                    else:  # fp32 draws (torch.normal: zero.Init makes torch.empty's in its dtype)
-                        own = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-                        p.copy_(torch.normal(0.0, std, tuple(p.shape), generator=own,
-                                             device=p.device, dtype=torch.float32))
+                    p.copy_(self.initial(i, name, p.shape, p.device, seed))
+
+    def _std(self, name: str) -> float:
+        """A weight's init std (0: a bias or a LayerNorm's, not drawn). Residual projections
+        are scaled down so the residual stream's variance does not grow with depth."""
+        if name.endswith("bias") or ".ln" in name or name.startswith("ln_"):
+            return 0.0
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+
+    def initial(self, i: int, name: str, shape: tuple, device: torch.device, seed: int) -> torch.Tensor:
+        """Param ``i`` (``name``)'s whole initial value made on ``device`` from a generator of
+        its own there: fp32 draws (torch.normal: zero.Init makes torch.empty's in its dtype);
+        a sharded model takes its shard of it (examples/fsdp/train.py)."""
+        if not self._std(name):
+            fill = 0.0 if name.endswith("bias") else 1.0  # (a LayerNorm's weight)
+            return torch.full(tuple(shape), fill, device=device)
+        own = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
+        return torch.normal(0.0, self._std(name), tuple(shape), generator=own, device=device,
+                            dtype=torch.float32)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -17,7 +17,8 @@ from deepspeed.runtime.zero.config import get_zero_config
 
 from smartinf import _native, defaults, update_rules
 from smartinf.planning import gpu_cores, host_states, plan, twins
-from smartinf.pipeline.checkpoint import STATES, manifest_copies, manifest_fields
+from smartinf.planning.gpu_budget import held as held_gpu_budget
+from smartinf.pipeline.checkpoint import manifest_fields
 from smartinf.pipeline.compress import TopK
 from smartinf.pipeline.devices import GPU_DIRECTORY, rank_directory, with_gpu
 from smartinf.step.driver import rule_for
@@ -237,37 +238,6 @@ def gpu_budget(later_bytes: int, reserve: Optional[int] = None) -> int:
                    "activations (\"gpu\": {\"reserve\": ...})", budget / 1e9, free / 1e9,
                    later_bytes / 1e9, reserve / 1e9)
     return budget
-
-
-def measured_gpu_budget(margin: Optional[int] = None) -> int:
-    """At the first step, before its update: bytes of the current GPU's memory for states,
-    what the first iteration (forward and backward, DeepSpeed's buffers, the activations)
-    left: what is free now, less what it took at its peak beyond what torch still holds,
-    less ``margin`` (None: ``defaults.GPU_MARGIN_SHARE`` of the GPU's memory: the devices'
-    slots, the gathers DeepSpeed prefetches from the second iteration, fragmentation); 0
-    where nothing is left; logged with its terms."""
-    free, total = torch.cuda.mem_get_info()
-    peak, held = torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()
-    margin = int(total * defaults.GPU_MARGIN_SHARE) if margin is None else margin
-    budget = max(0, free - (peak - held) - margin)
-    logger.warning("smartinf: a GPU budget of %.1f GB for states, measured by the first step: "
-                   "%.1f GB free, less %.1f GB more that the first iteration took at its peak, "
-                   "less %.1f GB of margin", budget / 1e9, free / 1e9, (peak - held) / 1e9,
-                   margin / 1e9)
-    return budget
-
-
-def held_gpu_budget(gpu_directory: str) -> Optional[int]:
-    """The bytes a GPU's device directory's states take resident (one copy of each: what
-    the run that made it had room for); None where it holds none."""
-    fields = manifest_fields(gpu_directory)
-    if fields is None:
-        return None
-    try:
-        size = os.path.getsize(os.path.join(gpu_directory, STATES))
-    except FileNotFoundError:
-        return None
-    return -(-size // manifest_copies(fields))
 
 
 def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,

@@ -20,7 +20,8 @@ from smartinf import defaults
 from smartinf.step.driver import overrides
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.step.rounding import round_to
-from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose, measured_gpu_budget
+from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose
+from smartinf.planning.gpu_budget import measured as measured_gpu_budget
 from smartinf.integrations.deepspeed_overlap import Overlap
 from smartinf.integrations.deepspeed_states import StoredStates
 

@@ -6,7 +6,6 @@ native checkpoint. The classes users make (``AdamW``, ``SGD``, ...) are ``__init
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -23,11 +22,13 @@ from smartinf.step.driver import Driver, overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
 from smartinf.optim.hooks import ParamHooks
+from smartinf.optim import sharding
 from smartinf.optim.sharding import Sharding, local
 from smartinf.step import ranks
 from smartinf.step.speculation import Speculation
 from smartinf.step.session import StepSession
 from smartinf.optim.subgroups import Subgroup
+from smartinf.planning import gpu_budget
 
 logger = logging.getLogger("smartinf")
 
@@ -56,7 +57,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                  **options: Any) -> None:
         optim_options.check_keywords(subgroup_size, compress, max_grad_norm)
         storage, full = optim_options.split(options, self.torch_class, defaults)
-        self.pipeline: Optional[Pipeline] = None  # add_param_group during __init__: no devices yet
+        self.pipeline: Optional[Pipeline] = None  # none until laid out (_laid_out)
         super().__init__(params, full)
         self.compress = compress
         self.max_grad_norm = max_grad_norm
@@ -66,16 +67,46 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._warned_partial = False
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
+        self._subgroup_size = subgroup_size
+        self._layout = dict(devices=devices, storage=storage, if_exists=if_exists,
+                            gpu_memory_budget=gpu_memory_budget, gpu_twins=gpu_twins,
+                            gpu_host_states=gpu_host_states)
         for group in self.param_groups:
             optim_options.check_group(self, group)
             optim_options.check_params(self, group)
+        self._held_gpu = optim_options.held_gpu_budget(gpu_memory_budget, devices, if_exists)
+        self._laid_out(force=False)
+
+    def _trained(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _laid_out(self, force: bool = True) -> bool:
+        """Whether the states are laid out: laid out now unless they wait (then only where
+        ``force``: the first step) for FSDP2's sharding to come (Accelerate's prepare() and
+        the Trainer's shard the model after the optimizer is made and put the sharded params
+        into its groups), or for the first iteration to measure a GPU budget of "auto"."""
+        waits = sharding.announced(self._trained()) or \
+            self._layout["gpu_memory_budget"] == "auto" and self._held_gpu is None
+        if self.pipeline is None and (force or not waits):
+            for group in self.param_groups:  # (the params put in since __init__)
+                optim_options.check_group(self, group)
+                optim_options.check_params(self, group)
+            self._open(**self._layout)
+        return self.pipeline is not None
+
+    def _open(self, devices: Any, storage: dict, if_exists: str, gpu_memory_budget: Any,
+              gpu_twins: Any, gpu_host_states: Any) -> None:
+        """Plans the sub-groups over the params in the groups now and opens them on the
+        devices (resumed where the directories hold them), with the hooks that start updates
+        during backward."""
+        storage, compress, subgroup_size = dict(storage), self.compress, self._subgroup_size
+        if gpu_memory_budget == "auto":  # what a resumed run's GPU holds, or the first step left
+            gpu_memory_budget = self._held_gpu if self._held_gpu is not None else gpu_budget.measured()
         # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
         # the sharding is not FSDP2's)
-        self._sharding = Sharding([p for g in self.param_groups for p in g["params"] if p.requires_grad])
-        self._subgroup_size = subgroup_size
+        self._sharding = Sharding(self._trained())
         if storage.get("state_dtype") == "auto":
-            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-            storage.update(optim_options.auto(params, storage, resolve_devices(devices),
+            storage.update(optim_options.auto(self._trained(), storage, resolve_devices(devices),
                                               gpu_memory_budget, if_exists))
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         if self._sharding.active and settings.copies == "log":
@@ -253,17 +284,18 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
         """One optimizer step over every sub-group. ``grad_scale`` multiplies the
         gradients (pass 1/loss scale with manual loss scaling; ``torch.amp.GradScaler``'s
-        ``scaler.step(opt)`` passes its own, see ``_amp``). A step whose gradients hold
+        ``scaler.step(opt)`` passes its own, see ``gradients.amp``). A step whose gradients hold
         inf/NaN is skipped without touching the stored states: ``last_step_skipped`` tells,
         ``skipped_steps`` counts (a loss scaler backs off)."""
         try:
-            return self._step(closure, *self._amp(grad_scale))
+            return self._step(closure, *gradients.amp(self, grad_scale))
         except BaseException:
-            self._forget_amp()
+            gradients.forget_amp(self)
             raise
 
     def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
-        self._refuse_replaced_params()
+        self._laid_out()
+        sharding.refuse_replaced(self, [s.param for sg in self._plan for s in sg.slices])
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -318,44 +350,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
                     self._finish)
         return loss
 
-    def _refuse_replaced_params(self) -> None:
-        """Params put into the groups in place of those the optimizer was made with (what
-        Accelerate's prepare() and the Trainer do with FSDP2: they shard the model after the
-        optimizer is built) have no states here: refused, saying how to build it instead."""
-        current = {id(p) for group in self.param_groups for p in group["params"]}
-        if all(id(s.param) in current for sg in self._plan for s in sg.slices):
-            return
-        raise RuntimeError(
-            f"smartinf.optim.{type(self).__name__}'s params were replaced after it was made "
-            f"(Accelerate's prepare() and the Trainer with FSDP2 shard the model after the "
-            f"optimizer is built and put the sharded params in its groups): its states were "
-            f"laid out for the params it was made with. Make it after sharding, over the "
-            f"sharded params: with Accelerate, prepare the model with a placeholder optimizer "
-            f"(model, placeholder = accelerator.prepare(model, torch.optim.SGD("
-            f"model.parameters(), lr=0))), then placeholder.optimizer = smartinf.optim."
-            f"{type(self).__name__}(model.parameters(), ...); or call fully_shard yourself "
-            f"before making it (docs/fsdp.md)")
-
-    def _amp(self, grad_scale: float) -> tuple[float, bool]:
-        """(``grad_scale`` times 1/the loss scale GradScaler set on this optimizer for this
-        call, whether it found inf/NaN). After ``scaler.unscale_(opt)`` it sets no scale: the
-        gradients were divided in place (the digests of ``Speculation`` see it)."""
-        amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if amp_scale is not None:
-            amp_scale = float(amp_scale)
-            if not math.isfinite(amp_scale) or amp_scale <= 0:
-                raise ValueError(f"GradScaler's scale is {amp_scale}: a positive finite loss "
-                                 f"scale is needed (its init_scale, or a scale it never "
-                                 f"backed off to 0)")
-            grad_scale = grad_scale / amp_scale
-        return grad_scale, found_inf is not None and bool(found_inf)
-
-    def _forget_amp(self) -> None:
-        """GradScaler deletes the attributes it set only when step() returns: after a failed
-        step they would multiply into its next scale."""
-        for name in ("grad_scale", "found_inf"):
-            self.__dict__.pop(name, None)
-
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]
         self._scatter(sg, self._driver.out(buffer, sg.dtype, sg.numel))
@@ -366,6 +360,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link (host_to_device, device_to_host, storage_read,
         storage_write) and the steps committed."""
+        self._laid_out()
         return self._driver.traffic()
 
     # -- torch state_dict ---------------------------------------------------------------
@@ -384,7 +379,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         sub-group at a time into per-param tensors backed by unlinked files, which
         ``torch.save`` streams; an fp16/bf16 param's entry also holds its fp32 master
         weights (``"fp32_master"``, ignored by torch). Params the caller edited since the
-        last step are taken as the masters first, as a step would."""
+        last step are taken as the masters first, as a step would. Before the states are
+        laid out (FSDP2's sharding to come), torch's form of no states."""
+        if not self._laid_out(force=False):
+            return torch_state.unstepped(self)
         self._session.settle()
         self._adopt(self._edited())
         return torch_state.export(self)
@@ -392,8 +390,13 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads torch's optimizer ``state_dict`` format (from this class or the torch
         optimizer): hyper-parameters into ``param_groups``, states onto the devices one
-        sub-group at a time, committed atomically (``smartinf.optim.torch_state``)."""
-        torch_state.load(self, state_dict)
+        sub-group at a time, committed atomically (``smartinf.optim.torch_state``). Before the
+        states are laid out, one without states sets the hyper-parameters only (Accelerate's
+        prepare() hands back what ``state_dict()`` gave before it shards the model)."""
+        if self._laid_out(force=bool(isinstance(state_dict, dict) and state_dict.get("state"))):
+            torch_state.load(self, state_dict)
+        else:
+            torch_state.load_groups(self, state_dict)
 
     # -- native checkpoint ----------------------------------------------------------------
     def save(self, directory: str) -> list[str]:
@@ -401,6 +404,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         (``device-0``, ``device-1``, ...) plus the param groups' hyper-parameters, between
         steps (params the caller edited since the last step taken as the masters first).
         Resume by constructing the optimizer with ``devices=`` the returned paths."""
+        self._laid_out()
         self._session.settle()
         self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
@@ -411,6 +415,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Closes the pipeline (the devices keep the last committed step; params the caller
         edited since the last step taken as the masters first, as a step would)."""
+        if self.pipeline is None:
+            return
         if not self.pipeline.closed:
             self._session.settle()
             self._adopt(self._edited())
@@ -420,4 +426,6 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self.pipeline.close()
 
     def __repr__(self) -> str:
+        if self.pipeline is None:
+            return f"smartinf.optim.{type(self).__name__}(laid out once FSDP2 has sharded its params)"
         return f"smartinf.optim.{type(self).__name__}({len(self._plan)} sub-groups on {self.pipeline!r})"

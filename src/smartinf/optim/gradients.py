@@ -1,9 +1,11 @@
 """A ``smartinf.optim`` step's gradients as torch's optimizers take them: each param's dense
 and checked (``dense``), each sub-group's as one flat tensor (``flat``), and the factor
-they are multiplied by after the inf/NaN check and clipping (``scale``)."""
+they are multiplied by after the inf/NaN check and clipping (``scale``), with torch.amp.GradScaler's
+loss scale and inf flag (``amp``)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -102,3 +104,26 @@ def partial(subgroups: Sequence[Subgroup]) -> list[int]:
     """The sub-groups with params without a gradient beside params with one (``flat``
     gives those zeros)."""
     return [sg.id for sg in subgroups if any(s.param.grad is None for s in sg.slices)]
+
+
+def amp(opt: Any, grad_scale: float) -> tuple[float, bool]:
+    """(``grad_scale`` times 1/the loss scale torch.amp.GradScaler set on ``opt`` for this
+    step() call, whether it found inf/NaN): its protocol for optimizers that unscale
+    themselves (``_step_supports_amp_scaling``). After ``scaler.unscale_(opt)`` it sets no
+    scale: the gradients were divided in place (the digests of ``Speculation`` see it)."""
+    amp_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+    if amp_scale is not None:
+        amp_scale = float(amp_scale)
+        if not math.isfinite(amp_scale) or amp_scale <= 0:
+            raise ValueError(f"GradScaler's scale is {amp_scale}: a positive finite loss "
+                             f"scale is needed (its init_scale, or a scale it never "
+                             f"backed off to 0)")
+        grad_scale = grad_scale / amp_scale
+    return grad_scale, found_inf is not None and bool(found_inf)
+
+
+def forget_amp(opt: Any) -> None:
+    """GradScaler deletes the attributes it set only when step() returns: after a failed
+    step they would multiply into its next scale."""
+    for name in ("grad_scale", "found_inf"):
+        opt.__dict__.pop(name, None)

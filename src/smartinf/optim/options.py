@@ -15,10 +15,10 @@ import torch
 from typing_extensions import TypedDict
 
 from smartinf import defaults, update_rules
-from smartinf.planning import plan
+from smartinf.planning import gpu_budget, plan
 from smartinf.planning.host_states import host_states_budget
 from smartinf.pipeline.compress import TopK
-from smartinf.pipeline.devices import with_gpu
+from smartinf.pipeline.devices import GPU_DIRECTORY, resolve_devices, with_gpu
 from smartinf.step.driver import rule_for, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import KEYWORDS as PIPELINE_KEYWORDS, PipelineSettings
@@ -41,7 +41,8 @@ class StorageOptions(TypedDict, total=False):
     earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
     ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
     there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
-    directory ``gpu/`` in the first one's; none by default), ``gpu_twins`` its ``twins``
+    directory ``gpu/`` in the first one's; none by default; ``"auto"``: what the first
+    iteration left, the states laid out by the first step), ``gpu_twins`` its ``twins``
     (``"host"``: a host copy of the budget that durable commits write from; None: chosen,
     ``smartinf.planning.twins``); ``gpu_host_states`` whether that GPU also
     updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
@@ -182,6 +183,19 @@ def devices_with_gpu(devices: list, budget: "int | str | None", twins: "bool | s
                          f"model is on; its params are on {sorted(map(str, gpus)) or 'the CPU'}"
                          f": move the model to one GPU, or leave gpu_memory_budget out")
     return with_gpu(devices, budget, gpus.pop().index, twins, host_budget)
+
+
+def held_gpu_budget(budget: "int | str | None", devices: Any, if_exists: str) -> Optional[int]:
+    """A ``gpu_memory_budget`` of ``"auto"``: refused without a GPU; resuming a run, the bytes
+    its GPU's states take (``gpu_budget.held``); else None: the first step measures it."""
+    if budget != "auto":
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError('gpu_memory_budget="auto" sizes a budget of the GPU the model is on '
+                         'by the first step, and no CUDA GPU is visible here: leave it out')
+    first = resolve_devices(devices)[0]
+    return gpu_budget.held(os.path.join(getattr(first, "path", first), GPU_DIRECTORY)) \
+        if if_exists == "resume" else None
 
 
 def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,

@@ -11,6 +11,7 @@ world size.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,6 +30,21 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The elements of ``t`` this rank holds: a DTensor's local shard (the same storage), else
     ``t`` itself."""
     return t._local_tensor if is_sharded(t) else t
+
+
+def announced(params: Sequence[torch.Tensor]) -> bool:
+    """Whether FSDP2 will shard ``params`` after the optimizer is made: Accelerate's
+    ``prepare()`` with ``FullyShardedDataParallelPlugin(fsdp_version=2)`` (the Trainer's
+    ``fsdp`` too) takes an optimizer made over the whole model, shards the model and puts
+    the sharded params into the optimizer's groups. Only Accelerate's state says so (read
+    where Accelerate is imported already)."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not params or any(is_sharded(p) for p in params):
+        return False
+    shared = state.AcceleratorState._shared_state
+    plugin = shared.get("fsdp_plugin")
+    return shared.get("distributed_type") == "FSDP" and \
+        plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
 
 
 class Sharding:
@@ -86,3 +102,20 @@ class Sharding:
             return value
         return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
+
+
+def refuse_replaced(opt: Any, laid_out: Sequence[torch.Tensor]) -> None:
+    """Params put into ``opt``'s groups in place of those its states were laid out for (what
+    Accelerate's prepare() and the Trainer do with FSDP2 once they have sharded the model)
+    have no states there: refused, saying how to make it instead."""
+    current = {id(p) for group in opt.param_groups for p in group["params"]}
+    if all(id(p) in current for p in laid_out):
+        return
+    name = type(opt).__name__
+    raise RuntimeError(
+        f"smartinf.optim.{name}'s params were replaced after its states were laid out for "
+        f"them (Accelerate's prepare() and the Trainer with FSDP2 shard the model after the "
+        f"optimizer is made and put the sharded params in its groups). Make the optimizer "
+        f"after Accelerator(fsdp_plugin=...) (it then waits for the sharded params: the "
+        f"Trainer makes it so), or after calling fully_shard yourself; an optimizer made "
+        f"before the Accelerator cannot know the sharding to come (docs/fsdp.md)")

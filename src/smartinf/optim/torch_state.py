@@ -57,11 +57,6 @@ def export(opt: Any) -> dict:
                         stored["param" if n == MASTER else n][s.offset:s.offset + s.stop - s.start]
     if opt._sharding.active:
         _empty_shards(opt, ids, per_param)
-    groups = []
-    for group in opt.param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = [ids[id(p)] for p in group["params"]]
-        groups.append(packed)
     # torch has no entry for a param without states (SGD before momentum is used).
     state = {k: v for k, v in per_param.items()
              if any(x is not None for n, x in v.items() if n != MASTER)}
@@ -72,7 +67,18 @@ def export(opt: Any) -> dict:
     opt._export = (opt.pipeline.step_count,
                    [(k, n, weakref.ref(t), t._version) for k, v in state.items()
                     for n, t in v.items() if isinstance(t, torch.Tensor)])
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _packed_groups(opt, ids)}
+
+
+def unstepped(opt: Any) -> dict:
+    """torch's ``state_dict`` of an optimizer whose states are not laid out yet: no states."""
+    return {"state": {}, "param_groups": _packed_groups(opt, subgroups.param_ids(opt.param_groups))}
+
+
+def _packed_groups(opt: Any, ids: dict) -> list:
+    """The param groups as torch's ``state_dict`` holds them: the params by index."""
+    return [dict({k: v for k, v in group.items() if k != "params"},
+                 params=[ids[id(p)] for p in group["params"]]) for group in opt.param_groups]
 
 
 def _entry(opt: Any, param: torch.Tensor, steps: int, group: dict, master: bool) -> dict:
@@ -98,8 +104,13 @@ def _empty_shards(opt: Any, ids: dict, per_param: dict) -> None:
                 per_param[ids[id(p)]] = _entry(opt, p, steps, group, p.dtype != torch.float32)
 
 
-def load(opt: Any, state_dict: dict) -> None:
-    """Loads torch's optimizer ``state_dict`` into ``opt`` (see the module)."""
+def load_groups(opt: Any, state_dict: dict) -> None:
+    """Loads the hyper-parameters of a ``state_dict`` without states (``unstepped``)."""
+    _set_groups(opt, _checked_groups(opt, state_dict))
+
+
+def _checked_groups(opt: Any, state_dict: dict) -> list:
+    """The state_dict's param groups over ``opt``'s params, checked."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("state_dict must be an optimizer state_dict with 'state' and "
                          "'param_groups'")
@@ -107,12 +118,25 @@ def load(opt: Any, state_dict: dict) -> None:
     if len(saved) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(saved)} param groups, this optimizer "
                          f"{len(opt.param_groups)}")
-    ids: dict[int, int] = {}
-    states = state_dict["state"]
+    new_groups = []
     for mine, theirs in zip(opt.param_groups, saved):
         if len(mine["params"]) != len(theirs["params"]):
             raise ValueError(f"a param group has {len(theirs['params'])} params in the "
                              f"state_dict and {len(mine['params'])} here")
+        group = dict(theirs, params=mine["params"])
+        optim_options.check_group(opt, group)
+        opt._rule(group)  # validates the hyper-parameters before anything is written
+        new_groups.append(group)
+    return new_groups
+
+
+def load(opt: Any, state_dict: dict) -> None:
+    """Loads torch's optimizer ``state_dict`` into ``opt`` (see the module)."""
+    new_groups = _checked_groups(opt, state_dict)
+    saved = state_dict["param_groups"]
+    ids: dict[int, int] = {}
+    states = state_dict["state"]
+    for mine, theirs in zip(opt.param_groups, saved):
         for p, i in zip(mine["params"], theirs["params"]):
             ids[id(p)] = i
             for n in opt.pipeline.optimizer.state_names:
@@ -123,12 +147,6 @@ def load(opt: Any, state_dict: dict) -> None:
                 if value is not None and value.numel() != p.numel():
                     raise ValueError(f"state {n!r} of param {i} has {value.numel()} "
                                      f"elements, the param {p.numel()}")
-    new_groups = []
-    for mine, theirs in zip(opt.param_groups, saved):
-        group = dict(theirs, params=mine["params"])
-        optim_options.check_group(opt, group)
-        opt._rule(group)  # validates the hyper-parameters before anything is written
-        new_groups.append(group)
     if _is_own_export(opt, states):
         _set_groups(opt, new_groups)
         return
