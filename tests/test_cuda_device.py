@@ -351,6 +351,40 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
 
 
 @needs_gpu
+def test_optim_measures_an_auto_gpu_budget_at_its_first_step(disk_dir):
+    """gpu_memory_budget="auto": nothing laid out until the first step, which sizes the budget
+    from what its forward and backward left (planning/gpu_budget.measured) and opens the
+    GPU's device in front of the directory; the same bits as the states on the cpu device."""
+    def run(path, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 64)).cuda()
+        opt = so.AdamW(model.parameters(), lr=1e-2, devices=path, subgroup_size=10_000,
+                       max_grad_norm=0.5, chunk=CHUNK, **options)
+        laid_out_at_init = opt.pipeline is not None
+        for x in torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)).cuda():
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        opt.close()
+        return [p.detach().cpu() for p in model.parameters()], laid_out_at_init
+    cpu, _ = run(os.path.join(disk_dir, "cpu"))
+    path = os.path.join(disk_dir, "auto")
+    gpu, laid_out_at_init = run(path, gpu_memory_budget="auto")
+    assert not laid_out_at_init
+    assert os.path.isfile(os.path.join(path, "gpu", "manifest"))
+    for a, b in zip(gpu, cpu):
+        assert np.array_equal(bits(a), bits(b))
+
+
+def test_an_auto_gpu_budget_without_a_gpu_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match='gpu_memory_budget="auto" sizes a budget of the GPU'):
+        so.AdamW(torch.nn.Linear(4, 4).parameters(), devices=[str(tmp_path)], gpu_memory_budget="auto")
+    assert not os.listdir(tmp_path)
+
+
+@needs_gpu
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 @pytest.mark.parametrize("memory", MEMORIES)
