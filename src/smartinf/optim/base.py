@@ -125,6 +125,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
             lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
+        if self._layout["gpu_memory_budget"] == "auto":  # (the states' bytes, where less)
+            gpu_memory_budget = optim_options.fit_gpu_budget(
+                gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
         pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
                                                self._rule(self.param_groups[0]), settings,
                                                gpu_memory_budget, gpu_twins, gpu_host_states)

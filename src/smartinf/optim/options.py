@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 from typing_extensions import TypedDict
 
-from smartinf import defaults, update_rules
+from smartinf import _native, defaults, update_rules
 from smartinf.planning import gpu_budget, plan
 from smartinf.planning.host_states import host_states_budget
 from smartinf.pipeline.compress import TopK
@@ -196,6 +196,18 @@ def held_gpu_budget(budget: "int | str | None", devices: Any, if_exists: str) ->
     first = resolve_devices(devices)[0]
     return gpu_budget.held(os.path.join(getattr(first, "path", first), GPU_DIRECTORY)) \
         if if_exists == "resume" else None
+
+
+def fit_gpu_budget(budget: int, plan: Sequence[Subgroup], settings: PipelineSettings,
+                   arrays: int) -> int:
+    """A measured GPU budget no larger than the sub-groups' states take there: a host twin
+    (``planning.twins``) is as large as the budget, and the host memory beyond the states
+    would be pinned for nothing (a 13 B model's 51 GB of states measured a 75 GB budget)."""
+    chunk = settings.chunk or defaults.chunk() or defaults.GPU_CHUNK
+    need = sum(_native.copy_bytes(*(("fp32", "fp32") if sg.small else
+                                    (settings.state_dtype, settings.master)), chunk, sg.numel, arrays)
+               for sg in plan)
+    return min(budget, need)
 
 
 def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
