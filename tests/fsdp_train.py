@@ -11,11 +11,14 @@ fed smartinf's gradients, recorded as ``torch_params``), ``dir`` (smartinf's dev
 whose loss is NaN: skipped), ``kw`` (smartinf's options), ``mixed`` (MixedPrecisionPolicy
 bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory written after
 the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``, ``edit_at`` (a step before which rank 0 halves its
-shard of the first param).
+shard of the first param), ``first="resume"`` (start at the step the reopened directories
+hold), ``started`` / ``sleep`` (a file rank 0 makes after each step, then sleeps: a test
+kills the ranks meanwhile).
 """
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,8 +69,11 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
         dcp.load(state, checkpoint_id=config["load"])
         set_model_state_dict(m, state["model"])
         set_optimizer_state_dict(m, opt, state["optim"])
-    record = {"loss": [], "params": [], "skipped": [], "torch_params": []}
-    for step in range(config.get("first", 0), config["steps"]):
+    first = config.get("first", 0)
+    if first == "resume":  # where the reopened directories are (every rank at one step)
+        first = opt.pipeline.step_count
+    record = {"loss": [], "params": [], "skipped": [], "torch_params": [], "first": first}
+    for step in range(first, config["steps"]):
         g = torch.Generator().manual_seed(100 + step)
         if step == config.get("edit_at") and rank == 0:  # one rank's shard edited between steps
             with torch.no_grad():
@@ -101,6 +107,9 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
         dist.all_reduce(total)
         record["loss"].append(float(total) / world)
         record["params"].append([p.full_tensor().detach().clone() for p in m.parameters()])
+        if config.get("started") and rank == 0:  # (a test kills the ranks from now on)
+            open(config["started"], "a").close()
+            time.sleep(config.get("sleep", 0))
     if config.get("save"):
         dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)},
                  checkpoint_id=config["save"])

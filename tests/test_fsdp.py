@@ -1,8 +1,12 @@
 """smartinf.optim over FSDP2 (``fully_shard``), on the CPU with gloo (issue 61): each rank's
 shards in its own sub-groups and directories, the gradients' norm and inf/NaN agreed over
 the ranks; against FSDP2 + torch's AdamW on the same batches (tests/fsdp_train.py)."""
+import contextlib
 import os
+import random
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from conftest import assert_close_fp32
 from fsdp_train import run
 
 STEPS = 6
+KILLED_STEPS = 40
 
 
 def train(tmp_path, name, world, **config):
@@ -96,6 +101,40 @@ def test_ranks_one_commit_apart_reopen_at_one_step(tmp_path):
     for a, b in zip(rest["params"], whole["params"][3:]):
         for p, q in zip(a, b):
             assert torch.equal(p, q)
+
+
+def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
+    """SIGKILL to one rank at a random moment of a run (the others then killed, as torchrun
+    ends a job whose rank died): reopened with if_exists="resume", every rank opens at one
+    durable step (ranks a commit apart go back to the earlier) and goes on as the
+    uninterrupted run, bit for bit, three times over."""
+    whole = train(tmp_path, "whole", 2, optim="smartinf", steps=KILLED_STEPS)
+    rng = random.Random(os.getpid())
+    for trial in range(3):
+        directory, started = str(tmp_path / f"run{trial}"), tmp_path / f"started{trial}"
+        config = dict(optim="smartinf", dir=directory, steps=KILLED_STEPS, started=str(started),
+                      sleep=0.02, out=str(tmp_path / "killed.pt"))
+        port = 20000 + (os.getpid() * 13 + trial) % 20000
+        ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
+                                                      join=False, start_method="spawn")
+        while not started.exists():
+            assert all(p.is_alive() for p in ranks.processes), "a rank died before its first step"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.4))  # within the run's first ~20 of its 40 steps
+        victim = rng.randrange(2)
+        os.kill(ranks.pids()[victim], signal.SIGKILL)
+        for pid in ranks.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for process in ranks.processes:
+            process.join()
+        assert not os.path.exists(config["out"])  # killed before the end
+        rest = train(tmp_path, f"rest{trial}", 2, optim="smartinf", dir=directory,
+                     steps=KILLED_STEPS, first="resume", if_exists="resume")
+        assert 0 < rest["first"] < KILLED_STEPS
+        for a, b in zip(rest["params"], whole["params"][rest["first"]:], strict=True):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q)
 
 
 def test_bf16_params_split_master_int8(tmp_path):
