@@ -70,6 +70,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
         "steps_per_print": 10 ** 9,
     }
+    if args.offload_param:  # the params in host memory, gathered to the GPU layer by layer
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if args.persistence_threshold is not None:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = \
             args.persistence_threshold
@@ -163,6 +165,9 @@ def main() -> None:
                    help="smartinf: overlap=False (updates wait for step(); durable commits are "
                         "written before commit() returns)")
     p.add_argument("--sub-group-size", type=int, default=100_000_000)
+    p.add_argument("--offload-param", action="store_true",
+                   help="ZeRO-3's offload_param to the CPU: the bf16/fp32 params in host memory "
+                        "(a model whose params and gradients do not fit the GPUs)")
     p.add_argument("--persistence-threshold", type=int,
                    help="params of at most this many elements stay gathered (DeepSpeed's "
                         "stage3_param_persistence_threshold; its default when not given)")

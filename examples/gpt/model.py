@@ -26,6 +26,7 @@ MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's
     "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
     "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
     "30b": (6656, 60, 52, 32000),        # 32.1 B: Llama-1 30B's width, depth and heads
+    "65b": (8192, 80, 64, 32000),        # 64.7 B: Llama-1 65B's (params in host memory: --offload-param)
 }
 
 
