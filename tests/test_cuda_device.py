@@ -311,16 +311,21 @@ def test_a_gpus_memory_is_gpu_or_host(tmp_path):
     assert smartinf.CudaDevice(str(tmp_path), memory="host").twins is False
 
 
+def _mlp_and_optim(path, **options):
+    """A small MLP on the GPU and smartinf's AdamW over it (clipping acting)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).cuda()
+    return model, so.AdamW(model.parameters(), lr=1e-2, devices=path, subgroup_size=10_000,
+                           max_grad_norm=0.5, chunk=CHUNK, **options)
+
+
 @needs_gpu
 def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
     """smartinf.optim with gpu_memory_budget: the GPU in front of the directory, the same
     bits as the states on the cpu device (clipping acting)."""
     def run(path, **options):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                    torch.nn.Linear(256, 64)).cuda()
-        opt = so.AdamW(model.parameters(), lr=1e-2, devices=path, subgroup_size=10_000,
-                       max_grad_norm=0.5, chunk=CHUNK, **options)
+        model, opt = _mlp_and_optim(path, **options)
         data = torch.randn(6, 32, 64, generator=torch.Generator().manual_seed(1)).cuda()
         start = opt.pipeline.stats  # the states made from the params crossed
         for x in data:
@@ -356,11 +361,7 @@ def test_optim_measures_an_auto_gpu_budget_at_its_first_step(disk_dir):
     from what its forward and backward left (planning/gpu_budget.measured) and opens the
     GPU's device in front of the directory; the same bits as the states on the cpu device."""
     def run(path, **options):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                    torch.nn.Linear(256, 64)).cuda()
-        opt = so.AdamW(model.parameters(), lr=1e-2, devices=path, subgroup_size=10_000,
-                       max_grad_norm=0.5, chunk=CHUNK, **options)
+        model, opt = _mlp_and_optim(path, **options)
         laid_out_at_init = opt.pipeline is not None
         for x in torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)).cuda():
             opt.zero_grad()
