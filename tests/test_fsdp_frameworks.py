@@ -83,10 +83,11 @@ def test_the_example_trains_as_fsdp2_with_torch_adamw(tmp_path):
     losses = {}
     for mode in ("smartinf", "fsdp"):
         out = tmp_path / f"{mode}.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", str(WORLD), str(EXAMPLE), "--mode", mode, "--dir",
-                        str(tmp_path / mode), "--steps", "5", "--json", str(out)],
-                       check=True, capture_output=True, timeout=600)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", str(WORLD), str(EXAMPLE), "--mode", mode,
+                               "--dir", str(tmp_path / mode), "--steps", "5", "--json", str(out)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         losses[mode] = [r["loss"] for r in json.loads(out.read_text())["steps"]]
     assert losses["smartinf"][0] == losses["fsdp"][0]
     torch.testing.assert_close(losses["smartinf"], losses["fsdp"], rtol=1e-5, atol=0)
