@@ -1,6 +1,7 @@
 import errno
 import os
 import shutil
+import socket
 import subprocess
 
 import numpy as np
@@ -13,6 +14,14 @@ SHM = "/dev/shm"
 # Updates during backward start by default only where backward runs on a GPU; the tests
 # exercise them on the CPU too (inherited by the DeepSpeed runs' processes).
 os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launch's rendezvous (torchrun's
+    --master_port): tests running at once (pytest-xdist's workers) each get their own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
