@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, made_once
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
 import smartinf  # noqa: E402
@@ -397,12 +397,12 @@ TOL = 1e-5  # ours vs DeepSpeed's torch AdamW, relative: float rounding of the t
 
 
 @pytest.fixture(scope="module")
-def api(work):
-    out = work / "api.json"
-    done = torchrun(2, ROOT / "tests" / "deepspeed_api.py", "--dir", str(work / "api"),
-                    "--out", str(out))
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    results = json.loads(out.read_text())
+def api(tmp_path_factory):
+    def make(work: Path) -> None:  # (once for all of pytest-xdist's workers)
+        done = torchrun(2, ROOT / "tests" / "deepspeed_api.py", "--dir", str(work / "api"),
+                        "--out", str(work / "api.json"))
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    results = json.loads((made_once(tmp_path_factory, "deepspeed-api", make) / "api.json").read_text())
     for ours, ref in zip(*results["losses"]):  # the first two steps
         assert abs(ours - ref) <= TOL * abs(ref)
     return results
@@ -503,20 +503,18 @@ RULE_CASES = {1: ("adamw_amsgrad", "adam_amsgrad_maximize", "adamw_maximize", "l
 
 
 @pytest.fixture(scope="module")
-def rule_runs(work):
-    """A world size's results, from one torchrun of all its cases (made on first use)."""
-    runs = {}
-
+def rule_runs(tmp_path_factory):
+    """A world size's results, from one torchrun of all its cases (made on first use, once
+    for all of pytest-xdist's workers)."""
     def get(world: int) -> dict:
-        if world not in runs:
-            out = work / f"rules-{world}.json"
+        def make(work: Path) -> None:
             extra = ("--refusals",) if world == 1 else ()
             done = torchrun(world, ROOT / "tests" / "deepspeed_rules.py", "--dir",
-                            str(work / f"rules-{world}"), "--out", str(out),
+                            str(work / "rules"), "--out", str(work / "rules.json"),
                             "--cases", ",".join(RULE_CASES[world]), *extra)
             assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-            runs[world] = json.loads(out.read_text())
-        return runs[world]
+        return json.loads((made_once(tmp_path_factory, f"deepspeed-rules-{world}", make) /
+                           "rules.json").read_text())
     return get
 
 
@@ -977,21 +975,39 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
 }
 
 
+@pytest.fixture(scope="module")
+def edit_runs(tmp_path_factory):
+    """A world size's cases, from one torchrun of them all (made on first use, once for all
+    of pytest-xdist's workers): its directory, and the launch's output."""
+    def get(world: int) -> tuple:
+        def make(out: Path) -> None:
+            cases = [(name, overlap, flags) for name, (w, overlap, flags, _) in EDIT_CASES.items()
+                     if w == world and ("-gpu" not in name or torch.cuda.is_available())]
+            done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py", "--dir", str(out),
+                            "--out", str(out), "--cases", json.dumps(cases))
+            (out / "launch.log").write_text(f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n"
+                                            f"{done.stderr[-6000:]}")
+            # the launch ended well, or one of its cases failed (whose test says so)
+            assert done.returncode == 0 or not all((out / f"{c[0]}.json").is_file() for c in cases), \
+                (out / "launch.log").read_text()
+        out = made_once(tmp_path_factory, f"deepspeed-edits-{world}", make)
+        return out, (out / "launch.log").read_text()
+    return get
+
+
 @pytest.mark.parametrize("case", EDIT_CASES)
-def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch, case):
+def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(edit_runs, case):
     """Params clamped and rolled back through GatheredParameters(modifier_rank=0) and
     kept-whole params pruned in place become the masters at the next step, as DeepSpeed's
     own ZeRO-3 does once told of them (safe_set_full_fp32_param); the kept-whole params read
     without a gather right after step() are DeepSpeed's, with the step's tail running during
     the next forward (overlap: updates during backward, as on a GPU) or not."""
-    world, overlap, flags, tol = EDIT_CASES[case]
+    world, _, _, tol = EDIT_CASES[case]
     if "-gpu" in case and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "1" if overlap else "0")
-    out = work / f"edits-{case}.json"
-    done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py",
-                    "--dir", str(work / f"edits-{case}"), "--out", str(out), *flags)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    folder, launch = edit_runs(world)
+    out = folder / f"{case}.json"
+    assert out.is_file(), launch
     record = json.loads(out.read_text())
     assert record["kept_whole"] > 0
     for step, s in enumerate(record["steps"], 1):
