@@ -57,8 +57,11 @@ demo: $(VENV)/.built-demo
 	@mkdir -p results
 	$(PY) examples/gpt/train.py --steps $(GPT_STEPS) --out results/gpt_losses.png
 
+# The tests run in TEST_WORKERS processes (pytest-xdist): 2, what CI's 2 cores take
+# (docs/testing.md says how the suite is split; TEST_WORKERS=1: one process).
+TEST_WORKERS ?= 2
 test: setup csim
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 bench: setup
 	$(PY) -m pytest -q bench --benchmark-json=bench/results/bench.json

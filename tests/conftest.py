@@ -1,7 +1,10 @@
 import errno
+import fcntl
 import os
 import shutil
+import socket
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +13,43 @@ import torch
 import smartinf
 
 SHM = "/dev/shm"
+# pytest-xdist (make test): each worker's torch takes its share of the cores, not all of them
+# (its threads would spin waiting for each other while another worker's hold the cores).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) //
+                                                     int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Updates during backward start by default only where backward runs on a GPU; the tests
 # exercise them on the CPU too (inherited by the DeepSpeed runs' processes).
 os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launch's rendezvous (torchrun's
+    --master_port): tests running at once (pytest-xdist's workers) each get their own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A directory that ``make(directory)`` filled once for all of this run's pytest-xdist
+    workers (a launch whose results several tests read): the first worker to ask makes it,
+    the others wait for it (a lock) and find it made. (xdist's loadgroup would keep the tests
+    on one worker instead, but pytest 9.2 ignores its renamed node ids.) A make that fails
+    is tried again by the next to ask."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's, above each worker's own
+    directory = root / f"made-{name}"
+    with open(root / f"made-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (directory / ".made").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            (directory / ".made").touch()
+    return directory
 
 
 @pytest.fixture

@@ -2,7 +2,12 @@
 ``step()``, on smartinf.integrations.deepspeed next to DeepSpeed's own ZeRO-3 (fp32 torch
 AdamW, no offload) on the same model and batches. For tests/test_deepspeed.py:
 
-    torchrun --nproc_per_node=2 tests/deepspeed_edits.py --dir D --out results.json
+    torchrun --nproc_per_node=2 tests/deepspeed_edits.py --dir D --out O \
+        --cases '[["NAME", OVERLAP, ["--bf16", "--block", "{...}"]], ...]'
+
+Each case in turn in this one launch (a launch costs several times a case), in D/NAME with
+its results in O/NAME.json and SMARTINF_SPECULATE_ON_CPU set by OVERLAP; a case that fails
+ends the launch.
 
 Each step, both engines get the same edit: after step 2 every param clamped through
 ``GatheredParameters(modifier_rank=0)``, after step 3 the kept-whole params pruned in their
@@ -16,7 +21,9 @@ the last step, the largest fp32 master of smartinf's checkpoint.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,10 +83,20 @@ def tell_deepspeed(eng: object) -> None:
 
 
 def main() -> None:
-    a, rank = start(bf16={"action": "store_true"}, block={"default": "{}", "type": json.loads,
-                                                          "help": "more of the smartinf block"})
-    ours = engine(str(Path(a.dir) / "ours"), lr=LR, bf16=a.bf16, block=a.block)
-    ref = engine(None, lr=LR, bf16=a.bf16)
+    a, rank = start(cases={"type": json.loads, "required": True})
+    flags = argparse.ArgumentParser()
+    flags.add_argument("--bf16", action="store_true")
+    flags.add_argument("--block", default="{}", type=json.loads, help="more of the smartinf block")
+    for name, overlap, argv in a.cases:
+        os.environ["SMARTINF_SPECULATE_ON_CPU"] = "1" if overlap else "0"
+        case = flags.parse_args(argv)
+        run(Path(a.dir) / name, Path(a.out) / f"{name}.json", case.bf16, case.block, rank)
+    leave_without_teardown()
+
+
+def run(directory: Path, out: Path, bf16: bool, block: dict, rank: int) -> None:
+    ours = engine(str(directory / "ours"), lr=LR, bf16=bf16, block=block)
+    ref = engine(None, lr=LR, bf16=bf16)
     data = [batches(LANG, 4, 32, seed=1000 + rank) for _ in range(2)]
     kept_whole = [n for n, q in named(ours).items() if getattr(q, "ds_persist", False)]
     record: dict = {"kept_whole": len(kept_whole), "steps": []}
@@ -101,15 +118,16 @@ def main() -> None:
             tell_deepspeed(ref)
     record["clamped_max"] = max(float(v.abs().max()) for v in gathered(ours).values())
     clamp(ours, {})  # after the last step: a checkpoint holds the edit as its fp32 masters
-    ours.save_checkpoint(str(Path(a.dir) / "ckpt"), tag="t")
+    ours.save_checkpoint(str(directory / "ckpt"), tag="t")
     if rank == 0:
-        masters = get_fp32_state_dict_from_zero_checkpoint(str(Path(a.dir) / "ckpt"), tag="t")
+        masters = get_fp32_state_dict_from_zero_checkpoint(str(directory / "ckpt"), tag="t")
         record["saved_max"] = max(float(v.abs().max()) for v in masters.values())
         record["clip_fp32"] = float(torch.tensor(CLIP))
         record["clip_bf16"] = float(torch.tensor(CLIP).bfloat16())
     if rank == 0:
-        Path(a.out).write_text(json.dumps(record))
-    leave_without_teardown()
+        out.write_text(json.dumps(record))
+    for e in (ours, ref):  # (ours: its pipeline closed; the next case's engines start afresh)
+        e.destroy()
 
 
 if __name__ == "__main__":

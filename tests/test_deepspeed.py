@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port, made_once
+
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
 import smartinf  # noqa: E402
 import smartinf.integrations.deepspeed as sds  # noqa: E402
@@ -37,7 +39,7 @@ def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProces
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_port", str(29500 + os.getpid() % 1000), str(script), *args]
+           "--master_port", str(free_port()), str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -56,6 +58,42 @@ def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: 
     record = json.loads(Path(f"{out}.json").read_text())
     record["params"] = torch.load(f"{out}.pt")
     return record
+
+
+@dataclasses.dataclass
+class Run:
+    """One run of the example for train_all: its storage directory, its name (of its
+    --json), its flags and environment."""
+    storage: str
+    name: str
+    extra: tuple = ()
+    mode: str = "smartinf"
+    env: dict = dataclasses.field(default_factory=dict)
+
+
+def train_all(tmp: Path, world: int, *runs: Run) -> list:
+    """The runs in turn, in one launch (tests/deepspeed_batch.py: a launch costs several
+    times a run of the tiny model); their records as train's, each with its ranks' output
+    ("log"). A run that fails names itself; the launch stops there."""
+    spec = tmp / f"{runs[0].name}.runs.json"
+    spec.write_text(json.dumps([{
+        "name": r.name, "out": str(tmp), "env": r.env,
+        "args": ["--mode", r.mode, "--dir", str(r.storage), "--steps", str(STEPS),
+                 "--json", str(tmp / f"{r.name}.json"), "--params-out", str(tmp / f"{r.name}.pt"),
+                 *r.extra]} for r in runs]))
+    done = torchrun(world, ROOT / "tests" / "deepspeed_batch.py", str(spec))
+    records = []
+    for r in runs:
+        status = tmp / f"{r.name}.done"
+        assert status.is_file(), f"run {r.name} not reached ({' '.join(done.args)}):\n" \
+                                 f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        assert status.read_text() == "ok", f"run {r.name} {r.extra} failed: {status.read_text()}"
+        record = json.loads((tmp / f"{r.name}.json").read_text())
+        record["params"] = torch.load(tmp / f"{r.name}.pt")
+        record["log"] = "".join(p.read_text() for p in sorted(tmp.glob(f"{r.name}.rank*.log")))
+        records.append(record)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return records
 
 
 def total_read(record: dict) -> int:
@@ -86,8 +124,8 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     (NaN gradients at step 3: DeepSpeed's overflow check must keep the states as they
     were) and gradient clipping (clip 1.0 acts on this model's early steps)."""
     extra = ("--nan-at", "3")
-    ours = train(work, disk_dir, f"ours-{world}", world=world, extra=extra)
-    ref = train(work, disk_dir, f"ref-{world}", mode="deepspeed-cpu", world=world, extra=extra)
+    ours, ref = train_all(work, world, Run(disk_dir, f"ours-{world}", extra),
+                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"))
     assert [s["skipped"] for s in ours["steps"]] == [s["skipped"] for s in ref["steps"]]
     assert [s["skipped"] for s in ours["steps"]].count(True) == 1
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
@@ -115,15 +153,15 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
     the states' directory has a probe record, the example records the model's step for rank
     0's placement (all resident here), its host shared by the two ranks; without one, none."""
     from smartinf.planning import io_schedule, placement
-    plain = train(work, os.path.join(disk_dir, "plain"), "plain-2", world=2)
     figures = {"read_bps": 2e9, "write_bps": 1e9, "write_beside_update_bps": 0.5e9,
                "triad": {"bps": 1e10},
                "kernel": [{"grad": "bfloat16", "param": "bfloat16", "state_dtype": "fp32",
                            "threads": 2, "master": "fp32", "params_per_s": 1e8}]}
     os.makedirs(os.path.join(disk_dir, "probed"), exist_ok=True)
     io_schedule.record(os.path.join(disk_dir, "probed"), figures)
-    tiered = train(work, os.path.join(disk_dir, "probed", "tiered"), "tiered-2", world=2,
-                   extra=("--memory-budget", "8MiB", "--commit-every", "3", "--compute-threads", "2"))
+    plain, tiered = train_all(work, 2, Run(os.path.join(disk_dir, "plain"), "plain-2"), Run(
+        os.path.join(disk_dir, "probed", "tiered"), "tiered-2",
+        ("--memory-budget", "8MiB", "--commit-every", "3", "--compute-threads", "2")))
     assert plain["predicted"] is None
     placed = tiered["predicted"]["placement"]
     assert placed["gpu"] == placed["streamed"] == 0 and 0 < placed["ram"] <= tiered["num_params"]
@@ -143,7 +181,7 @@ def test_resident_states_and_a_commit_interval_train_identically(work, disk_dir)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_updates_during_backward_change_no_bit(work, disk_dir, world, monkeypatch):
+def test_updates_during_backward_change_no_bit(work, disk_dir, world):
     """overlap (the default): each sub-group's update starts when its gradient partitions are
     reduced, with the last step's scale assumed; kept where it held, retracted where not
     (step 3's NaN gradients: skipped; with clip 1.0, acting on every step here, a step after
@@ -154,16 +192,18 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world, monkeypatc
     resident (sub-groups of 60 k params: several per rank); and resident ones speculating on
     their twins (SMARTINF_SPECULATE_RESIDENT)."""
     resident = ("--clip", "0", "--memory-budget", "8MiB")
-    for name, extra in (("streamed", ("--clip", "0")),
-                        ("clipped", ()),
-                        ("resident", resident),
-                        ("resident-twins", resident)):
-        monkeypatch.setenv("SMARTINF_SPECULATE_RESIDENT", str(int(name == "resident-twins")))
+    cases = (("streamed", ("--clip", "0")), ("clipped", ()), ("resident", resident),
+             ("resident-twins", resident))
+    runs = []
+    for name, extra in cases:
+        env = {"SMARTINF_SPECULATE_RESIDENT": str(int(name == "resident-twins"))}
         extra = ("--nan-at", "3", "--sub-group-size", "60000", *extra)
-        on = train(work, os.path.join(disk_dir, f"spec-{name}-{world}"), f"spec-{name}-{world}",
-                   world=world, extra=extra)
-        off = train(work, os.path.join(disk_dir, f"nospec-{name}-{world}"),
-                    f"nospec-{name}-{world}", world=world, extra=(*extra, "--no-overlap"))
+        runs += [Run(os.path.join(disk_dir, f"spec-{name}-{world}"), f"spec-{name}-{world}",
+                     extra, env=env),
+                 Run(os.path.join(disk_dir, f"nospec-{name}-{world}"), f"nospec-{name}-{world}",
+                     (*extra, "--no-overlap"), env=env)]
+    records = iter(train_all(work, world, *runs))
+    for (name, _), on, off in zip(cases, records, records):
         assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)], name
         assert params_rel_diff(on, off) == 0.0, name
         started = [s["pipeline"]["speculative_updates"] for s in on["steps"]]
@@ -191,12 +231,11 @@ def test_gradients_set_through_deepspeed_between_backward_and_step(work, disk_di
     unhalved partitions are redone (their digests differ: no version counter moved), so the
     run is bit for bit the one with --no-overlap."""
     extra = ("--halve-grads-at", "4", "--clip", "0", "--sub-group-size", "60000")
-    on = train(work, os.path.join(disk_dir, "halve-on"), "halve-on", world=2, extra=extra)
-    off = train(work, os.path.join(disk_dir, "halve-off"), "halve-off", world=2,
-                extra=(*extra, "--no-overlap"))
-    ref = train(work, disk_dir, "halve-ref", mode="deepspeed-cpu", world=2, extra=extra)
-    plain = train(work, os.path.join(disk_dir, "halve-none"), "halve-none", world=2,
-                  extra=extra[2:])
+    on, off, ref, plain = train_all(
+        work, 2, Run(os.path.join(disk_dir, "halve-on"), "halve-on", extra),
+        Run(os.path.join(disk_dir, "halve-off"), "halve-off", (*extra, "--no-overlap")),
+        Run(disk_dir, "halve-ref", extra, mode="deepspeed-cpu"),
+        Run(os.path.join(disk_dir, "halve-none"), "halve-none", extra[2:]))
     assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)]
     assert params_rel_diff(on, off) == 0.0
     for step, (a, b) in enumerate(zip(losses(on), losses(ref)), 1):
@@ -207,14 +246,13 @@ def test_gradients_set_through_deepspeed_between_backward_and_step(work, disk_di
     assert started[3] > 0 and retracted[3] == started[3]
 
 
-def test_four_ranks_with_overlap_train_bit_for_bit_as_without(work, disk_dir, monkeypatch):
+def test_four_ranks_with_overlap_train_bit_for_bit_as_without(work, disk_dir):
     """World 4 (one host's ranks, each with its own slice of the cores and its own
     directories): updates during backward and the step's tail change no bit against
     --no-overlap, and every rank ends at the same durable step."""
     extra = ("--nan-at", "3", "--sub-group-size", "60000", "--clip", "0")
-    on = train(work, os.path.join(disk_dir, "spec-4"), "spec-4", world=4, extra=extra)
-    off = train(work, os.path.join(disk_dir, "nospec-4"), "nospec-4", world=4,
-                extra=(*extra, "--no-overlap"))
+    on, off = train_all(work, 4, Run(os.path.join(disk_dir, "spec-4"), "spec-4", extra),
+                        Run(os.path.join(disk_dir, "nospec-4"), "nospec-4", (*extra, "--no-overlap")))
     assert on["world_size"] == off["world_size"] == 4
     assert [str(x) for x in losses(on)] == [str(x) for x in losses(off)]
     assert params_rel_diff(on, off) == 0.0
@@ -237,8 +275,8 @@ def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
     DeepSpeed's CPU Lion steps by -lr (copysign), the paper and torch.sign by 0; smartinf
     follows the paper (tests/test_optim.py checks it against a torch reference)."""
     extra = ("--optimizer", "lion")
-    ours = train(work, disk_dir, "ours-lion", extra=extra)
-    ref = train(work, disk_dir, "ref-lion", mode="deepspeed-cpu", extra=extra)
+    ours, ref = train_all(work, 1, Run(disk_dir, "ours-lion", extra),
+                          Run(disk_dir, "ref-lion", extra, mode="deepspeed-cpu"))
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
     assert losses(ours)[-1] < losses(ours)[0]
@@ -247,8 +285,8 @@ def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
 
 
 def test_bf16_within_noise_of_deepspeed(work, disk_dir):
-    ours = train(work, disk_dir, "ours-bf16", extra=("--dtype", "bf16"))
-    ref = train(work, disk_dir, "ref-bf16", mode="deepspeed-cpu", extra=("--dtype", "bf16"))
+    ours, ref = train_all(work, 1, Run(disk_dir, "ours-bf16", ("--dtype", "bf16")),
+                          Run(disk_dir, "ref-bf16", ("--dtype", "bf16"), mode="deepspeed-cpu"))
     assert losses(ours)[:3] == losses(ref)[:3]  # before rounding noise can differ
     for a, b in zip(losses(ours), losses(ref)):
         assert abs(a - b) <= 1e-4 * abs(b)
@@ -261,9 +299,9 @@ def test_a_split_master_trains_bf16_bit_for_bit(work, disk_dir, state_dtype):
     halves, the bf16 partitions are the high ones): the same losses and params, bit for bit,
     as with fp32 masters, reading 2 B per param less from storage every step."""
     extra = ("--dtype", "bf16", "--steps", "120", "--state-dtype", state_dtype)
-    fp32 = train(work, f"{disk_dir}/fp32", f"bf16-{state_dtype}-fp32", extra=extra)
-    split = train(work, f"{disk_dir}/split", f"bf16-{state_dtype}-split",
-                  extra=(*extra, "--split-master"))
+    fp32, split = train_all(work, 1, Run(f"{disk_dir}/fp32", f"bf16-{state_dtype}-fp32", extra),
+                            Run(f"{disk_dir}/split", f"bf16-{state_dtype}-split",
+                                (*extra, "--split-master")))
     assert losses(split) == losses(fp32) and len(losses(fp32)) == 120
     for a, b in zip(split["params"], fp32["params"]):
         assert torch.equal(a, b)
@@ -280,17 +318,17 @@ def test_one_copy_on_disk_trains_as_two_and_resumes(work, disk_dir):
     """The block's copies=1 (every state resident, durable every 3 steps, two ranks): the
     same losses and params, bit for bit, as streaming with two copies, on half the disk per
     state; a run again with if_exists="resume" goes on from the last durable step."""
-    plain = train(work, os.path.join(disk_dir, "plain"), "plain-two-copies", world=2)
     one = ("--memory-budget", "8MiB", "--commit-every", "3", "--copies", "1")
     storage = os.path.join(disk_dir, "one")
-    first = train(work, storage, "one-copy", world=2, extra=one)
+    plain, first, again = train_all(  # in turn: the last resumes the second's directories
+        work, 2, Run(os.path.join(disk_dir, "plain"), "plain-two-copies"),
+        Run(storage, "one-copy", one), Run(storage, "one-copy-again", (*one, "--if-exists", "resume")))
     assert losses(first) == losses(plain) and params_rel_diff(first, plain) == 0.0
     assert first["smartinf"]["copies"] == 1
     for rank in range(2):
         held = os.path.getsize(os.path.join(storage, "smartinf", f"rank{rank:05d}", "states.bin"))
         two = os.path.getsize(os.path.join(disk_dir, "plain", "smartinf", f"rank{rank:05d}", "states.bin"))
         assert 2 * held == two
-    again = train(work, storage, "one-copy-again", world=2, extra=(*one, "--if-exists", "resume"))
     assert losses(again)[0] < losses(first)[0] - 0.05
 
 
@@ -309,9 +347,8 @@ def test_checkpoint_resumes_identically_in_a_fresh_process(work, disk_dir):
     hold step 8) loads the checkpoint: steps 5-8 repeat exactly (the persistent params,
     gathered at load, included)."""
     ckpt = str(work / "ckpt")
-    first = train(work, disk_dir, "ckpt-first", world=2, extra=("--save", ckpt, "--save-at", "4"))
-    again = train(work, disk_dir, "ckpt-again", world=2,
-                  extra=("--load", ckpt, "--if-exists", "overwrite"))
+    first, again = train_all(work, 2, Run(disk_dir, "ckpt-first", ("--save", ckpt, "--save-at", "4")),
+                             Run(disk_dir, "ckpt-again", ("--load", ckpt, "--if-exists", "overwrite")))
     assert [s["step"] for s in again["steps"]] == [5, 6, 7, 8]
     assert losses(again) == losses(first)[4:]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
@@ -332,8 +369,8 @@ def test_a_bf16_checkpoint_resumes_bit_for_bit(work, disk_dir):
     the masters into the partitions rounded as the devices round them (ties away from
     zero, not torch's nearest-even), so steps 5-8 repeat bit for bit."""
     ckpt, bf16 = str(work / "ckpt-bf16"), ("--dtype", "bf16")
-    first = train(work, disk_dir, "bf16-first", extra=(*bf16, "--save", ckpt, "--save-at", "4"))
-    again = train(work, disk_dir, "bf16-again", extra=(*bf16, "--load", ckpt, "--if-exists", "overwrite"))
+    first, again = train_all(work, 1, Run(disk_dir, "bf16-first", (*bf16, "--save", ckpt, "--save-at", "4")),
+                             Run(disk_dir, "bf16-again", (*bf16, "--load", ckpt, "--if-exists", "overwrite")))
     assert losses(again) == losses(first)[4:]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
 
@@ -346,9 +383,9 @@ def test_a_split_master_resumes_from_a_checkpoint_and_refuses_without_its_weight
     before it commits (it used to train on from the initial weights with a warning)."""
     split = ("--dtype", "bf16", "--split-master")
     ckpt = str(work / "split-ckpt")
-    first = train(work, disk_dir, "split-ckpt-first", extra=(*split, "--save", ckpt, "--save-at", "4"))
-    again = train(work, disk_dir, "split-ckpt-again",
-                  extra=(*split, "--load", ckpt, "--if-exists", "overwrite"))
+    first, again = train_all(
+        work, 1, Run(disk_dir, "split-ckpt-first", (*split, "--save", ckpt, "--save-at", "4")),
+        Run(disk_dir, "split-ckpt-again", (*split, "--load", ckpt, "--if-exists", "overwrite")))
     assert losses(again) == losses(first)[4:]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], first["params"]))
     train(work, disk_dir, "split-no-weights", extra=(*split, "--if-exists", "resume"),
@@ -360,12 +397,12 @@ TOL = 1e-5  # ours vs DeepSpeed's torch AdamW, relative: float rounding of the t
 
 
 @pytest.fixture(scope="module")
-def api(work):
-    out = work / "api.json"
-    done = torchrun(2, ROOT / "tests" / "deepspeed_api.py", "--dir", str(work / "api"),
-                    "--out", str(out))
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    results = json.loads(out.read_text())
+def api(tmp_path_factory):
+    def make(work: Path) -> None:  # (once for all of pytest-xdist's workers)
+        done = torchrun(2, ROOT / "tests" / "deepspeed_api.py", "--dir", str(work / "api"),
+                        "--out", str(work / "api.json"))
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    results = json.loads((made_once(tmp_path_factory, "deepspeed-api", make) / "api.json").read_text())
     for ours, ref in zip(*results["losses"]):  # the first two steps
         assert abs(ours - ref) <= TOL * abs(ref)
     return results
@@ -466,20 +503,18 @@ RULE_CASES = {1: ("adamw_amsgrad", "adam_amsgrad_maximize", "adamw_maximize", "l
 
 
 @pytest.fixture(scope="module")
-def rule_runs(work):
-    """A world size's results, from one torchrun of all its cases (made on first use)."""
-    runs = {}
-
+def rule_runs(tmp_path_factory):
+    """A world size's results, from one torchrun of all its cases (made on first use, once
+    for all of pytest-xdist's workers)."""
     def get(world: int) -> dict:
-        if world not in runs:
-            out = work / f"rules-{world}.json"
+        def make(work: Path) -> None:
             extra = ("--refusals",) if world == 1 else ()
             done = torchrun(world, ROOT / "tests" / "deepspeed_rules.py", "--dir",
-                            str(work / f"rules-{world}"), "--out", str(out),
+                            str(work / "rules"), "--out", str(work / "rules.json"),
                             "--cases", ",".join(RULE_CASES[world]), *extra)
             assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-            runs[world] = json.loads(out.read_text())
-        return runs[world]
+        return json.loads((made_once(tmp_path_factory, f"deepspeed-rules-{world}", make) /
+                           "rules.json").read_text())
     return get
 
 
@@ -518,8 +553,8 @@ def test_param_groups_that_disagree_on_the_stored_states_are_refused(rule_runs, 
 
 
 def test_topk_compression_trains(work, disk_dir):
-    dense = train(work, os.path.join(disk_dir, "dense"), "ours-dense")
-    topk = train(work, os.path.join(disk_dir, "topk"), "ours-topk", extra=("--topk", "0.1"))
+    dense, topk = train_all(work, 1, Run(os.path.join(disk_dir, "dense"), "ours-dense"),
+                            Run(os.path.join(disk_dir, "topk"), "ours-topk", ("--topk", "0.1")))
     assert losses(topk)[0] == losses(dense)[0]
     assert losses(topk)[1:] != losses(dense)[1:]  # the update used the compressed gradient
     assert losses(topk)[-1] < losses(topk)[0]
@@ -623,8 +658,8 @@ def test_a_log_trains_each_rank_as_two_copies_do(work, disk_dir):
     logs its gradients before its updates; the losses and params of two copies, bit for
     bit, and each rank's directory one copy of its states plus a step's gradients."""
     extra = ("--no-overlap",)
-    two = train(work, disk_dir, "two", world=2, extra=extra)
-    log = train(work, disk_dir, "log", world=2, extra=extra + ("--copies", "log", "--if-exists", "overwrite"))
+    two, log = train_all(work, 2, Run(disk_dir, "two", extra),  # in turn: one directory
+                         Run(disk_dir, "log", extra + ("--copies", "log", "--if-exists", "overwrite")))
     assert losses(log) == losses(two)
     assert params_rel_diff(log, two) == 0
     for rank in (0, 1):
@@ -636,12 +671,12 @@ def test_auto_with_a_log_asked_turns_overlap_off(work, disk_dir):
     weighs the fp32 masters streamed (no probe record: the fewest bytes, int4), every rank
     runs that with overlap off (a speculative update would be refused with a log), bit for
     bit as those settings given by hand."""
-    auto = train(work, f"{disk_dir}/auto", "auto-log", world=2,
-                 extra=("--state-dtype", "auto", "--copies", "log"))
+    auto, given = train_all(work, 2, Run(f"{disk_dir}/auto", "auto-log",
+                                         ("--state-dtype", "auto", "--copies", "log")),
+                            Run(f"{disk_dir}/given", "given-log",
+                                ("--state-dtype", "int4", "--copies", "log", "--no-overlap")))
     for rank in (0, 1):
         assert os.path.getsize(os.path.join(disk_dir, "auto", "smartinf", f"rank{rank:05d}", "grads.bin")) > 0
-    given = train(work, f"{disk_dir}/given", "given-log", world=2,
-                  extra=("--state-dtype", "int4", "--copies", "log", "--no-overlap"))
     assert losses(auto) == losses(given)
     assert params_rel_diff(auto, given) == 0
 
@@ -892,7 +927,7 @@ except ValueError as e:
 
 def test_the_smartinf_block_needs_no_smartinf_code(tmp_path):
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29300 + os.getpid() % 500), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     done = subprocess.run([sys.executable, "-c", HOOK_SCRIPT, str(tmp_path / "states")], env=env,
@@ -940,21 +975,39 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
 }
 
 
+@pytest.fixture(scope="module")
+def edit_runs(tmp_path_factory):
+    """A world size's cases, from one torchrun of them all (made on first use, once for all
+    of pytest-xdist's workers): its directory, and the launch's output."""
+    def get(world: int) -> tuple:
+        def make(out: Path) -> None:
+            cases = [(name, overlap, flags) for name, (w, overlap, flags, _) in EDIT_CASES.items()
+                     if w == world and ("-gpu" not in name or torch.cuda.is_available())]
+            done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py", "--dir", str(out),
+                            "--out", str(out), "--cases", json.dumps(cases))
+            (out / "launch.log").write_text(f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n"
+                                            f"{done.stderr[-6000:]}")
+            # the launch ended well, or one of its cases failed (whose test says so)
+            assert done.returncode == 0 or not all((out / f"{c[0]}.json").is_file() for c in cases), \
+                (out / "launch.log").read_text()
+        out = made_once(tmp_path_factory, f"deepspeed-edits-{world}", make)
+        return out, (out / "launch.log").read_text()
+    return get
+
+
 @pytest.mark.parametrize("case", EDIT_CASES)
-def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(work, monkeypatch, case):
+def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(edit_runs, case):
     """Params clamped and rolled back through GatheredParameters(modifier_rank=0) and
     kept-whole params pruned in place become the masters at the next step, as DeepSpeed's
     own ZeRO-3 does once told of them (safe_set_full_fp32_param); the kept-whole params read
     without a gather right after step() are DeepSpeed's, with the step's tail running during
     the next forward (overlap: updates during backward, as on a GPU) or not."""
-    world, overlap, flags, tol = EDIT_CASES[case]
+    world, _, _, tol = EDIT_CASES[case]
     if "-gpu" in case and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("SMARTINF_SPECULATE_ON_CPU", "1" if overlap else "0")
-    out = work / f"edits-{case}.json"
-    done = torchrun(world, ROOT / "tests" / "deepspeed_edits.py",
-                    "--dir", str(work / f"edits-{case}"), "--out", str(out), *flags)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    folder, launch = edit_runs(world)
+    out = folder / f"{case}.json"
+    assert out.is_file(), launch
     record = json.loads(out.read_text())
     assert record["kept_whole"] > 0
     for step, s in enumerate(record["steps"], 1):
@@ -986,9 +1039,9 @@ def test_a_gpu_budget_of_auto_is_sized_by_the_first_step_and_changes_no_bit(work
 def test_a_model_built_partitioned_trains_as_built_whole(work, disk_dir, world):
     """deepspeed.zero.Init (each param partitioned as it is made, initialised gathered) with
     activation checkpointing: bit for bit the losses and params of the model built whole."""
-    whole = train(work, f"{disk_dir}/whole", f"whole-{world}", world=world)
-    parts = train(work, f"{disk_dir}/parts", f"parts-{world}", world=world,
-                  extra=("--zero-init", "--checkpoint-activations"))
+    whole, parts = train_all(work, world, Run(f"{disk_dir}/whole", f"whole-{world}"),
+                             Run(f"{disk_dir}/parts", f"parts-{world}",
+                                 ("--zero-init", "--checkpoint-activations")))
     assert losses(parts) == losses(whole)
     for a, b in zip(parts["params"], whole["params"]):
         assert torch.equal(a, b)
@@ -999,16 +1052,11 @@ def test_auto_chooses_once_for_every_rank_and_trains_as_chosen(work, disk_dir, w
     """"state_dtype": "auto": rank 0 picks (plan.choose: this tiny model's states all fit in
     memory, so fp32 states resident with a commit every 10 steps), every rank runs it, and
     the run is bit for bit the one with fp32 states streamed (the tiers change no bit)."""
-    out = work / f"auto-{world}"
-    done = torchrun(world, SCRIPT, "--mode", "smartinf", "--dir", f"{disk_dir}/auto-{world}",
-                    "--steps", str(STEPS), "--json", f"{out}.json", "--params-out", f"{out}.pt",
-                    "--state-dtype", "auto")
-    assert done.returncode == 0, done.stderr[-6000:]
-    said = [line for line in (done.stdout + done.stderr).splitlines() if "smartinf auto:" in line]
+    auto, plain = train_all(work, world, Run(f"{disk_dir}/auto-{world}", f"auto-{world}",
+                                             ("--state-dtype", "auto")),
+                            Run(f"{disk_dir}/plain-{world}", f"plain-{world}"))
+    said = [line for line in auto["log"].splitlines() if "smartinf auto:" in line]
     assert len(said) == 1 and "state_dtype='fp32'" in said[0] and "commit_every=10" in said[0]
-    auto = json.loads(Path(f"{out}.json").read_text())
-    auto["params"] = torch.load(f"{out}.pt")
-    plain = train(work, f"{disk_dir}/plain-{world}", f"plain-{world}", world=world)
     assert losses(auto) == losses(plain)
     for a, b in zip(auto["params"], plain["params"]):
         assert torch.equal(a, b)
@@ -1048,8 +1096,8 @@ def test_a_rank_one_commit_ahead_goes_back_to_the_others_step(work, disk_dir):
                     "--json", f"{out}.json", "--params-out", f"{out}.pt", "--if-exists", "resume")
     assert done.returncode == 0, done.stderr[-6000:]
     assert "rank 0's directories" in done.stderr and "rolled back to step 2" in done.stderr
-    train(work, stopped, "stopped-first", world=2, extra=("--steps", "2"))
-    ref = train(work, stopped, "stopped-resumed", world=2, extra=("--steps", "2", "--if-exists", "resume"))
+    _, ref = train_all(work, 2, Run(stopped, "stopped-first", ("--steps", "2")),
+                       Run(stopped, "stopped-resumed", ("--steps", "2", "--if-exists", "resume")))
     resumed = json.loads(Path(f"{out}.json").read_text())
     assert losses(resumed) == losses(ref)
     for a, b in zip(torch.load(f"{out}.pt"), ref["params"]):
@@ -1067,7 +1115,7 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(29500 + os.getpid() % 1000), str(SCRIPT), "--mode", "smartinf", "--dir", storage,
+           str(free_port()), str(SCRIPT), "--mode", "smartinf", "--dir", storage,
            "--steps", "60", *extra]
     run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)
@@ -1144,10 +1192,10 @@ def resumes_as_stopped(work: Path, disk_dir: str, killed: str, trial: int, extra
     """The killed run resumed for 3 steps trains bit for bit as one stopped at ``step`` and
     resumed."""
     resume = ("--if-exists", "resume", "--steps", "3")
-    resumed = train(work, killed, f"killed-resumed-{trial}", world=2, extra=extra + resume)
     stopped = os.path.join(disk_dir, "stopped")
-    train(work, stopped, f"stopped-{trial}", world=2, extra=extra + ("--steps", str(step)))
-    ref = train(work, stopped, f"stopped-resumed-{trial}", world=2, extra=extra + resume)
+    resumed, _, ref = train_all(work, 2, Run(killed, f"killed-resumed-{trial}", extra + resume),
+                                Run(stopped, f"stopped-{trial}", extra + ("--steps", str(step))),
+                                Run(stopped, f"stopped-resumed-{trial}", extra + resume))
     assert losses(resumed) == losses(ref)
     for a, b in zip(resumed["params"], ref["params"]):
         assert torch.equal(a, b)
@@ -1198,14 +1246,14 @@ def test_two_ranks_killed_at_random_resume_at_one_durable_step(work, disk_dir, t
     resumes_as_stopped(work, disk_dir, killed, trial, extra, step)
 
 
-def test_two_ranks_on_one_drive_take_its_turns(work, disk_dir, monkeypatch):
+def test_two_ranks_on_one_drive_take_its_turns(work, disk_dir):
     """Phased I/O (SMARTINF_IO_SCHEDULE=phased) with two ranks' directories on one drive:
     their rings take the drive's turns across the two processes (pipeline/host_turns.h),
     while the ranks also wait for each other in DeepSpeed's collectives; the run finishes,
     with the losses and params of mixed I/O, bit for bit."""
-    mixed = train(work, f"{disk_dir}/mixed", "mixed-2", world=2)
-    monkeypatch.setenv("SMARTINF_IO_SCHEDULE", "phased")
-    phased = train(work, f"{disk_dir}/phased", "phased-2", world=2)
+    mixed, phased = train_all(work, 2, Run(f"{disk_dir}/mixed", "mixed-2"),
+                              Run(f"{disk_dir}/phased", "phased-2",
+                                  env={"SMARTINF_IO_SCHEDULE": "phased"}))
     assert all(s.startswith("phased") for s in phased["choices"]["io_schedules"])
     assert sum(s["pipeline"]["io_turns"] for s in phased["steps"]) > 0
     assert losses(phased) == losses(mixed)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
+
 pytest.importorskip("transformers", reason="the Hugging Face extra is not installed (pip install 'smartinf[hf]')")
 pytest.importorskip("accelerate", reason="the Hugging Face extra is not installed (pip install 'smartinf[hf]')")
 
@@ -27,7 +29,7 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-              "--master_port", str(29600 + os.getpid() % 1000)] \
+              "--master_port", str(free_port())] \
         if world > 1 or via == "trainer-deepspeed" else [sys.executable]
     cmd = [*launch, str(SCRIPT), "--via", via, "--mode", mode, "--dir", states or str(tmp / name),
            "--checkpoints", str(tmp / name / "checkpoints"), "--out", str(tmp / f"{name}.json")]
