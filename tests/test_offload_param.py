@@ -6,7 +6,7 @@ import math
 import pytest
 
 pytest.importorskip("deepspeed")
-from test_deepspeed import losses, params_rel_diff, train  # noqa: E402
+from test_deepspeed import Run, losses, params_rel_diff, train_all  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -14,8 +14,8 @@ def test_params_in_host_memory_train_as_deepspeed(tmp_path, disk_dir, world):
     """Loss for loss within 1e-5 (relative) of DeepSpeed's own, clipping acting and step 3's
     NaN skipped by both, the final params within 1e-5: test_deepspeed's fp32 bounds."""
     extra = ("--offload-param", "--nan-at", "3")
-    ours = train(tmp_path, disk_dir, f"ours-{world}", world=world, extra=extra)
-    ref = train(tmp_path, disk_dir, f"ref-{world}", mode="deepspeed-cpu", world=world, extra=extra)
+    ours, ref = train_all(tmp_path, world, Run(disk_dir, f"ours-{world}", extra),
+                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"))
     assert [s["skipped"] for s in ours["steps"]] == [s["skipped"] for s in ref["steps"]]
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
         if step == 3:
