@@ -12,7 +12,7 @@ whose loss is NaN: skipped), ``kw`` (smartinf's options), ``mixed`` (MixedPrecis
 bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory written after
 the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``, ``edit_at`` (a step before which rank 0 halves its
 shard of the first param), ``first="resume"`` (start at the step the reopened directories
-hold), ``started`` / ``sleep`` (a file rank 0 makes after each step, then sleeps: a test
+hold), ``started`` / ``sleep`` (a file rank 0 makes after each step from the third, then sleeps: a test
 kills the ranks meanwhile).
 """
 from __future__ import annotations
@@ -107,7 +107,8 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
         dist.all_reduce(total)
         record["loss"].append(float(total) / world)
         record["params"].append([p.full_tensor().detach().clone() for p in m.parameters()])
-        if config.get("started") and rank == 0:  # (a test kills the ranks from now on)
+        if config.get("started") and rank == 0 and step >= 2:  # (killed from step 3 on:
+            # step 1's background commit has landed, so the ranks reopen past it)
             open(config["started"], "a").close()
             time.sleep(config.get("sleep", 0))
     if config.get("save"):

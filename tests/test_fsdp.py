@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_close_fp32
+from conftest import assert_close_fp32, free_port
 from fsdp_train import run
 
 STEPS = 6
@@ -21,7 +21,7 @@ KILLED_STEPS = 40
 def train(tmp_path, name, world, **config):
     config = dict(config, out=str(tmp_path / f"{name}.pt"), steps=config.get("steps", STEPS))
     config.setdefault("dir", str(tmp_path / name))
-    port = 20000 + (os.getpid() * 7 + hash(name)) % 20000
+    port = free_port()
     torch.multiprocessing.spawn(run, args=(world, port, config), nprocs=world)
     return torch.load(config["out"])
 
@@ -114,7 +114,7 @@ def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
         directory, started = str(tmp_path / f"run{trial}"), tmp_path / f"started{trial}"
         config = dict(optim="smartinf", dir=directory, steps=KILLED_STEPS, started=str(started),
                       sleep=0.02, out=str(tmp_path / "killed.pt"))
-        port = 20000 + (os.getpid() * 13 + trial) % 20000
+        port = free_port()
         ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
                                                       join=False, start_method="spawn")
         while not started.exists():
@@ -176,14 +176,14 @@ def test_a_shard_edited_on_one_rank_between_steps(tmp_path):
 
 
 def test_plain_params_beside_sharded_ones_refused(tmp_path):
-    torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path),), nprocs=1)
+    torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path), free_port()), nprocs=1)
 
 
-def _mixed_params(rank, directory):
+def _mixed_params(rank, directory, port):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     import smartinf.optim as so
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{21000 + os.getpid() % 9000}",
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
     sharded, plain = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     fully_shard(sharded)

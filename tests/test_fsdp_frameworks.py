@@ -4,7 +4,6 @@ and put the sharded params into the optimizer's groups; smartinf.optim lays its 
 once the sharded params are there. Against the same framework with torch's AdamW
 (tests/fsdp_frameworks.py says how Accelerate is brought onto its FSDP2 path on a CPU)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_close_fp32
+from conftest import assert_close_fp32, free_port
 import fsdp_frameworks
 
 pytest.importorskip("accelerate")
@@ -23,7 +22,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp" / "train.py"
 def launch(tmp_path, fn, name, **config):
     config = dict(config, out=str(tmp_path / f"{name}.pt"))
     config.setdefault("dir", str(tmp_path / name))
-    port = 20000 + (os.getpid() * 11 + hash(name)) % 20000
+    port = free_port()
     torch.multiprocessing.spawn(fn, args=(WORLD, port, config), nprocs=WORLD)
     return torch.load(config["out"])
 
@@ -83,8 +82,8 @@ def test_the_example_trains_as_fsdp2_with_torch_adamw(tmp_path):
     losses = {}
     for mode in ("smartinf", "fsdp"):
         out = tmp_path / f"{mode}.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node", str(WORLD), str(EXAMPLE), "--mode", mode,
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master_port",
+                               str(free_port()), "--nproc_per_node", str(WORLD), str(EXAMPLE), "--mode", mode,
                                "--dir", str(tmp_path / mode), "--steps", "5", "--json", str(out)],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
