@@ -85,9 +85,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         ``force``: the first step) for FSDP2's sharding to come (Accelerate's prepare() and
         the Trainer's shard the model after the optimizer is made and put the sharded params
         into its groups), or for the first iteration to measure a GPU budget of "auto"."""
+        if self.pipeline is not None:  # (every step: nothing more to ask)
+            return True
         waits = sharding.announced(self._trained()) or \
             self._layout["gpu_memory_budget"] == "auto" and self._held_gpu is None
-        if self.pipeline is None and (force or not waits):
+        if force or not waits:
             for group in self.param_groups:  # (the params put in since __init__)
                 optim_options.check_group(self, group)
                 optim_options.check_params(self, group)
@@ -100,7 +102,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         devices (resumed where the directories hold them), with the hooks that start updates
         during backward."""
         storage, compress, subgroup_size = dict(storage), self.compress, self._subgroup_size
-        if gpu_memory_budget == "auto":  # what a resumed run's GPU holds, or the first step left
+        measured = gpu_memory_budget == "auto"
+        if measured:  # what a resumed run's GPU holds, or the first step left
             gpu_memory_budget = self._held_gpu if self._held_gpu is not None else gpu_budget.measured()
         # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
         # the sharding is not FSDP2's)
@@ -125,7 +128,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
             lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
-        if self._layout["gpu_memory_budget"] == "auto":  # (the states' bytes, where less)
+        if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
         pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
