@@ -7,14 +7,22 @@
 # finished while the next forward ran. Environment as for gpu_headtohead.sh.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
+# ONLY: the cases whose names begin with it, without the pytest run
+ONLY=${ONLY:-}
+[ -n "$ONLY" ] || python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
 # name -> flags: bf16 streamed / resident, fp16 loss scaling with an injected overflow
 # (step 3's NaN loss: inf gradients, the step skipped; DeepSpeed's hysteresis keeps the
-# scale at a first overflow), clipping acting.
+# scale at a first overflow), clipping acting; and with clipping acting, a GPU budget and
+# states in host memory the GPU updates (fp32, int8 + split): those finish while the next
+# forward runs (deferred), in place in their partitions.
 CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memory-budget 64MiB"
        "tiny-fp16|--dtype fp16 --clip 0 --nan-at 3"
        "tiny-fp16-resident|--dtype fp16 --clip 0 --nan-at 3 --memory-budget 64MiB"
-       "tiny-clipped|--dtype bf16 --clip 0.05")
+       "tiny-clipped|--dtype bf16 --clip 0.05"
+       "tiny-gpu-host|--dtype bf16 --clip 0.05 --gpu-memory-budget 1MiB --memory-budget 64MiB --gpu-host-states on"
+       "tiny-gpu-host-int8-split|--dtype bf16 --clip 0.05 --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 64MiB --gpu-host-states on")
+CASES=($(for case in "${CASES[@]}"; do [[ $case == "$ONLY"* ]] && echo "${case// /@}"; done))
+CASES=("${CASES[@]//@/ }")
 for case in "${CASES[@]}"; do
   for overlap in "" "--no-overlap"; do
     name="${case%%|*}${overlap:+-sync}"

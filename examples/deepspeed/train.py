@@ -37,6 +37,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.planning.model  # noqa: E402
+from smartinf.defaults import parse_bytes  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -190,6 +191,9 @@ def main() -> None:
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block's activations in backward instead of keeping "
                         "them (a larger batch fits the GPU)")
+    p.add_argument("--gpu-memory", help="emulate a GPU with this much memory (e.g. 80GiB) on a "
+                   "larger one: the rest is held by a tensor made first, so that a GPU budget of "
+                   "\"auto\" places the states as it would there")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
     args = p.parse_args()
@@ -198,6 +202,9 @@ def main() -> None:
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(get_accelerator().current_device_name())
+    if args.gpu_memory:  # (kept until the end: held beside everything the run allocates)
+        beyond = torch.cuda.mem_get_info()[1] - parse_bytes(args.gpu_memory, "--gpu-memory")
+        held_back = torch.empty(max(0, beyond), dtype=torch.uint8, device=device)  # noqa: F841
     d_model, n_layer, n_head, vocab = MODELS[args.model]
     lang = Language()
     config = ds_config(args, world)

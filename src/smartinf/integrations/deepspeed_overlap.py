@@ -56,7 +56,7 @@ class Overlap:
         self._speculated_params = [
             None if flat is None else torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=pin)
             for flat in host]
-        self._tail = self._session.with_tail(self._put_from_host)
+        self._tail = self._session.with_tail(self._finish_landed)
         # Gradients copied to the host as backward completes them (on a stream of their own:
         # the copies overlap the rest of backward), each with the event it is waited on by.
         self._copy_stream = torch.cuda.Stream() if pin else None

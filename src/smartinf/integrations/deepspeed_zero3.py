@@ -6,6 +6,7 @@ the ``StepSession``, now or, with overlap, in the tail). Updates during backward
 ``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from functools import partial
@@ -26,6 +27,13 @@ from smartinf.integrations.deepspeed_overlap import Overlap
 from smartinf.integrations.deepspeed_states import StoredStates
 
 logger = logging.getLogger("smartinf")
+
+
+def _done(result: Any) -> concurrent.futures.Future:
+    """A future that already holds ``result`` (an update launched now, for the tail)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
 
 
 class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
@@ -197,19 +205,25 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             # those that held finish in the tail too (their params put when the forward
             # gathers them), in the speculation's buffers, where the others' go
             kept = self._take_speculated(scale, hyper, later=self._tail.start)
-            # Sub-groups on this GPU are updated where they are, now (milliseconds), and so
-            # are the kept-whole params' (gathered again with their new values before
-            # step() returns); the others through the host buffers, while the forward runs.
+            # Sub-groups whose states are in this GPU's memory are updated where they are,
+            # now (milliseconds), and so are the kept-whole params' (gathered again with
+            # their new values before step() returns). Those this GPU updates from states
+            # in host memory or on disk are queued now, in the forward's order: their
+            # states cross PCIe both ways while the forward runs, their gradients and params
+            # staying in their partitions (untouched until the next backward drains the
+            # tail). The others go through the host buffers, while the forward runs.
             self._tail.wait(self._persistent_subgroups)
             rest = [i for i in range(len(self.fp16_groups)) if i not in kept]
-            here = [i for i in rest if i in self._persistent_subgroups or self._on_its_gpu(i)]
-            self._session.run(here, lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
-                              self._finish)
+            here = [i for i in rest if i in self._persistent_subgroups or self._in_its_gpus_memory(i)]
+            send = lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]])  # noqa: E731
+            self._session.run(here, send, self._finish)
             for i in rest:
-                if i not in here:
-                    send, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
-                                                    speculative=False)
-                    self._tail.start(i, self._speculation.launch(partial(send, scale), ready))
+                if i not in here and self._on_its_gpu(i):
+                    self._tail.start(i, _done(send(i, 0)))
+                elif i not in here:
+                    through_host, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
+                                                            speculative=False)
+                    self._tail.start(i, self._speculation.launch(partial(through_host, scale), ready))
             self._grads_copied.clear()  # (of sub-groups updated otherwise: unused)
         except BaseException:
             self._tail.abort()
@@ -249,6 +263,21 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         its gradient and params never leave it."""
         flat = self.fp16_partitioned_groups_flat[i]
         return flat.is_cuda and self.pipeline.gpu_of(i) == flat.device.index
+
+    def _in_its_gpus_memory(self, i: int) -> bool:
+        """Whether sub-group ``i``'s states are resident in the memory of the GPU that updates
+        it, beside its partition (not in host memory it updates over PCIe, nor on disk)."""
+        device = self.pipeline.device_of(i)
+        return self._on_its_gpu(i) and self.pipeline.resident(i) and device.memory == "gpu"
+
+    def _finish_landed(self, i: int) -> None:
+        """The tail's put: a GPU sub-group's params are in its partition already; another's
+        come from its host buffer."""
+        if self._on_its_gpu(i):
+            self._session.landed(i)
+            self._finish(i, 0)
+        else:
+            self._put_from_host(i)
 
     def _finish(self, i: int, buffer: int) -> None:
         flat = self.fp16_partitioned_groups_flat[i]

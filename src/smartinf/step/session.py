@@ -89,6 +89,10 @@ class StepSession:
         self._touched.append(sg)
         self._put(sg, params)
 
+    def landed(self, sg: int) -> None:
+        """Sub-group ``sg``'s update put its params into the model itself (in place)."""
+        self._touched.append(sg)
+
     def now(self, kept: dict, rest: Sequence[int], send: Callable[[int, int], Any],
             finish: Callable[[int, int], None]) -> None:
         """The step finished before it returns: the kept updates' params put, the ``rest``
@@ -113,7 +117,7 @@ class StepSession:
         """``subgroups`` sent and finished as in ``now``, within a step left open."""
         def landed(sg: int, future: Any, buffer: int) -> None:
             future.wait()
-            self._touched.append(sg)
+            self.landed(sg)
             finish(sg, buffer)
         self.driver.run(subgroups, send, landed)
 
