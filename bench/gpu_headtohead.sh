@@ -57,6 +57,9 @@ flags() {  # mode name -> train.py flags
     # bytes, the rest streamed from the NVMe
     fp32-gpu-q-tiers-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 4)) --memory-budget $((FP32_STATES / 4)) --commit-every 10" ;;
     fp32-gpu-h-tiers-k10) echo "--mode smartinf --gpu-memory-budget $((FP32_STATES / 2)) --memory-budget $((FP32_STATES / 4)) --commit-every 10" ;;
+    # int8 + split, a quarter of the states in the GPU's memory, the rest in host memory the
+    # GPU updates over PCIe (finished while the next forward runs)
+    int8-split-gpu-host-k10) echo "--mode smartinf --state-dtype int8 --split-master --gpu-memory-budget $((INT8_STATES / 4)) --memory-budget 12GiB --gpu-host-states on --commit-every 10" ;;
     fp32-none) echo "--mode smartinf" ;;
     fp32-none-sync) echo "--mode smartinf --no-overlap" ;;
     int8-none) echo "--mode smartinf --state-dtype int8" ;;

@@ -209,6 +209,7 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world):
         started = [s["pipeline"]["speculative_updates"] for s in on["steps"]]
         retracted = [s["pipeline"]["retracted_updates"] for s in on["steps"]]
         assert sum(s["pipeline"]["speculative_updates"] for s in off["steps"]) == 0
+        assert on["throughput_timer_synchronized"] is False  # (it would wait for a GPU's tail)
         # the updates not kept from backward finished while the next forward ran
         assert sum(s["pipeline"]["deferred_updates"] for s in on["steps"]) > 0, name
         assert sum(s["pipeline"]["deferred_updates"] for s in off["steps"]) == 0, name
@@ -841,6 +842,25 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     assert not takes and "the host's cores 4.00 G params/s" in why
     takes, why = host_states.gpu_takes_host_states("int8", "split", "/a")
     assert takes and "39.0 GB/s each way" in why
+
+
+def test_deepspeeds_throughput_timer_leaves_the_gpus_updates_running(caplog):
+    """DeepSpeed's throughput timer synchronizes the whole device at each forward's start and
+    each step's end by default, which would wait for the updates a GPU finishes on its own
+    streams while the next forward runs: initialize turns it off unless the config sets it
+    (true is kept, with a warning), and changes no config in place."""
+    unsynchronized = sds_config._with_unsynchronized_timer
+    assert unsynchronized({})["timers"] == {"throughput": {"synchronized": False}}
+    given = {"timers": {"throughput": {"enabled": False}}, "train_batch_size": 8}
+    assert unsynchronized(given) == {"timers": {"throughput": {"enabled": False, "synchronized": False}},
+                                     "train_batch_size": 8}
+    assert given == {"timers": {"throughput": {"enabled": False}}, "train_batch_size": 8}
+    kept = {"timers": {"throughput": {"synchronized": True}}}
+    with caplog.at_level("WARNING", logger="smartinf"):
+        assert unsynchronized(kept) is kept
+        assert "none finishes while the next forward runs" in caplog.text
+    off = {"timers": {"throughput": {"synchronized": False}}}
+    assert unsynchronized(off) is off
 
 
 def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):

@@ -54,7 +54,7 @@ from smartinf.pipeline.devices import rank_directory
 from smartinf.optim import _StorageOptimizer as StorageOptimizer
 from smartinf.integrations import deepspeed_hook
 from smartinf.integrations.deepspeed_config import (CONFIG_KEY, LionParams, Settings, _with_lion_params,
-                               _with_torch_adam, check_config)
+                               _with_torch_adam, _with_unsynchronized_timer, check_config)
 from smartinf.integrations.deepspeed_zero3 import SmartInfinityStage3
 
 # DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
@@ -156,7 +156,7 @@ def initialize(*args: Any, config: Any = None, **kwargs: Any) -> tuple:
     if not isinstance(config, dict):
         config = deepspeed.load_ds_config(config)  # a path, or base64 JSON, as DeepSpeed reads it
     check_config(config)
-    config = _with_torch_adam(config)
+    config = _with_unsynchronized_timer(_with_torch_adam(config))
     config, kwargs = _with_lion_params(config, args, kwargs)
     # DeepSpeed gets the checked config as config= (and refuses a second one in args)
     with _named(deepspeed, "DeepSpeedEngine", SmartInfEngine), \

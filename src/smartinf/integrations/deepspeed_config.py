@@ -416,3 +416,20 @@ def _with_torch_adam(config: dict) -> dict:
         params.setdefault("torch_adam", True)
         config = dict(config, optimizer=dict(opt, params=params))
     return config
+
+
+def _with_unsynchronized_timer(config: dict) -> dict:
+    """DeepSpeed's throughput timer synchronizes the whole device at each forward's start and
+    each step's end (``"timers": {"throughput": {"synchronized": true}}``, its default), which
+    waits for the updates a GPU finishes on its own streams while the next forward runs
+    (``overlap``): unsynchronized unless the config says (its figures then read the host's
+    clock, which DeepSpeed's docs call accurate enough in many cases)."""
+    timers = config.get("timers") or {}
+    throughput = dict(timers.get("throughput") or {})
+    if throughput.get("synchronized", False):
+        logger.warning('smartinf: "timers": {"throughput": {"synchronized": true}} waits for the '
+                       "GPU's updates at every forward and step, so none finishes while the "
+                       "next forward runs: leave it out to let them")
+    if "synchronized" in throughput:
+        return config
+    return dict(config, timers=dict(timers, throughput=dict(throughput, synchronized=False)))
