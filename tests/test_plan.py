@@ -324,3 +324,29 @@ def test_optim_auto_trains_a_log_as_two_copies_do(tmp_path, monkeypatch):
     two, _ = train(tmp_path / "two", state_dtype="int4", memory_budget=0, commit_every=1,
                    overlap=False)
     assert torch.equal(logged, two)
+
+
+def test_a_65b_model_on_four_gpus_with_its_params_in_host_memory(tmp_path, monkeypatch):
+    """Issue 62's box: the Llama-1 65B shape over 4 ranks (a quarter of 64.7 B params each),
+    its bf16 params already in the 503 GiB of host memory (offload_param: 131 GB, not
+    available any more), 235 GiB of free disk, no GPU budget weighed yet. Beside the states
+    alone int4 + split fits, every state resident and one copy on the disk; with the run's
+    host copies of the partitions (gradients in, params out: 4 B a param) nothing fits, and
+    the refusal, before anything is made, names the host memory and the buffers."""
+    params = int(64.7e9) // 4
+    available = (503 << 30) - int(64.7e9) * 2
+    monkeypatch.setattr(plan.space, "available_memory", lambda: available)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage._replace(free=235 << 30))
+    directory = str(tmp_path / "states")
+    c = plan.choose(params, [directory], figures={}, ranks=4, gpu_budget_later=True)
+    assert (c.state_dtype, c.master, c.copies) == ("int4", "split", 1)
+    assert c.ram_bytes >= params * state_bytes_per_param("int4", "split")
+    assert 4 * c.disk_bytes[directory] <= 235 << 30
+    with pytest.raises(OSError) as e:
+        plan.choose(params, [directory], figures={}, ranks=4, gpu_budget_later=True,
+                    host_buffers=4 * params)
+    assert e.value.errno == errno.ENOSPC
+    assert "int4/split: needs" in str(e.value) and "more host memory" in str(e.value)
+    assert f"less up to {plan.space._size(4 * params)} of the run's host buffers" in str(e.value)
+    assert not (tmp_path / "states").exists()

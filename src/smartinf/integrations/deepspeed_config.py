@@ -16,7 +16,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.config import get_zero_config
 
 from smartinf import _native, defaults, update_rules
-from smartinf.planning import gpu_cores, host_states, plan, twins
+from smartinf.planning import gpu_cores, host_states, plan, space, twins
 from smartinf.planning.gpu_budget import held as held_gpu_budget
 from smartinf.pipeline.checkpoint import manifest_fields
 from smartinf.pipeline.compress import TopK
@@ -297,11 +297,10 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     if dist.get_rank() == 0:
         given = settings.pipeline
         numel = sum(p.ds_numel for p in params) // world
-        # the speculation's host copies: params out, and on a GPU gradients in
         on_gpu = torch.cuda.is_available()
-        partition_copies = (2 if on_gpu else 1) if speculates(on_gpu) else 0
-        if settings.gpu_host_states is True or (settings.gpu_host_states and on_gpu):
-            partition_copies = 0  # (updated on the GPU, where the partitions are)
+        # ZeRO-3's offload_param: the partitions in host memory, already taken from it
+        on_host = on_gpu and all(getattr(p, "ds_tensor", p).device.type == "cpu" for p in params)
+        partition_copies = _partition_copies(settings.gpu_host_states, on_gpu, on_host, speculates)
         choice = plan.choose(
             numel, [rank_directory(d, 0) for d in settings.devices],
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
@@ -310,11 +309,24 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             gpu_budget=0 if settings.gpu_memory_budget == "auto" else settings.gpu_memory_budget,
             gpu_budget_later=settings.gpu_memory_budget == "auto",
             **{k: getattr(given, k) for k in settings.auto if k != "auto"})
-        logger.warning("%s (each of %d ranks)", choice.report(), world)
+        held = (f"; the params' partitions in host memory (offload_param), taken before this "
+                f"choice: {space._size(numel * params[0].element_size())} a rank") if on_host else ""
+        logger.warning("%s (each of %d ranks)%s", choice.report(), world, held)
         chosen = [choice.settings()]
     dist.broadcast_object_list(chosen, src=0)
     return dataclasses.replace(settings, auto=(),
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
+
+def _partition_copies(gpu_host_states: "bool | str", on_gpu: bool, on_host: bool,
+                      speculates: Callable[[bool], bool]) -> int:
+    """Host copies of each partition a rank's run holds beside the states (the overlap's,
+    ``deepspeed_overlap._start_speculation``): where updates start during backward, params
+    out and, on a GPU, gradients in; none where the GPU updates the sub-groups in place
+    (states in host memory it updates, partitions in its memory), but partitions in host
+    memory (``on_host``: ``offload_param``) keep theirs whoever updates them."""
+    if (gpu_host_states is True or (gpu_host_states and on_gpu)) and not on_host:
+        return 0
+    return (2 if on_gpu else 1) if speculates(on_gpu) else 0
 
 # The params of a config "Lion" block: LionParams's. (DeepSpeed's CPU Lion and FusedLion
 # options choose their own kernels and state dtypes; the devices keep fp32 states.)

@@ -305,7 +305,9 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     if not fitting:
         raise OSError(errno.ENOSPC, "no state format's states fit the directories: " + "; ".join(
             f"{r['state_dtype']}/{r['master']}: {r['refused']}" for r in weighed)
-            + ". Give more directories (file systems) or a larger one.")
+            + f". Host memory for states: {space._size(memory)} a process"
+            + (f", less up to {space._size(buffers)} of the run's host buffers" if buffers else "")
+            + ". Give more directories (file systems) or a larger one, or more host memory.")
     best, why = _pick(fitting, len(weighed))
     if run and if_exists == "resume":
         why = f"resumes the run in {directories[0]} in its format; " + why
