@@ -844,18 +844,17 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     assert takes and "39.0 GB/s each way" in why
 
 
-def test_the_host_copies_auto_weighs_follow_where_the_partitions_are():
+def test_auto_weighs_the_host_copies_the_overlap_allocates():
     """auto weighs the host copies of the partitions the overlap allocates: params out, and
     on a GPU gradients in, where updates start during backward; none where the GPU updates
-    its states from host memory in place in its own memory; but with offload_param (the
-    partitions in host memory) every sub-group keeps its copies."""
+    its states from host memory, in place: gradients where they are, params into the
+    partitions, in its memory or, with offload_param, the host's."""
     copies = sds_config._partition_copies
     overlap, no_overlap = (lambda on_gpu: True), (lambda on_gpu: False)
-    assert copies(False, True, False, overlap) == 2 and copies(False, False, False, overlap) == 1
-    assert copies("auto", True, False, overlap) == copies(True, True, False, overlap) == 0
-    assert copies("auto", True, True, overlap) == copies(True, True, True, overlap) == 2
-    assert copies("auto", False, False, overlap) == 1  # ("auto" without a GPU: the cores)
-    assert copies(False, True, True, no_overlap) == 0
+    assert copies(False, True, overlap) == 2 and copies(False, False, overlap) == 1
+    assert copies("auto", True, overlap) == copies(True, True, overlap) == 0
+    assert copies("auto", False, overlap) == 1  # ("auto" without a GPU: the cores)
+    assert copies(False, True, no_overlap) == 0
 
 
 def test_deepspeeds_throughput_timer_leaves_the_gpus_updates_running(caplog):

@@ -330,9 +330,11 @@ def test_a_65b_model_on_four_gpus_with_its_params_in_host_memory(tmp_path, monke
     """Issue 62's box: the Llama-1 65B shape over 4 ranks (a quarter of 64.7 B params each),
     its bf16 params already in the 503 GiB of host memory (offload_param: 131 GB, not
     available any more), 235 GiB of free disk, no GPU budget weighed yet. Beside the states
-    alone int4 + split fits, every state resident and one copy on the disk; with the run's
-    host copies of the partitions (gradients in, params out: 4 B a param) nothing fits, and
-    the refusal, before anything is made, names the host memory and the buffers."""
+    alone int4 + split fits, every state resident and one copy on the disk (what auto weighs
+    with the states in host memory the GPUs update: the overlap keeps no host copies of
+    those sub-groups' partitions); with host copies of the partitions (gradients in, params
+    out: 4 B a param, as where the host's cores update them) nothing fits, and the
+    refusal, before anything is made, names the host memory and the buffers."""
     params = int(64.7e9) // 4
     available = (503 << 30) - int(64.7e9) * 2
     monkeypatch.setattr(plan.space, "available_memory", lambda: available)

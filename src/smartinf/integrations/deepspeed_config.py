@@ -300,7 +300,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
         on_gpu = torch.cuda.is_available()
         # ZeRO-3's offload_param: the partitions in host memory, already taken from it
         on_host = on_gpu and all(getattr(p, "ds_tensor", p).device.type == "cpu" for p in params)
-        partition_copies = _partition_copies(settings.gpu_host_states, on_gpu, on_host, speculates)
+        partition_copies = _partition_copies(settings.gpu_host_states, on_gpu, speculates)
         choice = plan.choose(
             numel, [rank_directory(d, 0) for d in settings.devices],
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
@@ -317,14 +317,14 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     return dataclasses.replace(settings, auto=(),
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
-def _partition_copies(gpu_host_states: "bool | str", on_gpu: bool, on_host: bool,
+def _partition_copies(gpu_host_states: "bool | str", on_gpu: bool,
                       speculates: Callable[[bool], bool]) -> int:
     """Host copies of each partition a rank's run holds beside the states (the overlap's,
     ``deepspeed_overlap._start_speculation``): where updates start during backward, params
     out and, on a GPU, gradients in; none where the GPU updates the sub-groups in place
-    (states in host memory it updates, partitions in its memory), but partitions in host
-    memory (``on_host``: ``offload_param``) keep theirs whoever updates them."""
-    if (gpu_host_states is True or (gpu_host_states and on_gpu)) and not on_host:
+    (its states in host memory it updates): their gradients stay in its memory and their
+    params go into their partitions, in its memory or, with ``offload_param``, the host's."""
+    if gpu_host_states is True or (gpu_host_states and on_gpu):
         return 0
     return (2 if on_gpu else 1) if speculates(on_gpu) else 0
 

@@ -46,8 +46,9 @@ class Overlap:
         self._awaited = [sum(p.requires_grad for p in group) for group in self.fp16_groups]
         self._reduced = [0] * len(self.fp16_groups)
         pin = self.grad_partitions_flat_buffer.is_cuda
-        # (none for a sub-group its GPU updates: its gradient and params stay there)
-        host = [None if self._on_its_gpu(i) else flat
+        # (none for a sub-group its GPU updates in place: its gradient stays there, and its
+        # params go into its partition, in that GPU's memory or, with offload_param, the host's)
+        host = [None if self._updated_in_place(i) else flat
                 for i, flat in enumerate(self.fp16_partitioned_groups_flat)]
         grad_dtype = self.grad_partitions_flat_buffer.dtype
         self._speculated_grads = [

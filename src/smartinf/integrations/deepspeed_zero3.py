@@ -218,7 +218,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             send = lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]])  # noqa: E731
             self._session.run(here, send, self._finish)
             for i in rest:
-                if i not in here and self._on_its_gpu(i):
+                if i not in here and self._updated_in_place(i):
                     self._tail.start(i, _done(send(i, 0)))
                 elif i not in here:
                     through_host, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
@@ -264,6 +264,13 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         flat = self.fp16_partitioned_groups_flat[i]
         return flat.is_cuda and self.pipeline.gpu_of(i) == flat.device.index
 
+    def _updated_in_place(self, i: int) -> bool:
+        """Whether the GPU that updates sub-group ``i`` reads its gradient where the gradient
+        buffer is and writes its params into its partition itself (in that GPU's memory, or
+        in host memory with ``offload_param``): it needs no host copies of either."""
+        grads = self.grad_partitions_flat_buffer
+        return grads.is_cuda and self.pipeline.gpu_of(i) == grads.device.index and self._in_place(i)
+
     def _in_its_gpus_memory(self, i: int) -> bool:
         """Whether sub-group ``i``'s states are resident in the memory of the GPU that updates
         it, beside its partition (not in host memory it updates over PCIe, nor on disk)."""
@@ -271,9 +278,9 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         return self._on_its_gpu(i) and self.pipeline.resident(i) and device.memory == "gpu"
 
     def _finish_landed(self, i: int) -> None:
-        """The tail's put: a GPU sub-group's params are in its partition already; another's
-        come from its host buffer."""
-        if self._on_its_gpu(i):
+        """The tail's put: the params of a sub-group updated in place are in its partition
+        already; another's come from its host buffer."""
+        if self._updated_in_place(i):
             self._session.landed(i)
             self._finish(i, 0)
         else:
