@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm
 from conftest import free_port, made_once
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
@@ -34,13 +35,27 @@ SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
 STEPS = 8
 
 
-def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+# What the launches' processes import before their first line (tests/warm.py's zygote has them
+# imported once; DeepSpeed's optimizer check imports its Muon, which decorates with
+# torch.compile: torch._dynamo and torch._inductor).
+WARM = ("torch", "deepspeed", "smartinf.integrations.deepspeed", "examples.deepspeed.train",
+        "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+def launch_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_port", str(free_port()), str(script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return env
+
+
+def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=world script args`` as tests/warm.py launches it: the ranks
+    forked from a process that has DeepSpeed imported (a fresh one's environment, argv and
+    rendezvous; the first rank to fail ends the others)."""
+    env = launch_env()
+    return warm.zygote("deepspeed", WARM, env).run([script, *args], world=world, env=env,
+                                                   cwd=ROOT, port=free_port(), timeout=900)
 
 
 def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
