@@ -1126,33 +1126,32 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
     import time
 
     import psutil
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(free_port()), str(SCRIPT), "--mode", "smartinf", "--dir", storage,
-           "--steps", "60", *extra]
-    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    env = launch_env()
+    run = warm.zygote("deepspeed", WARM, env).start(
+        [SCRIPT, "--mode", "smartinf", "--dir", storage, "--steps", "60", *extra], world=2,
+        env=env, port=free_port())
     after, seen = rng.randint(3, 6), []
     try:
-        for line in run.stdout:
+        for line in run.lines():
             seen.append(line)
             if line.startswith(f"step {after:4d}"):
                 time.sleep(rng.uniform(0.0, 0.5))
                 break
         else:
-            pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]))
+            pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]) +
+                        run.stderr()[-4000:])
     finally:
-        launcher = psutil.Process(run.pid)
-        procs = [launcher] + launcher.children(recursive=True)
+        try:
+            launcher = psutil.Process(run.pid)
+            procs = [launcher] + launcher.children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
         for proc in procs:
             try:
                 proc.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
-        run.wait()
-        run.stdout.close()
+        run.close()
         # The ranks are the launcher's children: their directories' locks are free only once
         # the kernel has torn them down (dead, or a zombie nobody reaps), which a kill does
         # not wait for.

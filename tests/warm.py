@@ -72,29 +72,37 @@ class Zygote:
         subprocess.run(["rm", "-rf", self.dir], check=False)
 
     def _launch(self, request: dict, timeout: float, what) -> tuple:
+        launch = self._start(request, what)
+        try:
+            code = launch.wait(timeout)
+            return code, launch.stdout(), launch.stderr()
+        finally:
+            launch.close()
+
+    def _start(self, request: dict, what) -> "Launch":
         out, err = (tempfile.NamedTemporaryFile(dir=self.dir, delete=False) for _ in range(2))
         out.close(), err.close()
-        request = dict(request, stdout=out.name, stderr=err.name)
+        s = socket.socket(socket.AF_UNIX)
         try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.socket)
-                s.sendall(pickle.dumps(request))
-                s.shutdown(socket.SHUT_WR)
-                reply = s.makefile("r")
-                launcher = int(reply.readline())
-                s.settimeout(timeout)
-                try:
-                    status = reply.readline()
-                except (socket.timeout, TimeoutError):
-                    _kill_session(launcher)
-                    raise subprocess.TimeoutExpired(what, timeout)
-                if not status:
-                    raise RuntimeError(f"the zygote's launcher of {what} died")
-            return int(status), Path(out.name).read_text(errors="replace"), \
-                Path(err.name).read_text(errors="replace")
-        finally:
+            s.connect(self.socket)
+            s.sendall(pickle.dumps(dict(request, stdout=out.name, stderr=err.name)))
+            s.shutdown(socket.SHUT_WR)
+            launch = Launch(what, s, out.name, err.name)
+            launch.pid = int(launch.line(None))
+            return launch
+        except BaseException:
+            s.close()
             os.unlink(out.name)
             os.unlink(err.name)
+            raise
+
+    def start(self, argv: list, *, world: int, env: dict, cwd=ROOT, port: int = 0) -> "Launch":
+        """``run``'s launch, not waited for: its launcher's pid (its session's), its output
+        as it comes."""
+        argv = [str(a) for a in argv]
+        what = ["warm-torchrun", f"--nproc_per_node={world}", "--master_port", str(port)] + argv
+        return self._start({"kind": "script", "argv": argv, "world": world, "port": port,
+                            "cwd": str(cwd), "env": dict(env)}, what)
 
     def run(self, argv: list, *, world: int | None = None, env: dict | None = None,
             cwd=ROOT, port: int = 0, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -120,6 +128,75 @@ class Zygote:
                                       timeout, what)
         if code != 0:
             raise RuntimeError(f"{' '.join(what)} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}")
+
+
+class Launch:
+    """A launch under way: ``pid`` its launcher (the leader of the launch's session)."""
+
+    def __init__(self, what, sock, out: str, err: str):
+        self.what, self.sock, self.out, self.err = what, sock, out, err
+        self.buffer, self.pid, self.code = b"", 0, None
+
+    def line(self, timeout: float | None, block: bool = True) -> str | None:
+        """The launcher's next line (its pid, then its exit status); None where not blocking
+        and none has come."""
+        self.sock.settimeout(timeout if block else 0.0)
+        while b"\n" not in self.buffer:
+            try:
+                got = self.sock.recv(256)
+            except BlockingIOError:
+                return None
+            except (socket.timeout, TimeoutError):
+                if not block:
+                    return None
+                _kill_session(self.pid)
+                raise subprocess.TimeoutExpired(self.what, timeout)
+            if not got:
+                raise RuntimeError(f"the zygote's launcher of {' '.join(self.what)} died")
+            self.buffer += got
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:
+            self.code = int(self.line(timeout))
+        return self.code
+
+    def done(self) -> bool:
+        if self.code is None:
+            line = self.line(None, block=False)
+            if line is None:
+                return False
+            self.code = int(line)
+        return True
+
+    def lines(self, poll_s: float = 0.01):
+        """Its stdout's lines as they are written, until it ends."""
+        with open(self.out, errors="replace") as f:
+            part = ""
+            while True:
+                ended = self.done()
+                part += f.read()
+                *whole, part = part.split("\n")
+                for line in whole:
+                    yield line + "\n"
+                if ended:
+                    if part:
+                        yield part
+                    return
+                time.sleep(poll_s)
+
+    def stdout(self) -> str:
+        return Path(self.out).read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return Path(self.err).read_text(errors="replace")
+
+    def close(self) -> None:
+        self.sock.close()
+        for path in (self.out, self.err):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 _zygotes: dict = {}
