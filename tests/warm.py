@@ -121,13 +121,24 @@ class Zygote:
               timeout: float = 900) -> None:
         """``torch.multiprocessing.spawn(fn, args, nprocs)`` (join): raises with the failing
         process's output where one fails."""
-        what = ["warm-spawn", f"{fn.__module__}.{fn.__qualname__}", f"nprocs={nprocs}"]
-        code, out, err = self._launch({"kind": "call", "fn": (fn.__module__, fn.__qualname__),
-                                       "args": args, "world": nprocs, "cwd": os.getcwd(),
-                                       "env": dict(os.environ if env is None else env)},
-                                      timeout, what)
+        what, request = self._call(fn, args, nprocs, env)
+        code, out, err = self._launch(request, timeout, what)
         if code != 0:
             raise RuntimeError(f"{' '.join(what)} failed ({code}):\n{out[-3000:]}\n{err[-6000:]}")
+
+    def start_spawn(self, fn, args: tuple = (), nprocs: int = 1, env: dict | None = None) -> "Launch":
+        """``spawn``'s launch, not waited for (``torch.multiprocessing.start_processes(...,
+        join=False)``): its processes are its launcher's children, and one that fails does not
+        end the others."""
+        what, request = self._call(fn, args, nprocs, env)
+        return self._start(dict(request, end_others=False), what)
+
+    @staticmethod
+    def _call(fn, args: tuple, nprocs: int, env: dict | None) -> tuple:
+        what = ["warm-spawn", f"{fn.__module__}.{fn.__qualname__}", f"nprocs={nprocs}"]
+        return what, {"kind": "call", "fn": (fn.__module__, fn.__qualname__), "args": args,
+                      "world": nprocs, "cwd": os.getcwd(),
+                      "env": dict(os.environ if env is None else env)}
 
 
 class Launch:
@@ -280,7 +291,7 @@ def _launch(request: dict) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and not failed:
             failed = code
-            if world is not None:
+            if world is not None and request.get("end_others", True):
                 os.write(2, f"warm launch: rank {rank} exited with {code}: ending the "
                             f"others\n".encode())
                 _end(ranks)
