@@ -49,11 +49,16 @@ def launch_env() -> dict:
     return env
 
 
-def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+def torchrun(world: int, script: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=world script args`` as tests/warm.py launches it: the ranks
     forked from a process that has DeepSpeed imported (a fresh one's environment, argv and
-    rendezvous; the first rank to fail ends the others)."""
+    rendezvous; the first rank to fail ends the others). ``fresh``: torch.distributed.run
+    itself, its ranks fresh interpreters (as users launch; one test's launch keeps it so)."""
     env = launch_env()
+    if fresh:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+               "--master_port", str(free_port()), str(script), *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return warm.zygote("deepspeed", WARM, env).run([script, *args], world=world, env=env,
                                                    cwd=ROOT, port=free_port(), timeout=900)
 
@@ -86,7 +91,7 @@ class Run:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-def train_all(tmp: Path, world: int, *runs: Run) -> list:
+def train_all(tmp: Path, world: int, *runs: Run, fresh: bool = False) -> list:
     """The runs in turn, in one launch (tests/deepspeed_batch.py: a launch costs several
     times a run of the tiny model); their records as train's, each with its ranks' output
     ("log"). A run that fails names itself; the launch stops there."""
@@ -96,7 +101,7 @@ def train_all(tmp: Path, world: int, *runs: Run) -> list:
         "args": ["--mode", r.mode, "--dir", str(r.storage), "--steps", str(STEPS),
                  "--json", str(tmp / f"{r.name}.json"), "--params-out", str(tmp / f"{r.name}.pt"),
                  *r.extra]} for r in runs]))
-    done = torchrun(world, ROOT / "tests" / "deepspeed_batch.py", str(spec))
+    done = torchrun(world, ROOT / "tests" / "deepspeed_batch.py", str(spec), fresh=fresh)
     records = []
     for r in runs:
         status = tmp / f"{r.name}.done"
@@ -140,7 +145,8 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     were) and gradient clipping (clip 1.0 acts on this model's early steps)."""
     extra = ("--nan-at", "3")
     ours, ref = train_all(work, world, Run(disk_dir, f"ours-{world}", extra),
-                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"))
+                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"),
+                          fresh=world == 2)  # (torch.distributed.run itself, fresh ranks)
     assert [s["skipped"] for s in ours["steps"]] == [s["skipped"] for s in ref["steps"]]
     assert [s["skipped"] for s in ours["steps"]].count(True) == 1
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):

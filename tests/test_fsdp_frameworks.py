@@ -5,6 +5,8 @@ once the sharded params are there. Against the same framework with torch's AdamW
 (tests/fsdp_frameworks.py says how Accelerate is brought onto its FSDP2 path on a CPU)."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,10 +92,14 @@ def test_the_example_trains_as_fsdp2_with_torch_adamw(tmp_path):
     losses = {}
     for mode in ("smartinf", "fsdp"):
         out = tmp_path / f"{mode}.json"
-        # torchrun --nproc_per_node=WORLD EXAMPLE ..., forked from a warm process (tests/warm.py)
-        done = warm.zygote("fsdp-example", EXAMPLE_WARM, dict(os.environ)).run(
-            [EXAMPLE, "--mode", mode, "--dir", tmp_path / mode, "--steps", "5", "--json", out],
-            world=WORLD, port=free_port(), timeout=600)
+        argv = [EXAMPLE, "--mode", mode, "--dir", tmp_path / mode, "--steps", "5", "--json", out]
+        if mode == "smartinf":  # torch.distributed.run itself, as users launch it
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master_port",
+                                   str(free_port()), "--nproc_per_node", str(WORLD), *map(str, argv)],
+                                  capture_output=True, text=True, timeout=600)
+        else:  # the same, forked from a warm process (tests/warm.py)
+            done = warm.zygote("fsdp-example", EXAMPLE_WARM, dict(os.environ)).run(
+                argv, world=WORLD, port=free_port(), timeout=600)
         assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         losses[mode] = [r["loss"] for r in json.loads(out.read_text())["steps"]]
     assert losses["smartinf"][0] == losses["fsdp"][0]

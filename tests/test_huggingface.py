@@ -30,8 +30,9 @@ WARM = {"hf": ("torch", "examples.huggingface.train", "accelerate"),
 
 
 def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 1,
-        resume_from: str = "", states: str = "", extra: tuple = ()) -> dict:
-    """Runs the example; returns its losses and final fp32 weights."""
+        resume_from: str = "", states: str = "", extra: tuple = (), fresh: bool = False) -> dict:
+    """Runs the example; returns its losses and final fp32 weights. ``fresh``: launched by
+    torch.distributed.run (or python) itself, as users launch it, not from a warm process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
@@ -43,9 +44,15 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     if resume_from:
         argv += ["--resume-from", resume_from]
     argv += list(extra)
-    kind = "hf-deepspeed" if via == "trainer-deepspeed" else "hf"
-    done = warm.zygote(kind, WARM[kind], env).run(argv, world=world if torchrun else None,
-                                                  env=env, port=free_port(), timeout=900)
+    if fresh:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                  "--master_port", str(free_port())] if torchrun else [sys.executable]
+        done = subprocess.run([*launch, *map(str, argv)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+    else:
+        kind = "hf-deepspeed" if via == "trainer-deepspeed" else "hf"
+        done = warm.zygote(kind, WARM[kind], env).run(argv, world=world if torchrun else None,
+                                                      env=env, port=free_port(), timeout=900)
     assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     result = json.loads((tmp / f"{name}.json").read_text())
     result["weights"] = torch.load(tmp / f"{name}.pt")
@@ -101,7 +108,7 @@ def test_trainer_with_a_deepspeed_config_holding_a_smartinf_block(tmp_path, worl
     Trainer's checkpoints (saved twice per tag by the Trainer) resume exactly, and
     zero_to_fp32 consolidates the fp32 weights."""
     via = "trainer-deepspeed"
-    ours = run(tmp_path, "ours", via, world=world)
+    ours = run(tmp_path, "ours", via, world=world, fresh=world == 2)  # (as users launch it)
     for rank in range(world):
         assert (tmp_path / "ours" / f"rank{rank:05d}" / "states.bin").stat().st_size > 0
     assert_same_run(ours, run(tmp_path, "ref", via, mode="reference", world=world), 1e-5)
