@@ -54,13 +54,8 @@ def torchrun(world: int, script: Path, *args: str, fresh: bool = False) -> subpr
     forked from a process that has DeepSpeed imported (a fresh one's environment, argv and
     rendezvous; the first rank to fail ends the others). ``fresh``: torch.distributed.run
     itself, its ranks fresh interpreters (as users launch; one test's launch keeps it so)."""
-    env = launch_env()
-    if fresh:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-               "--master_port", str(free_port()), str(script), *args]
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return warm.zygote("deepspeed", WARM, env).run([script, *args], world=world, env=env,
-                                                   cwd=ROOT, port=free_port(), timeout=900)
+    return warm.run("deepspeed", WARM, [script, *args], world=world, env=launch_env(),
+                    port=free_port(), fresh_=fresh)
 
 
 def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
@@ -1132,10 +1127,9 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
     import time
 
     import psutil
-    env = launch_env()
-    run = warm.zygote("deepspeed", WARM, env).start(
-        [SCRIPT, "--mode", "smartinf", "--dir", storage, "--steps", "60", *extra], world=2,
-        env=env, port=free_port())
+    run = warm.start("deepspeed", WARM, [SCRIPT, "--mode", "smartinf", "--dir", storage,
+                                         "--steps", "60", *extra],
+                     world=2, env=launch_env(), port=free_port())
     after, seen = rng.randint(3, 6), []
     try:
         for line in run.lines():

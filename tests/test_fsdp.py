@@ -29,7 +29,7 @@ WARM = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "smar
 def spawn(fn, args, nprocs):
     """torch.multiprocessing.spawn(fn, args, nprocs), the processes forked from a warm one
     (tests/warm.py)."""
-    warm.zygote("fsdp", WARM, dict(os.environ)).spawn(fn, args, nprocs)
+    warm.spawn("fsdp", WARM, fn, args, nprocs)
 
 
 def train(tmp_path, name, world, **config):
@@ -129,22 +129,27 @@ def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
         config = dict(optim="smartinf", dir=directory, steps=KILLED_STEPS, started=str(started),
                       sleep=0.02, out=str(tmp_path / "killed.pt"))
         port = free_port()
-        launch = warm.zygote("fsdp", WARM, dict(os.environ)).start_spawn(run, (2, port, config), 2)
-        try:
-            while not started.exists():
-                assert not launch.done(), "a rank died before its first step"
-                time.sleep(0.01)
-            pids = [p.pid for p in psutil.Process(launch.pid).children()]
-            assert len(pids) == 2, pids
-            time.sleep(rng.uniform(0, 0.4))  # within the run's first ~20 of its 40 steps
-            victim = rng.randrange(2)
-            os.kill(pids[victim], signal.SIGKILL)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            launch.wait(120)  # (the launcher reaped both)
-        finally:
-            launch.close()
+        if warm.fresh():  # (torch.multiprocessing's own)
+            ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
+                                                          join=False, start_method="spawn")
+            alive, pids = lambda: all(p.is_alive() for p in ranks.processes), ranks.pids  # noqa: E731
+            reaped = lambda: [process.join() for process in ranks.processes]  # noqa: E731
+        else:  # forked from a warm process, one's death ending no other (tests/warm.py)
+            launch = warm.zygote("fsdp", WARM, dict(os.environ)).start_spawn(run, (2, port, config), 2)
+            alive = lambda: not launch.done()  # noqa: E731
+            pids = lambda: [p.pid for p in psutil.Process(launch.pid).children()]  # noqa: E731
+            reaped = lambda: (launch.wait(120), launch.close())  # noqa: E731
+        while not started.exists():
+            assert alive(), "a rank died before its first step"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.4))  # within the run's first ~20 of its 40 steps
+        victim, ranks_pids = rng.randrange(2), pids()
+        assert len(ranks_pids) == 2, ranks_pids
+        os.kill(ranks_pids[victim], signal.SIGKILL)
+        for pid in ranks_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        reaped()
         assert not os.path.exists(config["out"])  # killed before the end
         rest = train(tmp_path, f"rest{trial}", 2, optim="smartinf", dir=directory,
                      steps=KILLED_STEPS, first="resume", if_exists="resume")

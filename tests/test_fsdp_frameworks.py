@@ -5,8 +5,6 @@ once the sharded params are there. Against the same framework with torch's AdamW
 (tests/fsdp_frameworks.py says how Accelerate is brought onto its FSDP2 path on a CPU)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,7 @@ def launch(tmp_path, fn, name, **config):
     config = dict(config, out=str(tmp_path / f"{name}.pt"))
     config.setdefault("dir", str(tmp_path / name))
     port = free_port()
-    warm.zygote("fsdp-frameworks", WARM, dict(os.environ)).spawn(fn, (WORLD, port, config), WORLD)
+    warm.spawn("fsdp-frameworks", WARM, fn, (WORLD, port, config), WORLD)
     return torch.load(config["out"])
 
 
@@ -92,14 +90,12 @@ def test_the_example_trains_as_fsdp2_with_torch_adamw(tmp_path):
     losses = {}
     for mode in ("smartinf", "fsdp"):
         out = tmp_path / f"{mode}.json"
-        argv = [EXAMPLE, "--mode", mode, "--dir", tmp_path / mode, "--steps", "5", "--json", out]
-        if mode == "smartinf":  # torch.distributed.run itself, as users launch it
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master_port",
-                                   str(free_port()), "--nproc_per_node", str(WORLD), *map(str, argv)],
-                                  capture_output=True, text=True, timeout=600)
-        else:  # the same, forked from a warm process (tests/warm.py)
-            done = warm.zygote("fsdp-example", EXAMPLE_WARM, dict(os.environ)).run(
-                argv, world=WORLD, port=free_port(), timeout=600)
+        # torchrun --nproc_per_node=WORLD EXAMPLE ..., forked from a warm process (tests/warm.py);
+        # in smartinf mode torch.distributed.run itself, as users launch it
+        done = warm.run("fsdp-example", EXAMPLE_WARM, [EXAMPLE, "--mode", mode, "--dir", tmp_path / mode,
+                                                       "--steps", "5", "--json", out],
+                        world=WORLD, env=dict(os.environ), port=free_port(), timeout=600,
+                        fresh_=mode == "smartinf")
         assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         losses[mode] = [r["loss"] for r in json.loads(out.read_text())["steps"]]
     assert losses["smartinf"][0] == losses["fsdp"][0]

@@ -44,15 +44,9 @@ def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 
     if resume_from:
         argv += ["--resume-from", resume_from]
     argv += list(extra)
-    if fresh:
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                  "--master_port", str(free_port())] if torchrun else [sys.executable]
-        done = subprocess.run([*launch, *map(str, argv)], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
-    else:
-        kind = "hf-deepspeed" if via == "trainer-deepspeed" else "hf"
-        done = warm.zygote(kind, WARM[kind], env).run(argv, world=world if torchrun else None,
-                                                      env=env, port=free_port(), timeout=900)
+    kind = "hf-deepspeed" if via == "trainer-deepspeed" else "hf"
+    done = warm.run(kind, WARM[kind], argv, world=world if torchrun else None, env=env,
+                    port=free_port(), fresh_=fresh)
     assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     result = json.loads((tmp / f"{name}.json").read_text())
     result["weights"] = torch.load(tmp / f"{name}.pt")

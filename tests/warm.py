@@ -3,7 +3,9 @@ interpreter for each process: each launch of a DeepSpeed run paid 5-7 s of CPU p
 before its first step (importing torch, DeepSpeed, smartinf, and the torch.compile stack that
 DeepSpeed's optimizer check pulls in), for a run of the tiny model of about a second.
 
-A zygote is started once per pytest worker and kind (``zygote(kind)``): a plain interpreter
+A zygote is started once per pytest worker and kind (``zygote(kind)``, on first use by
+``run``, ``start`` or ``spawn``; ``fresh()``: where a CUDA GPU is visible, or with
+SMARTINF_TESTS_FRESH=1, these launch fresh interpreters as before): a plain interpreter
 with the environment the launches share, that imports the kind's modules and then waits.
 Each launch forks a launcher from it (a session of its own), which forks the processes:
 
@@ -210,6 +212,29 @@ class Launch:
                 os.unlink(path)
 
 
+class FreshLaunch:
+    """``Launch``'s interface over ``torch.distributed.run`` itself (``start`` where fresh)."""
+
+    def __init__(self, what, env: dict, cwd):
+        self.what = what
+        self.proc = subprocess.Popen(what, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def lines(self):
+        yield from self.proc.stdout
+
+    def stderr(self) -> str:
+        return ""  # (in stdout)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
 _zygotes: dict = {}
 
 
@@ -219,6 +244,49 @@ def zygote(kind: str, modules: tuple, env: dict) -> Zygote:
     if kind not in _zygotes or _zygotes[kind].proc.poll() is not None:
         _zygotes[kind] = Zygote(modules, env)
     return _zygotes[kind]
+
+
+def fresh() -> bool:
+    """Launches start fresh interpreters through the launchers themselves (as before
+    tests/warm.py) where a CUDA GPU is visible (a fork must not inherit a CUDA context the
+    warm process may have made, and CUDA runs are few), or where SMARTINF_TESTS_FRESH=1."""
+    import torch
+    return os.environ.get("SMARTINF_TESTS_FRESH") == "1" or torch.cuda.is_available()
+
+
+def torchrun_cmd(world: int | None, port: int, argv: list) -> list:
+    return [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                               "--master_port", str(port)] if world is not None else []),
+            *map(str, argv)]
+
+
+def run(kind: str, modules: tuple, argv: list, *, world: int | None, env: dict, port: int = 0,
+        cwd=ROOT, timeout: float = 900, fresh_: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=world --master_port=port argv`` (``python argv`` where world
+    is None), forked from the zygote of ``kind``; fresh (``fresh_`` or ``fresh()``): run so."""
+    if fresh_ or fresh():
+        return subprocess.run(torchrun_cmd(world, port, argv), cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    return zygote(kind, modules, env).run(argv, world=world, env=env, cwd=cwd, port=port,
+                                          timeout=timeout)
+
+
+def start(kind: str, modules: tuple, argv: list, *, world: int, env: dict, port: int,
+          cwd=ROOT):
+    """``run``'s launch, not waited for: a ``Launch`` (or a ``FreshLaunch``)."""
+    if fresh():
+        return FreshLaunch(torchrun_cmd(world, port, argv), env, cwd)
+    return zygote(kind, modules, env).start(argv, world=world, env=env, cwd=cwd, port=port)
+
+
+def spawn(kind: str, modules: tuple, fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, forked from the zygote of ``kind``
+    (or that itself, where fresh)."""
+    if fresh():
+        import torch.multiprocessing
+        torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs)
+    else:
+        zygote(kind, modules, dict(os.environ)).spawn(fn, args, nprocs)
 
 
 def _kill_session(pid: int) -> None:
