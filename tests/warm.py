@@ -316,7 +316,11 @@ def _serve(path: str, modules: list) -> None:
         except (socket.timeout, TimeoutError):
             continue
         conn.settimeout(None)
-        request = pickle.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
+        try:
+            request = pickle.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
+        except Exception:  # (a client gone mid-request: the next one is served)
+            conn.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         first = os.fork()
@@ -327,7 +331,7 @@ def _serve(path: str, modules: list) -> None:
                 code = 1
                 try:
                     conn.sendall(f"{os.getpid()}\n".encode())
-                    code = _launch(request)
+                    code = _launch(request, conn.fileno())
                 finally:
                     try:
                         conn.sendall(f"{code}\n".encode())
@@ -338,7 +342,7 @@ def _serve(path: str, modules: list) -> None:
         conn.close()
 
 
-def _launch(request: dict) -> int:
+def _launch(request: dict, conn: int) -> int:
     out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
     world = request["world"]
@@ -346,6 +350,7 @@ def _launch(request: dict) -> int:
     for rank in range(world or 1):
         pid = os.fork()
         if pid == 0:
+            os.close(conn)  # (the client hears of the launcher alone)
             os.dup2(out, 1)
             os.dup2(err, 2)
             _child(request, rank)  # (does not return)
