@@ -1,8 +1,10 @@
 """smartinf.integrations.deepspeed against DeepSpeed's own ZeRO-3 + DeepSpeedCPUAdam.
 
-Each run is examples/deepspeed/train.py under torch.distributed.run (gloo on CPU), so the
-integration is tested as users run it: same model, same batches, same config but for
-where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
+Each run is examples/deepspeed/train.py in ranks launched as torch.distributed.run launches
+them (gloo on CPU: its environment, rendezvous and failure handling; forked from a process
+with DeepSpeed imported, tests/warm.py, but for one launch through torch.distributed.run
+itself), so the integration is tested as users run it: same model, same batches, same
+config but for where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
 (all of the tiny model's params but the embedding stay gathered). DeepSpeed's fp32
 accessors and checkpoint tools run once in tests/deepspeed_api.py. DeepSpeed's JIT ops
 (cpu_adam, shm comm) build once into TORCH_EXTENSIONS_DIR (the Makefile points it at
