@@ -1,8 +1,10 @@
 """smartinf.integrations.deepspeed against DeepSpeed's own ZeRO-3 + DeepSpeedCPUAdam.
 
-Each run is examples/deepspeed/train.py under torch.distributed.run (gloo on CPU), so the
-integration is tested as users run it: same model, same batches, same config but for
-where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
+Each run is examples/deepspeed/train.py in ranks launched as torch.distributed.run launches
+them (gloo on CPU: its environment, rendezvous and failure handling; forked from a process
+with DeepSpeed imported, tests/warm.py, but for one launch through torch.distributed.run
+itself), so the integration is tested as users run it: same model, same batches, same
+config but for where the optimizer runs, with DeepSpeed's default stage3_param_persistence_threshold
 (all of the tiny model's params but the embedding stay gathered). DeepSpeed's fp32
 accessors and checkpoint tools run once in tests/deepspeed_api.py. DeepSpeed's JIT ops
 (cpu_adam, shm comm) build once into TORCH_EXTENSIONS_DIR (the Makefile points it at
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm
 from conftest import free_port, made_once
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'smartinf[deepspeed]')")
@@ -34,13 +37,27 @@ SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
 STEPS = 8
 
 
-def torchrun(world: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+# What the launches' processes import before their first line (tests/warm.py's zygote has them
+# imported once; DeepSpeed's optimizer check imports its Muon, which decorates with
+# torch.compile: torch._dynamo and torch._inductor).
+WARM = ("torch", "deepspeed", "smartinf.integrations.deepspeed", "examples.deepspeed.train",
+        "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+def launch_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_port", str(free_port()), str(script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return env
+
+
+def torchrun(world: int, script: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=world script args`` as tests/warm.py launches it: the ranks
+    forked from a process that has DeepSpeed imported (a fresh one's environment, argv and
+    rendezvous; the first rank to fail ends the others). ``fresh``: torch.distributed.run
+    itself, its ranks fresh interpreters (as users launch; one test's launch keeps it so)."""
+    return warm.run("deepspeed", WARM, [script, *args], world=world, env=launch_env(),
+                    port=free_port(), fresh_=fresh)
 
 
 def train(tmp: Path, storage: str, name: str, *, mode: str = "smartinf", world: int = 1,
@@ -71,7 +88,7 @@ class Run:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-def train_all(tmp: Path, world: int, *runs: Run) -> list:
+def train_all(tmp: Path, world: int, *runs: Run, fresh: bool = False) -> list:
     """The runs in turn, in one launch (tests/deepspeed_batch.py: a launch costs several
     times a run of the tiny model); their records as train's, each with its ranks' output
     ("log"). A run that fails names itself; the launch stops there."""
@@ -81,7 +98,7 @@ def train_all(tmp: Path, world: int, *runs: Run) -> list:
         "args": ["--mode", r.mode, "--dir", str(r.storage), "--steps", str(STEPS),
                  "--json", str(tmp / f"{r.name}.json"), "--params-out", str(tmp / f"{r.name}.pt"),
                  *r.extra]} for r in runs]))
-    done = torchrun(world, ROOT / "tests" / "deepspeed_batch.py", str(spec))
+    done = torchrun(world, ROOT / "tests" / "deepspeed_batch.py", str(spec), fresh=fresh)
     records = []
     for r in runs:
         status = tmp / f"{r.name}.done"
@@ -125,7 +142,8 @@ def test_fp32_matches_deepspeed_zero3_cpu_adam(work, disk_dir, world):
     were) and gradient clipping (clip 1.0 acts on this model's early steps)."""
     extra = ("--nan-at", "3")
     ours, ref = train_all(work, world, Run(disk_dir, f"ours-{world}", extra),
-                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"))
+                          Run(disk_dir, f"ref-{world}", extra, mode="deepspeed-cpu"),
+                          fresh=world == 2)  # (torch.distributed.run itself, fresh ranks)
     assert [s["skipped"] for s in ours["steps"]] == [s["skipped"] for s in ref["steps"]]
     assert [s["skipped"] for s in ours["steps"]].count(True) == 1
     for step, (a, b) in enumerate(zip(losses(ours), losses(ref)), 1):
@@ -1144,33 +1162,31 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
     import time
 
     import psutil
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(free_port()), str(SCRIPT), "--mode", "smartinf", "--dir", storage,
-           "--steps", "60", *extra]
-    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    run = warm.start("deepspeed", WARM, [SCRIPT, "--mode", "smartinf", "--dir", storage,
+                                         "--steps", "60", *extra],
+                     world=2, env=launch_env(), port=free_port())
     after, seen = rng.randint(3, 6), []
     try:
-        for line in run.stdout:
+        for line in run.lines():
             seen.append(line)
             if line.startswith(f"step {after:4d}"):
                 time.sleep(rng.uniform(0.0, 0.5))
                 break
         else:
-            pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]))
+            pytest.fail("the run ended before it was killed:\n" + "".join(seen[-40:]) +
+                        run.stderr()[-4000:])
     finally:
-        launcher = psutil.Process(run.pid)
-        procs = [launcher] + launcher.children(recursive=True)
+        try:
+            launcher = psutil.Process(run.pid)
+            procs = [launcher] + launcher.children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
         for proc in procs:
             try:
                 proc.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
-        run.wait()
-        run.stdout.close()
+        run.close()
         # The ranks are the launcher's children: their directories' locks are free only once
         # the kernel has torn them down (dead, or a zombie nobody reaps), which a kill does
         # not wait for.

@@ -8,9 +8,11 @@ import shutil
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
+import warm
 from conftest import assert_close_fp32, free_port
 from fsdp_train import run
 
@@ -18,11 +20,23 @@ STEPS = 6
 KILLED_STEPS = 40
 
 
+# What the ranks import before their first line (tests/warm.py's zygote has them imported
+# once; torch.multiprocessing.spawn's fresh interpreters paid seconds each).
+WARM = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "smartinf.optim",
+        "fsdp_train")
+
+
+def spawn(fn, args, nprocs):
+    """torch.multiprocessing.spawn(fn, args, nprocs), the processes forked from a warm one
+    (tests/warm.py)."""
+    warm.spawn("fsdp", WARM, fn, args, nprocs)
+
+
 def train(tmp_path, name, world, **config):
     config = dict(config, out=str(tmp_path / f"{name}.pt"), steps=config.get("steps", STEPS))
     config.setdefault("dir", str(tmp_path / name))
     port = free_port()
-    torch.multiprocessing.spawn(run, args=(world, port, config), nprocs=world)
+    spawn(run, (world, port, config), world)
     return torch.load(config["out"])
 
 
@@ -115,19 +129,27 @@ def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
         config = dict(optim="smartinf", dir=directory, steps=KILLED_STEPS, started=str(started),
                       sleep=0.02, out=str(tmp_path / "killed.pt"))
         port = free_port()
-        ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
-                                                      join=False, start_method="spawn")
+        if warm.fresh():  # (torch.multiprocessing's own)
+            ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
+                                                          join=False, start_method="spawn")
+            alive, pids = lambda: all(p.is_alive() for p in ranks.processes), ranks.pids  # noqa: E731
+            reaped = lambda: [process.join() for process in ranks.processes]  # noqa: E731
+        else:  # forked from a warm process, one's death ending no other (tests/warm.py)
+            launch = warm.zygote("fsdp", WARM, dict(os.environ)).start_spawn(run, (2, port, config), 2)
+            alive = lambda: not launch.done()  # noqa: E731
+            pids = lambda: [p.pid for p in psutil.Process(launch.pid).children()]  # noqa: E731
+            reaped = lambda: (launch.wait(120), launch.close())  # noqa: E731
         while not started.exists():
-            assert all(p.is_alive() for p in ranks.processes), "a rank died before its first step"
+            assert alive(), "a rank died before its first step"
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 0.4))  # within the run's first ~20 of its 40 steps
-        victim = rng.randrange(2)
-        os.kill(ranks.pids()[victim], signal.SIGKILL)
-        for pid in ranks.pids():
+        victim, ranks_pids = rng.randrange(2), pids()
+        assert len(ranks_pids) == 2, ranks_pids
+        os.kill(ranks_pids[victim], signal.SIGKILL)
+        for pid in ranks_pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for process in ranks.processes:
-            process.join()
+        reaped()
         assert not os.path.exists(config["out"])  # killed before the end
         rest = train(tmp_path, f"rest{trial}", 2, optim="smartinf", dir=directory,
                      steps=KILLED_STEPS, first="resume", if_exists="resume")
@@ -176,7 +198,7 @@ def test_a_shard_edited_on_one_rank_between_steps(tmp_path):
 
 
 def test_plain_params_beside_sharded_ones_refused(tmp_path):
-    torch.multiprocessing.spawn(_mixed_params, args=(str(tmp_path), free_port()), nprocs=1)
+    spawn(_mixed_params, (str(tmp_path), free_port()), 1)
 
 
 def _mixed_params(rank, directory, port):

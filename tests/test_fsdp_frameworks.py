@@ -4,13 +4,13 @@ and put the sharded params into the optimizer's groups; smartinf.optim lays its 
 once the sharded params are there. Against the same framework with torch's AdamW
 (tests/fsdp_frameworks.py says how Accelerate is brought onto its FSDP2 path on a CPU)."""
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+import warm
 from conftest import assert_close_fp32, free_port
 import fsdp_frameworks
 
@@ -19,11 +19,19 @@ WORLD = 2
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp" / "train.py"
 
 
+# What the ranks import before their first line (tests/warm.py's zygote has them imported
+# once, in place of torch.multiprocessing.spawn's fresh interpreters).
+WARM = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "smartinf.optim",
+        "accelerate", "transformers.trainer", "transformers.models.llama.modeling_llama",
+        "fsdp_frameworks")
+EXAMPLE_WARM = ("torch", "torch.distributed.fsdp", "smartinf.optim", "examples.fsdp.train")
+
+
 def launch(tmp_path, fn, name, **config):
     config = dict(config, out=str(tmp_path / f"{name}.pt"))
     config.setdefault("dir", str(tmp_path / name))
     port = free_port()
-    torch.multiprocessing.spawn(fn, args=(WORLD, port, config), nprocs=WORLD)
+    warm.spawn("fsdp-frameworks", WARM, fn, (WORLD, port, config), WORLD)
     return torch.load(config["out"])
 
 
@@ -82,10 +90,12 @@ def test_the_example_trains_as_fsdp2_with_torch_adamw(tmp_path):
     losses = {}
     for mode in ("smartinf", "fsdp"):
         out = tmp_path / f"{mode}.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master_port",
-                               str(free_port()), "--nproc_per_node", str(WORLD), str(EXAMPLE), "--mode", mode,
-                               "--dir", str(tmp_path / mode), "--steps", "5", "--json", str(out)],
-                              capture_output=True, text=True, timeout=600)
+        # torchrun --nproc_per_node=WORLD EXAMPLE ..., forked from a warm process (tests/warm.py);
+        # in smartinf mode torch.distributed.run itself, as users launch it
+        done = warm.run("fsdp-example", EXAMPLE_WARM, [EXAMPLE, "--mode", mode, "--dir", tmp_path / mode,
+                                                       "--steps", "5", "--json", out],
+                        world=WORLD, env=dict(os.environ), port=free_port(), timeout=600,
+                        fresh_=mode == "smartinf")
         assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         losses[mode] = [r["loss"] for r in json.loads(out.read_text())["steps"]]
     assert losses["smartinf"][0] == losses["fsdp"][0]

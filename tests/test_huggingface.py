@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm
 from conftest import free_port
 
 pytest.importorskip("transformers", reason="the Hugging Face extra is not installed (pip install 'smartinf[hf]')")
@@ -22,22 +23,31 @@ sys.path.insert(0, str(ROOT))
 from examples.huggingface.train import LR  # noqa: E402  (its constant schedule's rate)
 
 
+WARM = {"hf": ("torch", "examples.huggingface.train", "accelerate"),
+        # DeepSpeed's optimizer check imports its Muon: torch.compile's stack
+        "hf-deepspeed": ("torch", "examples.huggingface.train", "accelerate", "transformers.trainer",
+                         "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")}
+
+
 def run(tmp: Path, name: str, via: str, *, mode: str = "smartinf", world: int = 1,
-        resume_from: str = "", states: str = "", extra: tuple = ()) -> dict:
-    """Runs the example; returns its losses and final fp32 weights."""
+        resume_from: str = "", states: str = "", extra: tuple = (), fresh: bool = False) -> dict:
+    """Runs the example; returns its losses and final fp32 weights. ``fresh``: launched by
+    torch.distributed.run (or python) itself, as users launch it, not from a warm process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-              "--master_port", str(free_port())] \
-        if world > 1 or via == "trainer-deepspeed" else [sys.executable]
-    cmd = [*launch, str(SCRIPT), "--via", via, "--mode", mode, "--dir", states or str(tmp / name),
-           "--checkpoints", str(tmp / name / "checkpoints"), "--out", str(tmp / f"{name}.json")]
+    # torchrun --nproc_per_node=world (or python) SCRIPT ..., forked from a warm process
+    # (tests/warm.py) that imported what the example's runs import before their first line
+    torchrun = world > 1 or via == "trainer-deepspeed"
+    argv = [SCRIPT, "--via", via, "--mode", mode, "--dir", states or str(tmp / name),
+            "--checkpoints", str(tmp / name / "checkpoints"), "--out", str(tmp / f"{name}.json")]
     if resume_from:
-        cmd += ["--resume-from", resume_from]
-    cmd += list(extra)
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        argv += ["--resume-from", resume_from]
+    argv += list(extra)
+    kind = "hf-deepspeed" if via == "trainer-deepspeed" else "hf"
+    done = warm.run(kind, WARM[kind], argv, world=world if torchrun else None, env=env,
+                    port=free_port(), fresh_=fresh)
+    assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     result = json.loads((tmp / f"{name}.json").read_text())
     result["weights"] = torch.load(tmp / f"{name}.pt")
     result["log"] = done.stdout + done.stderr
@@ -92,7 +102,7 @@ def test_trainer_with_a_deepspeed_config_holding_a_smartinf_block(tmp_path, worl
     Trainer's checkpoints (saved twice per tag by the Trainer) resume exactly, and
     zero_to_fp32 consolidates the fp32 weights."""
     via = "trainer-deepspeed"
-    ours = run(tmp_path, "ours", via, world=world)
+    ours = run(tmp_path, "ours", via, world=world, fresh=world == 2)  # (as users launch it)
     for rank in range(world):
         assert (tmp_path / "ours" / f"rank{rank:05d}" / "states.bin").stat().st_size > 0
     assert_same_run(ours, run(tmp_path, "ref", via, mode="reference", world=world), 1e-5)
