@@ -16,14 +16,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # torch without distributed
-    DTensor = Shard = None
+
+def _dtensor() -> Any:
+    """torch's DTensor module where it is imported, else None: no DTensor can exist before
+    it is, and importing it costs every process ~0.9 s (read here, not imported)."""
+    return sys.modules.get("torch.distributed.tensor")
 
 
 def is_sharded(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    module = _dtensor()
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -61,7 +63,7 @@ class Sharding:
                 raise ValueError(f"a param of shape {tuple(p.shape)} is a plain tensor beside "
                                  f"FSDP2-sharded ones: shard the whole model (fully_shard on "
                                  f"the root too), or give smartinf.optim only sharded params")
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (_dtensor().Shard(0),):
                 raise ValueError(f"a param of shape {tuple(p.shape)} is a DTensor on a "
                                  f"{p.device_mesh.ndim}-D mesh with placements "
                                  f"{tuple(p.placements)}: smartinf.optim takes FSDP2's "
@@ -100,7 +102,7 @@ class Sharding:
         of the param's global shape and placements (a plain tensor for a plain param)."""
         if not is_sharded(param):
             return value
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+        return _dtensor().DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 
 
