@@ -875,6 +875,17 @@ def test_auto_weighs_the_host_copies_the_overlap_allocates():
     assert copies(False, True, no_overlap) == 0
 
 
+def test_the_examples_gpu_memory_emulation_is_refused_where_it_cannot_hold(work, disk_dir):
+    """--gpu-memory emulates a smaller GPU on a larger one: without a GPU (or for more than
+    the GPU has) the example says so before it makes anything, rather than run unemulated."""
+    if torch.cuda.is_available():
+        pytest.skip("the refusal without a GPU")
+    storage = f"{disk_dir}/emulated"
+    train(work, storage, "emulated", extra=("--gpu-memory", "80GiB"),
+          fails_with="--gpu-memory emulates a smaller GPU on a CUDA GPU: there is none here")
+    assert not os.path.exists(storage)
+
+
 def test_deepspeeds_throughput_timer_leaves_the_gpus_updates_running(caplog):
     """DeepSpeed's throughput timer synchronizes the whole device at each forward's start and
     each step's end by default, which would wait for the updates a GPU finishes on its own

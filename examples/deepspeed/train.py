@@ -203,8 +203,13 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(get_accelerator().current_device_name())
     if args.gpu_memory:  # (kept until the end: held beside everything the run allocates)
-        beyond = torch.cuda.mem_get_info()[1] - parse_bytes(args.gpu_memory, "--gpu-memory")
-        held_back = torch.empty(max(0, beyond), dtype=torch.uint8, device=device)  # noqa: F841
+        total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
+        emulated = parse_bytes(args.gpu_memory, "--gpu-memory")
+        if not 0 < emulated < total:
+            raise SystemExit(f"--gpu-memory {args.gpu_memory} emulates a smaller GPU on this "
+                             f"one: give less than its {total} bytes" if total else
+                             "--gpu-memory emulates a smaller GPU on a CUDA GPU: there is none here")
+        held_back = torch.empty(total - emulated, dtype=torch.uint8, device=device)  # noqa: F841
     d_model, n_layer, n_head, vocab = MODELS[args.model]
     lang = Language()
     config = ds_config(args, world)
