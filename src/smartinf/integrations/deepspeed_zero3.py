@@ -36,6 +36,19 @@ def _done(result: Any) -> concurrent.futures.Future:
     return future
 
 
+def _give_back_freed_pinned_memory() -> None:
+    """With ``offload_param`` ZeRO-3 pins each param's partition as ``zero.Init`` makes it,
+    then copies them into one pinned flat buffer a param group (``stage3.py``,
+    ``_create_param_groups_fp16_flat_cpu_memory``) and frees them; torch's caching host
+    allocator keeps the freed pages, as much host memory as the params again (130 GB at
+    the 65B shape on four ranks: killed for memory once the states were made). ``auto``
+    chose the states' host memory counting the params once: give the cached pages back."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()  # (a cached block waits for the copies that used it)
+        empty()
+
+
 class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
 
@@ -49,6 +62,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self.last_step_seconds = 0.0
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        _give_back_freed_pinned_memory()
         if self.pipeline is not None:  # (else the first step opens it: _create_fp32_partitions)
             self._agree_on_resume()
             self._start_speculation()
