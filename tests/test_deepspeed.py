@@ -30,7 +30,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 import smartinf  # noqa: E402
 import smartinf.integrations.deepspeed as sds  # noqa: E402
 import smartinf.integrations.deepspeed_config as sds_config  # noqa: E402
-from smartinf.planning import gpu_budget  # noqa: E402
+from smartinf.planning import gpu_budget, space  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed" / "train.py"
@@ -884,6 +884,16 @@ def test_the_examples_gpu_memory_emulation_is_refused_where_it_cannot_hold(work,
     train(work, storage, "emulated", extra=("--gpu-memory", "80GiB"),
           fails_with="--gpu-memory emulates a smaller GPU on a CUDA GPU: there is none here")
     assert not os.path.exists(storage)
+
+
+def test_ranks_of_one_host_are_refused_the_host_memory_they_exceed_together(work, disk_dir):
+    """Two ranks of this host each given a memory budget it would be given alone, which
+    together exceed the host's available memory, are refused at the first step before
+    either holds it, naming both (each rank's own check passed them: four ranks at the
+    65B shape were killed for host memory), on every rank alike."""
+    budget = int(space.available_memory() * 0.7)
+    train(work, f"{disk_dir}/together", "together", world=2, extra=("--memory-budget", str(budget)),
+          fails_with="and 2 ranks of this host open as much at once")
 
 
 def test_deepspeeds_throughput_timer_leaves_the_gpus_updates_running(caplog):

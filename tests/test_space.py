@@ -59,3 +59,20 @@ def test_a_memory_budget_beyond_the_host_is_refused_before_it_is_held(tmp_path):
     with pytest.raises(ValueError, match="B of host memory from creation; .*B is available"):
         smartinf.Pipeline(str(tmp_path), memory_budget=budget)
     assert not os.path.exists(tmp_path / "states.bin")
+
+
+def test_ranks_opening_together_are_checked_together(tmp_path):
+    """Ranks of one host opening pipelines at once (``space.ranks_opening``): a budget each
+    would be given alone is refused where the ranks together exceed what they measured
+    available, before it is held, naming them and each rank's share; given back outside."""
+    available = 3 << 30
+    with space.ranks_opening(4, available):
+        space.check_memory(available // 4, "a budget")  # four of these fit exactly
+        with pytest.raises(ValueError, match=r"and 4 ranks of this host open as much at once; "
+                                             r"3\.2 GB is available: give a memory_budget of at "
+                                             r"most 805\.3 MB in all a rank"):
+            smartinf.Pipeline(str(tmp_path), memory_budget=available // 4 + 1)
+    assert not os.path.exists(tmp_path / "states.bin")
+    with pytest.raises(ValueError, match=r"from creation; .*B is available: give a memory_budget "
+                                         r"of at most .*B in all \(the rest"):
+        space.check_memory(space.available_memory() + (8 << 30), "a budget")

@@ -19,6 +19,7 @@ from smartinf.step import edits
 from smartinf.pipeline.checkpoint import restore_devices, save_devices
 from smartinf.step.driver import Driver, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
+from smartinf.planning import space
 from smartinf.step.rounding import to_bf16
 from smartinf.step import ranks
 from smartinf.step.session import StepSession
@@ -57,7 +58,8 @@ class StoredStates:
             fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
-        self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
+        with space.ranks_opening(*self._host_memory()):
+            self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
                               self._compress)
@@ -106,6 +108,13 @@ class StoredStates:
                     self._put_params(i, torch.from_numpy(self.pipeline.read_states(i)["param"]))
                 continue
             self._put(i)
+
+    def _host_memory(self) -> tuple[int, int]:
+        """(this host's ranks, the host memory available): measured on every rank before any
+        opens its pipeline, the least of them (so that the ranks decide alike)."""
+        free = torch.tensor([float(space.available_memory())], dtype=torch.float64, device=self.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(free.item())
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left

@@ -28,7 +28,7 @@ from smartinf.step import ranks
 from smartinf.step.speculation import Speculation
 from smartinf.step.session import StepSession
 from smartinf.optim.subgroups import Subgroup
-from smartinf.planning import gpu_budget
+from smartinf.planning import gpu_budget, space
 
 logger = logging.getLogger("smartinf")
 
@@ -131,9 +131,10 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
-        pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
-                                               self._rule(self.param_groups[0]), settings,
-                                               gpu_memory_budget, gpu_twins, gpu_host_states)
+        with space.ranks_opening(*self._sharding.host_memory()):
+            pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
+                                                   self._rule(self.param_groups[0]), settings,
+                                                   gpu_memory_budget, gpu_twins, gpu_host_states)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             if self._sharding.active:  # every rank at one durable step before any is attached

@@ -1,14 +1,16 @@
 """What a pipeline will take, checked before it takes it: the bytes its states files grow by
 on each file system and the host memory its budgets hold. A refusal names what is needed,
 what is free, and what would fit, before the first byte is written (a 13 B model's states
-had filled a disk for minutes before the first step, then failed).
+had filled a disk for minutes before the first step, then failed). Ranks of one host that
+open their pipelines at once are checked together (``ranks_opening``).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 
 
@@ -40,15 +42,37 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+#: (ranks, available bytes) while ``ranks_opening`` holds
+_opening: Optional[tuple[int, int]] = None
+
+
+@contextlib.contextmanager
+def ranks_opening(ranks: int, available: int) -> Iterator[None]:
+    """Within: ``ranks`` processes of this host open their pipelines at once, each for about
+    as much host memory as this one, from ``available`` bytes (the least any of them
+    measured before any took some): ``check_memory`` counts a need ``ranks`` times. Each
+    rank's check alone passes where together they exceed the host: four ranks at the 65B
+    shape each asked 74 GB with 226 GB available, and were killed for memory at 513 GB."""
+    global _opening
+    before, _opening = _opening, (ranks, available)
+    try:
+        yield
+    finally:
+        _opening = before
+
+
 def check_memory(needed: int, what: str) -> None:
     """Refuses ``needed`` bytes of host memory held from creation (``what`` they are for)
-    where the host has fewer available: a setting the machine cannot give (``ValueError``),
-    found before the memory is touched."""
-    free = available_memory()
-    if needed > free:
-        raise ValueError(f"{what} holds {_size(needed)} of host memory from creation; "
-                          f"{_size(free)} is available: give a memory_budget of at most "
-                          f"{_size(free)} in all (the rest of the states stream from storage)")
+    where the host has fewer available (``ranks_opening``: for as many ranks as open at
+    once): a setting the machine cannot give (``ValueError``), found before the memory is
+    touched."""
+    ranks, free = _opening or (1, available_memory())
+    if needed * ranks > free:
+        together = f", and {ranks} ranks of this host open as much at once" if ranks > 1 else ""
+        raise ValueError(f"{what} holds {_size(needed)} of host memory from creation{together}; "
+                         f"{_size(free)} is available: give a memory_budget of at most "
+                         f"{_size(free // ranks)} in all{' a rank' if ranks > 1 else ''} (the "
+                         f"rest of the states stream from storage)")
 
 
 def check_disk(directories: Sequence[str], grow: Sequence[int], params: int,
