@@ -260,6 +260,22 @@ def main() -> None:
         return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
 
     records = []
+    num_params = sum(p.ds_numel for p in engine.module.parameters())
+
+    def write_record(after_steps: "dict | None") -> None:
+        """The record so far (rank 0), replaced after each step so that a run stopped early
+        (a time limit, a kill) leaves its steps; ``after_steps`` (what the last step's
+        updates moved once settled) only in a whole run's."""
+        if not (args.json and rank == 0):
+            return
+        partial = Path(f"{args.json}.partial")
+        partial.write_text(json.dumps({
+            "mode": args.mode, "model": args.model, "num_params": num_params, "world_size": world,
+            "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
+            "choices": choices, "predicted": predicted,
+            "throughput_timer_synchronized": engine.tput_timer.config.synchronized,
+            "steps": records, "after_steps": after_steps}, indent=1))
+        os.replace(partial, args.json)
     # Each step's counters run from where the last one's stopped: background writes that
     # land between two steps are counted too.
     c1, io1 = counters(), storage_bytes()
@@ -306,6 +322,7 @@ def main() -> None:
             c1 = counters()
             rec["pipeline"] = {k: v - c0[k] for k, v in c1.items()}
         records.append(rec)
+        write_record(None)
         if rank == 0:
             print(f"step {rec['step']:4d}  loss {rec['loss']:.6f}  fwd {rec['fwd_s']:.3f}s  "
                   f"bwd {rec['bwd_s']:.3f}s  step {rec['step_s']:.3f}s  "
@@ -321,16 +338,8 @@ def main() -> None:
     if hasattr(engine.optimizer, "settle"):
         engine.optimizer.settle()
     io_settled = storage_bytes()
-    if args.json and rank == 0:
-        params = sum(p.ds_numel for p in engine.module.parameters())
-        Path(args.json).write_text(json.dumps({
-            "mode": args.mode, "model": args.model, "num_params": params, "world_size": world,
-            "dtype": args.dtype, "topk": args.topk, "smartinf": config.get("smartinf"),
-            "choices": choices, "predicted": predicted,
-            "throughput_timer_synchronized": engine.tput_timer.config.synchronized,
-            "steps": records,
-            "after_steps": {"storage_read": io_settled[0] - io_end[0],
-                            "storage_written": io_settled[1] - io_end[1]}}, indent=1))
+    write_record({"storage_read": io_settled[0] - io_end[0],
+                  "storage_written": io_settled[1] - io_end[1]})
     if args.params_out:
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params):
