@@ -88,6 +88,9 @@ flags() {  # mode name -> train.py flags
     # are updated ("host_states": "auto"), durable every 10 steps as auto sets it (run with
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as in docs/deepspeed.md)
     auto-gpu-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;
+    # the same, the states in host memory shared: 70 % of their bytes on the GPU, the rest on
+    # the host's cores, both at once
+    auto-gpu-cores30-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto --gpu-host-states 0.7" ;;
     auto-gpu) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;  # (STEPS as given)
     # FSDP2 (examples/fsdp/train.py): no offload (torch's fused AdamW on the GPU: the floor),
     # CPUOffloadPolicy (params, gradients and states on the host, torch's fused AdamW on its

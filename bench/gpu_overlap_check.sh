@@ -14,7 +14,8 @@ ONLY=${ONLY:-}
 # (step 3's NaN loss: inf gradients, the step skipped; DeepSpeed's hysteresis keeps the
 # scale at a first overflow), clipping acting; and with clipping acting, a GPU budget and
 # states in host memory the GPU updates (fp32, int8 + split): those finish while the next
-# forward runs (deferred), in place in their partitions; and those with the params in host
+# forward runs (deferred), in place in their partitions (-shared: half of those bytes on the
+# GPU, the rest on the host's cores, at once); and those with the params in host
 # memory (ZeRO-3's offload_param): the GPU reads the gradients in its buffer and writes the
 # params into their host partitions.
 CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memory-budget 64MiB"
@@ -23,6 +24,7 @@ CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memor
        "tiny-clipped|--dtype bf16 --clip 0.05"
        "tiny-gpu-host|--dtype bf16 --clip 0.05 --gpu-memory-budget 1MiB --memory-budget 64MiB --gpu-host-states on"
        "tiny-gpu-host-int8-split|--dtype bf16 --clip 0.05 --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 64MiB --gpu-host-states on"
+       "tiny-gpu-host-shared|--dtype bf16 --clip 0.05 --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 1MiB --gpu-host-states 0.5"
        "tiny-offload-param|--dtype bf16 --clip 0.05 --offload-param --memory-budget 64MiB"
        "tiny-offload-param-gpu-host|--dtype bf16 --clip 0.05 --offload-param --gpu-memory-budget 1MiB --memory-budget 64MiB --gpu-host-states on"
        "tiny-offload-param-gpu-host-int8-split|--dtype bf16 --clip 0.05 --offload-param --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 64MiB --gpu-host-states on")

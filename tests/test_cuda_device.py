@@ -300,9 +300,13 @@ def test_host_states_on_the_gpu_need_a_model_there(tmp_path):
     """smartinf.optim's gpu_host_states=True: the GPU the model is on updates the memory
     tier's states; refused clearly without one (no GPU here, or the model on the CPU)."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="no CUDA GPU is visible here|params are on"):
+    for share in (True, 0.5):  # (all, or that share with the rest on the cores)
+        with pytest.raises(ValueError, match="no CUDA GPU is visible here|params are on"):
+            so.AdamW(model.parameters(), devices=str(tmp_path), memory_budget="1MiB",
+                     gpu_host_states=share)
+    with pytest.raises(ValueError, match=r"or a share from 0 to 1 \(.*\); got 'yes'"):
         so.AdamW(model.parameters(), devices=str(tmp_path), memory_budget="1MiB",
-                 gpu_host_states=True)
+                 gpu_host_states="yes")
 
 
 def test_a_gpus_memory_is_gpu_or_host(tmp_path):

@@ -811,8 +811,39 @@ def test_host_states_move_the_memory_tier_onto_the_gpu(monkeypatch):
     with pytest.raises(ValueError, match="there is no memory_budget"):
         sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {
             "host_states": True}}}).with_host_states_on_gpu()
-    with pytest.raises(ValueError, match="host_states"):
-        sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"host_states": "yes"}}})
+    for wrong in ("yes", 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="a share from 0 to 1"):
+            sds.Settings.from_config({"smartinf": {"devices": ["/a"], "gpu": {"host_states": wrong}}})
+
+
+def test_a_share_of_the_host_states_on_the_gpu_leaves_the_rest_to_the_cores(monkeypatch):
+    """"gpu": {"host_states": 0.75}: three quarters of the memory tier's bytes go to the GPU's
+    device for states in host memory, the directories keep the rest (the sub-groups placed
+    first go to the GPU, and both update theirs at once); a fitted budget keeps the shares;
+    the overlap's host copies are weighed for the cores' part only. Refused without a GPU."""
+    s = sds.Settings.from_config({"smartinf": {"devices": ["/a", "/b"], "memory_budget": "2GiB",
+                                               "gpu": {"host_states": 0.75}}})
+    assert s.gpu_host_states == 0.75
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="host_states=0.75 updates .* no CUDA GPU is visible"):
+        s.with_host_states_on_gpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    shared = s.with_host_states_on_gpu()
+    assert shared.gpu_host_budget == 3 << 30 and shared.pipeline.memory_budget == 1 << 29
+    devices = shared.rank_devices(0, 0)
+    assert (devices[0].memory, devices[0].memory_budget) == ("host", 3 << 30)
+    assert devices[1:] == ["/a/rank00000", "/b/rank00000"]
+    # fitted (a GPU budget of "auto" sized): what is kept, shared as given
+    from smartinf.planning import space
+    monkeypatch.setattr(space, "available_memory", lambda: 0)
+    mib = 1 << 20
+    sized = dataclasses.replace(shared, gpu_memory_budget=24 * mib, gpu_sized=True,
+                                pipeline=dataclasses.replace(shared.pipeline, chunk=1 << 20))
+    fitted = sized.fitted_to([2 << 20] * 5, 3)  # 24 MiB each: one on the GPU, 96 MiB left
+    assert fitted.gpu_host_budget == 144 * mib and fitted.pipeline.memory_budget == 24 * mib
+    copies = sds_config._partition_copies
+    assert copies(0.75, True, lambda on_gpu: True) == 0.5  # the cores' quarter, two copies
+    assert copies(0.0, True, lambda on_gpu: True) == 2 and copies(1.0, True, lambda on_gpu: True) == 0
 
 
 def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 
 import warm
 from conftest import assert_close_fp32, free_port
+from smartinf.planning import space
 from fsdp_train import run
 
 STEPS = 6
@@ -212,4 +213,26 @@ def _mixed_params(rank, directory, port):
     with pytest.raises(ValueError, match="plain tensor beside FSDP2-sharded"):
         so.AdamW([*sharded.parameters(), *plain.parameters()], devices=[directory])
     assert not os.listdir(directory)  # refused before anything was stored
+    dist.destroy_process_group()
+
+
+def test_ranks_of_one_host_are_refused_the_host_memory_they_exceed_together(tmp_path):
+    """Two ranks of this host (LOCAL_WORLD_SIZE 2) each given a memory budget it would be
+    given alone, which together exceed what is available, are both refused before either
+    holds it (each rank's own check passed them: four ranks at the 65B shape were killed
+    for host memory)."""
+    budget = int(space.available_memory() * 0.7)
+    spawn(_budgets_together, (str(tmp_path), free_port(), budget), 2)
+
+
+def _budgets_together(rank, directory, port, budget):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import smartinf.optim as so
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    layer = torch.nn.Linear(8, 8)
+    fully_shard(layer)
+    with pytest.raises(ValueError, match="and 2 ranks of this host open as much at once"):
+        so.AdamW(layer.parameters(), devices=[f"{directory}/rank{rank}"], memory_budget=budget)
     dist.destroy_process_group()

@@ -100,7 +100,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             if args.gpu_twins != "auto":
                 config["smartinf"]["gpu"]["twins"] = {"on": True, "off": False}.get(args.gpu_twins, "host")
         if args.gpu_host_states != "auto":
-            config["smartinf"].setdefault("gpu", {})["host_states"] = args.gpu_host_states == "on"
+            config["smartinf"].setdefault("gpu", {})["host_states"] = \
+                {"on": True, "off": False}.get(args.gpu_host_states, args.gpu_host_states)
     elif args.mode == "deepspeed-cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if args.offload_ratio is not None:
@@ -147,9 +148,12 @@ def main() -> None:
     p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
                    "updated there (the \"gpu\" block), or auto: what the model, DeepSpeed's "
                    "gradients and the activations leave")
-    p.add_argument("--gpu-host-states", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--gpu-host-states", default="auto",
+                   type=lambda v: v if v in ("auto", "on", "off") else float(v),
                    help="smartinf: the states kept in host memory (the memory budget) updated "
-                        "on the GPU, crossing PCIe (auto, with a GPU budget: where faster)")
+                        "on the GPU, crossing PCIe: on, off, auto (with a GPU budget: where "
+                        "faster), or a share from 0 to 1 (that share on the GPU, the rest on "
+                        "the host's cores, at once)")
     p.add_argument("--gpu-twins", choices=("auto", "on", "off", "host"), default="auto",
                    help="smartinf: the GPU's sub-groups with room for their twin, or a host "
                         "copy of its budget that durable commits write from (auto: a host "

@@ -97,7 +97,8 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
         if args.gpu_memory_budget:
             config["smartinf"]["gpu"] = {"memory_budget": args.gpu_memory_budget}
         if args.gpu_host_states != "auto":
-            config["smartinf"].setdefault("gpu", {})["host_states"] = args.gpu_host_states == "on"
+            config["smartinf"].setdefault("gpu", {})["host_states"] = \
+                {"on": True, "off": False}.get(args.gpu_host_states, args.gpu_host_states)
     else:
         zero["offload_optimizer"] = {"device": "cpu"}
     return config
@@ -224,9 +225,12 @@ def main() -> None:
     parser.add_argument("--gpu-memory-budget",
                         help="smartinf: bytes of the GPU's memory for states updated there "
                              "(e.g. 20GB), or auto: what the model and activations leave")
-    parser.add_argument("--gpu-host-states", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--gpu-host-states", default="auto",
+                        type=lambda v: v if v in ("auto", "on", "off") else float(v),
                         help="smartinf: the states kept in host memory updated on the GPU, "
-                             "crossing PCIe (auto, with a GPU budget: where faster)")
+                             "crossing PCIe: on, off, auto (with a GPU budget: where faster), "
+                             "or a share from 0 to 1 (that share on the GPU, the rest on the "
+                             "host's cores, at once)")
     parser.add_argument("--partitioned", action="store_true",
                         help="trainer-deepspeed, llama: build the model after "
                              "TrainingArguments(deepspeed=), so that from_config builds it "

@@ -41,11 +41,11 @@ class Settings:
     gpu_memory_budget: Union[int, str] = 0
     gpu_twins: Union[bool, str, None] = None  # "gpu": {"twins": ...}: CudaDevice's twins
     gpu_reserve: Optional[int] = None
-    # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU,
-    # its states crossing PCIe (CudaDevice(memory="host")); "auto" (with a "gpu" block, the
-    # default): where that is faster than the host's cores (host_states.gpu_takes_host_states).
-    # Its bytes, once moved there (``with_host_states_on_gpu``): gpu_host_budget
-    gpu_host_states: Union[bool, str] = False
+    # "gpu": {"host_states": true}: the memory tier (memory_budget) is updated on the GPU, its
+    # states crossing PCIe (CudaDevice(memory="host")); "auto" (the default with a "gpu" block):
+    # where faster than the cores (host_states.gpu_takes_host_states); a share from 0 to 1: that
+    # share, the rest on the cores. Its bytes, once moved (``with_host_states_on_gpu``): gpu_host_budget
+    gpu_host_states: Union[bool, str, float] = False
     gpu_host_budget: int = 0
     # A budget of "auto" sized here (with_gpu_budget): ``fitted_to`` then gives the host
     # what the GPU leaves of the rank's states, and the GPU a host twin where one fits.
@@ -82,16 +82,16 @@ class Settings:
                                 or not ({"memory_budget", "host_states"} & set(gpu))
                                 or not set(gpu) <= {"memory_budget", "twins", "reserve", "host_states"}
                                 or not (isinstance(gpu.get("twins"), (bool, type(None)))
-                                        or gpu.get("twins") == "host")
-                                or gpu.get("host_states", "auto") not in (True, False, "auto")):
+                                        or gpu.get("twins") == "host")):
             raise ValueError(f'"{CONFIG_KEY}.gpu" must be a dict with "memory_budget" (bytes of '
                              f'the rank\'s GPU memory for states, e.g. "8GiB", or "auto") and '
                              f'optionally "twins" (true, false, "host": a host copy of the budget '
                              f'that durable commits write from, or null: chosen) and, '
                              f'with "auto", "reserve" (bytes left to the activations), and/or '
-                             f'"host_states" (true: the states the memory_budget keeps in host '
-                             f'memory are updated on the GPU; false: on the host\'s cores; "auto", '
-                             f'the default: where faster); got {gpu!r}')
+                             f'"host_states" (where the states the memory_budget keeps in host '
+                             f'memory are updated); got {gpu!r}')
+        if gpu:
+            host_states.check(gpu.get("host_states", "auto"), f'"{CONFIG_KEY}.gpu.host_states"')
         try:
             gpu_auto = bool(gpu) and gpu.get("memory_budget") == "auto"
             gpu_budget = "auto" if gpu_auto else \
@@ -148,9 +148,9 @@ class Settings:
         """After a budget of ``"auto"`` is sized (``with_gpu_budget``, ``with_host_states_on_gpu``),
         for a rank whose sub-groups (not the small tensors') have ``numels`` params, states
         of ``arrays`` fp32 arrays: the GPU's budget holds whole sub-groups first, as the
-        pipeline places them; the host's budget (the memory tier, or the GPU's in host
-        memory) shrinks to what is left, with room for its twins (the plan sized it for all
-        of the states; at least 1 MiB, so that the device list stays what it was). Twins
+        pipeline places them; the host's budget (the memory tier, the GPU's in host memory,
+        or both in their shares) shrinks to what is left, with room for its twins (the plan
+        sized it for all of the states; at least 1 MiB: the device list stays as it was). Twins
         not asked for: a host twin of what the GPU holds where the host's memory takes it
         (``twins.host_twin_fits``; the GPU's budget then shrinks to that), else none (the
         budget's room for states first)."""
@@ -168,13 +168,15 @@ class Settings:
         used = sum(per * b for b, t in zip(sizes, tiers) if t == "gpu")
         host_need = sum(b for b, t in zip(sizes, tiers) if t != "gpu")
         holders = len(self.devices)
-        host = self.gpu_host_budget or (p.memory_budget if isinstance(p.memory_budget, int) else 0) * holders
+        cores = (p.memory_budget if isinstance(p.memory_budget, int) else 0) * holders
+        host = self.gpu_host_budget + cores
         kept = max(min(host, 2 * host_need), 1 << 20) if host else 0
         if kept < host:
             logger.info("smartinf: rank %d's host budget %d bytes, not %d: the GPU's budget holds "
                         "all but %d bytes of its states", rank, kept, host, host_need)
-        fitted = dataclasses.replace(self, gpu_host_budget=kept) if self.gpu_host_budget else \
-            dataclasses.replace(self, pipeline=dataclasses.replace(p, memory_budget=-(-kept // holders)))
+        on_gpu = max(kept * self.gpu_host_budget // host, 1 << 20) if self.gpu_host_budget else 0
+        fitted = dataclasses.replace(self, gpu_host_budget=on_gpu, pipeline=dataclasses.replace(
+            p, memory_budget=-(-(kept - on_gpu) // holders) if cores or not on_gpu else p.memory_budget))
         if self.gpu_twins is not None:
             return fitted
         fits, why = twins.host_twin_fits(used, kept)
@@ -185,18 +187,18 @@ class Settings:
 
     def with_host_states_on_gpu(self, rank: int = 0) -> "Settings":
         """``"host_states"``: the memory tier's bytes (``memory_budget`` on each directory)
-        move to the GPU's device for states in host memory, the directories keeping none
-        (``host_states.host_states_budget``: ``"auto"`` where faster, or where rank ``rank``'s
-        directory holds a run with them there)."""
+        move to the GPU's device for states in host memory, the directories keeping none, or
+        with a share what the GPU leaves (``host_states.host_states_budget``: ``"auto"`` where
+        faster, or where rank ``rank``'s directory holds a run with them there)."""
         if self.gpu_host_budget:
             return self
         given = self.pipeline
         budget = host_states.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
                                          given.memory_budget, len(self.devices),
                                          rank_directory(self.devices[0], rank))
+        rest = given.memory_budget - -(-budget // len(self.devices)) if budget else given.memory_budget
         return dataclasses.replace(self, gpu_host_states=bool(budget), gpu_host_budget=budget,
-                                   pipeline=dataclasses.replace(given, memory_budget=0)
-                                   if budget else given)
+                                   pipeline=dataclasses.replace(given, memory_budget=max(0, rest)))
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU
@@ -305,7 +307,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             numel, [rank_directory(d, 0) for d in settings.devices],
             bf16_params=all(p.dtype == torch.bfloat16 for p in params), ranks=local,
             if_exists=given.if_exists,
-            host_buffers=partition_copies * numel * max(p.element_size() for p in params),
+            host_buffers=int(partition_copies * numel * max(p.element_size() for p in params)),
             gpu_budget=0 if settings.gpu_memory_budget == "auto" else settings.gpu_memory_budget,
             gpu_budget_later=settings.gpu_memory_budget == "auto",
             **{k: getattr(given, k) for k in settings.auto if k != "auto"})
@@ -317,16 +319,17 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     return dataclasses.replace(settings, auto=(),
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
-def _partition_copies(gpu_host_states: "bool | str", on_gpu: bool,
-                      speculates: Callable[[bool], bool]) -> int:
+def _partition_copies(gpu_host_states: "bool | str | float", on_gpu: bool,
+                      speculates: Callable[[bool], bool]) -> float:
     """Host copies of each partition a rank's run holds beside the states (the overlap's,
     ``deepspeed_overlap._start_speculation``): where updates start during backward, params
     out and, on a GPU, gradients in; none where the GPU updates the sub-groups in place
     (its states in host memory it updates): their gradients stay in its memory and their
-    params go into their partitions, in its memory or, with ``offload_param``, the host's."""
-    if gpu_host_states is True or (gpu_host_states and on_gpu):
-        return 0
-    return (2 if on_gpu else 1) if speculates(on_gpu) else 0
+    params go into their partitions, in its memory or, with ``offload_param``, the host's.
+    With a share of them on the GPU, copies of the cores' part only."""
+    gpu_share = float(on_gpu) if gpu_host_states == "auto" else \
+        float(gpu_host_states) if on_gpu or gpu_host_states is True else 0.0
+    return ((2 if on_gpu else 1) if speculates(on_gpu) else 0) * (1 - gpu_share)
 
 # The params of a config "Lion" block: LionParams's. (DeepSpeed's CPU Lion and FusedLion
 # options choose their own kernels and state dtypes; the devices keep fp32 states.)

@@ -19,7 +19,6 @@ from smartinf.step import edits
 from smartinf.pipeline.checkpoint import restore_devices, save_devices
 from smartinf.step.driver import Driver, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
-from smartinf.planning import space
 from smartinf.step.rounding import to_bf16
 from smartinf.step import ranks
 from smartinf.step.session import StepSession
@@ -58,7 +57,7 @@ class StoredStates:
             fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
-        with space.ranks_opening(*self._host_memory()):
+        with ranks.opening_together(self._summed, dist.get_rank(), dist.get_world_size()):
             self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
         self._agree_on_step()
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
@@ -109,12 +108,11 @@ class StoredStates:
                 continue
             self._put(i)
 
-    def _host_memory(self) -> tuple[int, int]:
-        """(this host's ranks, the host memory available): measured on every rank before any
-        opens its pipeline, the least of them (so that the ranks decide alike)."""
-        free = torch.tensor([float(space.available_memory())], dtype=torch.float64, device=self.device)
-        dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(free.item())
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (an all-reduce every rank calls)."""
+        t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
 
     def _all_ranks(self, action: Any) -> Any:
         """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
@@ -141,11 +139,7 @@ class StoredStates:
         if self.pipeline.logs_gradients:
             self._agree_on_logged_step(world, rank)
 
-        def summed(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            return t
-        ranks.agree_on_step(self.pipeline, summed, rank, world, self.settings.devices,
+        ranks.agree_on_step(self.pipeline, self._summed, rank, world, self.settings.devices,
                             self.settings.pipeline.copies)
 
     def _agree_on_logged_step(self, world: int, rank: int) -> None:

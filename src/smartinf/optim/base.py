@@ -5,6 +5,7 @@ clipped, updates started during backward kept or redone, the rest sent through t
 native checkpoint. The classes users make (``AdamW``, ``SGD``, ...) are ``__init__.py``'s."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -28,7 +29,7 @@ from smartinf.step import ranks
 from smartinf.step.speculation import Speculation
 from smartinf.step.session import StepSession
 from smartinf.optim.subgroups import Subgroup
-from smartinf.planning import gpu_budget, space
+from smartinf.planning import gpu_budget
 
 logger = logging.getLogger("smartinf")
 
@@ -131,7 +132,9 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
-        with space.ranks_opening(*self._sharding.host_memory()):
+        opening = ranks.opening_together(self._sharding.sum, self._sharding.rank, self._sharding.world) \
+            if self._sharding.active else contextlib.nullcontext()
+        with opening:
             pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
                                                    self._rule(self.param_groups[0]), settings,
                                                    gpu_memory_budget, gpu_twins, gpu_host_states)

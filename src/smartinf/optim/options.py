@@ -47,7 +47,8 @@ class StorageOptions(TypedDict, total=False):
     ``smartinf.planning.twins``); ``gpu_host_states`` whether that GPU also
     updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
     ``CudaDevice(memory="host")``, directory ``gpu-host/``; ``"auto"``, the default with a
-    ``gpu_memory_budget``: where faster than the host's cores, ``host_states.host_states_budget``).
+    ``gpu_memory_budget``: where faster than the host's cores, ``host_states.host_states_budget``;
+    a share from 0 to 1: that share of them, the rest on the cores, at once).
     """
 
     subgroup_size: int
@@ -143,14 +144,16 @@ def refuse_split_of_other_dtypes(split: bool, plan: Sequence[Subgroup]) -> None:
 
 
 def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | str | None",
-                wanted: "bool | str") -> tuple[PipelineSettings, int]:
+                wanted: "bool | str | float") -> tuple[PipelineSettings, int]:
     """``gpu_host_states``: the settings, and the bytes of host memory moved from the cpu
-    devices' memory tier to the GPU's device for states in host memory (0: none)."""
-    given = wanted if gpu_budget is not None else wanted is True
+    devices' memory tier to the GPU's device for states in host memory (0: none; with a
+    share, the cpu devices keep the rest)."""
+    given = False if wanted == "auto" and gpu_budget is None else wanted  # (checked there)
+    holders = sum(getattr(d, "kind", "cpu") == "cpu" for d in devices)
     host = host_states_budget(given, settings.state_dtype, settings.master, settings.memory_budget,
-                              sum(getattr(d, "kind", "cpu") == "cpu" for d in devices),
-                              str(getattr(devices[0], "path", devices[0])))
-    return (dataclasses.replace(settings, memory_budget=0) if host else settings), host
+                              holders, str(getattr(devices[0], "path", devices[0])))
+    rest = max(0, settings.memory_budget - -(-host // holders)) if host else settings.memory_budget
+    return dataclasses.replace(settings, memory_budget=rest), host
 
 
 def open_pipeline(subgroups: Sequence[Subgroup], small: bool, devices: list,

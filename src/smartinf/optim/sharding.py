@@ -11,13 +11,10 @@ world size.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Optional, Sequence
 
 import torch
-
-from smartinf.planning import space
 
 
 def _dtensor() -> Any:
@@ -94,17 +91,6 @@ class Sharding:
         t = t.to(self.device)
         torch.distributed.all_reduce(t, group=self.group)
         return t
-
-    def host_memory(self) -> tuple[int, int]:
-        """(this host's ranks, the host memory available): measured on every rank before any
-        opens its pipeline, the least of them (so that the ranks decide alike); unsharded,
-        this process's (1, what is available)."""
-        free = float(space.available_memory())
-        if self.group is None:
-            return 1, int(free)
-        free_t = torch.tensor([free], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(free_t, op=torch.distributed.ReduceOp.MIN, group=self.group)
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(free_t.item())
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank."""

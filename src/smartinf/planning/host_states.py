@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Any
 
 from smartinf.pipeline.checkpoint import MANIFEST
 from smartinf.pipeline.devices import GPU_HOST_DIRECTORY
@@ -44,16 +45,30 @@ def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tupl
                                 f"host's cores {host_pps / 1e9:.2f} G params/s")
 
 
-def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
+def check(host_states: Any, where: str = "host_states") -> None:
+    """Refuses a ``host_states`` that is none of True, False, ``"auto"`` or a share in [0, 1]."""
+    share = isinstance(host_states, (int, float)) and not isinstance(host_states, bool) \
+        and 0 <= host_states <= 1
+    if not (share or host_states in (True, False, "auto")):
+        raise ValueError(f"{where} must be true (the GPU updates the states the memory_budget "
+                         f"keeps in host memory), false (the host's cores), \"auto\" (where "
+                         f"faster) or a share from 0 to 1 (that share on the GPU, the rest on "
+                         f"the cores, at once); got {host_states!r}")
+
+
+def host_states_budget(host_states: "bool | str | float", state_dtype: str, master: str,
                        memory_budget: int, holders: int, directory: str) -> int:
     """Bytes of host memory the GPU takes from the cores' memory tier (``memory_budget`` on
     each of ``holders`` directories) for its states in host memory (``CudaDevice(memory=
     "host")``, in ``directory``'s ``gpu-host/``): all for ``host_states=True``, none for
-    False, and for ``"auto"`` all where the GPU updates them faster (``gpu_takes_host_states``,
-    logged), none where not or where there is no GPU or no budget; but where ``directory``
-    holds a run, as that run placed them (in ``gpu-host/`` or not: its sub-groups are where
-    it put them, and another device list would be refused). True without a GPU or a budget
-    is refused, saying why."""
+    False, that share of it for a number (the rest stays the cores': the sub-groups placed
+    first go to the GPU, and both update theirs at once, as ZeRO-Offload++'s ``ratio``
+    splits its states), and for ``"auto"`` all where the GPU updates them faster
+    (``gpu_takes_host_states``, logged), none where not or where there is no GPU or no
+    budget; but where ``directory`` holds a run, as that run placed them (in ``gpu-host/`` or
+    not: its sub-groups are where it put them, and another device list would be refused).
+    True or a share without a GPU or a budget is refused, saying why."""
+    check(host_states)
     if not host_states:
         return 0
     run = os.path.isfile(os.path.join(directory, MANIFEST))
@@ -65,7 +80,7 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
     if why_not and host_states == "auto":
         return 0
     if why_not:
-        raise ValueError(f"host_states=True updates the states a memory_budget keeps in host "
+        raise ValueError(f"host_states={host_states!r} updates the states a memory_budget keeps in host "
                          f"memory on the GPU, and {why_not}: give a GPU and a memory_budget "
                          f"(or state_dtype='auto'), or leave host_states out")
     if host_states == "auto" and (held or run):
@@ -77,4 +92,4 @@ def host_states_budget(host_states: "bool | str", state_dtype: str, master: str,
         logger.warning("smartinf: the states in host memory updated on the %s (host_states "
                        "says otherwise): %s", "GPU" if takes else "host's cores", why)
         return budget if takes else 0
-    return budget
+    return budget if host_states is True else int(budget * host_states)

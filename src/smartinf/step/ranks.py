@@ -1,15 +1,32 @@
-"""Ranks that open one run's directories together (DeepSpeed's, FSDP2's) reopen at one durable
-step: a crash between the ranks' commits leaves some one commit ahead, whose shadow copies
-still hold the others' step, so they go back to it (before any sub-group is attached). Ranks
-further apart are refused, naming each rank's step."""
+"""Ranks that open one run's directories together (DeepSpeed's, FSDP2's) check their host
+memory together (``opening_together``), and reopen at one durable step: a crash between the
+ranks' commits leaves some one commit ahead, whose shadow copies still hold the others'
+step, so they go back to it (before any sub-group is attached). Ranks further apart are
+refused, naming each rank's step."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any, Callable
 
 import torch
 
+from smartinf.planning import space
+
 logger = logging.getLogger("smartinf")
+
+
+def opening_together(summed: Callable[[torch.Tensor], torch.Tensor], rank: int,
+                     world: int) -> contextlib.AbstractContextManager:
+    """``space.ranks_opening`` for ranks about to open their pipelines: this host's ranks
+    (``LOCAL_WORLD_SIZE``), and the least host memory any rank has available, measured
+    before any opens (``summed`` is a collective: none goes on before all have measured),
+    so that the ranks decide alike."""
+    free = torch.zeros(world, dtype=torch.float64)  # each rank's entry, the others' zeros
+    free[rank] = float(space.available_memory())
+    least = int(summed(free).min().item())
+    return space.ranks_opening(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), least)
 
 
 def agree_on_step(pipeline: Any, summed: Callable[[torch.Tensor], torch.Tensor], rank: int,
