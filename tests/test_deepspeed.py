@@ -851,7 +851,7 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     and int4 moments (a few bytes a param each way over PCIe), the host's cores fp32 ones;
     with a record, whichever rate is higher: the link's over the states' bytes or the
     cores' kernel. Nothing moves without a GPU, or without a memory budget."""
-    from smartinf.planning import host_states
+    from smartinf.planning import host_states, model, placement
 
     def block(state_dtype, **gpu):
         return sds.Settings.from_config({"smartinf": {
@@ -880,17 +880,26 @@ def test_host_states_on_the_gpu_by_default_where_faster(tmp_path, monkeypatch):
     assert block("int8", host_states=True).with_host_states_on_gpu(rank=2).gpu_host_budget == 1 << 30
     assert block("fp32", host_states=True).with_host_states_on_gpu().gpu_host_budget == 1 << 30
     assert block("int8", host_states=False).with_host_states_on_gpu().gpu_host_budget == 0
-    rates = {"host_pps": 3e9, "host_to_gpu_bps": 50e9, "gpu_to_host_bps": 50e9}
-    monkeypatch.setattr(host_states, "find_record", lambda d: "/rec")
-    monkeypatch.setattr(host_states, "load_record", lambda p, instead: {"figures": 1})
-    monkeypatch.setattr(host_states, "recorded_rates", lambda f, s, m: rates)
-    # 50 GB/s, 78 % of it each way at once, over fp32's 12 B a param: 3.25 G params/s
-    assert host_states.gpu_takes_host_states("fp32", "fp32", "/a")[0] is True
-    rates["host_pps"] = 4e9
+    # The lent H100 host's probe record: 55 GB/s each way alone, 78 % of it at once, over
+    # fp32's 12 B a param: 3.57 G params/s against the cores' 4.94; int8 + split's 4.03 B
+    # a param: 10.64 against 4.36
+    record = Path(__file__).parent.parent / "bench" / "measured" / "h100-probe-record.json"
+    monkeypatch.setattr(host_states, "find_record", lambda d: str(record))
     takes, why = host_states.gpu_takes_host_states("fp32", "fp32", "/a")
-    assert not takes and "the host's cores 4.00 G params/s" in why
+    assert not takes and "the host's cores 4.94 G params/s" in why
     takes, why = host_states.gpu_takes_host_states("int8", "split", "/a")
-    assert takes and "39.0 GB/s each way" in why
+    assert takes and "10.64 G params/s (42.9 GB/s each way" in why
+    # Shared (both at once, the link carrying the cores' gradients and params too), the
+    # model's best: more than either alone can give
+    assert "share best at host_states=0.70: 0.080 s a G params, 0.094 s on the GPU alone, " \
+           "0.229 s on the cores alone" in why
+    assert "host_states=0.45: 0.152 s a G params, 0.280 s on the GPU alone, 0.270 s on the " \
+           "cores alone" in host_states.gpu_takes_host_states("fp32", "fp32", "/a")[1]
+    figures = json.loads(record.read_text())
+    rates = placement.recorded_rates(figures.get("figures", figures), "int4", "split")
+    state = model.state_bytes_per_param("int4", "split")
+    times = [host_states.shared_update_s(rates, state, i / 20) for i in range(21)]
+    assert host_states.best_share(rates, state) == 0.75 == times.index(min(times)) / 20
 
 
 def test_auto_weighs_the_host_copies_the_overlap_allocates():

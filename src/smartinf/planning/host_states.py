@@ -1,7 +1,8 @@
 """Where the states a memory budget keeps in host memory are updated: on the host's cores,
 or on the GPU over PCIe (``CudaDevice(memory="host")``), for the ``"gpu"`` block's and
 ``smartinf.optim``'s ``host_states``: by the probe's record where there is one
-(``gpu_takes_host_states``), and the bytes of host memory the GPU takes (``host_states_budget``).
+(``gpu_takes_host_states``; ``best_share``, the model's share of them on the GPU, the rest
+on the cores), and the bytes of host memory the GPU takes (``host_states_budget``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from smartinf.pipeline.checkpoint import MANIFEST
 from smartinf.pipeline.devices import GPU_HOST_DIRECTORY
 from smartinf.planning.io_schedule import find_record, load_record
 from smartinf.planning.model import state_bytes_per_param
-from smartinf.planning.placement import BOTH_WAYS_SHARE, recorded_rates
+from smartinf.planning.placement import BOTH_WAYS_SHARE, Placement, predict_placed, recorded_rates
 from smartinf.planning.plan import _existing
 
 logger = logging.getLogger("smartinf")
@@ -40,9 +41,30 @@ def gpu_takes_host_states(state_dtype: str, master: str, directory: str) -> tupl
                            + ("GPU" if quantized else "host's cores"))
     link = min(rates["host_to_gpu_bps"], rates["gpu_to_host_bps"]) * BOTH_WAYS_SHARE
     gpu_pps, host_pps = link / state, rates["host_pps"]
+    share = best_share(rates, state)
     return gpu_pps > host_pps, (f"{path}: the GPU over PCIe {gpu_pps / 1e9:.2f} G params/s "
                                 f"({link / 1e9:.1f} GB/s each way, {state:.2f} B a param), the "
-                                f"host's cores {host_pps / 1e9:.2f} G params/s")
+                                f"host's cores {host_pps / 1e9:.2f} G params/s; the model "
+                                f"has them share best at host_states={share:.2f}: "
+                                f"{shared_update_s(rates, state, share):.3f} s a G params, "
+                                f"{shared_update_s(rates, state, 1.0):.3f} s on the GPU alone, "
+                                f"{shared_update_s(rates, state, 0.0):.3f} s on the cores alone "
+                                f"(auto does not share: not yet measured)")
+
+
+def shared_update_s(rates: dict, state_bytes: float, share: float) -> float:
+    """The model's time (``placement.predict_placed``, its updates and PCIe) to update 1 G
+    params of states kept in host memory with ``share`` of them on the GPU over PCIe and the
+    rest on the host's cores, at once: the link carries the cores' gradients and params too."""
+    placed = Placement(gpu=0.0, ram=(1 - share) * 1e9, streamed=0.0, gpu_host=share * 1e9)
+    return predict_placed(placed, **rates, state_bytes=state_bytes).exposed_s
+
+
+def best_share(rates: dict, state_bytes: float) -> float:
+    """The share of the states in host memory on the GPU (in twentieths) that the model
+    updates soonest, the larger one of a tie (fewer of the overlap's host copies)."""
+    shares = [i / 20 for i in range(21)]
+    return min(reversed(shares), key=lambda f: round(shared_update_s(rates, state_bytes, f), 6))
 
 
 def check(host_states: Any, where: str = "host_states") -> None:
