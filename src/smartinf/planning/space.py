@@ -52,7 +52,8 @@ def ranks_opening(ranks: int, available: int) -> Iterator[None]:
     as much host memory as this one, from ``available`` bytes (the least any of them
     measured before any took some): ``check_memory`` counts a need ``ranks`` times. Each
     rank's check alone passes where together they exceed the host: four ranks at the 65B
-    shape each asked 74 GB with 226 GB available, and were killed for memory at 513 GB."""
+    shape each asked 74 GB with about 250 GB available, and were killed for memory at 539 GB
+    of the host's 540."""
     global _opening
     before, _opening = _opening, (ranks, available)
     try:
