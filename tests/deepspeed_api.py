@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.gpt
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
-                             safe_get_local_fp32_param, safe_set_full_fp32_param,
+                             safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_full_grad,
                              safe_set_full_optimizer_state, safe_set_local_fp32_param)
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
@@ -185,6 +185,25 @@ def main() -> None:
             safe_set_full_optimizer_state(fc, exp_avg * 3, "exp_avg")
             safe_set_local_fp32_param(bias, safe_get_local_fp32_param(bias) - 0.1)
             out.setdefault("set_then_get", []).append(rel([safe_get_full_fp32_param(emb)], [new]))
+        out["loss"] = [train(ours, data[0], 1)[0], train(ref, data[1], 1)[0]]
+        out.update(states_diff(ours, ref))
+        return out
+
+    @check
+    def grads_set_after_step():
+        """safe_set_full_grad after step(), while the step's updates may still finish
+        (overlap: during the next forward): DeepSpeed's step has used the gradients by then
+        (the next backward overwrites them), so the set changes nothing; then a step."""
+        for eng, d in ((ours, data[0]), (ref, data[1])):
+            x, y = (t.to(eng.device) for t in next(d))
+            logits = eng(x)
+            eng.backward(F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1)))
+            eng.step()
+            pending = getattr(eng.optimizer, "_tail", None) is not None and eng.optimizer._tail.open
+            for q in eng.module.parameters():
+                safe_set_full_grad(q, torch.zeros(q.ds_shape, device=eng.device))
+            if eng is ours:  # the step was still finishing, and was finished before the sets
+                out = {"pending_at_set": pending, "pending_after": eng.optimizer._tail.open}
         out["loss"] = [train(ours, data[0], 1)[0], train(ref, data[1], 1)[0]]
         out.update(states_diff(ours, ref))
         return out

@@ -452,6 +452,15 @@ def test_a_gather_right_after_step_waits_for_the_step(api):
     assert got["vs_masters"] == 0.0
 
 
+def test_gradients_set_after_step_change_nothing(api):
+    """safe_set_full_grad between step() and the next forward, while the step's updates may
+    still finish: as in DeepSpeed, whose step has used the gradients, nothing changes (the
+    step's updates are waited for before the gradient buffer is written)."""
+    got = ok(api["grads_set_after_step"])
+    assert got["pending_at_set"] and not got["pending_after"], got
+    assert_close_to_deepspeed(got)
+
+
 def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
     """load_checkpoint(load_module_only=True) while the last step's updates may still run:
     the masters are the checkpoint's weights, as in DeepSpeed."""

@@ -93,11 +93,30 @@ class Overlap:
         if self._tail is not None:
             self._tail.wait(self._subgroup_of.get(p.ds_id) for p in params)
 
+    def _finish_the_last_step(self) -> None:
+        """The last step's updates still finishing (the tail) done: they may still read the
+        gradient buffer, which is about to be written."""
+        if getattr(self, "_tail", None) is not None:
+            self._tail.drain()
+
+    # DeepSpeed's gradient setters (safe_set_full_grad, safe_set_local_grad, the vectorized
+    # update): in DeepSpeed a set after step() changes nothing, its step has used them
+    def set_fp32_grad_for_param(self, value: Any, param: Any) -> None:
+        self._finish_the_last_step()
+        super().set_fp32_grad_for_param(value, param)
+
+    def set_local_grad_for_param(self, value: Any, param: Any) -> None:
+        self._finish_the_last_step()
+        super().set_local_grad_for_param(value, param)
+
+    def update_fp32_grad_for_param_vectorized(self, update_func: Any, param_list: Any) -> None:
+        self._finish_the_last_step()
+        super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
     def partition_grads(self, params_to_release: Any, grad_partitions: Any) -> Any:
         """DeepSpeed's, then the update of each sub-group whose gradient it completed. The
         last step is finished first: its updates may still read the gradient buffer."""
-        if getattr(self, "_tail", None) is not None:
-            self._tail.drain()
+        self._finish_the_last_step()
         buffers = super().partition_grads(params_to_release, grad_partitions)
         if getattr(self, "_speculation", None) is not None and self.is_gradient_accumulation_boundary():
             for param in params_to_release:
