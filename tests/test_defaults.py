@@ -42,18 +42,27 @@ def test_overlap_from_the_environment_and_a_bad_argument(disk_dir, monkeypatch):
 
 
 def test_ranks_of_one_host_share_its_cores(monkeypatch):
-    """Under a launcher (LOCAL_WORLD_SIZE ranks on this host) each rank's update takes its
-    share of the cores, less two from 8 on; unless the rank is bound to cores of its own."""
+    """Under a launcher (its ranks on this host: torchrun's LOCAL_WORLD_SIZE, the deepspeed
+    launcher's LOCAL_SIZE, Open MPI's, as defaults.local_ranks and the native pool read
+    them alike) each rank's update takes its share of the cores, less two from 8 on; unless
+    the rank is bound to cores of its own."""
     import os
-    from smartinf import _native
+    from smartinf import _native, defaults
     cores = len(os.sched_getaffinity(0))
     alone = cores - 2 if cores >= 8 else cores
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _native.default_compute_threads() == alone
-    for ranks in (2, 4):
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-        share = max(1, cores // ranks) if cores >= os.cpu_count() else cores
-        assert _native.default_compute_threads() == (share - 2 if share >= 8 else share)
+    for name in defaults.LOCAL_RANKS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert _native.default_compute_threads() == alone and defaults.local_ranks() == 1
+    for name in defaults.LOCAL_RANKS_VARIABLES:
+        for ranks in (2, 4):
+            monkeypatch.setenv(name, str(ranks))
+            share = max(1, cores // ranks) if cores >= os.cpu_count() else cores
+            assert _native.default_compute_threads() == (share - 2 if share >= 8 else share), name
+            assert defaults.local_ranks() == ranks, name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's first
+    assert defaults.local_ranks() == 2
 
 
 def _allowed_list(tid: int) -> list:

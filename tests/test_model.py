@@ -465,18 +465,20 @@ def test_a_gpu_budget_takes_a_host_twin_where_the_hosts_memory_holds_it(tmp_path
     that durable commits write from) where the host's available memory holds it for every
     local rank beside the pipeline's other host budgets, with a tenth of the machine spare;
     else the model's choice. Asked for, it is taken; refused for a budget in host memory."""
+    from smartinf import defaults
     from smartinf.planning import space, twins
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spare = int(0.1 * total)
     (tmp_path / "gpu").mkdir()
     gpu = smartinf.CudaDevice(str(tmp_path / "gpu"), memory_budget=4 << 30)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name in defaults.LOCAL_RANKS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(space, "available_memory", lambda: (4 << 30) + (1 << 30) + spare)
     got = twins.choose(gpu, "int8", "split", 10, True, (), 1 << 30)
     assert got.host and not got.twins and got.reason.startswith("a host twin")
     assert not twins.choose(gpu, "int8", "split", 10, True, (), (1 << 30) + 1).host
     assert not twins.choose(gpu, "int8", "split", 10, False, (), 1 << 30).host  # overlap off
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # each rank's budgets: twice as much
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # (the deepspeed launcher's) each rank's budgets: twice as much
     assert not twins.choose(gpu, "int8", "split", 10, True, (), 1 << 30).host
     monkeypatch.setattr(space, "available_memory", lambda: 0)
     asked = smartinf.CudaDevice(gpu.path, memory_budget=1, twins="host")

@@ -92,6 +92,21 @@ def parse_bytes(value, what: str) -> int:
     return number
 
 
+#: where launchers give the number of a host's ranks, in this order: torchrun's, the
+#: deepspeed launcher's, Open MPI's (``device/compute_pool.cc`` reads the same)
+LOCAL_RANKS_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def local_ranks(default: int = 1) -> int:
+    """The ranks of this host, as its launcher says (``LOCAL_RANKS_VARIABLES``); ``default``
+    where none does. They share its memory, cores and disk."""
+    for name in LOCAL_RANKS_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return default
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":

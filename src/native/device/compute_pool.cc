@@ -123,9 +123,9 @@ void ComputePool::run(uint64_t n, uint64_t grain, const std::function<void(uint6
 // step's updates do), one to the ring's threads and the background lane. A pool part on a
 // shared core holds the whole chunk up (H100 host, GPT-2 XL: 14 threads 1.15 s per
 // iteration, 15 threads 1.27 s, with the step finishing during the next forward).
-// Several ranks of one host (torchrun's and DeepSpeed's launchers say how many in
-// LOCAL_WORLD_SIZE) share its cores: each takes its share, unless the launcher bound it to
-// cores of its own already (its affinity narrower than the host: --bind_cores_to_rank).
+// Several ranks of one host (local_ranks: what the launcher says) share its cores: each
+// takes its share, unless the launcher bound it to cores of its own already (its affinity
+// narrower than the host: --bind_cores_to_rank).
 unsigned default_compute_threads() {
   const std::vector<int> mine = rank_cores();
   const unsigned cores = mine.empty() ? usable_cores() : static_cast<unsigned>(mine.size());
@@ -137,6 +137,14 @@ namespace {
 long env_long(const char* name, long fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::strtol(v, nullptr, 10) : fallback;
+}
+
+// The ranks of this host, as launchers give them: torchrun's LOCAL_WORLD_SIZE, the deepspeed
+// launcher's LOCAL_SIZE, Open MPI's (smartinf.defaults.local_ranks reads the same, in order).
+long local_ranks() {
+  for (const char* name : {"LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    if (const long n = env_long(name, 0); n > 0) return n;
+  return 1;
 }
 
 std::string read_line(const std::string& path) {
@@ -193,7 +201,7 @@ std::vector<int> rank_cores() {
                                   " names none of the cores this process may run on");
     return cores;
   }
-  const long local = env_long("LOCAL_WORLD_SIZE", 1), rank = env_long("LOCAL_RANK", 0);
+  const long local = local_ranks(), rank = env_long("LOCAL_RANK", 0);
   const unsigned usable = static_cast<unsigned>(CPU_COUNT(&allowed));
   if (local <= 1 || rank < 0 || rank >= local || usable < std::thread::hardware_concurrency()) return {};
   const std::vector<int> order = numa_ordered(allowed);

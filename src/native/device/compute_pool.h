@@ -19,7 +19,7 @@
 namespace smartinf::device {
 
 // The cores this rank's update runs on: SMARTINF_CORES ("0-7,16"), else, where several ranks
-// share an unbound host (LOCAL_WORLD_SIZE > 1, each rank's affinity the whole host), the
+// share an unbound host (LOCAL_WORLD_SIZE, LOCAL_SIZE or Open MPI's > 1, each rank's affinity the whole host), the
 // LOCAL_RANK-th of that many equal slices of its cores in NUMA-node order (launchers number
 // ranks by GPU, and GPUs by node: rank r's slice lies on the node of GPU r on hosts that
 // number them so); else none (no pinning: a launcher that bound the rank did it already).

@@ -253,7 +253,7 @@ def for_this_gpu(settings: Settings, later_bytes: int, gpu: int,
     if not torch.cuda.is_available():  # (refuses "auto" and "host_states" clearly)
         return settings.with_gpu_budget(later_bytes, rank).with_host_states_on_gpu(rank)
     cores = gpu_cores.set_rank_cores(int(os.environ.get("LOCAL_RANK", "0")),
-                                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpu)
+                                     defaults.local_ranks(), gpu)
     if cores:
         logger.info("smartinf: rank %d's update on cores %s, its GPU's NUMA node's", rank, cores)
     return settings.with_gpu_budget(later_bytes, rank, measured).with_host_states_on_gpu(
@@ -294,7 +294,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     the partitions hold host memory beside the states)."""
     if not settings.auto:
         return settings
-    world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world, local = dist.get_world_size(), defaults.local_ranks()
     chosen = [None]
     if dist.get_rank() == 0:
         given = settings.pipeline

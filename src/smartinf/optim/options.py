@@ -222,7 +222,7 @@ def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
     sharded = Sharding(params)  # (FSDP2: this rank's shards; the host's ranks share it)
     choice = plan.choose(
         sum(local(p).numel() for p in params), [getattr(d, "path", d) for d in devices],
-        ranks=int(os.environ.get("LOCAL_WORLD_SIZE", sharded.world)) if sharded.active else 1,
+        ranks=defaults.local_ranks(sharded.world) if sharded.active else 1,
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
         master=storage.get("master"), commit_every=storage.get("commit_every"),

@@ -9,10 +9,10 @@ resident writes run at the probe's write beside the host's update while it runs
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from smartinf import defaults
 from smartinf.planning.io_schedule import drawn_bps, find_record, from_figures, load_record, not_a_record
 from smartinf.planning.model import STATE_BYTES, _disk_s, predict_tiered, state_bytes_per_param
 
@@ -278,7 +278,7 @@ def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2,
     from the probe's record of its first device's directory or the nearest one above it;
     None where there is no record or it lacks the host's figures (or a GPU's, where the
     pipeline has sub-groups on one). ``ranks``: the host's ranks stepping at once, sharing
-    its memory, cores and disk (``rank_share``; None: ``LOCAL_WORLD_SIZE``, else 1)."""
+    its memory, cores and disk (``rank_share``; None: ``defaults.local_ranks``)."""
     path = find_record(pipe.devices[0].path)
     if path is None:
         return None
@@ -297,7 +297,7 @@ def predict_pipeline(pipe: Any, grad_bytes: int = 2, param_bytes: int = 2,
         placed[where] += pipe.numel(sg)
     if rates is None or (placed["gpu"] and math.isinf(rates["gpu_pps"])):
         return None
-    rates = rank_share(rates, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks is None else ranks)
+    rates = rank_share(rates, defaults.local_ranks() if ranks is None else ranks)
     twins = any(c.twins for c, d in zip(pipe.twins, pipe.devices) if d.kind == "cuda")
     state = state_bytes_per_param(settings.state_dtype, settings.master)
     return predict_placed(Placement(**placed), **rates, state_bytes=state,

@@ -49,10 +49,10 @@ class Choice:
 
 def host_twin_fits(budget: int, other_host_bytes: float = 0) -> tuple[bool, str]:
     """Whether the host's available memory holds a host twin of a GPU budget of ``budget``
-    bytes for every rank of this machine (``LOCAL_WORLD_SIZE``, each as large), beside the
+    bytes for every rank of this machine (``defaults.local_ranks``, each as large), beside the
     pipeline's ``other_host_bytes`` of host budgets (each rank's), with
     ``defaults.HOST_TWIN_SPARE_SHARE`` of the machine's memory left; and why."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    ranks = defaults.local_ranks()
     need = int((budget + other_host_bytes) * ranks)
     spare = int(defaults.HOST_TWIN_SPARE_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     available = space.available_memory()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Callable
 
 import torch
 
+from smartinf import defaults
 from smartinf.planning import space
 
 logger = logging.getLogger("smartinf")
@@ -20,13 +20,13 @@ logger = logging.getLogger("smartinf")
 def opening_together(summed: Callable[[torch.Tensor], torch.Tensor], rank: int,
                      world: int) -> contextlib.AbstractContextManager:
     """``space.ranks_opening`` for ranks about to open their pipelines: this host's ranks
-    (``LOCAL_WORLD_SIZE``), and the least host memory any rank has available, measured
+    (``defaults.local_ranks``), and the least host memory any rank has available, measured
     before any opens (``summed`` is a collective: none goes on before all have measured),
     so that the ranks decide alike."""
     free = torch.zeros(world, dtype=torch.float64)  # each rank's entry, the others' zeros
     free[rank] = float(space.available_memory())
     least = int(summed(free).min().item())
-    return space.ranks_opening(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), least)
+    return space.ranks_opening(defaults.local_ranks(), least)
 
 
 def agree_on_step(pipeline: Any, summed: Callable[[torch.Tensor], torch.Tensor], rank: int,
