@@ -196,9 +196,9 @@ class Settings:
         budget = host_states.host_states_budget(self.gpu_host_states, given.state_dtype, given.master,
                                          given.memory_budget, len(self.devices),
                                          rank_directory(self.devices[0], rank))
-        rest = given.memory_budget - -(-budget // len(self.devices)) if budget else given.memory_budget
+        rest = host_states.cores_keep(given.memory_budget, len(self.devices), budget)
         return dataclasses.replace(self, gpu_host_states=bool(budget), gpu_host_budget=budget,
-                                   pipeline=dataclasses.replace(given, memory_budget=max(0, rest)))
+                                   pipeline=dataclasses.replace(given, memory_budget=rest))
 
     def rank_devices(self, rank: int, gpu: int) -> list:
         """Each rank keeps its partition's states in its own sub-directories; with a GPU

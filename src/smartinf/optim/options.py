@@ -16,7 +16,7 @@ from typing_extensions import TypedDict
 
 from smartinf import _native, defaults, update_rules
 from smartinf.planning import gpu_budget, plan
-from smartinf.planning.host_states import host_states_budget
+from smartinf.planning.host_states import cores_keep, host_states_budget
 from smartinf.pipeline.compress import TopK
 from smartinf.pipeline.devices import GPU_DIRECTORY, resolve_devices, with_gpu
 from smartinf.step.driver import rule_for, stored_rule
@@ -152,8 +152,8 @@ def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | st
     holders = sum(getattr(d, "kind", "cpu") == "cpu" for d in devices)
     host = host_states_budget(given, settings.state_dtype, settings.master, settings.memory_budget,
                               holders, str(getattr(devices[0], "path", devices[0])))
-    rest = max(0, settings.memory_budget - -(-host // holders)) if host else settings.memory_budget
-    return dataclasses.replace(settings, memory_budget=rest), host
+    kept = cores_keep(settings.memory_budget, holders, host)
+    return dataclasses.replace(settings, memory_budget=kept), host
 
 
 def open_pipeline(subgroups: Sequence[Subgroup], small: bool, devices: list,

@@ -115,3 +115,10 @@ def host_states_budget(host_states: "bool | str | float", state_dtype: str, mast
                        "says otherwise): %s", "GPU" if takes else "host's cores", why)
         return budget if takes else 0
     return budget if host_states is True else int(budget * host_states)
+
+
+def cores_keep(memory_budget: int, holders: int, on_gpu: int) -> int:
+    """What each of ``holders`` directories keeps of its ``memory_budget`` once the GPU took
+    ``on_gpu`` bytes of them all (``host_states_budget``): none where it took all, the rest
+    of each where it took a share."""
+    return max(0, memory_budget - -(-on_gpu // holders)) if on_gpu else memory_budget
