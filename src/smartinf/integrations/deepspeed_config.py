@@ -176,7 +176,7 @@ class Settings:
                         "all but %d bytes of its states", rank, kept, host, host_need)
         on_gpu = max(kept * self.gpu_host_budget // host, 1 << 20) if self.gpu_host_budget else 0
         fitted = dataclasses.replace(self, gpu_host_budget=on_gpu, pipeline=dataclasses.replace(
-            p, memory_budget=-(-(kept - on_gpu) // holders) if cores or not on_gpu else p.memory_budget))
+            p, memory_budget=-(-(kept - on_gpu) // holders)))
         if self.gpu_twins is not None:
             return fitted
         fits, why = twins.host_twin_fits(used, kept)
