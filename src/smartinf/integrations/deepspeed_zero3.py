@@ -62,7 +62,8 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self.last_step_seconds = 0.0
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
-        _give_back_freed_pinned_memory()
+        if self.offload_param:
+            _give_back_freed_pinned_memory()
         if self.pipeline is not None:  # (else the first step opens it: _create_fp32_partitions)
             self._agree_on_resume()
             self._start_speculation()
