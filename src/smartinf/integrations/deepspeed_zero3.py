@@ -43,7 +43,8 @@ def _give_back_freed_pinned_memory() -> None:
     allocator keeps the freed pages, as much host memory as the params again (130 GB at
     the 65B shape on four ranks: killed for memory once the states were made). ``auto``
     chose the states' host memory counting the params once: give the cached pages back."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
+    empty = getattr(torch.accelerator, "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)  # (torch < 2.12: not public yet)
     if empty is not None and torch.cuda.is_available():
         torch.cuda.synchronize()  # (a cached block waits for the copies that used it)
         empty()
