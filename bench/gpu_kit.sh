@@ -7,6 +7,7 @@
 #   bash bench/gpu_kit.sh fetch                       # here, once per checkout
 #   bash bench/gpu_kit.sh setup && source bench/gpu_kit.sh env   # there, in one run
 #   OUT=$OUT bash bench/gpu_kit.sh pack               # there: the built kit, to carry later
+#   bash bench/gpu_kit.sh squeeze FOLDER              # here: those pieces into .kitcache/, smaller
 #   bash bench/gpu_kit.sh unpack && source bench/gpu_kit.sh env  # there, carrying .kitcache
 #   bash bench/gpu_kit.sh rebuild                     # there, after unpack + env: a changed core
 #                                                     # (SMARTINF_WITH_CUDA=OFF: without the CUDA device, faster)
@@ -77,11 +78,21 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     split -b 15M -d /tmp/kit.tgz "${OUT:?}/kit.tgz."
     du -sh /tmp/kit.tgz
     ;;
+  squeeze)
+    # Here: the pieces `pack` brought back (in the folder given) recompressed with xz into
+    # .kitcache/ (60 MB of gzip became 38 MB: with the tree, under the 64 MiB a call carries).
+    rm -rf "${KITCACHE:-.kitcache}" && mkdir -p "${KITCACHE:-.kitcache}"
+    cat "${2:?usage: squeeze FOLDER}"/kit.tgz.* | gzip -dc | xz -T0 -6 \
+      | split -b 15M -d - "${KITCACHE:-.kitcache}/kit.txz."
+    du -sh "${KITCACHE:-.kitcache}"
+    ;;
   unpack)
-    # A kit packed by `pack` (from .kitcache/), with this checkout's Python files over the
-    # built package (the native core must be unchanged since the pack).
+    # A kit packed by `pack` (from .kitcache/, gzip or squeezed), with this checkout's Python
+    # files over the built package (the native core must be unchanged since the pack).
+    # Python's tarfile reads either compression, whatever tools the machine has.
     mkdir -p "$PREFIX"
-    cat "${KITCACHE:-.kitcache}"/kit.tgz.* | tar -C "$PREFIX" -xzf -
+    cat "${KITCACHE:-.kitcache}"/kit.t?z.* | python3 -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|*').extractall(sys.argv[1], filter='fully_trusted')" "$PREFIX"
     cp -r src/smartinf/. "$PREFIX/site/smartinf/"
     ;;
   rebuild)
@@ -102,5 +113,5 @@ AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" 
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PREFIX/torch_extensions}
     export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's op builder cannot parse the machine's "9.0a"
     ;;
-  *) echo "usage: bash bench/gpu_kit.sh fetch|setup|core|pack|unpack|rebuild; source bench/gpu_kit.sh env" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_kit.sh fetch|setup|core|pack|squeeze|unpack|rebuild; source bench/gpu_kit.sh env" >&2; exit 2 ;;
 esac
