@@ -231,6 +231,13 @@ def test_updates_during_backward_change_no_bit(work, disk_dir, world):
         # the updates not kept from backward finished while the next forward ran
         assert sum(s["pipeline"]["deferred_updates"] for s in on["steps"]) > 0, name
         assert sum(s["pipeline"]["deferred_updates"] for s in off["steps"]) == 0, name
+        # the tail drained (by the next backward) and committed; where step() went, within it
+        assert sum(s["pipeline"]["drain_s"] for s in on["steps"]) > 0, name
+        for s in on["steps"] + off["steps"]:
+            phases = s["step_phases"]
+            assert min(phases.values()) >= 0 and sum(phases.values()) <= s["step_s"], (name, s)
+            assert phases["pipeline_s"] == s["pipeline_s"]
+        assert on["steps"][2]["step_phases"]["pipeline_s"] == 0.0  # the skipped step's
         if name == "clipped":  # clip 1.0 acts on every step of this model: nothing starts
             assert all(s["grad_norm"] > 1.0 for s in on["steps"])
             assert sum(started) == 0, name

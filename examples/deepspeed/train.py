@@ -53,7 +53,7 @@ PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_d
                      # seconds with an update in flight, waited for, and hidden (the rest)
                      "update_s", "update_wait_s", "update_hidden_s",
                      # the updates finished while the next forward ran (the optimizer's)
-                     "deferred_updates", "gather_waits", "gather_wait_s")
+                     "deferred_updates", "gather_waits", "gather_wait_s", "drain_s")
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict:
@@ -319,7 +319,9 @@ def main() -> None:
                "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                # smartinf: the part of the step spent in the pipeline (after DeepSpeed's
                # overflow check and norm)
-               "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None)}
+               "pipeline_s": getattr(engine.optimizer, "last_step_seconds", None),
+               # and where the rest of smartinf's step() went (see SmartInfinityStage3.step)
+               "step_phases": getattr(engine.optimizer, "last_step_phases", None)}
         if the_pipeline() is not None:
             if choices is None:
                 choices, predicted = described(the_pipeline())

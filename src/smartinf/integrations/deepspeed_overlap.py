@@ -233,10 +233,11 @@ class Overlap:
     @property
     def overlap_stats(self) -> dict[str, float]:
         """With ``overlap``, so far: ``deferred_updates`` (updates finished after ``step()``
-        returned), ``gather_waits`` (gathers that waited for one) and ``gather_wait_s``
-        (seconds they waited)."""
+        returned), ``gather_waits`` (gathers that waited for one), ``gather_wait_s``
+        (seconds they waited) and ``drain_s`` (seconds the next backward, ``step()`` or a
+        checkpoint waited for the rest of a step and its commit)."""
         tail = getattr(self, "_tail", None)
         if tail is None:
             return {}
         return {"deferred_updates": tail.deferred, "gather_waits": tail.waits,
-                "gather_wait_s": tail.wait_seconds}
+                "gather_wait_s": tail.wait_seconds, "drain_s": tail.drain_seconds}

@@ -60,7 +60,8 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self._compress = self.settings.top_k()
         self.pipeline: Optional[Pipeline] = None
         self._read: Optional[tuple] = None  # states read by an accessor, for a setter to write
-        self.last_step_seconds = 0.0
+        self.last_step_seconds = 0.0  # the pipeline's part of the last step()
+        self.last_step_phases: dict[str, float] = {}  # where the rest of it went
         self._resumed = False
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         if self.offload_param:
@@ -141,11 +142,13 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices
         (with ``overlap``: the updates not done during backward finish while the next
         forward runs)."""
+        entered = time.perf_counter()
         if self.pipeline is None:  # the first step: the GPU budget from what the iteration took
             self._open(measured_gpu_budget())
             self._start_speculation()
         if self._tail is not None:
             self._tail.drain()  # a step without a backward since the last one
+        drained = time.perf_counter()
         self._pre_step()
         self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
         self._partition_all_parameters()
@@ -159,6 +162,10 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         if self._loss_scale_update_and_overflow_cleanup():
             self._take_speculated(None, hyper)  # all retracted
             self._session.predict(None)
+            self.last_step_seconds = 0.0
+            self.last_step_phases = {"open_and_drain_s": drained - entered,
+                                     "checks_s": time.perf_counter() - drained,
+                                     "pipeline_s": 0.0, "post_s": 0.0}
             return  # skipped: the stored states are untouched
         self._global_grad_norm = scaled_norm / self.loss_scale
         self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
@@ -186,6 +193,11 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         self.last_step_seconds = time.perf_counter() - start
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
+        # host seconds, no synchronize added: a phase that waits for the GPU shows as long
+        self.last_step_phases = {"open_and_drain_s": drained - entered,
+                                 "checks_s": start - drained,  # edits, overflow, norm
+                                 "pipeline_s": self.last_step_seconds,
+                                 "post_s": time.perf_counter() - start - self.last_step_seconds}
 
     def _edited(self) -> list[int]:
         """The sub-groups whose partitions the caller changed since the step put them

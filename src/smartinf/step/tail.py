@@ -36,6 +36,7 @@ class StepTail:
         self.deferred = 0  # updates finished after step() returned
         self.waits = 0  # gathers that waited for one
         self.wait_seconds = 0.0
+        self.drain_seconds = 0.0  # drains waiting for updates still in flight, and committing
 
     @property
     def open(self) -> bool:
@@ -77,6 +78,7 @@ class StepTail:
         with self._lock:
             if not self._open:
                 return
+            start = time.perf_counter()
             try:
                 for sg in sorted(self._flights):
                     self._land(sg)
@@ -84,7 +86,10 @@ class StepTail:
                 self.abort()
                 raise
             self._open = False
-            self._commit()
+            try:
+                self._commit()
+            finally:
+                self.drain_seconds += time.perf_counter() - start
 
     def _land(self, sg: int) -> None:
         launched = self._flights[sg]
