@@ -50,6 +50,20 @@ def _give_back_freed_pinned_memory() -> None:
         empty()
 
 
+class _Phases:
+    """Host seconds between marks, each named by what ran since the last: no synchronize
+    added, so a phase that waits for the GPU shows as long."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name + "_s"] = now - self._last
+        self._last = now
+
+
 class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
 
@@ -142,34 +156,36 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices
         (with ``overlap``: the updates not done during backward finish while the next
         forward runs)."""
-        entered = time.perf_counter()
+        phases = _Phases()
         if self.pipeline is None:  # the first step: the GPU budget from what the iteration took
             self._open(measured_gpu_budget())
             self._start_speculation()
         if self._tail is not None:
             self._tail.drain()  # a step without a backward since the last one
-        drained = time.perf_counter()
+        phases.mark("open_and_drain")
         self._pre_step()
         self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
+        phases.mark("edits")
         self._partition_all_parameters()
+        phases.mark("partition")
         self._overflow_check_and_loss_scale_update(update_scale=False)
+        phases.mark("overflow")
         scaled_norm = None
         if not self.overflow:
             scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
             if is_invalid_grad_norm(scaled_norm):
                 self.overflow = True
         hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
-        if self._loss_scale_update_and_overflow_cleanup():
+        skipped = self._loss_scale_update_and_overflow_cleanup()
+        phases.mark("norm")
+        if skipped:
             self._take_speculated(None, hyper)  # all retracted
             self._session.predict(None)
             self.last_step_seconds = 0.0
-            self.last_step_phases = {"open_and_drain_s": drained - entered,
-                                     "checks_s": time.perf_counter() - drained,
-                                     "pipeline_s": 0.0, "post_s": 0.0}
+            self.last_step_phases = {**phases.seconds, "pipeline_s": 0.0, "post_s": 0.0}
             return  # skipped: the stored states are untouched
         self._global_grad_norm = scaled_norm / self.loss_scale
         self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
-        start = time.perf_counter()
         # torch's LR schedulers warn that the schedule's first value was skipped unless the
         # base optimizer's step ran: DeepSpeed's ZeRO-3 runs it, this class the pipeline
         self.optimizer._opt_called = True
@@ -190,14 +206,12 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             self._finish_later(scale, hyper)
         # the next step: the same scale, unless clipped
         self._session.predict(scale if float(combined) == float(self.loss_scale) else None)
-        self.last_step_seconds = time.perf_counter() - start
+        phases.mark("pipeline")
+        self.last_step_seconds = phases.seconds["pipeline_s"]
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step({stage3.OPTIMIZER_STEP_TIMER})
-        # host seconds, no synchronize added: a phase that waits for the GPU shows as long
-        self.last_step_phases = {"open_and_drain_s": drained - entered,
-                                 "checks_s": start - drained,  # edits, overflow, norm
-                                 "pipeline_s": self.last_step_seconds,
-                                 "post_s": time.perf_counter() - start - self.last_step_seconds}
+        phases.mark("post")
+        self.last_step_phases = phases.seconds
 
     def _edited(self) -> list[int]:
         """The sub-groups whose partitions the caller changed since the step put them
