@@ -208,6 +208,28 @@ def main() -> None:
         out.update(states_diff(ours, ref))
         return out
 
+    @check
+    def tail_launched_after_the_post_step():
+        """The updates left to the tail are launched after DeepSpeed's post step, whose
+        gather of the kept-whole params synchronizes the whole device (on a GPU it would
+        wait for them all). No update starts during this backward (no scale predicted):
+        every sub-group but the kept-whole params' is left to the tail."""
+        opt, seen = ours.optimizer, {}
+        post = opt._post_step
+
+        def watched(timer_names):
+            seen["at_post"] = sorted(opt._tail._flights)
+            return post(timer_names)
+        opt._post_step = watched
+        opt._session.predict(None)
+        try:
+            train(ours, data[0], 1)
+        finally:
+            del opt._post_step
+        train(ref, data[1], 1)  # (the two engines stay a step apart from none)
+        return {"at_post": seen["at_post"], "after_step": sorted(opt._tail._flights),
+                "open": opt._tail.open}
+
     cwd = os.getcwd()
     os.chdir(root)  # where save_dir="" would write
 

@@ -468,6 +468,16 @@ def test_gradients_set_after_step_change_nothing(api):
     assert_close_to_deepspeed(got)
 
 
+def test_the_tail_is_launched_after_deepspeeds_post_step(api):
+    """The step's updates left to finish during the next forward are launched only after
+    DeepSpeed's post step: its gather of the kept-whole params synchronizes the device,
+    which on a GPU waits for all of them (by its counters, most of the 65B shape's 14 s
+    step())."""
+    got = ok(api["tail_launched_after_the_post_step"])
+    assert got["open"] and got["after_step"], got  # the step left updates to the tail
+    assert got["at_post"] == [], got  # none of them launched before the post step
+
+
 def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
     """load_checkpoint(load_module_only=True) while the last step's updates may still run:
     the masters are the checkpoint's weights, as in DeepSpeed."""

@@ -10,7 +10,7 @@ import concurrent.futures
 import logging
 import time
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -193,6 +193,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         combined = self._combined_scale(scaled_norm)
         scale = float(1.0 / combined)
         self._session.begin()
+        launch = None
         if self._tail is None:
             try:
                 kept = self._take_speculated(scale, hyper)
@@ -203,14 +204,22 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
                               lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),
                               self._finish)
         else:
-            self._finish_later(scale, hyper)
+            launch = self._finish_later(scale, hyper)
         # the next step: the same scale, unless clipped
         self._session.predict(scale if float(combined) == float(self.loss_scale) else None)
         phases.mark("pipeline")
         self.last_step_seconds = phases.seconds["pipeline_s"]
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
-        self._post_step({stage3.OPTIMIZER_STEP_TIMER})
+        try:
+            self._post_step({stage3.OPTIMIZER_STEP_TIMER})
+        except BaseException:
+            if launch is not None:
+                self._tail.abort()  # (the rest never launched: the step is discarded whole)
+            raise
         phases.mark("post")
+        if launch is not None:
+            launch()
+            phases.mark("launch")
         self.last_step_phases = phases.seconds
 
     def _edited(self) -> list[int]:
@@ -238,10 +247,13 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
                           lambda i: (flats[i].detach().to("cpu", torch.float32), flats[i].dtype),
                           self._speculation)
 
-    def _finish_later(self, scale: float, hyper: list) -> None:
+    def _finish_later(self, scale: float, hyper: list) -> Callable[[], None]:
         """The updates started during backward that held are put; the rest are launched in
         the order the next forward gathers their params, and the step is committed when
-        the tail drains."""
+        the tail drains. Returns that launch, for ``step()`` to call after DeepSpeed's post
+        step: it gathers the kept-whole params with a device-wide synchronize
+        (``_allgather_params_coalesced``), which would wait for every update a GPU runs (by
+        its counters, the 65B shape's step() of 14 s waited so)."""
         self._tail.begin()
         try:
             # those that held finish in the tail too (their params put when the forward
@@ -250,7 +262,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             # Sub-groups whose states are in this GPU's memory are updated where they are,
             # now (milliseconds), and so are the kept-whole params' (gathered again with
             # their new values before step() returns). Those this GPU updates from states
-            # in host memory or on disk are queued now, in the forward's order: their
+            # in host memory or on disk are queued after, in the forward's order: their
             # states cross PCIe both ways while the forward runs, their gradients and params
             # staying in their partitions (untouched until the next backward drains the
             # tail). The others go through the host buffers, while the forward runs.
@@ -259,17 +271,24 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             here = [i for i in rest if i in self._persistent_subgroups or self._in_its_gpus_memory(i)]
             send = lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]])  # noqa: E731
             self._session.run(here, send, self._finish)
-            for i in rest:
-                if i not in here and self._updated_in_place(i):
-                    self._tail.start(i, _done(send(i, 0)))
-                elif i not in here:
-                    through_host, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
-                                                            speculative=False)
-                    self._tail.start(i, self._speculation.launch(partial(through_host, scale), ready))
-            self._grads_copied.clear()  # (of sub-groups updated otherwise: unused)
         except BaseException:
             self._tail.abort()
             raise
+
+        def launch() -> None:
+            try:
+                for i in rest:
+                    if i not in here and self._updated_in_place(i):
+                        self._tail.start(i, _done(send(i, 0)))
+                    elif i not in here:
+                        through_host, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
+                                                                speculative=False)
+                        self._tail.start(i, self._speculation.launch(partial(through_host, scale), ready))
+                self._grads_copied.clear()  # (of sub-groups updated otherwise: unused)
+            except BaseException:
+                self._tail.abort()
+                raise
+        return launch
 
     def _post_step(self, timer_names: Any) -> None:
         """DeepSpeed's (the kept-whole params gathered again: their sub-groups are done),
