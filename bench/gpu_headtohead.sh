@@ -92,6 +92,10 @@ flags() {  # mode name -> train.py flags
     # the host's cores, both at once
     auto-gpu-cores30-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto --gpu-host-states 0.7" ;;
     auto-gpu) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;  # (STEPS as given)
+    # the same, the states in host memory updated by the host's cores alone, or half of
+    # their bytes by the GPU (STEPS as given: an A/B of a few steps at the large shapes)
+    auto-gpu-host-off) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto --gpu-host-states off" ;;
+    auto-gpu-host-half) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto --gpu-host-states 0.5" ;;
     # FSDP2 (examples/fsdp/train.py): no offload (torch's fused AdamW on the GPU: the floor),
     # CPUOffloadPolicy (params, gradients and states on the host, torch's fused AdamW on its
     # cores), and smartinf.optim over the shards (bf16 shards, fp32 masters in its states)
