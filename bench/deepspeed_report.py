@@ -53,6 +53,9 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     model_iteration = predicted and placement.iteration_s(predicted["step_s"], predicted["exposed_s"],
                                                       fwd_bwd)
     limit = median["storage_read"] / read_bw + median["storage_written"] / write_bw
+    # smartinf's step() by phase (host seconds; records since the phases were kept)
+    phased = [s["step_phases"] for s in steps if s.get("step_phases")]
+    phases = {k: statistics.median(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
             "mean_step_s": mean_step,
             "mean_iteration_s": median["fwd_s"] + median["bwd_s"] + mean_step,
@@ -64,7 +67,7 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             # backward, so over its step alone it seems to draw more than it does
             "disk_bps_with_backward": (median["storage_read"] + median["storage_written"])
             / (median["bwd_s"] + median["step_s"] + waits),
-            "gather_wait_s": waits,
+            "gather_wait_s": waits, "step_phases_s": phases,
             "model_step_s": predicted and predicted["step_s"],
             "model_window": [window[0]["step"], window[-1]["step"]],
             "fwd_bwd_without_waits_s": fwd_bwd, "measured_iteration_s": measured_iteration,
@@ -150,7 +153,9 @@ def main() -> None:
                  if "iteration_to_zero_offload" in m else "")
               + (f"  model iteration {m['model_iteration_s']:5.2f} s vs {m['measured_iteration_s']:5.2f}"
                  f" over {m['model_window'][0]}-{m['model_window'][1]} ({m['model_over_measured']:4.2f}x)"
-                 if m["model_step_s"] else ""))
+                 if m["model_step_s"] else "")
+              + ("  step() " + " ".join(f"{k[:-2]} {v:.2f}" for k, v in m["step_phases_s"].items()
+                                        if v >= 0.005) if m["step_phases_s"] else ""))
 
 
 if __name__ == "__main__":
