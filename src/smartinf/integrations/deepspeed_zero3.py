@@ -277,10 +277,10 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
 
         def launch() -> None:
             try:
-                for i in rest:
-                    if i not in here and self._updated_in_place(i):
+                for i in (i for i in rest if i not in here):
+                    if self._updated_in_place(i):
                         self._tail.start(i, _done(send(i, 0)))
-                    elif i not in here:
+                    else:
                         through_host, ready = self._host_update(i, hyper[self.sub_group_to_group_id[i]],
                                                                 speculative=False)
                         self._tail.start(i, self._speculation.launch(partial(through_host, scale), ready))
