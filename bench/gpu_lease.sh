@@ -27,6 +27,8 @@ case ${1:-} in
     sleep 2; cat "$L/log"
     ;;
   wait)
+    # a machine given back and started again has no lease: say so now, not after the wait
+    [ -f "$L/log" ] || { echo "no lease on this machine ($L/log): it was started afresh" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-540} ))
     while :; do
       mkdir -p "${OUT:?}/lease" && cp -r "$L/out/." "$OUT/lease/" 2>/dev/null
