@@ -3,13 +3,16 @@ turns) and its choice from the probe's mix curve: the schedule changes the order
 requests, never a bit of the results."""
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import smartinf
-from smartinf.planning import io_schedule, probe, probe_cli
+from smartinf.planning import io_schedule, probe_cli
 from smartinf.step.rounding import to_bf16
 
 SIZES = [5000, 3000, 7000, 1000]
@@ -262,3 +265,16 @@ def test_ranks_of_one_drive_take_turns_and_a_killed_holder_frees_it(tmp_path):
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     train([str(tmp_path / "after")], "phased", steps=1)  # (would wait forever were it held)
+
+
+def test_the_missing_records_reason_names_a_command_that_records_one(tmp_path):
+    """The reason names the probe's command line as users run it: it named
+    ``python -m smartinf.planning.probe``, a module without one, which ran nothing."""
+    if io_schedule.find_record(str(tmp_path)) is not None:
+        pytest.skip("a probe record above tmp_path on this machine")
+    reason = io_schedule.choose("auto", str(tmp_path)).reason
+    command = re.search(r"python -m (\S+) (\S+) --record", reason)
+    assert command and command.group(2) == str(tmp_path), reason
+    help = subprocess.run([sys.executable, "-m", command.group(1), "--help"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "--record" in help

@@ -117,7 +117,7 @@ def choose(setting: str, directory: str) -> Choice:
     path = find_record(directory)
     if path is None:
         return Choice("mixed", f"no probe record in {directory} or above it (python -m "
-                               f"smartinf.planning.probe {directory} --record measures one)")
+                               f"smartinf.probe {directory} --record measures one)")
     instead = "pass io_schedule='mixed' or 'phased'"
     figures = load_record(path, instead)
     try:

@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         result = probe(args.dirs, args.size_mib * MiB, args.engine, args.repeats, ring=args.record)
     except (OSError, ValueError) as e:
-        print(f"smartinf.planning.probe: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     if args.record:
