@@ -119,20 +119,28 @@ void Pipeline::make_durable(uint64_t step) {
   PendingCommit c;
   c.step = step;
   c.hyper = last_hyper_;
+  // Those whose next update waits for their write (no twin to update instead) are written
+  // first: queued after the others, they waited for most of the commit's bytes.
+  std::vector<size_t> waiting, free;
   for (size_t sg = 0; sg < placement_.size(); ++sg) {
     Placement& p = placement_[sg];
     if (!p.dirty) continue;
     c.subgroups.emplace_back(sg, p.steps);
     if (!p.behind) continue;
-    Unit& u = devices_[p.unit];
-    u.store->begin_rewrite();  // one copy: written over the committed states from here
+    devices_[p.unit].store->begin_rewrite();  // one copy: written over the committed states from here
     // A device with a host twin copies the states there as the jobs are queued: its
     // resident copy is free at once, and no twin of it is needed.
-    const bool copied = u.device->host_twin() != nullptr;
-    if (options_.background_commit && !copied) give_twin(p);
+    const bool copied = devices_[p.unit].device->host_twin() != nullptr;
+    const bool twinned = copied || (options_.background_commit && give_twin(p));
+    (twinned ? free : waiting).push_back(sg);
+  }
+  waiting.insert(waiting.end(), free.begin(), free.end());
+  for (size_t sg : waiting) {
+    Placement& p = placement_[sg];
+    Unit& u = devices_[p.unit];
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
     c.writes.push_back(jobs.front().completion);
-    if (!copied) p.persisting(jobs.front().completion);
+    if (u.device->host_twin() == nullptr) p.persisting(jobs.front().completion);
     for (Job& job : jobs) u.ring->persist(job);
   }
   const bool background = options_.background_commit && !c.writes.empty();

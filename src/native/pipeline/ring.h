@@ -183,6 +183,8 @@ class Ring {
   // Split master: the checksum of the params sent in (`sent`) against the one stored with the
   // states; foreign params become the masters (`job.kernel.adopt`).
   void check_params(Job& job, size_t slot, uint64_t sent);
+  // A twin's first update: the split master's params checksum from the copy it starts from
+  void params_sum_from_twin(const Job& job, size_t slot);
   void foreign(const Job& job);  // records a chunk sent params other than it emitted
   // Bandwidth caps: reserve when a transfer starts, finish (sleep out the rest) when done.
   Deadline reserve_host(bool to_device, uint64_t bytes);
