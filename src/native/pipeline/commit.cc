@@ -127,10 +127,11 @@ void Pipeline::make_durable(uint64_t step) {
     if (!p.dirty) continue;
     c.subgroups.emplace_back(sg, p.steps);
     if (!p.behind) continue;
-    devices_[p.unit].store->begin_rewrite();  // one copy: written over the committed states from here
+    Unit& u = devices_[p.unit];
+    u.store->begin_rewrite();  // one copy: written over the committed states from here
     // A device with a host twin copies the states there as the jobs are queued: its
     // resident copy is free at once, and no twin of it is needed.
-    const bool copied = devices_[p.unit].device->host_twin() != nullptr;
+    const bool copied = u.device->host_twin() != nullptr;
     const bool twinned = copied || (options_.background_commit && give_twin(p));
     (twinned ? free : waiting).push_back(sg);
   }
