@@ -64,6 +64,9 @@ struct Mirror {
   const void* grad = nullptr;
   void* out = nullptr;
   bool resident = false;  // states bound to resident memory
+  // The caller's gradient and params copied straight into own_grad / own_out for this job
+  // (copy_in, copy_in_params), not through the slot's host memory.
+  bool grad_in = false, params_in = false;
   cudaStream_t stream = nullptr;
 };
 
@@ -207,27 +210,38 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     Mirror& m = mirrors_[i];
     m.grad = grad ? grad : m.own_grad;
     m.out = out ? out : m.own_out;
+    m.grad_in = m.params_in = false;
   }
 
-  // The host's side of the slots is the cpu device's (HostSlots); the caller's buffers may
-  // be in any memory CUDA knows (cudaMemcpyDefault), another GPU's included.
+  // The caller's buffers this GPU does not reach (host memory, another GPU's) are copied
+  // straight to and from the slot's GPU buffers (cudaMemcpyDefault), not through its host
+  // memory: that host-to-host copy was one thread's memcpy, 48 s of a 65B step's lanes a
+  // rank with the params in host memory (offload_param).
   void copy_in(size_t i, const void* grad, size_t bytes) override {
-    copy(slots_[i].grad, grad, bytes, "a gradient in");
+    Mirror& m = mirrors_[i];
+    copy_on(m, m.own_grad, grad, bytes, "a gradient in");
+    m.grad_in = true;
   }
   void copy_in_params(size_t i, const void* params, size_t bytes) override {
-    copy(slots_[i].out, params, bytes, "params in");
+    Mirror& m = mirrors_[i];
+    copy_on(m, m.own_out, params, bytes, "params in");
+    m.params_in = true;
   }
   void copy_in_compressed(size_t i, const int32_t* index, const void* values, size_t nnz,
                           size_t value_bytes) override {
     slots_.copy_in_compressed(i, index, values, nnz, value_bytes);
   }
+  // After compute(), whose params stay in the slot's GPU buffer when the caller's are not
+  // in this GPU's memory.
   void copy_out(size_t i, void* dst, size_t bytes) override {
-    copy(dst, slots_[i].out, bytes, "params out");
+    const Mirror& m = mirrors_[i];
+    copy_on(m, dst, m.own_out, bytes, "params out");
   }
 
   // The kernel on the GPU: streamed states cross PCIe to it and back (the slot's host
   // memory holds the result when this returns), resident ones are updated where they are;
-  // so are the caller's gradient and params where they are in this GPU's memory.
+  // so are the caller's gradient and params where they are in this GPU's memory (others
+  // came in by copy_in / copy_in_params; the params go out by copy_out).
   void compute(size_t i, const Kernel& k, size_t numel) override {
     if (k.compressed)
       throw std::invalid_argument("top-k gradients run on cpu devices; " + describe() +
@@ -235,8 +249,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     const store::StateLayout& layout = geometry_.layout;
     const Slot& s = slots_[i];
     Mirror& m = mirrors_[i];
-    const size_t states = layout.bytes(numel), gsize = kernels::dtype_size(k.grad),
-                 psize = kernels::dtype_size(k.param);
+    const size_t states = layout.bytes(numel), gsize = kernels::dtype_size(k.grad);
     check(cudaSetDevice(gpu_), "selecting the GPU");
     if (k.copy_from != kOwnStates)  // a resident chunk's first update from its twin
       check(cudaMemcpyAsync(m.states, resident(k.copy_from), states,
@@ -244,10 +257,10 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
                             m.stream), "states from the twin");
     else if (!m.resident)
       check(cudaMemcpyAsync(m.states, s.states, states, cudaMemcpyHostToDevice, m.stream), "states in");
-    if (m.grad == m.own_grad)
+    if (m.grad == m.own_grad && !m.grad_in)
       check(cudaMemcpyAsync(m.own_grad, s.grad, numel * gsize, cudaMemcpyHostToDevice, m.stream),
             "gradient in");
-    if (layout.split() && m.out == m.own_out)  // the params the masters are rebuilt from
+    if (layout.split() && m.out == m.own_out && !m.params_in)  // the params the masters are rebuilt from
       check(cudaMemcpyAsync(m.own_out, s.out, numel * 2, cudaMemcpyHostToDevice, m.stream),
             "params in");
     // A split master's params hashed where they are, on the slot's stream, before the update
@@ -260,9 +273,6 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     if (layout.split()) cuda::queue_piece_sums(m.out, numel, m.emitted, m.stream);
     if (!m.resident)
       check(cudaMemcpyAsync(s.states, m.states, states, cudaMemcpyDeviceToHost, m.stream), "states out");
-    if (m.out == m.own_out)
-      check(cudaMemcpyAsync(s.out, m.own_out, numel * psize, cudaMemcpyDeviceToHost, m.stream),
-            "params out");
     check(cudaStreamSynchronize(m.stream), "the update of a chunk");
     if (!layout.split()) return;
     if (k.sent_sum) *k.sent_sum = cuda::join_piece_sums(m.sent, numel);
@@ -284,9 +294,11 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     if (mirrors_[i].resident) states_to_gpu(i, geometry_.layout.bytes(numel));
   }
 
-  // Resident states come to the slot's host memory first.
+  // Resident states come to the slot's host memory first, and so do a split master's params
+  // (copy_in_params put them on the GPU).
   void export_states(size_t i, float* const* arrays, size_t numel, bool adopt) override {
     const Mirror& m = mirrors_[i];
+    if (m.params_in) copy_on(m, slots_[i].out, m.own_out, numel * 2, "params to the host");
     if (m.resident) {
       check(cudaSetDevice(gpu_), "selecting the GPU");
       check(cudaMemcpyAsync(slots_[i].states, m.states, geometry_.layout.bytes(numel),
@@ -306,9 +318,11 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     check(cudaStreamSynchronize(m.stream), "resident states in");
   }
 
-  void copy(void* dst, const void* src, size_t bytes, const char* what) const {
+  // On the slot's stream, waited for; the caller's buffer may be in any memory CUDA knows.
+  void copy_on(const Mirror& m, void* dst, const void* src, size_t bytes, const char* what) const {
     check(cudaSetDevice(gpu_), "selecting the GPU");
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), what);
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, m.stream), what);
+    check(cudaStreamSynchronize(m.stream), what);
   }
 
   void* resident(uint64_t at) const {
