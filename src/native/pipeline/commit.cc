@@ -121,7 +121,7 @@ void Pipeline::make_durable(uint64_t step) {
   c.hyper = last_hyper_;
   // Those whose next update waits for their write (no twin to update instead) are written
   // first: queued after the others, they waited for most of the commit's bytes.
-  std::vector<size_t> waiting, free;
+  std::vector<size_t> order, twinned_ones;
   for (size_t sg = 0; sg < placement_.size(); ++sg) {
     Placement& p = placement_[sg];
     if (!p.dirty) continue;
@@ -133,10 +133,10 @@ void Pipeline::make_durable(uint64_t step) {
     // resident copy is free at once, and no twin of it is needed.
     const bool copied = u.device->host_twin() != nullptr;
     const bool twinned = copied || (options_.background_commit && give_twin(p));
-    (twinned ? free : waiting).push_back(sg);
+    (twinned ? twinned_ones : order).push_back(sg);
   }
-  waiting.insert(waiting.end(), free.begin(), free.end());
-  for (size_t sg : waiting) {
+  order.insert(order.end(), twinned_ones.begin(), twinned_ones.end());
+  for (size_t sg : order) {
     Placement& p = placement_[sg];
     Unit& u = devices_[p.unit];
     std::vector<Job> jobs = chunk_jobs(p, JobKind::persist);
