@@ -47,7 +47,9 @@ def plan_params(directory: str, wanted: int, probe_bytes: int) -> int:
 
 
 def progress(total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="param", unit_scale=True, leave=False)
+    # (a terminal's only: in a log, tqdm's carriage returns flood the file)
+    return tqdm(total=total, desc=desc, unit="param", unit_scale=True, leave=False,
+                disable=not sys.stderr.isatty())
 
 
 def run_steps(pipe: smartinf.Pipeline, sizes: list[int], steps: int,

@@ -295,8 +295,8 @@ def main() -> None:
         them), bit for bit."""
         import smartinf._native as native
 
-        def one(bf16):
-            eng = engine(str(root / f"ours-fail-{bf16}"), bf16=bf16)
+        def one(bf16):  # (every step durable: the next one's commit fails)
+            eng = engine(str(root / f"ours-fail-{bf16}"), bf16=bf16, block={"commit_every": 1})
             d = batches(LANG, 4, 32, seed=3000 + rank)
             train(eng, d, 1)
             eng.optimizer.settle()
@@ -319,6 +319,20 @@ def main() -> None:
             eng.destroy()
             return out
         return {"fp32": one(False), "bf16": one(True)}
+
+    @check
+    def offload_states_refused():
+        """engine.offload_states() / reload_states() (RLHF loops free the GPU between
+        phases with them): refused at the call, saying why and what to do; training goes on."""
+        out = {}
+        for name, call in (("offload", ours.offload_states), ("reload", ours.reload_states)):
+            try:
+                call()
+                out[name] = None
+            except RuntimeError as e:
+                out[name] = str(e)
+        out["then"] = train(ours, data[0], 1)
+        return out
 
     if rank == 0:
         Path(a.out).write_text(json.dumps(results, indent=1))

@@ -459,6 +459,15 @@ def test_a_gather_right_after_step_waits_for_the_step(api):
     assert got["vs_masters"] == 0.0
 
 
+def test_offload_states_is_refused_clearly(api):
+    """DeepSpeed's offload_states()/reload_states() move FusedAdam's states and the engine's
+    buffers; with the block the states are on the devices already: refused at the call."""
+    got = ok(api["offload_states_refused"])
+    assert "already off the GPU" in got["offload"] and "memory_budget" in got["offload"]
+    assert "offload_states" in got["reload"]
+    assert all(math.isfinite(x) for x in got["then"])
+
+
 def test_gradients_set_after_step_change_nothing(api):
     """safe_set_full_grad between step() and the next forward, while the step's updates may
     still finish: as in DeepSpeed, whose step has used the gradients, nothing changes (the

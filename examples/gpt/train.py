@@ -92,8 +92,11 @@ def train(make_optimizer: OptimizerFactory, steps: int, config: TrainConfig = Tr
     traffic = getattr(opt, "traffic", None)
     start = traffic() if callable(traffic) else {}  # leaves out the initial state write
     try:
-        bar = tqdm(range(steps), desc=progress_desc, unit="step", dynamic_ncols=True)
-        for _ in bar:
+        # a bar on a terminal; in a log (a job's output file), a line every tenth of the run
+        tty = sys.stderr.isatty()
+        bar = tqdm(range(steps), desc=progress_desc, unit="step", dynamic_ncols=True, disable=not tty)
+        every = max(1, steps // 10)
+        for i in bar:
             inputs, targets = (t.to(device) for t in next(data))
             t0 = time.perf_counter()
             with autocast:
@@ -112,6 +115,10 @@ def train(make_optimizer: OptimizerFactory, steps: int, config: TrainConfig = Tr
             result["opt_s"].append(t2 - t1)
             bar.set_postfix(loss=f"{loss.item():.3f}", step_ms=f"{(t2 - t0) * 1e3:.0f}",
                             opt_ms=f"{(t2 - t1) * 1e3:.0f}")
+            if not tty and ((i + 1) % every == 0 or i + 1 == steps):
+                print(f"{progress_desc}: step {i + 1}/{steps}, loss {loss.item():.3f}, "
+                      f"{(t2 - t0) * 1e3:.0f} ms (optimizer {(t2 - t1) * 1e3:.0f} ms)",
+                      file=sys.stderr, flush=True)
         bar.close()
         if callable(traffic):
             result["traffic"] = {k: v - start[k] for k, v in traffic().items()}

@@ -152,6 +152,20 @@ def commit_every() -> int:
     return _int_env("SMARTINF_COMMIT_EVERY", COMMIT_EVERY)
 
 
+def placement_given() -> dict:
+    """The placement settings the environment gives (``SMARTINF_MEMORY_BUDGET``,
+    ``SMARTINF_COMMIT_EVERY``, ``SMARTINF_OVERLAP``): explicit, as keywords are, so the
+    planner keeps them instead of choosing (``smartinf.planning.plan``)."""
+    given = {}
+    if os.environ.get("SMARTINF_MEMORY_BUDGET"):
+        given["memory_budget"] = memory_budget()
+    if os.environ.get("SMARTINF_COMMIT_EVERY"):
+        given["commit_every"] = commit_every()
+    if os.environ.get("SMARTINF_OVERLAP"):
+        given["overlap"] = overlap()
+    return given
+
+
 def io_schedule() -> str:
     value = os.environ.get("SMARTINF_IO_SCHEDULE") or IO_SCHEDULE
     if value not in IO_SCHEDULES:

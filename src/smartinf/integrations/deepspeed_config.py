@@ -50,7 +50,9 @@ class Settings:
     # A budget of "auto" sized here (with_gpu_budget): ``fitted_to`` then gives the host
     # what the GPU leaves of the rank's states, and the GPU a host twin where one fits.
     gpu_sized: bool = False
-    auto: tuple = ()  # "state_dtype": "auto": the settings given explicitly (plan.choose keeps them)
+    # the placement settings given (the block's or the environment's: plan.choose keeps them,
+    # "state_dtype": "auto" named too where the format is the planner's); None: placed already
+    planned: Optional[tuple] = None
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -78,6 +80,8 @@ class Settings:
                 raise ValueError(f'"{CONFIG_KEY}.compress" must be a dict with "ratio" and '
                                  f'optionally "value_dtype", "error_feedback"; got {compress!r}')
         gpu = block.get("gpu")
+        if "gpu" not in block and torch.cuda.is_available():
+            gpu = {"memory_budget": "auto"}  # (a rank's params are on its GPU: states there first)
         if gpu is not None and (not isinstance(gpu, dict)
                                 or not ({"memory_budget", "host_states"} & set(gpu))
                                 or not set(gpu) <= {"memory_budget", "twins", "reserve", "host_states"}
@@ -104,9 +108,10 @@ class Settings:
         except (TypeError, ValueError) as e:
             raise ValueError(f'the "{CONFIG_KEY}" config block: {e}') from None
         given = {k: block[k] for k in pipeline_keys if k in block}
-        auto = given.get("state_dtype") == "auto"
-        if auto:  # chosen when the partition's size is known (``choose``, below)
-            given["state_dtype"] = "fp32"
+        placed = {**defaults.placement_given(), **given}
+        if given.get("state_dtype") == "auto":  # chosen when the partition's size is known
+            given["state_dtype"] = "fp32"  # (``choose``, below)
+            placed["auto"] = placed.pop("state_dtype")
         try:
             pipeline = PipelineSettings.resolve(**{"if_exists": "error", **given})
         except (TypeError, ValueError) as e:
@@ -114,9 +119,8 @@ class Settings:
         return cls(devices=devices, pipeline=pipeline, compress=compress,
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
                    gpu_reserve=gpu_reserve, gpu_host_states=gpu.get("host_states", "auto") if gpu else False,
-                   auto=tuple(k for k in ("master", "memory_budget", "commit_every", "copies", "overlap")
-                              if k in given)
-                   + ("auto",) if auto else ())
+                   planned=tuple(k for k in ("auto", "state_dtype", "master", "memory_budget",
+                                             "commit_every", "copies", "overlap") if k in placed))
 
     def measures_gpu_budget(self, rank: int) -> bool:
         """Whether a budget of ``"auto"`` is sized by the first step, from what the first
@@ -288,14 +292,17 @@ def check_config(config: dict) -> Settings:
 
 
 def choose(settings: Settings, params: list, speculates: Callable[[bool], bool]) -> Settings:
-    """``"state_dtype": "auto"``: rank 0 asks ``plan.choose`` for its share of the params
-    (the host's memory and disks shared by its ranks), every rank takes that choice.
+    """The placement the block leaves out (the memory tier, commit interval and copies; with
+    ``"state_dtype": "auto"`` the format and master too; else fp32 states and, unless given,
+    an fp32 master): rank 0 asks ``plan.choose`` for its share of the params (the host's
+    memory and disks shared by its ranks), every rank takes that choice.
     ``speculates(on_gpu)``: whether updates start during backward (their host copies of
     the partitions hold host memory beside the states)."""
-    if not settings.auto:
+    if settings.planned is None:
         return settings
     world, local = dist.get_world_size(), defaults.local_ranks()
     chosen = [None]
+    auto = "auto" in settings.planned
     if dist.get_rank() == 0:
         given = settings.pipeline
         numel = sum(p.ds_numel for p in params) // world
@@ -310,13 +317,15 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             host_buffers=int(partition_copies * numel * max(p.element_size() for p in params)),
             gpu_budget=0 if settings.gpu_memory_budget == "auto" else settings.gpu_memory_budget,
             gpu_budget_later=settings.gpu_memory_budget == "auto",
-            **{k: getattr(given, k) for k in settings.auto if k != "auto"})
+            state_dtype=None if auto else given.state_dtype,
+            master=None if auto and "master" not in settings.planned else given.master,
+            **{k: getattr(given, k) for k in settings.planned if k not in ("auto", "state_dtype", "master")})
         held = (f"; the params' partitions in host memory (offload_param), taken before this "
                 f"choice: {space._size(numel * params[0].element_size())} a rank") if on_host else ""
         logger.warning("%s (each of %d ranks)%s", choice.report(), world, held)
         chosen = [choice.settings()]
     dist.broadcast_object_list(chosen, src=0)
-    return dataclasses.replace(settings, auto=(),
+    return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
 def _partition_copies(gpu_host_states: "bool | str | float", on_gpu: bool,

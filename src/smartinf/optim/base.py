@@ -23,6 +23,7 @@ from smartinf.step.driver import Driver, overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
 from smartinf.optim.hooks import ParamHooks
+from smartinf.optim.state_view import StateView
 from smartinf.optim import sharding
 from smartinf.optim.sharding import Sharding, local
 from smartinf.step import ranks
@@ -69,6 +70,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
         self._subgroup_size = subgroup_size
+        self.placement = None  # what the planner chose (plan.Choice), once laid out
+        gpu_memory_budget = optim_options.default_gpu_budget(gpu_memory_budget, self._trained(), devices)
         self._layout = dict(devices=devices, storage=storage, if_exists=if_exists,
                             gpu_memory_budget=gpu_memory_budget, gpu_twins=gpu_twins,
                             gpu_host_states=gpu_host_states)
@@ -77,6 +80,18 @@ class _StorageOptimizer(torch.optim.Optimizer):
             optim_options.check_params(self, group)
         self._held_gpu = optim_options.held_gpu_budget(gpu_memory_budget, devices, if_exists)
         self._laid_out(force=False)
+
+    @property
+    def state(self) -> StateView:
+        """torch's ``opt.state``, its entries read from and written to the devices
+        (``smartinf.optim.state_view``)."""
+        return self.__dict__["_state_view"]
+
+    @state.setter
+    def state(self, value: Any) -> None:  # (torch's __init__ sets it; a caller resets it)
+        view = self.__dict__.setdefault("_state_view", StateView(self))
+        if value is not view:
+            view.replace(value)
 
     def _trained(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -109,9 +124,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
         # the sharding is not FSDP2's)
         self._sharding = Sharding(self._trained())
-        if storage.get("state_dtype") == "auto":
-            storage.update(optim_options.auto(self._trained(), storage, resolve_devices(devices),
-                                              gpu_memory_budget, if_exists))
+        storage, self.placement = optim_options.placed(self._trained(), storage, resolve_devices(devices),
+                                                       gpu_memory_budget, if_exists)
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         if self._sharding.active and settings.copies == "log":
             raise ValueError("copies='log' over FSDP2-sharded params: the ranks would have to "
@@ -197,16 +211,15 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._hooks.register(new)
 
     def _mark_states(self) -> None:
-        """Once states exist (a step, a resume, a load): an empty entry in ``self.state`` per
-        stored param (the states are on the devices; ``state_dict()`` reads them).
-        torch.distributed.checkpoint's helpers take an empty ``optim.state`` for an optimizer
-        never stepped and "initialise" it with a step() of zero gradients at lr 0: before
-        any step that is what torch's optimizers get too, after one it would be a real step
-        on the devices (moments decayed, one more step counted)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self.state[p] = {}
+        """Once states exist (a step, a resume, a load): an entry in ``self.state`` per
+        stored param, read from the devices when looked into. torch.distributed.checkpoint's
+        helpers take an empty ``optim.state`` for an optimizer never stepped and
+        "initialise" it with a step() of zero gradients at lr 0: before any step that is
+        what torch's optimizers get too, after one it would be a real step on the devices."""
+        names = dict.fromkeys(self._rule(self.param_groups[0]).state_names, 0)  # (torch keeps none for
+        self.state.mark([p for g in self.param_groups if any(  # plain SGD: no entries either)
+            v is not None for v in self._torch_state(1, names, g).values())
+            for p in g["params"] if p.requires_grad])
         self._marked = True
 
     def _rule(self, group: dict) -> Any:
@@ -214,36 +227,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
 
     # -- layout -----------------------------------------------------------------------
     def _attach(self, pipeline: Pipeline, plan: Sequence[Subgroup]) -> None:
-        """Registers the sub-groups; new ones start from the model's params, resumed ones
-        (reopened devices) put their stored master weights into the model."""
-        for sg in plan:
-            master = self._gather_params(sg)
-            got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=subgroups.fingerprint(sg),
-                                        small=sg.small)
-            if got != sg.id:
-                raise RuntimeError(f"sub-group {sg.id} registered as {got}")
-            if self._split:
-                continue  # the devices check the params against what they emitted
-            if pipeline.resumed(sg.id):
-                master = torch.from_numpy(pipeline.read_states(sg.id)["param"])
-                with torch.no_grad():
-                    self._scatter(sg, master)
-            else:
-                self._watch.record(sg.id)
-        resumed = sum(pipeline.resumed(sg.id) for sg in plan)
-        if resumed:
-            self._mark_states()
-        if resumed and self._split:
-            logger.warning("resumed %d of %d sub-groups at step %d from %s with master='split': "
-                           "the directories hold the low halves of the masters, the model's "
-                           "bf16 params are the high ones, so load the weights saved with that "
-                           "step into the model before the first step (params that differ are "
-                           "taken as the masters then, with a ParamsChangedWarning)", resumed,
-                           len(plan), pipeline.step_count, [d.path for d in pipeline.devices])
-        elif resumed:
-            logger.warning("resumed %d of %d sub-groups at step %d from %s: their stored weights "
-                           "replaced the model's", resumed, len(plan), pipeline.step_count,
-                           [d.path for d in pipeline.devices])
+        subgroups.attach(self, pipeline, plan)
 
     def _gather_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, fp32, in staging buffer 0."""
@@ -323,9 +307,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
             gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
         if norm is not None:
             self.last_grad_norm = norm
+        self.state.check()  # (edits written through opt.state: refused before anything changes)
         session = self._session
         session.begin()
         try:
+            self.state.apply()  # what was written through opt.state, before the update
             self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
             # The updates started during backward that assumed rightly; the others retracted.
             try:
@@ -391,9 +377,13 @@ class _StorageOptimizer(torch.optim.Optimizer):
         weights (``"fp32_master"``, ignored by torch). Params the caller edited since the
         last step are taken as the masters first, as a step would. Before the states are
         laid out (FSDP2's sharding to come), torch's form of no states."""
+        return torch_state.hooked_save(self, self._state_dict)
+
+    def _state_dict(self) -> dict:
         if not self._laid_out(force=False):
             return torch_state.unstepped(self)
         self._session.settle()
+        self.state.apply()
         self._adopt(self._edited())
         return torch_state.export(self)
 
@@ -402,7 +392,11 @@ class _StorageOptimizer(torch.optim.Optimizer):
         optimizer): hyper-parameters into ``param_groups``, states onto the devices one
         sub-group at a time, committed atomically (``smartinf.optim.torch_state``). Before the
         states are laid out, one without states sets the hyper-parameters only (Accelerate's
-        prepare() hands back what ``state_dict()`` gave before it shards the model)."""
+        prepare() hands back what ``state_dict()`` gave before it shards the model). torch's
+        load hooks run around it, as torch runs them."""
+        torch_state.hooked_load(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         if self._laid_out(force=bool(isinstance(state_dict, dict) and state_dict.get("state"))):
             torch_state.load(self, state_dict)
         else:
@@ -416,6 +410,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
         Resume by constructing the optimizer with ``devices=`` the returned paths."""
         self._laid_out()
         self._session.settle()
+        self.state.apply()
         self._adopt(self._edited())
         self.pipeline.flush()  # the directories hold every committed step
         targets = save_devices([d.path for d in self.pipeline.devices], directory)
@@ -429,6 +424,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             return
         if not self.pipeline.closed:
             self._session.settle()
+            self.state.apply()
             self._adopt(self._edited())
         if self._speculation is not None:
             self._hooks.close()

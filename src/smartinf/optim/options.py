@@ -35,14 +35,17 @@ class StorageOptions(TypedDict, total=False):
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
     ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
     ``overlap``, ``copies`` as for ``smartinf.Pipeline``
-    (``smartinf.pipeline.settings.KEYWORDS``; ``state_dtype="auto"``: the format, master, memory
-    budget, commit interval and copies ``smartinf.planning.plan`` picks for these params, devices and
-    host, reported as a warning, explicit ``master``/``memory_budget``/``commit_every``/``copies`` kept); ``if_exists`` what to do with directories holding an
-    earlier run: ``"error"`` (the default), ``"resume"`` or ``"overwrite"``;
-    ``gpu_memory_budget`` bytes (or ``"8GiB"``) of the GPU the model is on for states kept
-    there and updated there (a ``smartinf.CudaDevice`` in front of ``devices``, its
-    directory ``gpu/`` in the first one's; none by default; ``"auto"``: what the first
-    iteration left, the states laid out by the first step), ``gpu_twins`` its ``twins``
+    (``smartinf.pipeline.settings.KEYWORDS``; those left out of ``memory_budget``,
+    ``commit_every`` and ``copies`` are what ``smartinf.planning.plan`` picks for these params,
+    devices and host, reported once as a warning and kept as ``placement``; the format stays
+    fp32 states and an fp32 master unless given, ``state_dtype="auto"``: the planner's too);
+    ``if_exists`` what to do with directories holding an earlier run: ``"error"`` (the
+    default), ``"resume"`` or ``"overwrite"``; ``gpu_memory_budget`` bytes (or ``"8GiB"``)
+    of the GPU the model is on for states kept there and updated there (a
+    ``smartinf.CudaDevice`` in front of ``devices``, its directory ``gpu/`` in the first
+    one's; left out: ``"auto"`` where the params are on one GPU, else none; 0: none;
+    ``"auto"``: what the first iteration left, the states laid out by the first step),
+    ``gpu_twins`` its ``twins``
     (``"host"``: a host copy of the budget that durable commits write from; None: chosen,
     ``smartinf.planning.twins``); ``gpu_host_states`` whether that GPU also
     updates the states the ``memory_budget`` keeps in host memory, crossing PCIe (a
@@ -213,22 +216,49 @@ def fit_gpu_budget(budget: int, plan: Sequence[Subgroup], settings: PipelineSett
     return min(budget, need)
 
 
-def auto(params: Sequence[torch.Tensor], storage: dict, devices: list,
-         gpu_memory_budget: "int | str | None", if_exists: str) -> dict:
-    """``state_dtype="auto"``: the format, master and tier ``plan.choose`` picks for these
-    (trainable) params and devices (explicit ``master``, ``memory_budget``, ``commit_every``
-    ``copies`` and ``overlap`` kept), reported once."""
-    budget = storage.get("memory_budget")
+def placeable(devices: list) -> bool:
+    """Whether the planner places the states over ``devices`` (directories and cpu devices:
+    the memory tier and the GPU's budget are theirs; an XRT or CUDA device the caller named
+    takes its own budgets)."""
+    return all(getattr(d, "kind", "cpu") == "cpu" for d in devices)
+
+
+def default_gpu_budget(budget: "int | str | None", params: Sequence[torch.Tensor],
+                       devices: Any) -> "int | str | None":
+    """``gpu_memory_budget`` as given; left out (None), ``"auto"`` where the params are on one
+    CUDA GPU and the devices are the planner's (``placeable``): their states go where the
+    first iteration leaves room, as they would with it given; 0: none."""
+    if budget is not None:
+        return budget or None
+    gpus = {local(p).device for p in params if local(p).device.type == "cuda"}
+    on_one_gpu = len(gpus) == 1 and all(local(p).device.type == "cuda" for p in params)
+    return "auto" if on_one_gpu and placeable(resolve_devices(devices)) else None
+
+
+def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
+           gpu_memory_budget: "int | str | None", if_exists: str) -> tuple[dict, Optional[plan.Choice]]:
+    """The settings ``storage`` leaves to the planner, chosen (``plan.choose``) for these
+    (trainable) params and devices: the memory tier, commit interval and copies, and with
+    ``state_dtype="auto"`` the format and master too. Given ones win, each alone (a keyword or
+    its ``SMARTINF_*`` variable); the format left out stays exact (fp32 states, fp32 master).
+    Reported once at warning level; (settings, the choice; None where nothing was planned:
+    devices with budgets of their own, ``placeable``)."""
+    if not placeable(devices):
+        return storage, None
+    given = {**defaults.placement_given(), **storage}
+    formats = given.get("state_dtype", "fp32")
+    budget = given.get("memory_budget")
     sharded = Sharding(params)  # (FSDP2: this rank's shards; the host's ranks share it)
     choice = plan.choose(
         sum(local(p).numel() for p in params), [getattr(d, "path", d) for d in devices],
         ranks=defaults.local_ranks(sharded.world) if sharded.active else 1,
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
-        master=storage.get("master"), commit_every=storage.get("commit_every"),
-        copies=storage.get("copies"), if_exists=if_exists,
+        state_dtype=None if formats == "auto" else formats,
+        master=given.get("master", None if formats == "auto" else "fp32"),
+        commit_every=given.get("commit_every"), copies=given.get("copies"), if_exists=if_exists,
         # (FSDP2: no log, whose step the ranks would have to agree on: docs/fsdp.md)
-        overlap=storage.get("overlap", True if sharded.active else None),
+        overlap=given.get("overlap", True if sharded.active else None),
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
     logger.warning("%s", choice.report())
-    return choice.settings()
+    return {**storage, **choice.settings()}, choice

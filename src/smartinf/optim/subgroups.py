@@ -1,17 +1,20 @@
 """How ``smartinf.optim`` cuts a model's trainable params into flat sub-groups (one dtype
 and one device each, a param possibly spanning two), names each layout (so a directory
 made for another model refuses to resume), and reads and writes a param's slice in
-torch's logical order whatever its strides."""
+torch's logical order whatever its strides, and registers them on a pipeline (``attach``)."""
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+import logging
+from typing import Any, Optional, Sequence
 
 import torch
 
 from smartinf.optim.sharding import local
 from smartinf.step.rounding import round_to
+
+logger = logging.getLogger("smartinf")
 
 
 @dataclass
@@ -104,3 +107,36 @@ def param_ids(param_groups: Sequence[dict]) -> dict[int, int]:
         for p in group["params"]:
             ids.setdefault(id(p), len(ids))
     return ids
+
+
+def attach(opt: Any, pipeline: Any, plan: Sequence[Subgroup]) -> None:
+    """Registers ``opt``'s sub-groups ``plan`` on ``pipeline``; new ones start from the model's params, resumed ones
+    (reopened devices) put their stored master weights into the model."""
+    for sg in plan:
+        master = opt._gather_params(sg)
+        got = pipeline.add_subgroup(sg.numel, init=master, fingerprint=fingerprint(sg),
+                                    small=sg.small)
+        if got != sg.id:
+            raise RuntimeError(f"sub-group {sg.id} registered as {got}")
+        if opt._split:
+            continue  # the devices check the params against what they emitted
+        if pipeline.resumed(sg.id):
+            master = torch.from_numpy(pipeline.read_states(sg.id)["param"])
+            with torch.no_grad():
+                opt._scatter(sg, master)
+        else:
+            opt._watch.record(sg.id)
+    resumed = sum(pipeline.resumed(sg.id) for sg in plan)
+    if resumed:
+        opt._mark_states()
+    if resumed and opt._split:
+        logger.warning("resumed %d of %d sub-groups at step %d from %s with master='split': "
+                       "the directories hold the low halves of the masters, the model's "
+                       "bf16 params are the high ones, so load the weights saved with that "
+                       "step into the model before the first step (params that differ are "
+                       "taken as the masters then, with a ParamsChangedWarning)", resumed,
+                       len(plan), pipeline.step_count, [d.path for d in pipeline.devices])
+    elif resumed:
+        logger.warning("resumed %d of %d sub-groups at step %d from %s: their stored weights "
+                       "replaced the model's", resumed, len(plan), pipeline.step_count,
+                       [d.path for d in pipeline.devices])

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -68,6 +68,37 @@ def export(opt: Any) -> dict:
                    [(k, n, weakref.ref(t), t._version) for k, v in state.items()
                     for n, t in v.items() if isinstance(t, torch.Tensor)])
     return {"state": state, "param_groups": _packed_groups(opt, ids)}
+
+
+def hooked_save(opt: Any, make: Callable[[], dict]) -> dict:
+    """``make()``'s state_dict between torch's state-dict hooks, as ``torch.optim.Optimizer``
+    runs them: each pre-hook with the optimizer, each post-hook with it and the state_dict
+    (a hook's returned dict replaces it)."""
+    for hook in opt._optimizer_state_dict_pre_hooks.values():
+        hook(opt)
+    state_dict = make()
+    for hook in opt._optimizer_state_dict_post_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def hooked_load(opt: Any, state_dict: dict, load: Callable[[dict], None]) -> None:
+    """``load`` of a shallow copy of ``state_dict`` between torch's load hooks, as torch runs
+    them: each pre-hook with the optimizer and the state_dict (a returned dict replaces it),
+    each post-hook with the optimizer once loaded. Edits written through ``opt.state`` and not
+    yet applied are dropped: the loaded states replace them."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    opt.state.forget()
+    load(state_dict)
+    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+        hook(opt)
 
 
 def unstepped(opt: Any) -> dict:

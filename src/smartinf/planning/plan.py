@@ -198,7 +198,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            commit_every: Optional[int] = None, copies: "int | str | None" = None,
            overlap: Optional[bool] = None, figures: Optional[dict] = None, ranks: int = 1,
            if_exists: str = "overwrite", host_buffers: int = 0,
-           gpu_budget_later: bool = False) -> Choice:
+           gpu_budget_later: bool = False, state_dtype: Optional[str] = None) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
@@ -214,7 +214,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     less the share of the params whose states the GPU's budget holds (their sub-groups have
     none); that share's states take no host memory either; ``gpu_budget_later``: a GPU
     budget is sized after this choice (DeepSpeed's ``"auto"``: weighed as none here, but its
-    sub-groups keep no log)."""
+    sub-groups keep no log); ``state_dtype``: the one format of the moments weighed (None:
+    every format, ``"auto"``)."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if copies not in (None, 1, 2, "log"):
@@ -240,13 +241,15 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     formats = FORMATS
     if run and if_exists == "resume":  # its format is fixed: the pipeline refuses another
         formats = [(run["state_dtype"], run["master"])]
+        state_dtype = master = None  # (one given otherwise: the pipeline refuses it, naming both)
         copies = run["copies"] if copies is None else copies
     weighed, larger, one_copy = [], [], []
-    for state_dtype, fmt_master in formats:
+    for fmt_dtype, fmt_master in formats:
         if (fmt_master == "split" and not bf16_params) or master not in (None, fmt_master) \
+                or state_dtype not in (None, fmt_dtype) \
                 or (copies == "log" and fmt_master != "fp32"):
             continue
-        per_param = state_bytes_per_param(state_dtype, fmt_master)
+        per_param = state_bytes_per_param(fmt_dtype, fmt_master)
         states = params * per_param
         # The GPU's budget fills first, with whole sub-groups (GPU_FILL_SLACK of it may stay
         # empty): its states take no host memory, and its sub-groups no host buffers.
@@ -263,7 +266,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         twinned = 2 * whole
         budget = memory_budget if memory_budget is not None else min(twinned, memory_here // devices)
         resident = 1.0 if budget >= whole or not in_ram else min(1.0, budget * devices / in_ram)
-        rates = recorded_rates(figures, state_dtype, fmt_master) if figures else None
+        rates = recorded_rates(figures, fmt_dtype, fmt_master) if figures else None
 
         def row(kept, budget, resident, every):
             need = _disk_need(params, per_param, directories, kept, grad_bytes)
@@ -274,7 +277,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                                         commit_every=every).step_s
                 if kept == "log":  # the step's gradients are written before its updates
                     step_s += params * grad_bytes / rates["write_bps"]
-            return dict(state_dtype=state_dtype, master=fmt_master, memory_budget=budget,
+            return dict(state_dtype=fmt_dtype, master=fmt_master, memory_budget=budget,
                         commit_every=every, copies=kept, resident=resident,
                         ram_bytes=budget * devices, disk_bytes=need, step_s=step_s,
                         refused=_disk_fits(need, ranks, held), whole=whole,
