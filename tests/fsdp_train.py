@@ -51,7 +51,9 @@ def model(config: dict) -> torch.nn.Module:
 def optimizer(m: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
     if config["optim"] == "torch":
         return torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    return so.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, devices=[config["dir"]],
+    # "hosts": each rank's root as on a host of its own (its disk), by rank
+    root = config["hosts"][dist.get_rank()] if config.get("hosts") else config["dir"]
+    return so.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, devices=[root],
                     max_grad_norm=config.get("clip"), subgroup_size=300, chunk=128,
                     if_exists=config.get("if_exists", "error"), **config.get("kw", {}))
 

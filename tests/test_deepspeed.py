@@ -45,7 +45,12 @@ WARM = ("torch", "deepspeed", "smartinf.integrations.deepspeed", "examples.deeps
 
 
 def launch_env() -> dict:
+    # The streamed path these tests were written for, durable every step (a block with only
+    # "devices" gets the planner's placement: test_the_blocks_defaults_train_as_streaming); a
+    # block's own "memory_budget" or "commit_every" wins over these.
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("SMARTINF_MEMORY_BUDGET", "0")
+    env.setdefault("SMARTINF_COMMIT_EVERY", "1")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -997,7 +1002,7 @@ def test_every_setting_reaches_the_pipeline_from_every_entry_point(tmp_path):
     import smartinf.optim
     given = {"slots": 2, "chunk": 4096, "io": "threads", "queue_depth": 8, "host_link_gbps": 1.5,
              "verify": True, "state_dtype": "int8", "if_exists": "overwrite", "master": "split",
-             "io_schedule": "phased"}
+             "io_schedule": "phased", "memory_budget": 1 << 20, "commit_every": 3, "copies": 2}
     block = sds.Settings.from_config({"smartinf": {"devices": ["/a"], **given}}).pipeline
     opt = smartinf.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))],
                                devices=[str(tmp_path / "o")], **given)
@@ -1194,19 +1199,27 @@ def test_a_model_built_partitioned_trains_as_built_whole(work, disk_dir, world):
         assert torch.equal(a, b)
 
 
+PLANNED = {"SMARTINF_MEMORY_BUDGET": "", "SMARTINF_COMMIT_EVERY": ""}  # (launch_env's cleared)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_auto_chooses_once_for_every_rank_and_trains_as_chosen(work, disk_dir, world):
-    """"state_dtype": "auto": rank 0 picks (plan.choose: this tiny model's states all fit in
-    memory, so fp32 states resident with a commit every 10 steps), every rank runs it, and
-    the run is bit for bit the one with fp32 states streamed (the tiers change no bit)."""
-    auto, plain = train_all(work, world, Run(f"{disk_dir}/auto-{world}", f"auto-{world}",
-                                             ("--state-dtype", "auto")),
-                            Run(f"{disk_dir}/plain-{world}", f"plain-{world}"))
-    said = [line for line in auto["log"].splitlines() if "smartinf auto:" in line]
-    assert len(said) == 1 and "state_dtype='fp32'" in said[0] and "commit_every=10" in said[0]
-    assert losses(auto) == losses(plain)
-    for a, b in zip(auto["params"], plain["params"]):
-        assert torch.equal(a, b)
+    """"state_dtype": "auto", and a block with only "devices": rank 0 picks (plan.choose: this
+    tiny model's states all fit in memory, so fp32 states resident with a commit every 10
+    steps), every rank runs it, and the run is bit for bit the one with fp32 states streamed
+    (the tiers change no bit)."""
+    auto, defaults, plain = train_all(
+        work, world, Run(f"{disk_dir}/auto-{world}", f"auto-{world}", ("--state-dtype", "auto"), env=PLANNED),
+        Run(f"{disk_dir}/defaults-{world}", f"defaults-{world}", env=PLANNED),
+        Run(f"{disk_dir}/plain-{world}", f"plain-{world}"))
+    for run in (auto, defaults):
+        said = [line for line in run["log"].splitlines() if "smartinf auto:" in line]
+        assert len(said) == 1 and "state_dtype='fp32'" in said[0] and "commit_every=10" in said[0]
+        assert losses(run) == losses(plain)
+        for a, b in zip(run["params"], plain["params"]):
+            assert torch.equal(a, b)
+    assert defaults["smartinf"] == {"devices": [f"{disk_dir}/defaults-{world}/smartinf"],
+                                    "if_exists": "error"}  # (the example's block: devices only)
 
 
 def test_ranks_of_one_copy_at_different_steps_are_refused(work, disk_dir):

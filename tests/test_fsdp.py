@@ -19,6 +19,7 @@ from fsdp_train import run
 
 STEPS = 6
 KILLED_STEPS = 40
+DURABLE = dict(commit_every=1)  # every step durable: a kill at any step reopens past it
 
 
 # What the ranks import before their first line (tests/warm.py's zygote has them imported
@@ -128,7 +129,7 @@ def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
     for trial in range(3):
         directory, started = str(tmp_path / f"run{trial}"), tmp_path / f"started{trial}"
         config = dict(optim="smartinf", dir=directory, steps=KILLED_STEPS, started=str(started),
-                      sleep=0.02, out=str(tmp_path / "killed.pt"))
+                      sleep=0.02, out=str(tmp_path / "killed.pt"), kw=DURABLE)
         port = free_port()
         if warm.fresh():  # (torch.multiprocessing's own)
             ranks = torch.multiprocessing.start_processes(run, args=(2, port, config), nprocs=2,
@@ -153,7 +154,7 @@ def test_a_rank_killed_at_random_reopens_every_rank_at_one_step(tmp_path):
         reaped()
         assert not os.path.exists(config["out"])  # killed before the end
         rest = train(tmp_path, f"rest{trial}", 2, optim="smartinf", dir=directory,
-                     steps=KILLED_STEPS, first="resume", if_exists="resume")
+                     steps=KILLED_STEPS, first="resume", if_exists="resume", kw=DURABLE)
         assert 0 < rest["first"] < KILLED_STEPS
         for a, b in zip(rest["params"], whole["params"][rest["first"]:], strict=True):
             for p, q in zip(a, b):
@@ -236,3 +237,33 @@ def _budgets_together(rank, directory, port, budget):
     with pytest.raises(ValueError, match="and 2 ranks of this host open as much at once"):
         so.AdamW(layer.parameters(), devices=[f"{directory}/rank{rank}"], memory_budget=budget)
     dist.destroy_process_group()
+
+
+def _tree(root) -> dict:
+    """Every file under ``root``: its bytes' digest (what a refusal must leave as it was)."""
+    import hashlib
+    from pathlib import Path
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(root).rglob("*")) if f.is_file()}
+
+
+def test_ranks_restarted_on_other_hosts_are_refused_before_anything_is_written(tmp_path):
+    """Two "hosts", each rank's directory on its own host's root (its disk): restarted with
+    the ranks swapped between the hosts, every rank refuses before a byte is written, naming
+    what it found; restarted in place, the run resumes bit for bit."""
+    hosts = [str(tmp_path / "host-a"), str(tmp_path / "host-b")]
+    kw = dict(clip=0.05, optim="smartinf", kw=dict(commit_every=1))
+    train(tmp_path, "first", 2, hosts=hosts, steps=3, **kw)
+    before = {h: _tree(h) for h in hosts}
+    with pytest.raises(RuntimeError) as e:
+        train(tmp_path, "swapped", 2, hosts=hosts[::-1], if_exists="resume", first="resume", **kw)
+    said = str(e.value)
+    assert "rank 0 found no run in its directory (its host's" in said
+    assert "holds the runs of ranks 1)" in said and "restarted on other hosts" in said
+    assert "torch.distributed.checkpoint" in said
+    assert {h: _tree(h) for h in hosts} == before  # nothing written, nothing made
+    resumed = train(tmp_path, "again", 2, hosts=hosts, if_exists="resume", first="resume", **kw)
+    straight = train(tmp_path, "straight", 2, **kw)
+    assert resumed["first"] == 3
+    for p, q in zip(resumed["params"][-1], straight["params"][-1]):
+        assert torch.equal(p, q)

@@ -17,8 +17,8 @@ def test_a_directory_too_small_is_refused_before_the_first_byte(small_fs):
     would fit (and are offered), and the directory is left as it was found."""
     model = torch.nn.Linear(1024, 1024, bias=False)
     found = sorted(os.listdir(small_fs))
-    with pytest.raises(OSError) as refused:
-        so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16)
+    with pytest.raises(OSError) as refused:  # (two copies asked: one would fit, all resident)
+        so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, copies=2)
     assert refused.value.errno == errno.ENOSPC
     text = str(refused.value)
     assert "1.05 M params need 25.2 MB" in text and "MB free" in text and small_fs in text

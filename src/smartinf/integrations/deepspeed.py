@@ -54,7 +54,7 @@ from smartinf.pipeline.devices import rank_directory
 from smartinf.optim import _StorageOptimizer as StorageOptimizer
 from smartinf.integrations import deepspeed_hook
 from smartinf.integrations.deepspeed_config import (CONFIG_KEY, LionParams, Settings, _with_lion_params,
-                               _with_torch_adam, _with_unsynchronized_timer, check_config)
+                               _with_unsynchronized_timer, check_config)
 from smartinf.integrations.deepspeed_zero3 import SmartInfinityStage3
 
 # DeepSpeed's own initialize, taken now: a user who sets deepspeed.initialize to ours by
@@ -63,6 +63,17 @@ _deepspeed_initialize = deepspeed_hook.original_initialize(deepspeed)
 
 __all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings", "LionParams",
            "check_config"]
+
+
+def _with_torch_adam(config: dict) -> dict:
+    """The base optimizer only holds hyper-parameters here; torch's Adam(W) does that
+    without DeepSpeed's FusedAdam, which would compile a CUDA op on first use."""
+    opt = config.get("optimizer")
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        params = dict(opt.get("params", {}))
+        params.setdefault("torch_adam", True)
+        config = dict(config, optimizer=dict(opt, params=params))
+    return config
 
 
 OFFLOAD_REFUSED = (

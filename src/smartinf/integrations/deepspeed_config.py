@@ -431,17 +431,6 @@ def _with_lion_params(config: dict, args: tuple, kwargs: dict) -> tuple:
     return config, kwargs
 
 
-def _with_torch_adam(config: dict) -> dict:
-    """The base optimizer only holds hyper-parameters here; torch's Adam(W) does that
-    without DeepSpeed's FusedAdam, which would compile a CUDA op on first use."""
-    opt = config.get("optimizer")
-    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
-        params = dict(opt.get("params", {}))
-        params.setdefault("torch_adam", True)
-        config = dict(config, optimizer=dict(opt, params=params))
-    return config
-
-
 def _with_unsynchronized_timer(config: dict) -> dict:
     """DeepSpeed's throughput timer synchronizes the whole device at each forward's start and
     each step's end (``"timers": {"throughput": {"synchronized": true}}``, its default), which

@@ -17,6 +17,7 @@ from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
 
 from smartinf.step import edits
 from smartinf.pipeline.checkpoint import restore_devices, save_devices
+from smartinf.pipeline.devices import rank_directory
 from smartinf.step.driver import Driver, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.step.rounding import to_bf16
@@ -57,6 +58,8 @@ class StoredStates:
             fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
+        ranks.refuse_moved(self._summed, dist.get_rank(), dist.get_world_size(),
+                           rank_directory(self.settings.devices[0], dist.get_rank()), if_exists)
         with ranks.opening_together(self._summed, dist.get_rank(), dist.get_world_size()):
             self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
         self._agree_on_step()

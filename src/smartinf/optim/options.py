@@ -6,6 +6,7 @@ split master of other dtypes, a GPU budget without one GPU."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -243,13 +244,27 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
     its ``SMARTINF_*`` variable); the format left out stays exact (fp32 states, fp32 master).
     Reported once at warning level; (settings, the choice; None where nothing was planned:
     devices with budgets of their own, ``placeable``)."""
-    if not placeable(devices):
-        return storage, None
     given = {**defaults.placement_given(), **storage}
+    if not placeable(devices) or not sum(local(p).numel() for p in params) or (
+            given.get("master") == "split" and any(p.dtype != torch.bfloat16 for p in params)):
+        return storage, None  # (the devices' own budgets; nothing to place; refused below)
+    try:
+        choice = _choose(params, given, devices, gpu_memory_budget, if_exists)
+    except OSError as e:
+        if e.errno != errno.ENOSPC or given.get("state_dtype") == "auto":
+            raise
+        return storage, None  # (the pipeline refuses what was given, saying what would fit)
+    logger.warning("%s", choice.report())
+    # what was given wins (a resumed run's format too, which the pipeline then refuses)
+    return {**choice.settings(), **{k: v for k, v in storage.items() if v != "auto"}}, choice
+
+
+def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,
+            gpu_memory_budget: "int | str | None", if_exists: str) -> plan.Choice:
     formats = given.get("state_dtype", "fp32")
     budget = given.get("memory_budget")
     sharded = Sharding(params)  # (FSDP2: this rank's shards; the host's ranks share it)
-    choice = plan.choose(
+    return plan.choose(
         sum(local(p).numel() for p in params), [getattr(d, "path", d) for d in devices],
         ranks=defaults.local_ranks(sharded.world) if sharded.active else 1,
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
@@ -260,5 +275,3 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
         # (FSDP2: no log, whose step the ranks would have to agree on: docs/fsdp.md)
         overlap=given.get("overlap", True if sharded.active else None),
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))
-    logger.warning("%s", choice.report())
-    return {**storage, **choice.settings()}, choice

@@ -2,16 +2,20 @@
 memory together (``opening_together``), and reopen at one durable step: a crash between the
 ranks' commits leaves some one commit ahead, whose shadow copies still hold the others'
 step, so they go back to it (before any sub-group is attached). Ranks further apart are
-refused, naming each rank's step."""
+refused, naming each rank's step. Ranks restarted on other hosts than the disks holding
+their directories are refused before any opens (``refuse_moved``)."""
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable
 
 import torch
 
 from smartinf import defaults
+from smartinf.pipeline.checkpoint import manifest_fields
+from smartinf.pipeline.devices import rank_directory
 from smartinf.planning import space
 
 logger = logging.getLogger("smartinf")
@@ -50,3 +54,45 @@ def agree_on_step(pipeline: Any, summed: Callable[[torch.Tensor], torch.Tensor],
            if copies == 1 else "more than one commit apart")
     raise RuntimeError(f"the ranks' directories {directories} hold different durable steps "
                        f"({which}), {why}: load a checkpoint or use fresh directories")
+
+
+def refuse_moved(summed: Callable[[torch.Tensor], torch.Tensor], rank: int, world: int,
+                 directory: str, if_exists: str) -> None:
+    """Before any rank opens its directories (``directory``: this rank's first, where its run
+    is held; ``rank%05d`` under a root the ranks share, or a path of its own): where a rank
+    finds no run of its own while another rank holds one, or its host's root holds other
+    ranks' runs, the ranks were restarted on other hosts than the disks that hold their
+    directories (an elastic restart, a new allocation). Refused on every rank before
+    anything is written, naming each such rank, the directory it expected and what its host
+    holds: never a fresh start beside resumed ranks, nor two ranks' states mixed.
+    ``if_exists="overwrite"``: a fresh start is asked for."""
+    if if_exists == "overwrite" or world < 2:
+        return
+    root = os.path.dirname(directory)
+    laid_out = directory == rank_directory(root, rank)  # (else no sibling to look for)
+    seen = torch.zeros(world, world, dtype=torch.float64)  # [r, q]: rank r's host holds q's run
+    for q in range(world) if laid_out else (rank,):
+        path = rank_directory(root, q) if laid_out else directory
+        seen[rank, q] = float(manifest_fields(path) is not None)
+    seen = summed(seen).cpu()
+    own = [bool(seen[r, r]) for r in range(world)]
+    if all(own) or not any(seen.view(-1).tolist()):
+        return  # every rank resumes its own, or none holds anything: a fresh start
+    lost = [r for r in range(world) if not own[r] and (any(own) or seen[r].any())]
+    if not lost:
+        return
+    said = []
+    for r in lost:
+        others = [q for q in range(world) if q != r and seen[r, q]]
+        said.append(f"rank {r} found no run in its directory"
+                    + (f" (its host's {root if r == rank else 'root'} holds the runs of ranks "
+                       f"{', '.join(map(str, others))})" if others else ""))
+    holding = [r for r in range(world) if own[r]]
+    raise RuntimeError(
+        f"{'; '.join(said)}, while ranks {', '.join(map(str, holding)) or 'none'} hold theirs "
+        f"(rank {rank} expected {directory}): the ranks were restarted on other hosts than the "
+        f"disks that hold their directories. Nothing was written. Start each rank where its "
+        f"rank%05d directory is, or move the run through a checkpoint: "
+        f"torch.distributed.checkpoint (FSDP2) or the optimizer's state_dict() loaded into "
+        f"directories made with if_exists='overwrite' (docs/fsdp.md, 'Moving a run between "
+        f"hosts')")
