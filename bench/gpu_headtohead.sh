@@ -99,6 +99,11 @@ flags() {  # mode name -> train.py flags
     # FSDP2 (examples/fsdp/train.py): no offload (torch's fused AdamW on the GPU: the floor),
     # CPUOffloadPolicy (params, gradients and states on the host, torch's fused AdamW on its
     # cores), and smartinf.optim over the shards (bf16 shards, fp32 masters in its states)
+    # what a user writes first: the block with only "devices" (DeepSpeed), the README's
+    # smartinf.optim.AdamW(..., devices=, max_grad_norm=) (FSDP2): the planner's placement
+    defaults) echo "--mode smartinf" ;;
+    fsdp2-defaults) echo "--mode smartinf" ;;
+    fsdp2-defaults-sync) echo "--mode smartinf --no-overlap" ;;
     fsdp2-none) echo "--mode fsdp" ;;
     fsdp2-cpu-offload) echo "--mode cpu-offload" ;;
     fsdp2-fp32-all-k10) echo "--mode smartinf --memory-budget 40GiB --commit-every 10" ;;
@@ -109,6 +114,17 @@ flags() {  # mode name -> train.py flags
 
 for mode in "$@"; do
   f=$(flags "$mode") || exit 2
+  # The defaults are the planner's (docs/configuration.md): the modes named for a placement
+  # say what they leave out, as they meant before: no GPU budget where they name none,
+  # streamed and durable every step where they name no memory, durable every step in -k1.
+  case $f in *"--mode smartinf"*)
+    case $mode in defaults|fsdp2-defaults*|auto-*|fsdp2-auto-*) ;; *)
+      case $f in *--gpu-memory-budget*) ;; *) f="$f --gpu-memory-budget 0" ;; esac
+      case $mode in fsdp2-*) ;; *) case $f in *--gpu-host-states*) ;; *) f="$f --gpu-host-states off" ;; esac ;; esac
+      case $f in *--memory-budget*) ;; *) f="$f --memory-budget 0 --commit-every 1" ;; esac
+      case $mode in *-k1|*-k1-*) f="$f --commit-every 1" ;; esac ;;
+    esac ;;
+  esac
   steps=$STEPS; case $mode in *-k10*) steps=$((STEPS > 12 ? STEPS : 12)) ;; esac
   run=$mode-g$GPUS
   start=$(date +%s)

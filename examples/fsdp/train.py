@@ -18,6 +18,7 @@ backward / optimizer-step seconds; ``--json`` writes them (rank 0). Without a GP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import smartinf.optim  # noqa: E402
+from smartinf.defaults import parse_bytes  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -108,6 +110,10 @@ def main() -> None:
                    help="recompute each block's activations in backward")
     p.add_argument("--zero-init", action="store_true", help="(always: built on the meta "
                    "device and materialised as shards; taken for examples/deepspeed's flags)")
+    p.add_argument("--gpu-memory", help="emulate a GPU with this much memory (e.g. 80GiB) on a "
+                   "larger one, as examples/deepspeed/train.py's flag does")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="write torch.profiler's table of this step's opt.step() to --json's .prof.txt")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
     args = p.parse_args()
 
@@ -119,6 +125,13 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if args.gpu_memory:  # (kept until the end: held beside everything the run allocates)
+        total = torch.cuda.mem_get_info()[1] if cuda else 0
+        emulated = parse_bytes(args.gpu_memory, "--gpu-memory")
+        if not 0 < emulated < total:
+            raise SystemExit(f"--gpu-memory {args.gpu_memory} emulates a smaller GPU on a larger "
+                             f"CUDA GPU: give less than its {total} bytes")
+        held_back = torch.empty(total - emulated, dtype=torch.uint8, device=device)  # noqa: F841
     lang = Language()
     vocab = MODELS[args.model][3] or lang.vocab_size
     model = sharded_model(args, vocab, device)
@@ -141,9 +154,16 @@ def main() -> None:
         t2 = sync()
         if args.mode != "smartinf" and args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t3 = sync()
+        profiling = args.profile_step == step + 1 and rank == 0 and args.json
+        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling
+              else contextlib.nullcontext()) as prof:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3 = sync()
+        if profiling:
+            Path(args.json).with_suffix(".prof.txt").write_text(prof.key_averages().table(
+                sort_by="cpu_time_total", row_limit=60, max_name_column_width=80))
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         records.append({"step": step + 1, "loss": mean.item() / world, "fwd_s": t1 - t0,
@@ -156,7 +176,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "world_size": world, "dtype": args.dtype,
             "num_params": sum(p.numel() for p in model.parameters()),
-            "optimizer": repr(opt), "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+            "optimizer": repr(opt), "placement": getattr(opt, "placement", None) and opt.placement.report(),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
             "steps": records}, indent=1))
     if args.mode == "smartinf":
         opt.close()

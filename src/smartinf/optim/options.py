@@ -230,7 +230,8 @@ def default_gpu_budget(budget: "int | str | None", params: Sequence[torch.Tensor
     CUDA GPU and the devices are the planner's (``placeable``): their states go where the
     first iteration leaves room, as they would with it given; 0: none."""
     if budget is not None:
-        return budget or None
+        return None if budget != "auto" and not defaults.parse_bytes(budget, "gpu_memory_budget") \
+            else budget
     gpus = {local(p).device for p in params if local(p).device.type == "cuda"}
     on_one_gpu = len(gpus) == 1 and all(local(p).device.type == "cuda" for p in params)
     return "auto" if on_one_gpu and placeable(resolve_devices(devices)) else None
