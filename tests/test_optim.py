@@ -536,7 +536,7 @@ def test_state_dict_with_different_step_counts_in_a_subgroup_is_refused(disk_dir
 
 def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
     import smartinf._native as native
-    a, oa, b, ob = adamw_pair(disk_dir, 2, commit_every=1)  # (every step durable)
+    a, oa, b, ob = adamw_pair(disk_dir, 2, memory_budget=0, commit_every=1)  # (streamed, durable)
     before = [p.detach().clone() for p in a.parameters()]
     set_grads(a, reference_grads(b, 2))
     native.arm_fault("store.synced", "error", errno=28)
