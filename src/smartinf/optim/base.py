@@ -23,6 +23,7 @@ from smartinf.step.driver import Driver, overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
 from smartinf.optim.hooks import ParamHooks
+from smartinf.optim.ddp import DdpTrigger
 from smartinf.optim.state_view import StateView
 from smartinf.optim import sharding
 from smartinf.optim.sharding import Sharding, local
@@ -179,6 +180,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      gradients.flat)
             self._hooks.register(self._plan)
+            self._ddp = DdpTrigger(self._trained(), self._hooks)
         self._session = StepSession(pipeline, self._driver,
                                     lambda i, flat: self._scatter(self._plan[i], flat),
                                     self._speculation)
@@ -322,6 +324,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             finally:
                 if self._speculation is not None:
                     self._hooks.end_step()
+                    self._ddp.stop_finding()  # (DDP is found at the first forward, or none is)
         except BaseException:
             session.fail(discard=True)
             raise
@@ -431,6 +434,7 @@ class _StorageOptimizer(torch.optim.Optimizer):
             self._adopt(self._edited())
         if self._speculation is not None:
             self._hooks.close()
+            self._ddp.stop_finding()
             self._speculation.close()
         self.pipeline.close()
 

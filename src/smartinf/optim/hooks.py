@@ -46,6 +46,10 @@ class ParamHooks:
         self._expected = 1  # accumulations per step, as in the last step
         self._stale: set[int] = set()  # sub-groups accumulated into after their update started
         self._on_cpu = defaults.speculate_on_cpu()  # else only gradients of GPU params
+        # Under DDP (optim/ddp.py): updates start from each bucket's averaged gradients, which
+        # it hands to ``averaged``, not from the local ones accumulated here
+        self.ddp: Callable[[], bool] = lambda: False
+        self._averaged: dict[int, torch.Tensor] = {}  # id(param) -> its averaged gradient
 
     def register(self, plan: Sequence[Any]) -> None:
         """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
@@ -72,12 +76,13 @@ class ParamHooks:
                 self._expected = max(self._seen.values())
             self._seen = {}
             self._stale = set()
+            self._averaged = {}
 
     def _accumulated(self, p: torch.Tensor) -> None:
         try:
             with self._lock:
                 seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
-                for sg in self._subgroups_of.get(id(p), ()):
+                for sg in self._subgroups_of.get(id(p), ()) if not self.ddp() else ():
                     if self.speculation.flying(sg.id):
                         self._stale.add(sg.id)  # its gradient grew after the update started
                     elif seen == self._expected and all(
@@ -88,14 +93,28 @@ class ParamHooks:
                            "step() from now on", e)
             self.speculation.enabled = False
 
-    def _start(self, sg: Any) -> None:
+    def averaged(self, pairs: list) -> None:
+        """DDP's averaged gradients of a bucket's params: each sub-group whose params all have
+        theirs starts its update from them (what DDP then puts into ``.grad``)."""
+        with self._lock:
+            ready = {}
+            for p, g in pairs:
+                if id(p) in self._subgroups_of:
+                    self._averaged[id(p)] = g
+                    ready.update((sg.id, sg) for sg in self._subgroups_of[id(p)])
+            for sg in ready.values():
+                if all(id(q) in self._averaged for q in self._params[sg.id]):
+                    self._start(sg, self._averaged)
+
+    def _start(self, sg: Any, given: Optional[dict] = None) -> None:
         if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id):
             return
         if self.speculation.pipeline.gpu_of(sg.id) is not None:
             return  # updated on the GPU at step(), where its gradient is: milliseconds
         grads = []
         for p in self._params[sg.id]:
-            g = local(p.grad)  # (an FSDP2 param's: its shard, reduce-scattered)
+            # (an FSDP2 param's: its shard, reduce-scattered; DDP's: the ranks' average)
+            g = local(p.grad) if given is None else given[id(p)].view(p.shape)
             if g is None or g.is_sparse:
                 return
             grads.append((p, g))
@@ -113,14 +132,20 @@ class ParamHooks:
             if sg.id in self._stale:
                 return "accumulated again"
             # replaced; in place, the digests tell (not ``_version``: FSDP2's gradients of one
-            # group share one, which every accumulation into any of them advances)
-            if any(local(p.grad) is not g for p, g in grads):
+            # group share one, which every accumulation into any of them advances). DDP copies
+            # its averaged ones into ``.grad``: only their bits can tell.
+            if given is None and any(local(p.grad) is not g for p, g in grads):
+                return "gradient changed"
+            if given is not None and any(p.grad is None for p, _ in grads):
                 return "gradient changed"
             return None
+        by_param = {id(p): g for p, g in grads}
+        read = None if given is None else [
+            by_param[id(s.param)].detach().reshape(-1)[s.start:s.stop] for s in sg.slices]
         self.speculation.start(sg.id, hyper, out,
                                lambda scale: self._send(sg, flat, scale, hyper, out), ready, guard,
                                lambda: [local(s.param.grad).detach().reshape(-1)[s.start:s.stop]
-                                        for s in sg.slices])
+                                        for s in sg.slices], read)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -148,6 +148,10 @@ class ParamWatch:
         parts' piece checksums, where ``copy`` put them (else read now)."""
         self._held[key] = digests([self._parts(key)])[0] if pieces is None else fold(pieces)
 
+    def record_parts(self, key: Hashable, parts: Sequence[torch.Tensor]) -> None:
+        """``record`` of ``key`` from ``parts`` given (what its parts will hold)."""
+        self._held[key] = digests([parts])[0]
+
     def record_all(self, keys: Sequence[Hashable]) -> None:
         """``record`` of each of ``keys``, their digests taken together (``digests``)."""
         self._held.update(zip(keys, digests([self._parts(k) for k in keys])))

@@ -83,18 +83,20 @@ class Speculation:
     def start(self, sg: int, hyper: dict, out: torch.Tensor, launch: Callable[[float], Any],
               ready: Optional[torch.cuda.Event] = None,
               guard: Optional[Callable[[], Optional[str]]] = None,
-              gradient: Optional[Callable[[], Sequence[torch.Tensor]]] = None) -> None:
+              gradient: Optional[Callable[[], Sequence[torch.Tensor]]] = None,
+              read: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Starts ``sg``'s update: ``launch(scale)`` returns its future, and is called now, or
         once ``ready`` (an event the host copies of its inputs were recorded after) has
         happened, on a thread of this class (backward goes on meanwhile). ``guard()`` is asked
         at ``take()`` whether the gradient is still what was sent (a reason if not);
         ``gradient()`` gives the gradient's flat parts as they are: digested now, before the
         update reads them (on a GPU, queued on the current stream ahead of its copy), and
-        again at ``take()``."""
+        again at ``take()``; ``read``: the parts the update reads, where ``gradient()`` does not
+        give them yet (DDP's averaged gradients, copied into ``.grad`` by the end of backward)."""
         scale = self._scale
         if gradient is not None and self.check_digests:
             self._gradients[sg] = gradient
-            self._read.record(sg)
+            self._read.record_parts(sg, read) if read is not None else self._read.record(sg)
         launched = self.launch(lambda: launch(scale), ready)
         self._flights[sg] = _Flight(launched, out, scale, hyper, guard)
         self.counts.started += 1

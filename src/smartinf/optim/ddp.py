@@ -1,0 +1,72 @@
+"""Updates started during backward under DDP (``DdpTrigger``): from DDP's averaged gradients.
+
+DDP replaces each param's local gradient by the ranks' average at the end of backward, so an
+update started from the local gradient (``ParamHooks``' post-accumulate-grad hook) would be
+retracted at ``step()``. Here DDP's own communication hook reduces each bucket as DDP does
+without one (each gradient times 1 / world size, then summed over the ranks) and, once the
+bucket is averaged, hands its params' averaged gradients to ``ParamHooks``, which starts the
+update of every sub-group whose params all have theirs: the bits DDP then copies into
+``.grad``. DDP is found at the first forward that runs inside it (a global forward pre-hook,
+removed then, or after the first ``step()`` where no DDP holds these params); a DDP with a
+communication hook of its own keeps it, and the updates wait for ``step()``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("smartinf")
+
+
+class DdpTrigger:
+    """Hands ``hooks`` (``ParamHooks``) each bucket's (param, averaged gradient) pairs."""
+
+    def __init__(self, params: list, hooks: Any) -> None:
+        self._ours = {id(p) for p in params}
+        self._hooks = hooks
+        self.attached: Optional[Any] = None
+        hooks.ddp = lambda: self.attached is not None
+        self._finder = torch.nn.modules.module.register_module_forward_pre_hook(self._find) \
+            if dist.is_available() and dist.is_initialized() else None
+
+    def _find(self, module: Any, args: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is None or not any(id(p) in self._ours for p in ddp.module.parameters()):
+            return
+        self.stop_finding()
+        try:
+            ddp.register_comm_hook(None, self._reduce)
+        except Exception as e:  # (DDP takes one hook: the user's stays)
+            self._wait_for_step(f"DDP has a communication hook already ({e})")
+            return
+        self.attached = ddp
+
+    def _wait_for_step(self, why: str) -> None:
+        """Updates wait for ``step()`` from now on (said once)."""
+        if self._hooks.speculation.enabled:
+            logger.info("smartinf: %s: updates wait for step()", why)
+        self._hooks.speculation.enabled = False
+
+    def stop_finding(self) -> None:
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
+
+    def _reduce(self, state, bucket):  # (DDP checks a hook's annotations: none given)
+        group = self.attached.process_group
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / group.size())  # as DDP's reducer scales the gradients without a hook
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+
+        def averaged(fut: torch.futures.Future) -> torch.Tensor:
+            reduced = fut.value()[0]
+            try:
+                self._hooks.averaged(list(zip(bucket.parameters(), bucket.gradients())))
+            except Exception as e:  # backward must go on: the step updates them instead
+                self._wait_for_step(f"an update could not start from DDP's averaged gradients ({e})")
+            return reduced
+        return work.get_future().then(averaged)

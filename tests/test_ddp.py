@@ -1,0 +1,65 @@
+"""smartinf.optim under DDP (world 2, gloo, the CPU; updates during backward with
+SMARTINF_SPECULATE_ON_CPU=1, as conftest sets it): the updates start from DDP's averaged
+gradients (its communication hook), are kept at step(), and the run is bit for bit the one
+with overlap off, with and without ``no_sync`` gradient accumulation."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import smartinf.optim as so
+import warm
+from conftest import free_port
+
+STEPS = 5
+WARM = ("torch", "torch.distributed", "smartinf.optim", "test_ddp")
+
+
+def _rank(rank: int, world: int, port: int, config: dict) -> None:
+    os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
+    ddp = DDP(model, bucket_cap_mb=0.002)  # (several buckets: sub-groups spanning two)
+    opt = so.AdamW(ddp.parameters(), lr=1e-2, devices=[config["dir"]], subgroup_size=300,
+                   chunk=128, overlap=config["overlap"], max_grad_norm=config.get("clip"))
+    record = {"params": []}
+    for step in range(STEPS):
+        for micro in range(config.get("accumulate", 1)):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            x = torch.randn(8, 24, generator=g)
+            last = micro == config.get("accumulate", 1) - 1
+            with (ddp.no_sync() if not last else torch.enable_grad()):
+                ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record["params"].append([p.detach().clone() for p in model.parameters()])
+    counts = opt._speculation and opt._speculation.counts
+    record["counts"] = counts and {"started": counts.started, "kept": counts.kept,
+                                   "retracted": counts.retracted, "reasons": dict(counts.reasons)}
+    opt.close()
+    if rank == 0:
+        torch.save(record, config["out"])
+    dist.destroy_process_group()
+
+
+def train(tmp_path, name: str, **config) -> dict:
+    config = dict(config, dir=str(tmp_path / name), out=str(tmp_path / f"{name}.pt"))
+    warm.spawn("ddp", WARM, _rank, (2, free_port(), config), 2)
+    return torch.load(config["out"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["plain", "no_sync"])
+def test_updates_start_from_ddps_averaged_gradients_and_are_kept(tmp_path, accumulate):
+    on = train(tmp_path, "on", overlap=True, accumulate=accumulate)
+    off = train(tmp_path, "off", overlap=False, accumulate=accumulate)
+    for step, (a, b) in enumerate(zip(on["params"], off["params"]), 1):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), f"after step {step}"
+    counts = on["counts"]
+    # from the second step on (the first has no scale to assume), every sub-group's update
+    # started during backward, from the averaged gradients, and held
+    assert counts["retracted"] == 0, counts
+    assert counts["kept"] == counts["started"] >= (STEPS - 1) * 2, counts
