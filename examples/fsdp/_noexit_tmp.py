@@ -179,9 +179,7 @@ def main() -> None:
             "optimizer": repr(opt), "placement": getattr(opt, "placement", None) and opt.placement.report(),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
             "steps": records}, indent=1))
-    if args.mode == "smartinf":
-        opt.close()
-    dist.destroy_process_group()
+    pass
 
 
 if __name__ == "__main__":

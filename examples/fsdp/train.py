@@ -186,9 +186,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is written: leave without C++ static destructors, which after a successful
-    # gloo run abort now and then at exit ("terminate called without an active exception"),
-    # as examples/deepspeed/train.py does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -58,6 +58,7 @@ class StoredStates:
             fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
+        ranks.leave_cleanly()
         ranks.refuse_moved(self._summed, dist.get_rank(), dist.get_world_size(),
                            rank_directory(self.settings.devices[0], dist.get_rank()), if_exists)
         with ranks.opening_together(self._summed, dist.get_rank(), dist.get_world_size()):

@@ -147,6 +147,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            ranks.leave_cleanly()
         if self._sharding.active:  # (before anything is written)
             ranks.refuse_moved(self._sharding.sum, self._sharding.rank, self._sharding.world,
                                subgroups.device_path(resolve_devices(devices)[0]), if_exists)

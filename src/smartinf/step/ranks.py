@@ -96,3 +96,33 @@ def refuse_moved(summed: Callable[[torch.Tensor], torch.Tensor], rank: int, worl
         f"torch.distributed.checkpoint (FSDP2) or the optimizer's state_dict() loaded into "
         f"directories made with if_exists='overwrite' (docs/fsdp.md, 'Moving a run between "
         f"hosts')")
+
+
+_leaving_cleanly = False
+
+
+def leave_cleanly() -> None:
+    """At interpreter exit, the default process group destroyed while the interpreter still
+    runs (an ``atexit`` handler, registered once): a script that ends without
+    ``destroy_process_group()`` otherwise aborts now and then with gloo ("terminate called
+    without an active exception", SIGABRT after every step was written, a failed job to
+    torchrun): gloo's worker thread destroys a finished collective's work, whose tensors take
+    the GIL to drop their Python objects, while ``Py_FinalizeEx`` makes such threads exit
+    (seen in a core of the FSDP2 example: ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``)."""
+    global _leaving_cleanly
+    if _leaving_cleanly:
+        return
+    _leaving_cleanly = True
+    import atexit
+    import gc
+
+    def destroy() -> None:
+        gc.collect()  # (collectives' works dropped now, while their threads may take the GIL)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception as e:  # (exiting: said, not raised)
+                logger.debug("destroy_process_group at exit: %s", e)
+        gc.collect()
+    atexit.register(destroy)
