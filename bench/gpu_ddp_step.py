@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
+from gpu_fsdp_step import summary, timed_step  # noqa: E402
 
 import smartinf.optim as so  # noqa: E402
 
@@ -52,31 +52,15 @@ def main() -> None:
     for i in range(a.steps):
         g = torch.Generator(device="cuda").manual_seed(1000 + i)
         x = torch.randint(0, vocab, (a.batch, a.seq), device="cuda", generator=g)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = ddp(x)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        torch.cuda.synchronize()
-        mid = time.perf_counter()
-        if a.mode == "torch":
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        end = time.perf_counter()
-        rows.append({"step": i + 1, "loss": float(loss.detach()), "fwd_bwd_s": mid - start,
-                     "step_s": end - mid, "iteration_s": end - start})
+
+        def loss_of() -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = ddp(x)
+            return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten())
+        rows.append(timed_step(i + 1, a.mode, loss_of, opt, ddp.parameters()))
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
-    later = rows[1:]
-    result = {"mode": a.mode, "device": torch.cuda.get_device_name(),
-              "params": sum(q.numel() for q in model.parameters()),
-              "median": {k: statistics.median(r[k] for r in later)
-                         for k in ("fwd_bwd_s", "step_s", "iteration_s")},
-              "losses": [r["loss"] for r in rows], "rows": rows,
-              "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = dict(summary(a.mode, rows, model), rows=rows)
     if a.mode == "smartinf":
         result["placement"] = opt.placement and opt.placement.report()
         opt.close()

@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,37 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_amp_step import D, LAYERS, RESIDENT, VOCAB, make_model  # noqa: E402
 
 import smartinf.optim as so  # noqa: E402
+
+
+def timed_step(step: int, mode: str, loss_of: Callable[[], torch.Tensor], opt: Any,
+               params: Any) -> dict:
+    """One iteration, timed: forward (``loss_of()``) and backward, then the step (with torch's
+    optimizer, after ``clip_grad_norm_``: smartinf's clips itself)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = loss_of()
+    loss.backward()
+    torch.cuda.synchronize()
+    mid = time.perf_counter()
+    if mode == "torch":
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    return {"step": step, "loss": float(loss.detach()), "fwd_bwd_s": mid - start,
+            "step_s": end - mid, "iteration_s": end - start}
+
+
+def summary(mode: str, rows: list, model: torch.nn.Module) -> dict:
+    """The run's record: medians of iterations 2+, every loss, the GPU's peak."""
+    later = rows[1:]
+    return {"mode": mode, "device": torch.cuda.get_device_name(),
+            "params": sum(p.numel() for p in model.parameters()),
+            "median": {k: statistics.median(r[k] for r in later)
+                       for k in ("fwd_bwd_s", "step_s", "iteration_s")},
+            "losses": [r["loss"] for r in rows],
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def main() -> None:
@@ -52,29 +84,11 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(i)
         x = torch.randn(a.tokens, D, device="cuda", generator=g)
         target = torch.randint(0, VOCAB, (a.tokens,), device="cuda", generator=g)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x).float(), target)
-        loss.backward()
-        torch.cuda.synchronize()
-        mid = time.perf_counter()
-        if a.mode == "torch":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        end = time.perf_counter()
-        rows.append({"step": i + 1, "loss": float(loss.detach()), "fwd_bwd_s": mid - start,
-                     "step_s": end - mid, "iteration_s": end - start})
+        rows.append(timed_step(i + 1, a.mode, lambda: torch.nn.functional.cross_entropy(
+            model(x).float(), target), opt, model.parameters()))
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
-    later = rows[1:]
-    result = {"mode": a.mode, "device": torch.cuda.get_device_name(),
-              "params": sum(p.numel() for p in model.parameters()), "tokens": a.tokens,
-              "median": {k: statistics.median(r[k] for r in later)
-                         for k in ("fwd_bwd_s", "step_s", "iteration_s")},
-              "losses": [r["loss"] for r in rows],
-              "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = dict(summary(a.mode, rows, model), tokens=a.tokens)
     if a.mode == "smartinf":
         result["kept"] = opt._speculation.counts.kept if opt._speculation else 0
         opt.close()

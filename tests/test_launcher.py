@@ -68,7 +68,7 @@ def launch(tmp_path, argv: list, name: str) -> None:
 
 @pytest.mark.parametrize("script", ["fsdp2", "deepspeed"])
 def test_a_script_that_ends_without_cleaning_up_exits_0(tmp_path, script):
-    path = tmp_path / f"{script}.py"
+    path = tmp_path / f"user_{script}.py"  # (not deepspeed.py: it would import itself)
     path.write_text(FSDP2 if script == "fsdp2" else DEEPSPEED)
     launch(tmp_path, [str(path)], script)
 

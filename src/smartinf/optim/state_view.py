@@ -20,7 +20,7 @@ import torch
 
 from smartinf.optim import subgroups
 from smartinf.optim.sharding import Sharding, local
-from smartinf.optim.torch_state import _export_tensor
+from smartinf.optim.torch_state import _export_tensor, one_step_count
 
 
 def _filled(method: Callable) -> Callable:
@@ -274,12 +274,8 @@ class StateView(defaultdict):
             entry = dirty.get(id(s.param))
             said = current if entry is None else self.stored_steps(entry)
             counts.add(current if entry is not None and said == entry._steps_read else said)
-        if len(counts) > 1:
-            shapes = [tuple(s.param.shape) for s in sg.slices]
-            raise ValueError(
-                f"opt.state edits would leave the params of sub-group {sg.id} (shapes {shapes}) "
-                f"at steps {sorted(counts)}: smartinf keeps one step count a sub-group. Reset "
-                f"the moments in place (opt.state[p]['exp_avg'].zero_()) and keep 'step', or "
-                f"edit every param of the sub-group alike (subgroup_size=1 param a sub-group "
-                f"at the smallest)")
-        return counts.pop()
+        return one_step_count(
+            sg, counts, "opt.state edits would leave the params of sub-group {sg} (shapes "
+            "{shapes}) at steps {counts}", "so nothing was written. Reset the moments in place "
+            "(opt.state[p]['exp_avg'].zero_()) and keep 'step', or edit every param of the "
+            "sub-group alike")

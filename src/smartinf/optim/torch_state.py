@@ -212,16 +212,23 @@ def load(opt: Any, state_dict: dict) -> None:
 
 def _subgroup_steps(opt: Any, sg: Subgroup, states: dict, ids: dict, group: dict) -> int:
     """The one step count a sub-group keeps, from its params' torch states."""
-    steps = {opt._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices}
-    if len(steps) > 1:
+    return one_step_count(
+        sg, {opt._stored_steps(states.get(ids[id(s.param)], {}), group) for s in sg.slices},
+        "the state_dict's params of sub-group {sg} (shapes {shapes}) were stepped {counts} times",
+        "so loading would change their next update. Params whose counts differ (e.g. unused "
+        "for some steps) need param groups of their own, or a state_dict saved by smartinf")
+
+
+def one_step_count(sg: Subgroup, counts: set, what: str, instead: str) -> int:
+    """The one step count of ``counts`` (those of ``sg``'s params); where they differ,
+    refused: ``what`` (formatted with the sub-group, its params' shapes and the counts), then
+    why, then ``instead``."""
+    if len(counts) > 1:
         shapes = [tuple(s.param.shape) for s in sg.slices]
-        raise ValueError(
-            f"the state_dict's params of sub-group {sg.id} (shapes {shapes}) were stepped "
-            f"{sorted(steps)} times: smartinf keeps one step count per sub-group, and "
-            f"torch's bias correction (or momentum start) depends on it, so loading would "
-            f"change their next update. Params whose counts differ (e.g. unused for some "
-            f"steps) need param groups of their own, or a state_dict saved by smartinf")
-    return steps.pop()
+        raise ValueError(f"{what.format(sg=sg.id, shapes=shapes, counts=sorted(counts))}: "
+                         f"smartinf keeps one step count per sub-group, and torch's bias "
+                         f"correction (or momentum start) depends on it, {instead}")
+    return counts.pop()
 
 
 def _export_bytes(opt: Any) -> int:
