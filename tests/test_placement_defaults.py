@@ -165,3 +165,20 @@ def test_the_readmes_example_runs_as_written_and_trains_as_torch(tmp_path, monke
     saved = torch.load(tmp_path / "opt.pt")
     torch.testing.assert_close(saved["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
     opt.close()
+
+
+def test_an_interval_chosen_is_one_no_step_waits_for(tmp_path, monkeypatch):
+    """The planner's commit interval puts a durable commit off while the last is still being
+    written (commit_waits=False: no step waits for the disk); one given is kept exactly."""
+    box(monkeypatch, 64 << 30)
+    _, chosen = made(tmp_path, "chosen")
+    _, given = made(tmp_path, "given", commit_every=10)
+    _, asked = made(tmp_path, "asked", commit_waits=True)
+    assert chosen.pipeline.settings.commit_waits is False
+    assert given.pipeline.settings.commit_waits is True
+    assert asked.pipeline.settings.commit_waits is True
+    for opt in (chosen, given, asked):
+        opt.close()
+    from smartinf.integrations.deepspeed_config import Settings
+    assert "commit_waits" in Settings.from_config(
+        {"smartinf": {"devices": ["/d"], "commit_waits": True}}).planned

@@ -278,3 +278,32 @@ def test_budget_and_interval_settings_are_checked(tmp_path, monkeypatch):
             (dict(memory_budget=1 << 60), ValueError, "of host memory from creation; .* is available")]:
         with pytest.raises(error, match=match):
             smartinf.Pipeline(d, RULE, **kwargs)
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_durable_commit_due_while_the_last_is_written_waits_or_is_put_off(disk_dir, waits):
+    """Every state resident, K=2, the device's storage capped to 1 MB/s so that a durable
+    commit's background write (about 0.4 MB) is still going two steps later. commit_waits:
+    step 4 waits for step 2's write and is durable (every K-th step, exactly); without, step 4
+    is put off, and the first commit after step 2's write landed (step 5) is durable; the
+    same bits either way."""
+    device = smartinf.CpuDevice(disk_dir, storage_gbps=0.001)
+    budget = 2 * sum(FP32_BYTES.values())
+    seen = []
+    with open_pipe(device, memory_budget=budget, commit_every=2, commit_waits=waits) as pipe:
+        for step in range(4):
+            run_step(pipe, step)
+        seen.append((pipe.durable_step_count, pipe.commit_pending))
+        pipe.settle()  # (step 2's write landed, or step 4's)
+        run_step(pipe, 4)
+        pipe.settle()
+        seen.append(pipe.durable_step_count)
+        final = states(pipe)
+    if waits:
+        assert seen == [(2, True), 4]  # (step 4's own write in the background)
+    else:
+        assert seen == [(0, True), 5]  # step 2's write still going: step 4 put off
+    with open_pipe(disk_dir, memory_budget=budget) as again:  # (close() made step 5 durable)
+        assert again.step_count == 5
+        assert_same(states(again), final)
+    assert_same(final, train(os.path.join(disk_dir, "plain"), 5)[-1][1])

@@ -144,6 +144,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         string if_exists
         uint64_t memory_budget
         uint64_t commit_every
+        cbool commit_waits
         uint32_t copies
         cbool log
         cbool defer_logged_step
@@ -414,6 +415,7 @@ cdef class NativePipeline:
         options.if_exists = settings.if_exists.encode()
         options.memory_budget = settings.memory_budget
         options.commit_every = settings.commit_every
+        options.commit_waits = settings.commit_waits
         options.copies = 1 if settings.copies == "log" else settings.copies
         options.log = settings.copies == "log"
         options.background_commit = settings.overlap

@@ -83,7 +83,8 @@ void Pipeline::commit() {
   }
   land_if_written();
   const uint64_t last = pending_ ? pending_->step : durable_step_;  // the interval's start
-  if (step_ + 1 - last < options_.commit_every) {
+  // (a durable commit due while the last is still written: put off, where it may not wait)
+  if (step_ + 1 - last < options_.commit_every || (pending_ && !options_.commit_waits)) {
     ++step_;  // in resident memory and the working copies until the next durable commit
     return;
   }

@@ -50,6 +50,11 @@ struct PipelineOptions {
   // Every commit_every-th commit() is durable (written, synced, the manifest switched); the
   // others keep the step in resident memory and the working copies. 1: every step.
   uint64_t commit_every = 1;
+  // Whether a durable commit due while the last is still written in the background waits for
+  // it (true: every commit_every-th step, exactly) or is put off to the first commit() after
+  // that write landed (false: the interval stretches to what the disk sustains, and no step
+  // waits for it; the planner's intervals).
+  bool commit_waits = true;
   // Extents per chunk in each directory (store/state_store.h), fixed when it is made: 2 (every
   // instant recoverable) or 1 (half the disk: every sub-group resident, written in place at
   // durable commits; a crash during one loses the states, and the reopen says so).

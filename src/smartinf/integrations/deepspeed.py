@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
 from smartinf.pipeline.devices import rank_directory
 from smartinf.optim import _StorageOptimizer as StorageOptimizer
 from smartinf.integrations import deepspeed_hook
-from smartinf.integrations.deepspeed_config import (CONFIG_KEY, LionParams, Settings, _with_lion_params,
+from smartinf.integrations.deepspeed_config import (CONFIG_KEY, LionParams, Settings,
                                _with_unsynchronized_timer, check_config)
 from smartinf.integrations.deepspeed_zero3 import SmartInfinityStage3
 
@@ -63,6 +63,23 @@ _deepspeed_initialize = deepspeed_hook.original_initialize(deepspeed)
 
 __all__ = ["initialize", "SmartInfEngine", "SmartInfinityStage3", "Settings", "LionParams",
            "check_config"]
+
+
+def _with_lion_params(config: dict, args: tuple, kwargs: dict) -> tuple:
+    """A config "Lion" block becomes a LionParams client optimizer (see there)."""
+    opt = config.get("optimizer")
+    if not (isinstance(opt, dict) and str(opt.get("type", "")).lower() == "lion"):
+        return config, kwargs
+    if kwargs.get("optimizer") is not None:
+        raise ValueError('the config has an "optimizer" block and an optimizer was passed too')
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    params = kwargs.get("model_parameters")
+    params = list(params) if params is not None else list(model.parameters())
+    kwargs = dict(kwargs, model_parameters=params,
+                  optimizer=LionParams(params, **opt.get("params", {})))
+    config = {k: v for k, v in config.items() if k != "optimizer"}
+    config["zero_allow_untested_optimizer"] = True  # it never steps: the devices do
+    return config, kwargs
 
 
 def _with_torch_adam(config: dict) -> dict:

@@ -50,9 +50,8 @@ class Settings:
     # A budget of "auto" sized here (with_gpu_budget): ``fitted_to`` then gives the host
     # what the GPU leaves of the rank's states, and the GPU a host twin where one fits.
     gpu_sized: bool = False
-    # the placement settings given (the block's or the environment's: plan.choose keeps them,
-    # "state_dtype": "auto" named too where the format is the planner's); None: placed already
-    planned: Optional[tuple] = None
+    # the placement settings given (block or environment: kept; "auto": the format chosen too)
+    planned: Optional[tuple] = None  # (None: placed already)
 
     @classmethod
     def from_config(cls, config: dict) -> "Settings":
@@ -120,7 +119,8 @@ class Settings:
                    gpu_memory_budget=gpu_budget, gpu_twins=(gpu or {}).get("twins"),
                    gpu_reserve=gpu_reserve, gpu_host_states=gpu.get("host_states", "auto") if gpu else False,
                    planned=tuple(k for k in ("auto", "state_dtype", "master", "memory_budget",
-                                             "commit_every", "copies", "overlap") if k in placed))
+                                             "commit_every", "commit_waits", "copies", "overlap")
+                                 if k in placed))
 
     def measures_gpu_budget(self, rank: int) -> bool:
         """Whether a budget of ``"auto"`` is sized by the first step, from what the first
@@ -319,12 +319,15 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             gpu_budget_later=settings.gpu_memory_budget == "auto",
             state_dtype=None if auto else given.state_dtype,
             master=None if auto and "master" not in settings.planned else given.master,
-            **{k: getattr(given, k) for k in settings.planned if k not in ("auto", "state_dtype", "master")})
+            **{k: getattr(given, k) for k in settings.planned
+               if k not in ("auto", "state_dtype", "master", "commit_waits")})
         held = (f"; the params' partitions in host memory (offload_param), taken before this "
                 f"choice: {space._size(numel * params[0].element_size())} a rank") if on_host else ""
         logger.warning("%s (each of %d ranks)%s", choice.report(), world, held)
         chosen = [choice.settings()]
     dist.broadcast_object_list(chosen, src=0)
+    if "commit_waits" not in settings.planned:  # (an interval chosen: no step waits for it)
+        chosen[0]["commit_waits"] = "commit_every" in settings.planned
     return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
@@ -412,23 +415,6 @@ class LionParams(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
         raise RuntimeError("LionParams holds hyper-parameters; the devices run the update")
-
-
-def _with_lion_params(config: dict, args: tuple, kwargs: dict) -> tuple:
-    """A config "Lion" block becomes a LionParams client optimizer (see there)."""
-    opt = config.get("optimizer")
-    if not (isinstance(opt, dict) and str(opt.get("type", "")).lower() == "lion"):
-        return config, kwargs
-    if kwargs.get("optimizer") is not None:
-        raise ValueError('the config has an "optimizer" block and an optimizer was passed too')
-    model = kwargs.get("model", args[1] if len(args) > 1 else None)
-    params = kwargs.get("model_parameters")
-    params = list(params) if params is not None else list(model.parameters())
-    kwargs = dict(kwargs, model_parameters=params,
-                  optimizer=LionParams(params, **opt.get("params", {})))
-    config = {k: v for k, v in config.items() if k != "optimizer"}
-    config["zero_allow_untested_optimizer"] = True  # it never steps: the devices do
-    return config, kwargs
 
 
 def _with_unsynchronized_timer(config: dict) -> dict:

@@ -34,7 +34,7 @@ class StorageOptions(TypedDict, total=False):
     ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
     ``smartinf.pipeline.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
-    ``memory_budget``, ``commit_every``, ``compute_threads``, ``master``, ``io_schedule``,
+    ``memory_budget``, ``commit_every``, ``commit_waits``, ``compute_threads``, ``master``, ``io_schedule``,
     ``overlap``, ``copies`` as for ``smartinf.Pipeline``
     (``smartinf.pipeline.settings.KEYWORDS``; those left out of ``memory_budget``,
     ``commit_every`` and ``copies`` are what ``smartinf.planning.plan`` picks for these params,
@@ -70,6 +70,7 @@ class StorageOptions(TypedDict, total=False):
     master: str
     io_schedule: str
     commit_every: int
+    commit_waits: bool
     compute_threads: int
     overlap: bool
     gpu_memory_budget: "int | str"
@@ -256,8 +257,10 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
             raise
         return storage, None  # (the pipeline refuses what was given, saying what would fit)
     logger.warning("%s", choice.report())
-    # what was given wins (a resumed run's format too, which the pipeline then refuses)
-    return {**choice.settings(), **{k: v for k, v in storage.items() if v != "auto"}}, choice
+    # what was given wins (a resumed run's format too, which the pipeline then refuses); an
+    # interval chosen is one no step waits for (commit_waits)
+    chosen = dict(choice.settings(), commit_waits="commit_every" in given)
+    return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice
 
 
 def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,

@@ -39,7 +39,7 @@ _warned: set[str] = set()
 _KEYWORD_DEFAULTS = dict(slots=None, chunk=None, io=None, queue_depth=None, host_link_gbps=None,
                          verify=False, state_dtype="fp32", if_exists="resume", memory_budget=None,
                          commit_every=None, compute_threads=None, master="fp32",
-                         io_schedule=None, overlap=None, copies=2)
+                         io_schedule=None, overlap=None, copies=2, commit_waits=True)
 
 
 class Pipeline(Steps, States):
@@ -57,7 +57,7 @@ class Pipeline(Steps, States):
     param_dtype
         If given, every ``out`` must have this dtype (float32, float16 or bfloat16).
     slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, master, if_exists, \
-    memory_budget, commit_every, copies, compute_threads, io_schedule, overlap
+    memory_budget, commit_every, commit_waits, copies, compute_threads, io_schedule, overlap
         The storage settings, as keywords: see ``smartinf.PipelineSettings``, which owns
         and documents them (unset ones come from the environment, ``SMARTINF_*``).
     settings
@@ -123,6 +123,7 @@ class Pipeline(Steps, States):
         io_schedule: Optional[str] = None,
         overlap: Optional[bool] = None,
         copies: int = 2,
+        commit_waits: bool = True,
         settings: Optional[PipelineSettings] = None,
         subgroup_sizes: Sequence[int] = (),
         small_sizes: Optional[Sequence[int]] = None,
@@ -144,7 +145,7 @@ class Pipeline(Steps, States):
                      host_link_gbps=host_link_gbps, verify=verify, state_dtype=state_dtype,
                      if_exists=if_exists, memory_budget=memory_budget, commit_every=commit_every,
                      compute_threads=compute_threads, master=master, io_schedule=io_schedule,
-                     overlap=overlap, copies=copies)
+                     overlap=overlap, copies=copies, commit_waits=commit_waits)
         if settings is None:
             settings = PipelineSettings.resolve(**given)
         elif given != _KEYWORD_DEFAULTS:

@@ -79,6 +79,14 @@ class PipelineSettings:
         ``commit()`` writes the resident states, syncs and switches the manifests; the
         others only advance ``step_count``. A crash reopens at ``durable_step_count``,
         bit for bit; ``discard()`` and a failed step go back to it as well.
+    commit_waits
+        Whether a durable commit that falls due while the last one is still written in the
+        background (``overlap``) waits for it: ``True`` (the default here), every
+        ``commit_every``-th step is durable exactly; ``False``, it is put off to the first
+        step after that write has landed, so no step waits for the disk and the interval
+        stretches to what the disk sustains (the planner's intervals: ``smartinf.optim`` and
+        the DeepSpeed block where ``commit_every`` is not given). The same bits either way;
+        a crash reopens at the last durable commit.
     copies
         Extents of each chunk in a directory, fixed when it is made (2). 2: the committed
         copy and the one a step writes, so a crash at any instant reopens at the last
@@ -133,6 +141,7 @@ class PipelineSettings:
     overlap: bool = True
     piece_bytes: int = defaults.PIECE_BYTES
     copies: "int | str" = 2
+    commit_waits: bool = True
 
     @classmethod
     def resolve(cls, *, slots: Optional[int] = None, chunk: Optional[int] = None,
@@ -142,7 +151,8 @@ class PipelineSettings:
                 memory_budget=None, commit_every: Optional[int] = None,
                 compute_threads: Optional[int] = None,
                 master: str = "fp32", io_schedule: Optional[str] = None,
-                overlap: Optional[bool] = None, copies: "int | str" = 2) -> "PipelineSettings":
+                overlap: Optional[bool] = None, copies: "int | str" = 2,
+                commit_waits: bool = True) -> "PipelineSettings":
         """Settings from explicit values, the environment for the unset ones; checked."""
         slots = defaults.slots() if slots is None else slots
         chunk = defaults.chunk() if chunk is None else chunk
@@ -181,14 +191,14 @@ class PipelineSettings:
             raise ValueError(f"master={master!r}: expected one of {', '.join(MASTERS)}")
         if if_exists not in IF_EXISTS:
             raise ValueError(f"if_exists={if_exists!r}: expected one of {', '.join(IF_EXISTS)}")
-        for name, flag in (("verify", verify), ("overlap", overlap)):
+        for name, flag in (("verify", verify), ("overlap", overlap), ("commit_waits", commit_waits)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         host_link_gbps = defaults.host_link_gbps() if host_link_gbps is None \
             else positive_gbps(host_link_gbps, "host_link_gbps")
         return cls(slots, chunk, io, queue_depth, host_link_gbps, verify, state_dtype, if_exists,
                    memory_budget, commit_every, compute_threads, master, io_schedule, overlap,
-                   copies=copies)
+                   copies=copies, commit_waits=commit_waits)
 
 
 #: The keywords every entry point takes for its pipeline: ``Pipeline``, ``smartinf.optim``'s
