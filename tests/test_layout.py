@@ -77,3 +77,18 @@ def test_file_lengths():
                    if p.suffix in (".h", ".cc", ".cu", ".cpp")
                    and (n := len(p.read_text().splitlines())) > NATIVE_LINES}
     assert not long_python and not long_native, (long_python, long_native)
+
+
+CLASS_LINES = 300  # (issue 43's bound; issue 75 brought _StorageOptimizer and SmartInfinityStage3 back)
+
+
+def test_class_lengths():
+    """Each class of the package, its lines (a class that outgrows it splits along a seam:
+    a mixin of its own, as the optimizers' layout and the DeepSpeed integration's overlap)."""
+    import ast
+    long = {}
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                long[f"{p.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long

@@ -74,6 +74,24 @@ class Overlap:
             if hasattr(param, "all_gather_coalesced"):
                 self._gathers_wait(param)
 
+    def _in_place(self, i: int) -> bool:
+        """Whether the device writes sub-group ``i``'s params into its partition itself: one
+        in host memory, or in the memory of the GPU that updates it."""
+        return self.fp16_partitioned_groups_flat[i].is_cpu or self._on_its_gpu(i)
+
+    def _on_its_gpu(self, i: int) -> bool:
+        """Whether sub-group ``i``'s partition is in the memory of the GPU that updates it:
+        its gradient and params never leave it."""
+        flat = self.fp16_partitioned_groups_flat[i]
+        return flat.is_cuda and self.pipeline.gpu_of(i) == flat.device.index
+
+    def _updated_in_place(self, i: int) -> bool:
+        """Whether the GPU that updates sub-group ``i`` reads its gradient where the gradient
+        buffer is and writes its params into its partition itself (in that GPU's memory, or
+        in host memory with ``offload_param``): it needs no host copies of either."""
+        grads = self.grad_partitions_flat_buffer
+        return grads.is_cuda and self.pipeline.gpu_of(i) == grads.device.index and self._in_place(i)
+
     def _gathers_wait(self, param: Any) -> None:
         """``param``'s gathers (ZeRO-3's fetch and prefetch, ``GatheredParameters``, the
         kept-whole params' gather) first wait for the updates of the params they gather."""

@@ -314,24 +314,6 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
                                  out=flat if self._in_place(i) else None, out_dtype=flat.dtype,
                                  params=flat if self._split else None)
 
-    def _in_place(self, i: int) -> bool:
-        """Whether the device writes sub-group ``i``'s params into its partition itself: one
-        in host memory, or in the memory of the GPU that updates it."""
-        return self.fp16_partitioned_groups_flat[i].is_cpu or self._on_its_gpu(i)
-
-    def _on_its_gpu(self, i: int) -> bool:
-        """Whether sub-group ``i``'s partition is in the memory of the GPU that updates it:
-        its gradient and params never leave it."""
-        flat = self.fp16_partitioned_groups_flat[i]
-        return flat.is_cuda and self.pipeline.gpu_of(i) == flat.device.index
-
-    def _updated_in_place(self, i: int) -> bool:
-        """Whether the GPU that updates sub-group ``i`` reads its gradient where the gradient
-        buffer is and writes its params into its partition itself (in that GPU's memory, or
-        in host memory with ``offload_param``): it needs no host copies of either."""
-        grads = self.grad_partitions_flat_buffer
-        return grads.is_cuda and self.pipeline.gpu_of(i) == grads.device.index and self._in_place(i)
-
     def _finish_landed(self, i: int) -> None:
         """The tail's put: the params of a sub-group updated in place are in its partition
         already; another's come from its host buffer."""

@@ -5,7 +5,6 @@ clipped, updates started during backward kept or redone, the rest sent through t
 native checkpoint. The classes users make (``AdamW``, ``SGD``, ...) are ``__init__.py``'s."""
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -17,21 +16,14 @@ from smartinf.optim import options as optim_options
 from smartinf import update_rules
 from smartinf.pipeline.checkpoint import save_devices, save_param_groups
 from smartinf.pipeline.compress import TopK
-from smartinf.defaults import small_tensor, speculate_on_cpu
-from smartinf.pipeline.devices import DeviceLike, resolve_devices
-from smartinf.step.driver import Driver, overrides, rule_for
+from smartinf.pipeline.devices import DeviceLike
+from smartinf.step.driver import overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
-from smartinf.pipeline.settings import PipelineSettings
-from smartinf.optim.hooks import ParamHooks
-from smartinf.optim.ddp import DdpTrigger
 from smartinf.optim.state_view import StateView
+from smartinf.optim.layout import Layout
 from smartinf.optim import sharding
-from smartinf.optim.sharding import Sharding, local
-from smartinf.step import ranks
-from smartinf.step.speculation import Speculation
-from smartinf.step.session import StepSession
+from smartinf.optim.sharding import local
 from smartinf.optim.subgroups import Subgroup
-from smartinf.planning import gpu_budget
 
 logger = logging.getLogger("smartinf")
 
@@ -40,7 +32,7 @@ logger = logging.getLogger("smartinf")
 DEFAULT_SUBGROUP_SIZE = 16 << 20
 
 
-class _StorageOptimizer(torch.optim.Optimizer):
+class _StorageOptimizer(Layout, torch.optim.Optimizer):
     """The common machinery; subclasses name the torch optimizer they stand in for."""
 
     torch_class: Optional[type] = torch.optim.Optimizer  # None: torch has no such optimizer
@@ -97,151 +89,8 @@ class _StorageOptimizer(torch.optim.Optimizer):
     def _trained(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
-    def _laid_out(self, force: bool = True) -> bool:
-        """Whether the states are laid out: laid out now unless they wait (then only where
-        ``force``: the first step) for FSDP2's sharding to come (Accelerate's prepare() and
-        the Trainer's shard the model after the optimizer is made and put the sharded params
-        into its groups), or for the first iteration to measure a GPU budget of "auto"."""
-        if self.pipeline is not None:  # (every step: nothing more to ask)
-            return True
-        waits = sharding.announced(self._trained()) or \
-            self._layout["gpu_memory_budget"] == "auto" and self._held_gpu is None
-        if force or not waits:
-            for group in self.param_groups:  # (the params put in since __init__)
-                optim_options.check_group(self, group)
-                optim_options.check_params(self, group)
-            self._open(**self._layout)
-        return self.pipeline is not None
-
-    def _open(self, devices: Any, storage: dict, if_exists: str, gpu_memory_budget: Any,
-              gpu_twins: Any, gpu_host_states: Any) -> None:
-        """Plans the sub-groups over the params in the groups now and opens them on the
-        devices (resumed where the directories hold them), with the hooks that start updates
-        during backward."""
-        storage, compress, subgroup_size = dict(storage), self.compress, self._subgroup_size
-        measured = gpu_memory_budget == "auto"
-        if measured:  # what a resumed run's GPU holds, or the first step left
-            gpu_memory_budget = self._held_gpu if self._held_gpu is not None else gpu_budget.measured()
-        # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
-        # the sharding is not FSDP2's)
-        self._sharding = Sharding(self._trained())
-        storage, self.placement = optim_options.placed(self._trained(), storage, resolve_devices(devices),
-                                                       gpu_memory_budget, if_exists)
-        settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
-        if self._sharding.active and settings.copies == "log":
-            raise ValueError("copies='log' over FSDP2-sharded params: the ranks would have to "
-                             "agree on a logged step when they reopen, which smartinf.optim "
-                             "does not do yet (docs/fsdp.md); take copies=2 or copies=1")
-        # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
-        self._small = small_tensor(settings.state_dtype)
-        self._plan = subgroups.plan_subgroups(self.param_groups, subgroup_size, small=self._small)
-        # (a sharded param whose shard here is empty has no slice, and is stored all the same)
-        self._stored = {id(p) for group in self.param_groups for p in group["params"] if p.requires_grad}
-        self._marked = False  # self.state names the params whose states exist (_mark_states)
-        self._split = settings.master == "split"
-        optim_options.refuse_split_of_other_dtypes(self._split, self._plan)
-        # What the model's params held when the optimizer last put or took them: an edit
-        # since becomes the master at the next step (a split master's devices check itself).
-        self._watch = None if self._split else edits.ParamWatch(
-            lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
-        if measured:  # (the states' bytes, where less)
-            gpu_memory_budget = optim_options.fit_gpu_budget(
-                gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks.leave_cleanly()
-        if self._sharding.active:  # (before anything is written)
-            ranks.refuse_moved(self._sharding.sum, self._sharding.rank, self._sharding.world,
-                               subgroups.device_path(resolve_devices(devices)[0]), if_exists)
-        opening = ranks.opening_together(self._sharding.sum, self._sharding.rank, self._sharding.world) \
-            if self._sharding.active else contextlib.nullcontext()
-        with opening:
-            pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
-                                                   self._rule(self.param_groups[0]), settings,
-                                                   gpu_memory_budget, gpu_twins, gpu_host_states)
-        self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
-        try:
-            if self._sharding.active:  # every rank at one durable step before any is attached
-                ranks.agree_on_step(pipeline, self._sharding.sum, self._sharding.rank,
-                                    self._sharding.world, [d.path for d in pipeline.devices],
-                                    settings.copies)
-            self._attach(pipeline, self._plan)
-        except BaseException:
-            pipeline.close()
-            raise
-        self.pipeline = pipeline
-        # Updates started during backward: not with top-k compression, whose error feedback
-        # a retracted update would have advanced, and where backward runs on the CPU only
-        # when asked (speculate_on_cpu).
-        self._speculation: Optional[Speculation] = None
-        gpu = any(sg.device.type == "cuda" for sg in self._plan)
-        if pipeline.settings.overlap and compress is None and (gpu or speculate_on_cpu()):
-            self._speculation = Speculation(pipeline)
-            self._hooks = ParamHooks(self._speculation, lambda sg, grad, scale, hyper, out: self._driver.send(
-                                         sg.id, grad, 0, scale, hyper, out=out, speculative=True,
-                                         params=self._flat_params(sg) if self._split else None),
-                                     lambda sg: overrides(self._rule(self.param_groups[sg.group])),
-                                     gradients.flat)
-            self._hooks.register(self._plan)
-            self._ddp = DdpTrigger(self._trained(), self._hooks)
-        self._session = StepSession(pipeline, self._driver,
-                                    lambda i, flat: self._scatter(self._plan[i], flat),
-                                    self._speculation)
-
-    # -- hyper-parameters -------------------------------------------------------------
-    def add_param_group(self, param_group: dict) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``: the new group's params get new
-        sub-groups on the devices (resumed, when reopened directories hold them), after
-        those of the groups before it."""
-        super().add_param_group(param_group)
-        if self.pipeline is None:
-            return  # torch's __init__ adding the constructor's groups
-        group = self.param_groups[-1]
-        new: list[Subgroup] = []
-        try:
-            optim_options.check_group(self, group)
-            optim_options.check_params(self, group)
-            new = subgroups.plan_subgroups([group], self._subgroup_size, len(self.param_groups) - 1,
-                                           len(self._plan), self._small)
-            optim_options.refuse_split_of_other_dtypes(self._split, new)
-            self._driver.grow(max((sg.numel for sg in new), default=0))
-            self._plan.extend(new)
-            self._attach(self.pipeline, new)
-        except BaseException:
-            self.param_groups.pop()
-            if new and self._plan[-1] is new[-1]:
-                del self._plan[-len(new):]
-            raise
-        self._stored.update(id(p) for p in group["params"] if p.requires_grad)
-        if self._marked:
-            self._mark_states()
-        if self._speculation is not None:
-            self._hooks.register(new)
-
-    def _mark_states(self) -> None:
-        """Once states exist (a step, a resume, a load): an entry in ``self.state`` per
-        stored param, read from the devices when looked into. torch.distributed.checkpoint's
-        helpers take an empty ``optim.state`` for an optimizer never stepped and
-        "initialise" it with a step() of zero gradients at lr 0: before any step that is
-        what torch's optimizers get too, after one it would be a real step on the devices."""
-        names = dict.fromkeys(self._rule(self.param_groups[0]).state_names, 0)  # (torch keeps none for
-        self.state.mark([p for g in self.param_groups if any(  # plain SGD: no entries either)
-            v is not None for v in self._torch_state(1, names, g).values())
-            for p in g["params"] if p.requires_grad])
-        self._marked = True
-
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
-
-    # -- layout -----------------------------------------------------------------------
-    def _attach(self, pipeline: Pipeline, plan: Sequence[Subgroup]) -> None:
-        subgroups.attach(self, pipeline, plan)
-
-    def _gather_params(self, sg: Subgroup) -> torch.Tensor:
-        """The sub-group's params as the model holds them, fp32, in staging buffer 0."""
-        flat = self._driver.staging.grad(0, torch.float32, sg.numel)
-        for s in sg.slices:
-            flat[s.offset:s.offset + s.stop - s.start].copy_(subgroups.read(s.param, s.start, s.stop))
-        return flat
 
     def _edited(self) -> list[int]:
         """The sub-groups whose params the caller changed since the optimizer put or took
