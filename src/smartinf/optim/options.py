@@ -256,10 +256,10 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
         if e.errno != errno.ENOSPC or given.get("state_dtype") == "auto":
             raise
         return storage, None  # (the pipeline refuses what was given, saying what would fit)
-    logger.warning("%s", choice.report())
     # what was given wins (a resumed run's format too, which the pipeline then refuses); an
     # interval chosen is one no step waits for (commit_waits)
     chosen = dict(choice.settings(), commit_waits="commit_every" in given)
+    logger.warning("%s%s", choice.report(), "" if chosen["commit_waits"] else plan.PUT_OFF)
     return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice
 
 

@@ -50,6 +50,8 @@ FORMATS = (("fp32", "fp32"), ("fp32", "split"), ("int8", "split"), ("int8", "fp3
 RESERVE_SHARE, MIN_RESERVE = 0.25, 4 << 30
 #: steps per durable commit where states are resident (written in the background)
 RESIDENT_COMMIT_EVERY = 10
+#: what a front-end's line adds where the interval is the planner's (commit_waits=False)
+PUT_OFF = "; a durable commit due while the last is still being written is put off (commit_waits=False)"
 #: what an all-resident budget adds to the states' bytes (sub-groups' partial last chunks)
 BUDGET_SLACK = 0.05
 #: the share of a GPU budget taken as left empty: it holds whole sub-groups only
