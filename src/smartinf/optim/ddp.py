@@ -38,6 +38,9 @@ class DdpTrigger:
         if ddp is None or not any(id(p) in self._ours for p in ddp.module.parameters()):
             return
         self.stop_finding()
+        pipeline = self._hooks.speculation.pipeline
+        if all(pipeline.gpu_of(sg) is not None for sg in self._hooks.subgroups()):
+            return  # every sub-group updated on its GPU at step(): DDP's own reduction stays
         try:
             ddp.register_comm_hook(None, self._reduce)
         except Exception as e:  # (DDP takes one hook: the user's stays)

@@ -69,6 +69,10 @@ class ParamHooks:
                     hooked.add(id(p))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
+    def subgroups(self) -> list[int]:
+        """The ids of the sub-groups hooked."""
+        return list(self._params)
+
     def end_step(self) -> None:
         """At ``step()``: the accumulations of this step are what the next one expects."""
         with self._lock:
