@@ -22,7 +22,11 @@ def _rank(rank: int, world: int, port: int, config: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
-    ddp = DDP(model, bucket_cap_mb=0.002)  # (several buckets: sub-groups spanning two)
+    if config.get("unused"):  # a param no forward uses: DDP reduces zeros for it
+        model.append(torch.nn.Linear(9, 9))
+        model.forward = lambda x: model[2](model[1](model[0](x)))
+    ddp = DDP(model, bucket_cap_mb=0.002,  # (several buckets: sub-groups spanning two)
+              find_unused_parameters=bool(config.get("unused")))
     opt = so.AdamW(ddp.parameters(), lr=1e-2, devices=[config["dir"]], subgroup_size=300,
                    chunk=128, overlap=config["overlap"], max_grad_norm=config.get("clip"))
     record = {"params": []}
@@ -55,11 +59,25 @@ def train(tmp_path, name: str, **config) -> dict:
 def test_updates_start_from_ddps_averaged_gradients_and_are_kept(tmp_path, accumulate):
     on = train(tmp_path, "on", overlap=True, accumulate=accumulate)
     off = train(tmp_path, "off", overlap=False, accumulate=accumulate)
-    for step, (a, b) in enumerate(zip(on["params"], off["params"]), 1):
-        for p, q in zip(a, b):
-            assert torch.equal(p, q), f"after step {step}"
+    assert_same(on, off)
     counts = on["counts"]
     # from the second step on (the first has no scale to assume), every sub-group's update
     # started during backward, from the averaged gradients, and held
     assert counts["retracted"] == 0, counts
     assert counts["kept"] == counts["started"] >= (STEPS - 1) * 2, counts
+
+
+def test_a_param_no_forward_uses_is_stepped_as_without_overlap(tmp_path):
+    """find_unused_parameters: DDP reduces zeros for the unused param and leaves its .grad
+    None; the update of its sub-group is redone at step() (a zero gradient, as everywhere a
+    sub-group's param lacks one), the same bits as with overlap off."""
+    on = train(tmp_path, "on", overlap=True, unused=True)
+    off = train(tmp_path, "off", overlap=False, unused=True)
+    assert_same(on, off)
+    assert on["counts"]["kept"] > 0, on["counts"]
+
+
+def assert_same(on: dict, off: dict) -> None:
+    for step, (a, b) in enumerate(zip(on["params"], off["params"]), 1):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), f"after step {step}"
