@@ -182,3 +182,21 @@ def test_an_interval_chosen_is_one_no_step_waits_for(tmp_path, monkeypatch):
     from smartinf.integrations.deepspeed_config import Settings
     assert "commit_waits" in Settings.from_config(
         {"smartinf": {"devices": ["/d"], "commit_waits": True}}).planned
+
+
+def test_ddps_ranks_of_one_host_share_its_memory(tmp_path, monkeypatch):
+    """Under DDP each rank keeps a whole copy of the states: the host's ranks (its launcher's
+    LOCAL_WORLD_SIZE) each plan a share of its memory, not all of it each."""
+    box(monkeypatch, plan.MIN_RESERVE + (40 << 20))  # 40 MB for states beyond the reserve
+    _, alone = made(tmp_path, "alone")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _, shared = made(tmp_path, "shared")
+    assert alone.pipeline.settings.memory_budget == 2 * alone.placement.weighed[0]["whole"]
+    assert shared.pipeline.settings.memory_budget == (40 << 20) // 4  # a quarter each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (two hosts of two ranks)
+    assert optim_options.host_ranks(optim_options.Sharding([])) == 2
+    alone.close()
+    shared.close()

@@ -263,6 +263,16 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
     return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice
 
 
+def host_ranks(sharded: Sharding) -> int:
+    """The processes of this host that place states as this one does, sharing its memory
+    and disks: FSDP2's ranks or DDP's (each a whole copy of the states), as the launcher
+    says (``defaults.local_ranks``; else the world's); 1 without ``torch.distributed``."""
+    dist = torch.distributed
+    world = sharded.world if sharded.active else \
+        dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return defaults.local_ranks(world) if world > 1 else 1
+
+
 def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,
             gpu_memory_budget: "int | str | None", if_exists: str) -> plan.Choice:
     formats = given.get("state_dtype", "fp32")
@@ -270,7 +280,7 @@ def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,
     sharded = Sharding(params)  # (FSDP2: this rank's shards; the host's ranks share it)
     return plan.choose(
         sum(local(p).numel() for p in params), [getattr(d, "path", d) for d in devices],
-        ranks=defaults.local_ranks(sharded.world) if sharded.active else 1,
+        ranks=host_ranks(sharded),
         bf16_params=all(p.dtype == torch.bfloat16 for p in params),
         gpu_budget=defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget else 0,
         state_dtype=None if formats == "auto" else formats,
