@@ -259,7 +259,10 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
     # what was given wins (a resumed run's format too, which the pipeline then refuses); an
     # interval chosen is one no step waits for (commit_waits)
     chosen = dict(choice.settings(), commit_waits="commit_every" in given)
-    logger.warning("%s%s", choice.report(), "" if chosen["commit_waits"] else plan.PUT_OFF)
+    dist = torch.distributed  # (said once a run: by rank 0, the others' at info level)
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    (logger.warning if first else logger.info)(
+        "%s%s", choice.report(), "" if chosen["commit_waits"] else plan.PUT_OFF)
     return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice
 
 
