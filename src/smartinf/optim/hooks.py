@@ -1,6 +1,7 @@
 """``smartinf.optim``'s trigger for updates started during backward (``ParamHooks``): a
 post-accumulate-grad hook per param says when a sub-group's gradient is final, and starts
-its update through the step's ``Speculation``."""
+its update through the step's ``Speculation``; under DDP, its averaged gradients do
+(``averaged``, told by ``optim/ddp.py``)."""
 from __future__ import annotations
 
 import logging
