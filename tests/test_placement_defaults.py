@@ -200,3 +200,16 @@ def test_ddps_ranks_of_one_host_share_its_memory(tmp_path, monkeypatch):
     assert optim_options.host_ranks(optim_options.Sharding([])) == 2
     alone.close()
     shared.close()
+
+
+def test_ranks_keep_the_chosen_interval_exactly(tmp_path, monkeypatch):
+    """Ranks would put a commit off each by its own disk, and reopen at durable steps more than
+    a commit apart: with a world of several, the interval chosen is kept exactly."""
+    box(monkeypatch, 64 << 30)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    _, opt = made(tmp_path)
+    assert opt.pipeline.settings.commit_every == plan.RESIDENT_COMMIT_EVERY
+    assert opt.pipeline.settings.commit_waits is True
+    opt.close()

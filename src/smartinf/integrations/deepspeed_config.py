@@ -323,12 +323,12 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
                if k not in ("auto", "state_dtype", "master", "commit_waits")})
         held = (f"; the params' partitions in host memory (offload_param), taken before this "
                 f"choice: {space._size(numel * params[0].element_size())} a rank") if on_host else ""
-        put_off = "" if "commit_every" in settings.planned else plan.PUT_OFF
+        put_off = "" if "commit_every" in settings.planned or world > 1 else plan.PUT_OFF
         logger.warning("%s%s (each of %d ranks)%s", choice.report(), put_off, world, held)
         chosen = [choice.settings()]
     dist.broadcast_object_list(chosen, src=0)
-    if "commit_waits" not in settings.planned:  # (an interval chosen: no step waits for it)
-        chosen[0]["commit_waits"] = "commit_every" in settings.planned
+    if "commit_waits" not in settings.planned:  # (an interval chosen, one rank: none waits)
+        chosen[0]["commit_waits"] = "commit_every" in settings.planned or world > 1
     return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 

@@ -257,10 +257,12 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
             raise
         return storage, None  # (the pipeline refuses what was given, saying what would fit)
     # what was given wins (a resumed run's format too, which the pipeline then refuses); an
-    # interval chosen is one no step waits for (commit_waits)
-    chosen = dict(choice.settings(), commit_waits="commit_every" in given)
+    # interval chosen is one no step waits for (commit_waits), in a process alone: ranks put
+    # commits off each by its own disk, and would reopen at durable steps too far apart
     dist = torch.distributed  # (said once a run: by rank 0, the others' at info level)
-    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    chosen = dict(choice.settings(), commit_waits="commit_every" in given or not alone)
+    first = alone or dist.get_rank() == 0
     (logger.warning if first else logger.info)(
         "%s%s", choice.report(), "" if chosen["commit_waits"] else plan.PUT_OFF)
     return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice

@@ -85,8 +85,9 @@ class PipelineSettings:
         ``commit_every``-th step is durable exactly; ``False``, it is put off to the first
         step after that write has landed, so no step waits for the disk and the interval
         stretches to what the disk sustains (the planner's intervals: ``smartinf.optim`` and
-        the DeepSpeed block where ``commit_every`` is not given). The same bits either way;
-        a crash reopens at the last durable commit.
+        the DeepSpeed block where ``commit_every`` is not given, in a process alone: ranks
+        would put commits off each by its own disk). The same bits either way; a crash
+        reopens at the last durable commit.
     copies
         Extents of each chunk in a directory, fixed when it is made (2). 2: the committed
         copy and the one a step writes, so a crash at any instant reopens at the last
