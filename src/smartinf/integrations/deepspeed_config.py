@@ -319,16 +319,13 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
             gpu_budget_later=settings.gpu_memory_budget == "auto",
             state_dtype=None if auto else given.state_dtype,
             master=None if auto and "master" not in settings.planned else given.master,
-            **{k: getattr(given, k) for k in settings.planned
-               if k not in ("auto", "state_dtype", "master", "commit_waits")})
+            processes=world, **{k: getattr(given, k) for k in settings.planned
+                                if k not in ("auto", "state_dtype", "master")})
         held = (f"; the params' partitions in host memory (offload_param), taken before this "
                 f"choice: {space._size(numel * params[0].element_size())} a rank") if on_host else ""
-        put_off = "" if "commit_every" in settings.planned or world > 1 else plan.PUT_OFF
-        logger.warning("%s%s (each of %d ranks)%s", choice.report(), put_off, world, held)
+        logger.warning("%s (each of %d ranks)%s", choice.report(), world, held)
         chosen = [choice.settings()]
     dist.broadcast_object_list(chosen, src=0)
-    if "commit_waits" not in settings.planned:  # (an interval chosen, one rank: none waits)
-        chosen[0]["commit_waits"] = "commit_every" in settings.planned or world > 1
     return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 

@@ -256,25 +256,24 @@ def placed(params: Sequence[torch.Tensor], storage: dict, devices: list,
         if e.errno != errno.ENOSPC or given.get("state_dtype") == "auto":
             raise
         return storage, None  # (the pipeline refuses what was given, saying what would fit)
-    # what was given wins (a resumed run's format too, which the pipeline then refuses); an
-    # interval chosen is one no step waits for (commit_waits), in a process alone: ranks put
-    # commits off each by its own disk, and would reopen at durable steps too far apart
-    dist = torch.distributed  # (said once a run: by rank 0, the others' at info level)
-    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-    chosen = dict(choice.settings(), commit_waits="commit_every" in given or not alone)
-    first = alone or dist.get_rank() == 0
-    (logger.warning if first else logger.info)(
-        "%s%s", choice.report(), "" if chosen["commit_waits"] else plan.PUT_OFF)
-    return {**chosen, **{k: v for k, v in storage.items() if v != "auto"}}, choice
+    # (said once a run: by rank 0, the others' at info level)
+    (logger.warning if _rank_and_world()[0] == 0 else logger.info)("%s", choice.report())
+    # what was given wins (a resumed run's format too, which the pipeline then refuses)
+    return {**choice.settings(), **{k: v for k, v in storage.items() if v != "auto"}}, choice
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def host_ranks(sharded: Sharding) -> int:
     """The processes of this host that place states as this one does, sharing its memory
     and disks: FSDP2's ranks or DDP's (each a whole copy of the states), as the launcher
     says (``defaults.local_ranks``; else the world's); 1 without ``torch.distributed``."""
-    dist = torch.distributed
-    world = sharded.world if sharded.active else \
-        dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = sharded.world if sharded.active else _rank_and_world()[1]
     return defaults.local_ranks(world) if world > 1 else 1
 
 
@@ -291,6 +290,7 @@ def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,
         state_dtype=None if formats == "auto" else formats,
         master=given.get("master", None if formats == "auto" else "fp32"),
         commit_every=given.get("commit_every"), copies=given.get("copies"), if_exists=if_exists,
+        processes=_rank_and_world()[1], commit_waits=given.get("commit_waits"),
         # (FSDP2: no log, whose step the ranks would have to agree on: docs/fsdp.md)
         overlap=given.get("overlap", True if sharded.active else None),
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))

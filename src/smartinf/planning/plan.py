@@ -50,8 +50,6 @@ FORMATS = (("fp32", "fp32"), ("fp32", "split"), ("int8", "split"), ("int8", "fp3
 RESERVE_SHARE, MIN_RESERVE = 0.25, 4 << 30
 #: steps per durable commit where states are resident (written in the background)
 RESIDENT_COMMIT_EVERY = 10
-#: what a front-end's line adds where the interval is the planner's (commit_waits=False)
-PUT_OFF = "; a durable commit due while the last is still being written is put off (commit_waits=False)"
 #: what an all-resident budget adds to the states' bytes (sub-groups' partial last chunks)
 BUDGET_SLACK = 0.05
 #: the share of a GPU budget taken as left empty: it holds whole sub-groups only
@@ -82,12 +80,14 @@ class Choice:
     step_s: Optional[float]
     why: str
     weighed: list = field(default_factory=list)
+    commit_waits: bool = True
 
     def settings(self) -> dict:
         log = {"overlap": False} if self.copies == "log" else {}  # (a log runs without)
+        put_off = {} if self.commit_waits else {"commit_waits": False}
         return {"state_dtype": self.state_dtype, "master": self.master,
                 "memory_budget": self.memory_budget, "commit_every": self.commit_every,
-                "copies": self.copies, **log}
+                "copies": self.copies, **log, **put_off}
 
     def report(self) -> str:
         disks = ", ".join(f"{d}: {space._size(b)}" for d, b in self.disk_bytes.items())
@@ -95,7 +95,8 @@ class Choice:
         return (f"smartinf auto: state_dtype={self.state_dtype!r}, master={self.master!r}, "
                 f"memory_budget={space._size(self.memory_budget)} a device, commit_every="
                 f"{self.commit_every}, copies={self.copies!r}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
-                f"{self.why}")
+                f"{self.why}" + ("" if self.commit_waits else "; a durable commit due while the "
+                                 "last is still being written is put off (commit_waits=False)"))
 
 
 def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
@@ -200,7 +201,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
            commit_every: Optional[int] = None, copies: "int | str | None" = None,
            overlap: Optional[bool] = None, figures: Optional[dict] = None, ranks: int = 1,
            if_exists: str = "overwrite", host_buffers: int = 0,
-           gpu_budget_later: bool = False, state_dtype: Optional[str] = None) -> Choice:
+           gpu_budget_later: bool = False, state_dtype: Optional[str] = None,
+           processes: int = 1, commit_waits: Optional[bool] = None) -> Choice:
     """The settings for ``params`` params over ``directories`` (one device each); ``memory``:
     host memory the states may hold in all (None: what is available less a reserve);
     ``gpu_budget``: bytes of GPU memory for states; ``master``, ``memory_budget`` (bytes a
@@ -217,7 +219,10 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
     none); that share's states take no host memory either; ``gpu_budget_later``: a GPU
     budget is sized after this choice (DeepSpeed's ``"auto"``: weighed as none here, but its
     sub-groups keep no log); ``state_dtype``: the one format of the moments weighed (None:
-    every format, ``"auto"``)."""
+    every format, ``"auto"``); ``processes``: the run's (every host's ranks): an interval
+    chosen for a process alone is put off rather than waited for where the disk still writes
+    the last (``commit_waits`` False, unless given; ranks would put it off each by its own
+    disk and reopen at durable steps more than a commit apart)."""
     if params <= 0 or not directories:
         raise ValueError("choose needs a positive param count and at least one directory")
     if copies not in (None, 1, 2, "log"):
@@ -331,8 +336,11 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                 f"updates of the other sub-groups wait for their background commit writes"
                 if share > 0.01 else "; no room for twins: an update waits for its "
                 "sub-group's background commit write")
+    if commit_waits is None:
+        commit_waits = commit_every is not None or processes > 1 or best["commit_every"] == 1
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
-                  best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed)
+                  best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed,
+                  commit_waits)
 
 
 def _ruled_out(best: dict, weighed: list, fitting: list) -> str:
