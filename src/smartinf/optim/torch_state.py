@@ -41,10 +41,8 @@ def export(opt: Any) -> dict:
         steps = opt.pipeline.subgroup_steps(sg.id)
         if steps == 0 and not opt._sharding.active:
             continue  # initial states: torch has none either (FSDP2: every entry, see below)
-        params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
-        stored = opt.pipeline.read_states(
-            sg.id, opt._driver.host_arrays(1 + len(opt.pipeline.optimizer.state_names), sg.numel),
-            params=params)
+        stored = read(opt, sg, opt._driver.host_arrays(
+            1 + len(opt.pipeline.optimizer.state_names), sg.numel))
         group = opt.param_groups[sg.group]
         names = opt.pipeline.optimizer.state_names + ((MASTER,) if sg.dtype != torch.float32 else ())
         for s in sg.slices:
@@ -99,6 +97,13 @@ def hooked_load(opt: Any, state_dict: dict, load: Callable[[dict], None]) -> Non
     load(state_dict)
     for hook in opt._optimizer_load_state_dict_post_hooks.values():
         hook(opt)
+
+
+def read(opt: Any, sg: Subgroup, into: Any = None) -> dict:
+    """``sg``'s stored states (``Pipeline.read_states``; a split master rebuilt from the
+    params the model holds)."""
+    params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
+    return opt.pipeline.read_states(sg.id, into, params=params)
 
 
 def unstepped(opt: Any) -> dict:
