@@ -20,6 +20,7 @@ import torch
 
 from smartinf.optim import subgroups
 from smartinf.optim.sharding import Sharding, local
+from smartinf.optim import torch_state
 from smartinf.optim.torch_state import _export_tensor, one_step_count
 
 
@@ -219,17 +220,20 @@ class StateView(defaultdict):
         """The stored states of ``sg`` (the last sub-group read kept until the next step)."""
         opt, step = self._opt, self.step_count()
         if self._cache is None or self._cache[:2] != (step, sg.id):
-            params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
-            self._cache = (step, sg.id, opt.pipeline.read_states(sg.id, params=params))
+            self._cache = (step, sg.id, torch_state.read(opt, sg))
         return self._cache[2]
 
     # -- writing ---------------------------------------------------------------------
     def check(self) -> None:
         """Refuses, before anything changes, edits ``apply`` would refuse."""
+        self._writes()
+
+    def _writes(self) -> tuple[dict, list]:
+        """The entries the caller changed, by param, and each sub-group they touch with the
+        one step count it keeps (checked)."""
         dirty = {id(e._param): e for e in self._entries() if e.dirty()}
-        for sg in self._opt._plan:
-            if any(id(s.param) in dirty for s in sg.slices):
-                self._steps(sg, dirty)
+        return dirty, [(sg, self._steps(sg, dirty)) for sg in self._opt._plan
+                       if any(id(s.param) in dirty for s in sg.slices)]
 
     def apply(self) -> None:
         """Writes the entries the caller changed onto the devices, as a step of their own
@@ -238,18 +242,15 @@ class StateView(defaultdict):
         the devices keep one a sub-group."""
         opt = self._opt
         self._cache = None
-        dirty = {id(e._param): e for e in self._entries() if e.dirty()}
+        dirty, writes = self._writes()
         anywhere = opt._sharding.any(bool(dirty)) if opt._sharding.active else bool(dirty)
         if not anywhere:
             return self.forget()
-        touched = [sg for sg in opt._plan if any(id(s.param) in dirty for s in sg.slices)]
-        writes = [(sg, self._steps(sg, dirty)) for sg in touched]
         if opt._speculation is not None:
-            opt._speculation.drop([sg.id for sg in touched])
+            opt._speculation.drop([sg.id for sg, _ in writes])
         with opt.pipeline.step():
             for sg, steps in writes:
-                params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
-                states = opt.pipeline.read_states(sg.id, params=params)
+                states = torch_state.read(opt, sg)
                 for s in sg.slices:
                     entry = dirty.get(id(s.param))
                     if entry is None:
