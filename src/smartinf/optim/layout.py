@@ -56,13 +56,14 @@ class Layout:
         devices (resumed where the directories hold them), with the hooks that start updates
         during backward."""
         storage, compress, subgroup_size = dict(storage), self.compress, self._subgroup_size
+        devices = resolve_devices(devices)
         measured = gpu_memory_budget == "auto"
         if measured:  # what a resumed run's GPU holds, or the first step left
             gpu_memory_budget = self._held_gpu if self._held_gpu is not None else gpu_budget.measured()
         # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
         # the sharding is not FSDP2's)
         self._sharding = Sharding(self._trained())
-        storage, self.placement = optim_options.placed(self._trained(), storage, resolve_devices(devices),
+        storage, self.placement = optim_options.placed(self._trained(), storage, devices,
                                                        gpu_memory_budget, if_exists)
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
         if self._sharding.active and settings.copies == "log":
@@ -84,15 +85,14 @@ class Layout:
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks.leave_cleanly()
+        ranks.leave_cleanly()
         if self._sharding.active:  # (before anything is written)
             ranks.refuse_moved(self._sharding.sum, self._sharding.rank, self._sharding.world,
-                               subgroups.device_path(resolve_devices(devices)[0]), if_exists)
+                               getattr(devices[0], "path", devices[0]), if_exists)
         opening = ranks.opening_together(self._sharding.sum, self._sharding.rank, self._sharding.world) \
             if self._sharding.active else contextlib.nullcontext()
         with opening:
-            pipeline = optim_options.open_pipeline(self._plan, self._small, resolve_devices(devices),
+            pipeline = optim_options.open_pipeline(self._plan, self._small, devices,
                                                    self._rule(self.param_groups[0]), settings,
                                                    gpu_memory_budget, gpu_twins, gpu_host_states)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)

@@ -100,11 +100,6 @@ def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
     p.detach().copy_(whole.view(p.shape))
 
 
-def device_path(device: Any) -> str:
-    """A device's directory (a spec's ``path``, or the path itself)."""
-    return getattr(device, "path", device)
-
-
 def param_ids(param_groups: Sequence[dict]) -> dict[int, int]:
     """torch's state_dict numbering: params in order of first appearance."""
     ids: dict[int, int] = {}

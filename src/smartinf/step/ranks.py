@@ -114,8 +114,8 @@ def leave_cleanly() -> None:
     ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``). Collected here, the work goes
     while threads may still take the GIL (25 of 25 runs exited 0)."""
     global _leaving_cleanly
-    if _leaving_cleanly:
-        return
+    if _leaving_cleanly or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # (registered once; where a process group is)
     _leaving_cleanly = True
     import atexit
     import gc
