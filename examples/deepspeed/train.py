@@ -37,7 +37,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.planning.model  # noqa: E402
-from smartinf.defaults import parse_bytes  # noqa: E402
+from examples.gpt import gpu  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -206,14 +206,7 @@ def main() -> None:
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(get_accelerator().current_device_name())
-    if args.gpu_memory:  # (kept until the end: held beside everything the run allocates)
-        total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
-        emulated = parse_bytes(args.gpu_memory, "--gpu-memory")
-        if not 0 < emulated < total:
-            raise SystemExit(f"--gpu-memory {args.gpu_memory} emulates a smaller GPU on this "
-                             f"one: give less than its {total} bytes" if total else
-                             "--gpu-memory emulates a smaller GPU on a CUDA GPU: there is none here")
-        held_back = torch.empty(total - emulated, dtype=torch.uint8, device=device)  # noqa: F841
+    held_back = gpu.hold_back(args.gpu_memory, device)  # noqa: F841 (kept until the end)
     d_model, n_layer, n_head, vocab = MODELS[args.model]
     lang = Language()
     config = ds_config(args, world)

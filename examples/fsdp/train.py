@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import smartinf.optim  # noqa: E402
-from smartinf.defaults import parse_bytes  # noqa: E402
+from examples.gpt import gpu  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -125,13 +125,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if args.gpu_memory:  # (kept until the end: held beside everything the run allocates)
-        total = torch.cuda.mem_get_info()[1] if cuda else 0
-        emulated = parse_bytes(args.gpu_memory, "--gpu-memory")
-        if not 0 < emulated < total:
-            raise SystemExit(f"--gpu-memory {args.gpu_memory} emulates a smaller GPU on a larger "
-                             f"CUDA GPU: give less than its {total} bytes")
-        held_back = torch.empty(total - emulated, dtype=torch.uint8, device=device)  # noqa: F841
+    held_back = gpu.hold_back(args.gpu_memory, device)  # noqa: F841 (kept until the end)
     lang = Language()
     vocab = MODELS[args.model][3] or lang.vocab_size
     model = sharded_model(args, vocab, device)
