@@ -179,3 +179,25 @@ def test_state_dict_hooks_run_as_torchs(disk_dir):
     train_both(a, oa, b, ob, range(2, 4))
     assert_models_close(a, b)
     oa.close()
+
+
+def test_a_reset_through_opt_state_with_a_split_master_is_the_fp32_masters(disk_dir):
+    """bf16 params: a split master (rebuilt from the params as opt.state reads and writes
+    the sub-groups) gives the bits an fp32 master gives, reset included."""
+    runs = []
+    for master in ("split", "fp32"):
+        model = make_model(torch.bfloat16)
+        opt = so.AdamW(model.parameters(), lr=1e-2, devices=[f"{disk_dir}/{master}"], master=master,
+                       **SMALL)
+        reference = make_model(torch.bfloat16)
+        for step in range(5):
+            if step == 3:
+                log_and_reset(opt, model)
+            set_grads(model, reference_grads(reference, step))
+            opt.step()
+        runs.append(([p.detach().clone() for p in model.parameters()],
+                     opt.state_dict()["state"][0]["exp_avg"].clone()))
+        opt.close()
+    (split, split_avg), (fp32, fp32_avg) = runs
+    assert all(torch.equal(p, q) for p, q in zip(split, fp32))
+    assert torch.equal(split_avg, fp32_avg)
