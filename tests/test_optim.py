@@ -269,6 +269,28 @@ def test_reopening_resumes_training(disk_dir):
     oc.close()
 
 
+def test_resuming_without_subgroup_size_cuts_as_the_run_was_cut(disk_dir):
+    """A run cut with another size (given, or an older default) resumes with subgroup_size
+    left out: its directories' size is taken, and training goes on as torch's."""
+    a, oa, b, ob = adamw_pair(disk_dir, 3)
+    sizes = [sg.numel for sg in oa._plan]
+    assert max(sizes) == SMALL["subgroup_size"] and len(sizes) > 1
+    oa.close()
+    fresh = make_model()
+    oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume",
+                  chunk=SMALL["chunk"])
+    assert [sg.numel for sg in oc._plan] == sizes
+    assert_models_close(fresh, b)
+    train_both(fresh, oc, b, ob, range(3, 6))
+    assert_models_close(fresh, b)
+    oc.close()
+    fresh = make_model()  # overwritten: the default size again, one sub-group
+    so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], if_exists="overwrite").close()
+    oc = so.AdamW(fresh.parameters(), lr=1e-2, devices=[disk_dir], if_exists="resume")
+    assert [sg.numel for sg in oc._plan] == [sum(p.numel() for p in fresh.parameters())]
+    oc.close()
+
+
 def test_adagrad_initial_accumulator_value_is_one_for_all_groups(tmp_path):
     """The devices' sums start from one value: a group with another is refused, at
     construction and in add_param_group (DeepSpeed's param groups too: driver.stored_rule)."""

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -149,15 +152,18 @@ def main() -> None:
         if args.mode != "smartinf" and args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         profiling = args.profile_step == step + 1 and rank == 0 and args.json
+        functions = cProfile.Profile() if profiling else contextlib.nullcontext()
         with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling
-              else contextlib.nullcontext()) as prof:
+              else contextlib.nullcontext()) as prof, functions:
             opt.step()
             opt.zero_grad(set_to_none=True)
             t3 = sync()
-        if profiling:
+        if profiling:  # torch's table, then the Python functions' of the same step
+            table = io.StringIO()
+            pstats.Stats(functions, stream=table).sort_stats("tottime").print_stats(40)
             Path(args.json).with_suffix(".prof.txt").write_text(prof.key_averages().table(
-                sort_by="cpu_time_total", row_limit=60, max_name_column_width=80))
+                sort_by="cpu_time_total", row_limit=60, max_name_column_width=80) + table.getvalue())
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         records.append({"step": step + 1, "loss": mean.item() / world, "fwd_s": t1 - t0,

@@ -27,9 +27,9 @@ from smartinf.optim.subgroups import Subgroup
 
 logger = logging.getLogger("smartinf")
 
-#: Parameters per sub-group unless ``subgroup_size`` says otherwise (DeepSpeed's
-#: ``sub_group_size`` plays the same role): 64 MiB of fp32 staging per buffer.
-DEFAULT_SUBGROUP_SIZE = 16 << 20
+#: Parameters per sub-group of params on the host unless ``subgroup_size`` says otherwise
+#: (``subgroups.default_size``; of params on GPUs ``subgroups.GPU_SIZE``)
+DEFAULT_SUBGROUP_SIZE = subgroups.HOST_SIZE
 
 
 class _StorageOptimizer(Layout, torch.optim.Optimizer):
@@ -45,7 +45,7 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *,
                  devices: DeviceLike | Sequence[DeviceLike] | None = None,
-                 subgroup_size: int = DEFAULT_SUBGROUP_SIZE, compress: Optional[TopK] = None,
+                 subgroup_size: Optional[int] = None, compress: Optional[TopK] = None,
                  max_grad_norm: Optional[float] = None, if_exists: str = "error",
                  gpu_memory_budget: "int | str | None" = None,
                  gpu_twins: "bool | str | None" = None, gpu_host_states: "bool | str" = "auto",
@@ -205,9 +205,13 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
 
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]
-        self._scatter(sg, self._driver.out(buffer, sg.dtype, sg.numel))
-        if sg.device.type == "cuda":
-            torch.cuda.current_stream(sg.device).synchronize()  # before the buffer is reused
+        out = self._driver.out(buffer, sg.dtype, sg.numel)
+        self._scatter(sg, out)
+        # A host buffer's copies to the GPU land before anything reuses it (states read into
+        # staging between steps too); one in the GPU's memory is written again only by an
+        # update, which waits for the stream first (Pipeline.update).
+        if sg.device.type == "cuda" and out.is_cpu:
+            torch.cuda.current_stream(sg.device).synchronize()
 
     # -- traffic ----------------------------------------------------------------------
     def traffic(self) -> dict[str, float]:

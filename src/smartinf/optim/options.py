@@ -31,7 +31,8 @@ logger = logging.getLogger("smartinf")
 class StorageOptions(TypedDict, total=False):
     """Keyword arguments every ``smartinf.optim`` optimizer takes besides torch's.
 
-    ``subgroup_size`` params per sub-group (16 Mi); ``compress`` a
+    ``subgroup_size`` params per sub-group (left out: 16 Mi, 128 Mi where every param is on a
+    GPU, or what the directories' run was cut with when it resumes); ``compress`` a
     ``smartinf.pipeline.compress.TopK`` (SmartComp); ``max_grad_norm`` clipping; ``slots``,
     ``chunk``, ``io``, ``queue_depth``, ``host_link_gbps``, ``verify``, ``state_dtype``,
     ``memory_budget``, ``commit_every``, ``commit_waits``, ``compute_threads``, ``master``, ``io_schedule``,
@@ -94,7 +95,8 @@ def split(options: dict, torch_class: Optional[type], defaults: dict) -> tuple[d
 
 
 def check_keywords(subgroup_size: Any, compress: Any, max_grad_norm: Any) -> None:
-    if not isinstance(subgroup_size, int) or isinstance(subgroup_size, bool) or subgroup_size < 1:
+    if subgroup_size is not None and (not isinstance(subgroup_size, int) or
+                                      isinstance(subgroup_size, bool) or subgroup_size < 1):
         raise ValueError(f"subgroup_size must be a positive int, got {subgroup_size!r}")
     if compress is not None and not isinstance(compress, TopK):
         raise TypeError(f"compress must be a smartinf.compress.TopK, got {type(compress).__name__}")
@@ -211,11 +213,15 @@ def fit_gpu_budget(budget: int, plan: Sequence[Subgroup], settings: PipelineSett
     """A measured GPU budget no larger than the sub-groups' states take there: a host twin
     (``planning.twins``) is as large as the budget, and the host memory beyond the states
     would be pinned for nothing (a 13 B model's 51 GB of states measured a 75 GB budget)."""
+    return min(budget, gpu_states_bytes(plan, settings, arrays))
+
+
+def gpu_states_bytes(plan: Sequence[Subgroup], settings: PipelineSettings, arrays: int) -> int:
+    """The bytes the sub-groups' states take in a GPU's memory."""
     chunk = settings.chunk or defaults.chunk() or defaults.GPU_CHUNK
-    need = sum(_native.copy_bytes(*(("fp32", "fp32") if sg.small else
+    return sum(_native.copy_bytes(*(("fp32", "fp32") if sg.small else
                                     (settings.state_dtype, settings.master)), chunk, sg.numel, arrays)
                for sg in plan)
-    return min(budget, need)
 
 
 def placeable(devices: list) -> bool:

@@ -33,6 +33,16 @@ def manifest_fields(directory: str) -> Optional[dict]:
         return None
 
 
+def stored_subgroups(directory: str) -> list[int]:
+    """The sizes (params) of the sub-groups a directory's manifest holds (``sg`` lines:
+    id, numel, ...); none where it holds no manifest."""
+    try:
+        with open(os.path.join(directory, MANIFEST), errors="replace") as f:
+            return [int(line.split()[2]) for line in f if line.startswith("sg ")]
+    except OSError:
+        return []
+
+
 #: A directory with a log's step files (copies="log", store/step_log.h): never copied.
 LOG_FILES = ("grads.bin", "journal")
 

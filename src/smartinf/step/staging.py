@@ -16,20 +16,27 @@ def depth_for(devices: int) -> int:
 
 class Staging:
     """``depth`` host buffer pairs (gradient in, params out) of ``size`` elements of up to
-    4 bytes; pinned when CUDA is present so copies to and from the GPU run asynchronously."""
+    4 bytes; pinned when CUDA is present so copies to and from the GPU run asynchronously.
+    Each is allocated at its first use: sub-groups a GPU updates where their params are
+    never stage through the host."""
 
     def __init__(self, size: int, depth: int = 2) -> None:
-        pin = torch.cuda.is_available()
         self.size = size
         self.depth = depth
-        self._grads = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
-        self._outs = [torch.empty(size * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
+        self._grads: list = [None] * depth
+        self._outs: list = [None] * depth
+
+    def _buffer(self, buffers: list, i: int) -> torch.Tensor:
+        if buffers[i] is None:
+            buffers[i] = torch.empty(self.size * 4, dtype=torch.uint8,
+                                     pin_memory=torch.cuda.is_available())
+        return buffers[i]
 
     def grad(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._grads[i].view(dtype)[:numel]
+        return self._buffer(self._grads, i).view(dtype)[:numel]
 
     def out(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._outs[i].view(dtype)[:numel]
+        return self._buffer(self._outs, i).view(dtype)[:numel]
 
 
 def pipelined(items: Sequence[Any], send: Callable[[Any, int], Any],
