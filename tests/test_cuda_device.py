@@ -382,6 +382,43 @@ def test_optim_measures_an_auto_gpu_budget_at_its_first_step(disk_dir):
         assert np.array_equal(bits(a), bits(b))
 
 
+@needs_gpu
+def test_optim_cuts_larger_sub_groups_where_its_gpu_holds_every_state(disk_dir):
+    """subgroup_size left out: sub-groups of subgroups.GPU_SIZE where the params' GPU holds
+    every state (the default budget, "auto"), of HOST_SIZE where it holds none; the same
+    params as torch's AdamW either way, with clipping acting and a ``.data`` edit between
+    steps taken as the master."""
+    from smartinf.optim import subgroups
+
+    def run(path, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 1200)).cuda()
+        opt = so.AdamW(model.parameters(), lr=1e-3, devices=[path], max_grad_norm=1.0, **options) \
+            if path else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i, x in enumerate(torch.randn(3, 8, 4096, generator=torch.Generator().manual_seed(2)).cuda()):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if not path:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if i == 1:
+                model[0].weight.data.mul_(0.5)
+        sizes = [sg.numel for sg in opt._plan] if path else None
+        if path:
+            opt.close()
+        return [p.detach().cpu() for p in model.parameters()], sizes
+    reference, _ = run(None)
+    numel = sum(p.numel() for p in reference)
+    assert subgroups.HOST_SIZE < numel <= subgroups.GPU_SIZE
+    for path, options, sizes in ((os.path.join(disk_dir, "gpu"), {}, [numel]),
+                                 (os.path.join(disk_dir, "host"), dict(gpu_memory_budget=0),
+                                  [subgroups.HOST_SIZE, numel - subgroups.HOST_SIZE])):
+        params, cut = run(path, **options)
+        assert cut == sizes
+        for a, b in zip(params, reference):
+            torch.testing.assert_close(a, b)
+
+
 def test_an_auto_gpu_budget_without_a_gpu_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match='gpu_memory_budget="auto" sizes a budget of the GPU'):

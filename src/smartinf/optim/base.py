@@ -114,16 +114,23 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
 
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
         """Puts masters (or updated params) into the model, as what it now holds (host
-        params of its dtype hashed as they are copied: ``edits.copy``)."""
-        hashed = self._watch is not None and flat.dtype == sg.dtype and flat.is_cpu and \
-            sg.device.type == "cpu" and all(local(s.param).is_contiguous() for s in sg.slices)
+        params of its dtype hashed as they are copied: ``edits.copy``; on a GPU, one
+        multi-tensor copy, the digest taken of ``flat``, the same bytes)."""
+        held = [local(s.param) for s in sg.slices]
+        contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
+        srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
+        if contiguous and flat.is_cuda and sg.device == flat.device:
+            torch._foreach_copy_([h.detach().view(-1)[s.start:s.stop] for h, s in zip(held, sg.slices)],
+                                 srcs, non_blocking=True)
+            if self._watch is not None:
+                self._watch.record_parts(sg.id, [flat])
+            return
+        hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
         pieces = []
-        for s in sg.slices:
-            src = flat[s.offset:s.offset + s.stop - s.start]
+        for h, s, src in zip(held, sg.slices, srcs):
             if hashed:
-                held = local(s.param)
-                pieces.append(edits.copy(held.detach().view(-1)[s.start:s.stop], src))
-                torch.autograd.graph.increment_version(held)  # written, as copy_ says
+                pieces.append(edits.copy(h.detach().view(-1)[s.start:s.stop], src))
+                torch.autograd.graph.increment_version(h)  # written, as copy_ says
             else:
                 subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:

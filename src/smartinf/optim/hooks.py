@@ -28,8 +28,8 @@ class ParamHooks:
     ``hyper_of(sg)`` gives a sub-group's current hyper-parameters; ``gather(sg, grads)`` its
     flat gradient from {id(param): grad}. Only for GPU params (``defaults.speculate_on_cpu``:
     a backward on the CPU holds the cores). Its params come out into buffers of this class (and
-    GPU params' gradients go through host buffers): one copy of the params, allocated when
-    they are registered."""
+    GPU params' gradients go through host buffers): one copy of the params of the sub-groups
+    no GPU updates, allocated when they are registered."""
 
     def __init__(self, speculation: Speculation, send: Callable, hyper_of: Callable,
                  gather: Callable) -> None:
@@ -60,6 +60,8 @@ class ParamHooks:
             self._params[sg.id] = params
             for p in params:
                 self._subgroups_of.setdefault(id(p), []).append(sg)
+            if self.speculation.pipeline.gpu_of(sg.id) is not None:
+                continue  # (updated at step(), where its gradient is: no buffers, see _start)
             pin = sg.device.type == "cuda"
             self._out[sg.id] = torch.empty(sg.numel, dtype=sg.dtype, pin_memory=pin)
             if pin:
