@@ -18,7 +18,9 @@ import torch
 import smartinf.optim as so
 from conftest import assert_close_fp32
 
-SMALL = dict(subgroup_size=700, chunk=256)  # 1369 params: two sub-groups, several chunks
+# 1369 params: two sub-groups, several chunks; their states on the host, where updates start
+# during backward (a GPU's own states are updated at step(), where the gradients are)
+SMALL = dict(subgroup_size=700, chunk=256, gpu_memory_budget=0)
 SUBGROUPS = 2
 STEPS = 8
 OVERFLOW_STEP = 3  # its loss is scaled past fp32's range: inf gradients, a skipped step

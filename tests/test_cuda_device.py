@@ -339,7 +339,7 @@ def test_optim_keeps_states_in_the_models_gpu_with_a_budget(disk_dir):
         stats = {k: v - start.get(k, 0) for k, v in opt.pipeline.stats.items()}
         opt.close()
         return [p.detach().cpu() for p in model.parameters()], stats
-    cpu, _ = run(os.path.join(disk_dir, "cpu"))
+    cpu, _ = run(os.path.join(disk_dir, "cpu"), gpu_memory_budget=0)
     # With overlap (the default) or without, the GPU's sub-groups are updated at step(),
     # where they are: nothing crosses PCIe.
     for overlap in (True, False):

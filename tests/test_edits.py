@@ -122,14 +122,18 @@ def test_edits_between_steps_become_the_masters(tmp_path, monkeypatch, edit, fmt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("states", ["gpu", "host"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "bf16-split"])
 @pytest.mark.parametrize("edit", EDITS)
-def test_edits_of_gpu_params(tmp_path, edit, fmt):
-    """Params on a GPU (digests there; updates start during backward by default)."""
+def test_edits_of_gpu_params(tmp_path, edit, fmt, states):
+    """Params on a GPU (digests there): their states in its memory (the default), updated
+    at step() and put by one copy, the digest taken of what was put; or in host memory
+    (updates start during backward)."""
     dtype, kw = FORMATS[fmt]
-    history, counts = train_with_edits(tmp_path, dtype, EDITS[edit], device="cuda", **kw)
+    history, counts = train_with_edits(tmp_path, dtype, EDITS[edit], device="cuda", **kw,
+                                       **({} if states == "gpu" else dict(gpu_memory_budget=0)))
     assert_history_close(history)
-    if fmt != "bf16-split":
+    if fmt != "bf16-split" and states == "host":
         assert counts.reasons.get("params edited", 0) > 0
 
 

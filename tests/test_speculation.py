@@ -99,9 +99,10 @@ def test_updates_during_backward_kept(tmp_path, kw):
                                      memory_budget="1MiB")],
                          ids=["streamed", "resident-k3", "bf16-split-int8"])
 def test_gpu_params(tmp_path, kw):
-    """Params and gradients on the GPU: gradients copied to host buffers during backward and
-    the update launched once they landed (an event), params copied back at step()."""
-    counts = assert_same(tmp_path, steps=7, device="cuda", **kw)
+    """Params and gradients on the GPU, their states on the host: gradients copied to host
+    buffers during backward and the update launched once they landed (an event), params
+    copied back at step()."""
+    counts = assert_same(tmp_path, steps=7, device="cuda", gpu_memory_budget=0, **kw)
     assert counts.retracted == 0 and counts.kept == SUBGROUPS * 6
 
 
