@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -200,6 +201,24 @@ def test_discarded_step_leaves_committed_state(disk_dir):
         with pipe.step():  # and the sub-group can be updated again
             pipe.update(sg, np.ones(x.size, np.float32), out)
         assert pipe.subgroup_steps(sg) == 1
+
+
+def test_a_waited_update_lets_its_buffers_go(disk_dir):
+    """Until it is done an update holds its gradient and out alive (the caller may drop
+    them); once waited for, not until the step's commit: a step of many sub-groups would
+    hold every flat gradient the front-end made."""
+    x = np.random.default_rng(3).standard_normal(2500).astype(np.float32)
+    with smartinf.Pipeline(disk_dir, chunk=CHUNK) as pipe:
+        sgs = [pipe.add_subgroup(x.size, init=x) for _ in range(2)]
+        with pipe.step():
+            grad, out = torch.ones(x.size), torch.empty(x.size)
+            held = weakref.ref(grad), weakref.ref(out)
+            future = pipe.update(sgs[0], grad, out)
+            del grad, out
+            future.wait()
+            assert held[0]() is None and held[1]() is None
+            pipe.update(sgs[1], torch.ones(x.size), torch.empty(x.size))  # (dropped: held)
+        assert [pipe.subgroup_steps(sg) for sg in sgs] == [1, 1]
 
 
 CRASH = textwrap.dedent("""

@@ -42,8 +42,11 @@ class UpdateFuture:
         return self._native.done()
 
     def wait(self) -> None:
-        """Blocks until the params are out; raises the update's error, if any."""
+        """Blocks until the params are out; raises the update's error, if any. Once waited
+        for, the buffers are the caller's again: the future lets them go (a step's flat
+        gradients would otherwise all be held until its commit, GPU memory included)."""
         self._native.wait()
+        self._buffers = ()
 
     get = result = wait
 
