@@ -81,10 +81,18 @@ inline void run_update_as(const Slot& s, const Kernel& k, DType grad, size_t n,
 
 }  // namespace smartinf::device
 
+// The ISAs each entry is compiled for: the unit (CMakeLists.txt) says whether AVX-512 is one
+// (SMARTINF_CPU_ISA=avx2 leaves it out, to time an AVX2-only CPU on a newer one).
+#if defined(SMARTINF_CPU_UPDATE_AVX512) && !SMARTINF_CPU_UPDATE_AVX512
+#define SMARTINF_CPU_CLONES "avx2", "default"
+#else
+#define SMARTINF_CPU_CLONES "arch=x86-64-v4", "avx2", "default"
+#endif
+
 // One entry of cpu_update.h: `name` runs moments format `moments`.
 #define SMARTINF_CPU_UPDATE(name, moments)                                                     \
   namespace smartinf::device {                                                                 \
-  __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), flatten)) void name(                        \
+  __attribute__((target_clones(SMARTINF_CPU_CLONES), flatten)) void name(                      \
       const Slot& s, const Kernel& k, DType grad, size_t n, const store::StateLayout& layout,  \
       size_t numel, size_t lo) {                                                               \
     run_update_as<moments>(s, k, grad, n, layout, numel, lo);                                  \
