@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from smartinf.pipeline import compress
 from smartinf.pipeline.compress import Compressed, TopK, decompress
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -90,6 +91,42 @@ def test_ties_give_a_valid_topk():
     assert not {4, 7} & set(c.indices.tolist())
     same = TopK(ratio=0.5).compress(torch.full((10,), -0.25))
     _assert_valid_topk(torch.full((10,), -0.25), same, 5)
+
+
+LARGE = 32 * compress.SAMPLE  # a CPU sub-group whose top-k is chosen among sampled candidates
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.2])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_a_large_cpu_gradient_keeps_exactly_the_k_largest(ratio, grad_dtype):
+    """Candidates above a sampled threshold, then torch.topk among them: the set a full sort
+    gives (float32: no ties), a valid top-k with bf16's ties; NaN and inf sent."""
+    g = _grad(LARGE, seed=3, dtype=grad_dtype)
+    g[LARGE // 2] = -math.inf
+    comp = TopK(ratio=ratio)
+    c = comp.compress(g)
+    k = comp.k(LARGE)
+    _assert_valid_topk(g, c, k)
+    assert LARGE // 2 in set(c.indices.tolist())
+    if grad_dtype == torch.float32:
+        assert set(c.indices.tolist()) == _brute_force_topk(g, k)
+    g[5] = math.nan
+    assert 5 in set(comp.compress(g).indices.tolist())
+
+
+def test_a_sample_that_misleads_falls_back_to_the_whole_gradient():
+    """Where fewer than k elements clear the sampled threshold (here every sampled one is
+    large and few others are), the k largest are chosen among all elements."""
+    sampled = torch.randint(LARGE, (compress.SAMPLE,), generator=torch.Generator().manual_seed(0))
+    g = _grad(LARGE, seed=4) * 1e-3
+    g[sampled] = 10.0
+    k = sampled.unique().numel() + 1000
+    idx = compress.largest(g.abs(), k)
+    assert idx.numel() == k == idx.unique().numel()
+    kept = torch.zeros(LARGE, dtype=torch.bool)
+    kept[idx] = True
+    assert g.abs()[kept].min() >= g.abs()[~kept].max()
+    assert set(sampled.tolist()) <= set(idx.tolist())
 
 
 def test_nan_and_inf_are_sent_not_hidden():
