@@ -71,9 +71,11 @@ class Layout:
             raise ValueError("copies='log' over FSDP2-sharded params: the ranks would have to "
                              "agree on a logged step when they reopen, which smartinf.optim "
                              "does not do yet (docs/fsdp.md); take copies=2 or copies=1")
+        # the states in host memory the GPU updates too (the cpu devices keep the rest)
+        settings, host = optim_options.host_states(settings, devices, gpu_memory_budget, gpu_host_states)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
         self._small = small_tensor(settings.state_dtype)
-        self._plan = self._cut(settings, gpu_memory_budget, gpu_host_states, devices, if_exists)
+        self._plan = self._cut(settings, gpu_memory_budget, host, devices, if_exists)
         # (a sharded param whose shard here is empty has no slice, and is stored all the same)
         self._stored = {id(p) for group in self.param_groups for p in group["params"] if p.requires_grad}
         self._marked = False  # self.state names the params whose states exist (_mark_states)
@@ -95,7 +97,7 @@ class Layout:
         with opening:
             pipeline = optim_options.open_pipeline(self._plan, self._small, devices,
                                                    self._rule(self.param_groups[0]), settings,
-                                                   gpu_memory_budget, gpu_twins, gpu_host_states)
+                                                   gpu_memory_budget, gpu_twins, host)
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             if self._sharding.active:  # every rank at one durable step before any is attached
@@ -125,20 +127,20 @@ class Layout:
                                     lambda i, flat: self._scatter(self._plan[i], flat),
                                     self._speculation)
 
-    def _cut(self, settings: PipelineSettings, gpu_memory_budget: Any, gpu_host_states: Any,
+    def _cut(self, settings: PipelineSettings, gpu_memory_budget: Any, host: int,
              devices: list, if_exists: str) -> list[Subgroup]:
         """The sub-groups, of ``subgroup_size`` params; left out, of the size a resumed run was
         cut with, else ``subgroups.GPU_SIZE`` where the params are on a GPU that updates every
-        sub-group (its budget and the host states it updates hold them all), else
+        sub-group (its budget and the ``host`` states it updates hold them all), else
         ``subgroups.HOST_SIZE``. Kept for ``add_param_group``."""
-        size = self._subgroup_size or (if_exists != "overwrite" and subgroups.stored_size(
-            [str(getattr(d, "path", d)) for d in devices])) or subgroups.HOST_SIZE
+        stored = None if self._subgroup_size or if_exists == "overwrite" else \
+            subgroups.stored_size([str(getattr(d, "path", d)) for d in devices])
+        size = self._subgroup_size or stored or subgroups.HOST_SIZE
         plan = subgroups.plan_subgroups(self.param_groups, size, small=self._small)
-        if size == subgroups.HOST_SIZE and not self._subgroup_size and gpu_memory_budget is not None \
+        if not (self._subgroup_size or stored) and gpu_memory_budget is not None \
                 and plan and all(sg.device.type == "cuda" for sg in plan):
             budget = gpu_memory_budget if isinstance(gpu_memory_budget, int) else \
                 defaults.parse_bytes(gpu_memory_budget, "gpu_memory_budget")
-            _, host = optim_options.host_states(settings, devices, budget, gpu_host_states)
             arrays = 1 + len(self._rule(self.param_groups[0]).state_names)
             if budget + host >= optim_options.gpu_states_bytes(plan, settings, arrays):
                 size = subgroups.GPU_SIZE

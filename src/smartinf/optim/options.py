@@ -166,11 +166,11 @@ def host_states(settings: PipelineSettings, devices: list, gpu_budget: "int | st
 def open_pipeline(subgroups: Sequence[Subgroup], small: bool, devices: list,
                   rule: update_rules.UpdateRule, settings: PipelineSettings,
                   gpu_budget: "int | str | None", gpu_twins: "bool | str | None",
-                  gpu_host_states: "bool | str") -> Pipeline:
+                  host: int) -> Pipeline:
     """The pipeline of an optimizer's ``subgroups`` (``small``: int8/int4 states' small
-    tensors in sub-groups of their own), over ``devices`` and the GPU's (``host_states``,
-    ``devices_with_gpu``), told the sub-groups to come and their gradients' bytes."""
-    settings, host = host_states(settings, devices, gpu_budget, gpu_host_states)
+    tensors in sub-groups of their own), over ``devices`` and the GPU's (``devices_with_gpu``;
+    ``host``: bytes of host-memory states it updates, ``host_states``), told the sub-groups
+    to come and their gradients' bytes."""
     return Pipeline(devices_with_gpu(devices, gpu_budget, gpu_twins, subgroups, host), rule,
                     settings=settings, subgroup_sizes=[sg.numel for sg in subgroups if not sg.small],
                     gradient_bytes=max((s.param.element_size() for sg in subgroups
