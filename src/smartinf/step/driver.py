@@ -69,10 +69,14 @@ class Driver:
 
     def _gpu_out(self, buffer: int, device: torch.device, dtype: torch.dtype,
                  numel: int) -> torch.Tensor:
+        """Buffer ``buffer``'s params out in ``device``'s memory: a sub-group of the staging's
+        size in ``dtype`` (bf16 params take half of fp32's), grown for a wider dtype."""
         key = (buffer, device.index)
-        if key not in self._gpu_outs:
-            self._gpu_outs[key] = torch.empty(self.staging.size * 4, dtype=torch.uint8, device=device)
-        return self._gpu_outs[key][:numel * dtype.itemsize].view(dtype)
+        held = self._gpu_outs.get(key)
+        if held is None or held.numel() < numel * dtype.itemsize:
+            held = self._gpu_outs[key] = torch.empty(self.staging.size * dtype.itemsize,
+                                                     dtype=torch.uint8, device=device)
+        return held[:numel * dtype.itemsize].view(dtype)
 
     def send(self, sg: int, grad: torch.Tensor, buffer: int, scale: float, hyper: dict,
              out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
