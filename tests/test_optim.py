@@ -291,6 +291,20 @@ def test_resuming_without_subgroup_size_cuts_as_the_run_was_cut(disk_dir):
     oc.close()
 
 
+def test_a_runs_size_is_read_from_every_directory_it_holds(tmp_path):
+    """subgroups.stored_size: the largest sub-group of the devices' manifests and of the
+    GPU's beside the first (gpu/, gpu-host/); None where none holds a run."""
+    from smartinf.optim.subgroups import stored_size
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, numels in ((first / "gpu", [128, 64]), (first / "gpu-host", [128]), (second, [100])):
+        d.mkdir(parents=True)
+        (d / "manifest").write_text("smartinf-manifest 10\n" + "".join(
+            f"sg {i} {n} 0 1 1 1 0\n" for i, n in enumerate(numels)))
+    assert stored_size([str(first), str(second)]) == 128
+    assert stored_size([str(second)]) == 100
+    assert stored_size([str(tmp_path / "none")]) is None
+
+
 def test_adagrad_initial_accumulator_value_is_one_for_all_groups(tmp_path):
     """The devices' sums start from one value: a group with another is refused, at
     construction and in add_param_group (DeepSpeed's param groups too: driver.stored_rule)."""
