@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import env_int
-from smartinf.pipeline.compress import TopK
+from smartinf.pipeline.compress import TopK, largest
 
 NUMEL = env_int("SMARTINF_BENCH_TOPK_NUMEL", 10**8)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,3 +62,24 @@ def test_topk_vs_link_time(benchmark, summary, ratio, dtype):
               "link_s_saved": saved_s, "saved_over_compress": saved_s / compress_s}
     benchmark.extra_info.update(result)
     summary.setdefault("topk", {})[f"{DEVICE}_{str(dtype)[6:]}_{ratio}"] = result
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_cpu_selection_vs_torch_topk(benchmark, summary, ratio):
+    """On the CPU: ``compress.largest`` (sampled candidates, then torch.topk among them)
+    against torch.topk over the whole gradient, alternated in one run, on the demo GPT's
+    sub-group size (23 M) unless ``SMARTINF_BENCH_TOPK_CPU_NUMEL`` says otherwise; the same
+    set of indices."""
+    numel = env_int("SMARTINF_BENCH_TOPK_CPU_NUMEL", 23_000_000)
+    mag = torch.randn(numel, generator=torch.Generator().manual_seed(0)).abs()
+    k = TopK(ratio).k(numel)
+    ours, theirs = [], []
+    for _ in range(ROUNDS):
+        theirs.append(_timed(lambda: torch.topk(mag, k, sorted=False)))
+        ours.append(_timed(lambda: largest(mag, k)))
+    benchmark.pedantic(lambda: largest(mag, k), rounds=1, iterations=1)
+    assert set(largest(mag, k).tolist()) == set(torch.topk(mag, k, sorted=False)[1].tolist())
+    result = {"numel": numel, "ratio": ratio, "largest_s": min(ours), "torch_topk_s": min(theirs),
+              "speedup": min(theirs) / min(ours)}
+    benchmark.extra_info.update(result)
+    summary.setdefault("topk_cpu_selection", {})[str(ratio)] = result
