@@ -13,7 +13,9 @@ bf16 compute, fp32 reduce), ``save`` / ``load`` (a DCP checkpoint directory writ
 the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``, ``edit_at`` (a step before which rank 0 halves its
 shard of the first param), ``first="resume"`` (start at the step the reopened directories
 hold), ``started`` / ``sleep`` (a file rank 0 makes after each step from the third, then sleeps: a test
-kills the ranks meanwhile).
+kills the ranks meanwhile), ``tail`` (SMARTINF_STEP_TAIL_ON_CPU=1: the step finishes while the
+next forward runs, each update slowed; the params are then recorded after the last step
+only, so that the next forward's all-gathers are what waits for them).
 """
 from __future__ import annotations
 
@@ -60,10 +62,15 @@ def optimizer(m: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
 
 def run(rank: int, world: int, port: int, config: dict) -> None:
     os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+    if config.get("tail"):
+        os.environ["SMARTINF_STEP_TAIL_ON_CPU"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     m = model(config)
     opt = optimizer(m, dict(config, optim="smartinf" if config["optim"] == "both" else config["optim"]))
+    if config.get("tail"):  # each update sent later, so that the next forward really waits
+        send = opt._driver.send
+        opt._driver.send = lambda *a, **k: (time.sleep(0.02), send(*a, **k))[1]
     ref = model(config) if config["optim"] == "both" else None
     ref_opt = optimizer(ref, dict(config, optim="torch")) if ref is not None else None
     if config.get("load"):
@@ -108,7 +115,8 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)
         record["loss"].append(float(total) / world)
-        record["params"].append([p.full_tensor().detach().clone() for p in m.parameters()])
+        if not config.get("tail") or step == config["steps"] - 1:
+            record["params"].append([p.full_tensor().detach().clone() for p in m.parameters()])
         if config.get("started") and rank == 0 and step >= 2:  # (killed from step 3 on:
             # step 1's background commit has landed, so the ranks reopen past it)
             open(config["started"], "a").close()
@@ -118,6 +126,7 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
                  checkpoint_id=config["save"])
     if config["optim"] != "torch":
         record["counts"] = opt._speculation and dict(vars(opt._speculation.counts))
+        record["tail"] = opt._tail and {"deferred": opt._tail.deferred, "waits": opt._tail.waits}
         steps = torch.tensor([float(opt.pipeline.step_count), -float(opt.pipeline.step_count)])
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         record["step_counts_agree"] = steps[0].item() == -steps[1].item()

@@ -19,6 +19,8 @@ WARM = ("torch", "torch.distributed", "smartinf.optim", "test_ddp")
 
 def _rank(rank: int, world: int, port: int, config: dict) -> None:
     os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+    if config.get("tail"):  # the step finished while the next forward runs
+        os.environ["SMARTINF_STEP_TAIL_ON_CPU"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
@@ -41,6 +43,7 @@ def _rank(rank: int, world: int, port: int, config: dict) -> None:
         opt.zero_grad(set_to_none=True)
         record["params"].append([p.detach().clone() for p in model.parameters()])
     counts = opt._speculation and opt._speculation.counts
+    record["deferred"] = opt._tail and opt._tail.deferred
     record["counts"] = counts and {"started": counts.started, "kept": counts.kept,
                                    "retracted": counts.retracted, "reasons": dict(counts.reasons)}
     opt.close()
@@ -75,6 +78,16 @@ def test_a_param_no_forward_uses_is_stepped_as_without_overlap(tmp_path):
     off = train(tmp_path, "off", overlap=False, unused=True)
     assert_same(on, off)
     assert on["counts"]["kept"] > 0, on["counts"]
+
+
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["plain", "no_sync"])
+def test_a_step_finished_during_the_next_forward_changes_no_bit(tmp_path, accumulate):
+    """SMARTINF_STEP_TAIL_ON_CPU=1, clipping acting: each step's params (read right after it,
+    each waiting for its own sub-group) bit for bit those of overlap off."""
+    on = train(tmp_path, "on", overlap=True, accumulate=accumulate, clip=0.05, tail=True)
+    off = train(tmp_path, "off", overlap=False, accumulate=accumulate, clip=0.05)
+    assert_same(on, off)
+    assert on["deferred"] == STEPS * 5 and off["deferred"] is None  # (1369 params, 300 a sub-group)
 
 
 def assert_same(on: dict, off: dict) -> None:

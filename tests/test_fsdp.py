@@ -82,6 +82,22 @@ def test_updates_during_backward_change_no_bit(tmp_path, kw):
     assert on["counts"]["kept"] > 0
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_finished_during_the_next_forward_changes_no_bit(tmp_path, world):
+    """The step finished in the background, each FSDP2 all-gather waiting for its own
+    shards' sub-groups (SMARTINF_STEP_TAIL_ON_CPU=1): every step's loss and the last params
+    bit for bit those of overlap=False, clipping acting and step 3's NaN skipped."""
+    kw = dict(world=world, clip=0.05, nan_at=3, optim="smartinf")
+    on = train(tmp_path, "on", tail=True, kw=dict(overlap=True), **kw)
+    off = train(tmp_path, "off", kw=dict(overlap=False), **kw)
+    assert on["skipped"] == off["skipped"] == [s == 3 for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(on["loss"]), torch.tensor(off["loss"]), rtol=0, atol=0,
+                               equal_nan=True)  # (step 3's is NaN)
+    for p, q in zip(on["params"][-1], off["params"][-1]):
+        assert torch.equal(p, q)
+    assert on["tail"]["deferred"] > 0 and off["tail"] is None
+
+
 @pytest.mark.parametrize("world_after", [2, 1])
 def test_dcp_checkpoint_continues_the_run(tmp_path, world_after):
     """get_optimizer_state_dict + dcp.save after step 3 at world 2, dcp.load +

@@ -218,6 +218,14 @@ def speculate_on_cpu() -> bool:
     return _flag_env("SMARTINF_SPECULATE_ON_CPU", False)
 
 
+def step_tail_on_cpu() -> bool:
+    """Whether ``smartinf.optim``'s step finishes while the next forward runs where the params
+    are on the CPU (``SMARTINF_STEP_TAIL_ON_CPU``, off; with ``overlap`` and updates started
+    during backward): there the forward holds the cores the updates need. On a GPU it does,
+    always with ``overlap``."""
+    return _flag_env("SMARTINF_STEP_TAIL_ON_CPU", False)
+
+
 #: With int8/int4 states, tensors of at most this many elements keep fp32 moments (lpmm's
 #: rule: a quantisation block shared with larger neighbours costs them most of their
 #: moments' precision, and they are few bytes). The front-ends put them in sub-groups of

@@ -53,6 +53,7 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
         optim_options.check_keywords(subgroup_size, compress, max_grad_norm)
         storage, full = optim_options.split(options, self.torch_class, defaults)
         self.pipeline: Optional[Pipeline] = None  # none until laid out (_laid_out)
+        self._tail = None  # the step finishing in the background (optim/tail.py), once laid out
         super().__init__(params, full)
         self.compress = compress
         self.max_grad_norm = max_grad_norm
@@ -124,6 +125,7 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
                                  srcs, non_blocking=True)
             if self._watch is not None:
                 self._watch.record_parts(sg.id, [flat])
+            self._landed(sg)
             return
         hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
         pieces = []
@@ -135,6 +137,17 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
                 subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:
             self._watch.record(sg.id, pieces if hashed else None)
+        self._landed(sg)
+
+    def _landed(self, sg: Subgroup) -> None:
+        if self._tail is not None:
+            self._tail.landed(sg.id)  # (its params' uses go on: queued behind the put)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; gradients zeroed in place wait for the last step's updates that read them."""
+        if not set_to_none and self.pipeline is not None and self._tail is not None:
+            self._tail.drain()
+        super().zero_grad(set_to_none)
 
     # -- step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -152,6 +165,8 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
 
     def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
         self._laid_out()
+        if self._tail is not None:
+            self._tail.drain()  # (a step without a backward since the last one)
         sharding.refuse_replaced(self, [s.param for sg in self._plan for s in sg.slices])
         loss = None
         if closure is not None:
@@ -183,6 +198,8 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
                 if self._speculation is not None:
                     self._hooks.end_step()
                     self._ddp.stop_finding()  # (DDP is found at the first forward, or none is)
+                    if self._tail is not None:
+                        self._tail.stop_finding()  # (FSDP2's modules likewise)
         except BaseException:
             session.fail(discard=True)
             raise
@@ -201,14 +218,26 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
         if partial and not self._warned_partial:
             self._warned_partial = True
             logger.warning(gradients.PARTIAL, partial)
-        session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept},
-                    [sg.id for sg in active if sg.id not in kept],
-                    lambda i, b: self._driver.send(
-                        i, gradients.flat(self._plan[i], grads), b, scale,
-                        hyper[self._plan[i].group],
-                        params=self._flat_params(self._plan[i]) if self._split else None),
-                    self._finish)
+        def finish() -> None:
+            session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept},
+                        [sg.id for sg in active if sg.id not in kept],
+                        lambda i, b: self._driver.send(
+                            i, gradients.flat(self._plan[i], grads), b, scale,
+                            hyper[self._plan[i].group],
+                            params=self._flat_params(self._plan[i]) if self._split else None),
+                        self._finish)
+        if self._tail is None:
+            finish()
+        else:  # while the next forward runs, each param's use waiting for its own sub-group
+            self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
         return loss
+
+    def _held(self, sg: Subgroup) -> list[torch.Tensor]:
+        """What a sub-group's update in the background puts or reads: its params and their
+        gradients."""
+        held = {id(s.param): s.param for s in sg.slices}
+        held.update({id(s.param.grad): s.param.grad for s in sg.slices if s.param.grad is not None})
+        return list(held.values())
 
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]
@@ -220,11 +249,19 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
         if sg.device.type == "cuda" and out.is_cpu:
             torch.cuda.current_stream(sg.device).synchronize()
 
+    def settle(self) -> None:
+        """The last step finished: its updates done and put into the model, committed (they
+        finish while the next forward runs, each param's use waiting for its own). To time a
+        step whole; nothing else needs it."""
+        if self.pipeline is not None:
+            self._session.settle()
+
     # -- traffic ----------------------------------------------------------------------
     def traffic(self) -> dict[str, float]:
         """Bytes moved so far per link (host_to_device, device_to_host, storage_read,
         storage_write) and the steps committed."""
         self._laid_out()
+        self.settle()  # (the last step's bytes counted)
         return self._driver.traffic()
 
     # -- torch state_dict ---------------------------------------------------------------
@@ -297,6 +334,8 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
         if self._speculation is not None:
             self._hooks.close()
             self._ddp.stop_finding()
+            if self._tail is not None:
+                self._tail.stop_finding()
             self._speculation.close()
         self.pipeline.close()
 

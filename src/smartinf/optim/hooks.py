@@ -51,6 +51,8 @@ class ParamHooks:
         # it hands to ``averaged``, not from the local ones accumulated here
         self.ddp: Callable[[], bool] = lambda: False
         self._averaged: dict[int, torch.Tensor] = {}  # id(param) -> its averaged gradient
+        # Before a gradient is written or an update starts: the last step done (its tail)
+        self.before: Callable[[], None] = lambda: None
 
     def register(self, plan: Sequence[Any]) -> None:
         """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
@@ -70,6 +72,7 @@ class ParamHooks:
             for p in self._params[sg.id]:
                 if id(p) not in hooked and p.requires_grad:
                     hooked.add(id(p))
+                    self._hooks.append(p.register_hook(self._gradient))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def subgroups(self) -> list[int]:
@@ -85,7 +88,12 @@ class ParamHooks:
             self._stale = set()
             self._averaged = {}
 
+    def _gradient(self, grad: torch.Tensor) -> None:
+        """A gradient computed, before it is accumulated into ``.grad`` (maybe in place)."""
+        self.before()
+
     def _accumulated(self, p: torch.Tensor) -> None:
+        self.before()
         try:
             with self._lock:
                 seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
@@ -103,6 +111,7 @@ class ParamHooks:
     def averaged(self, pairs: list) -> None:
         """DDP's averaged gradients of a bucket's params: each sub-group whose params all have
         theirs starts its update from them (what DDP then puts into ``.grad``)."""
+        self.before()
         with self._lock:
             ready = {}
             for p, g in pairs:

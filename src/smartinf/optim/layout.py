@@ -20,6 +20,7 @@ from smartinf.optim.ddp import DdpTrigger
 from smartinf.optim.hooks import ParamHooks
 from smartinf.optim.sharding import Sharding
 from smartinf.optim.subgroups import Subgroup
+from smartinf.optim.tail import BackgroundStep
 from smartinf.pipeline.devices import resolve_devices
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
@@ -123,9 +124,23 @@ class Layout:
                                      gradients.flat)
             self._hooks.register(self._plan)
             self._ddp = DdpTrigger(self._trained(), self._hooks)
+        # The step finished while the next forward runs, where updates start during backward
+        # and the forward runs on a GPU (or SMARTINF_STEP_TAIL_ON_CPU)
+        self._tail = BackgroundStep() if self._speculation is not None and \
+            (gpu or defaults.step_tail_on_cpu()) else None
+        if self._tail is not None:
+            self._hooks.before = self._tail.drain  # (the next backward's gradients)
+            if self._sharding.active:
+                self._tail.find_fsdp(self._subgroups_of)
         self._session = StepSession(pipeline, self._driver,
                                     lambda i, flat: self._scatter(self._plan[i], flat),
                                     self._speculation)
+        self._session.tail = self._tail  # (drained where the states are read: settle)
+
+    def _subgroups_of(self, params: list) -> list[int]:
+        """The sub-groups holding slices of ``params``."""
+        ids = {id(p) for p in params}
+        return [sg.id for sg in self._plan if any(id(s.param) in ids for s in sg.slices)]
 
     def _cut(self, settings: PipelineSettings, gpu_memory_budget: Any, host: int,
              devices: list, if_exists: str) -> list[Subgroup]:
@@ -152,6 +167,8 @@ class Layout:
         """As ``torch.optim.Optimizer.add_param_group``: the new group's params get new
         sub-groups on the devices (resumed, when reopened directories hold them), after
         those of the groups before it."""
+        if self.pipeline is not None and self._tail is not None:
+            self._tail.drain()
         super().add_param_group(param_group)
         if self.pipeline is None:
             return  # torch's __init__ adding the constructor's groups

@@ -1,0 +1,137 @@
+"""smartinf.optim's step finished while the next forward runs (optim/tail.py), forced on the CPU
+(SMARTINF_STEP_TAIL_ON_CPU=1; on a GPU it is the default): every step's params and the final
+states bit for bit those of overlap=False, with clipping acting, a skipped inf step, gradient
+accumulation zeroed in place, and the params read or edited right after step() (a forward,
+an EMA, ``.data``, ``state_dict``); each sub-group's update slowed here so that what reads its
+params really waits. A step that fails in the background raises at the next use of its params,
+the model's params back at the last commit."""
+import threading
+import time
+
+import pytest
+import torch
+
+import smartinf.optim as so
+from smartinf.optim import tail as tail_module
+
+SMALL = dict(subgroup_size=300, chunk=128)  # five sub-groups
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 9))
+
+
+def loss_of(model, step, micro=0, poison=False):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    loss = model(torch.randn(16, 24, generator=g)).pow(2).mean()
+    return loss * float("inf") if poison else loss
+
+
+def slowed(opt, seconds=0.02, fail_at=None):
+    """Each update sent later (on the step's thread), so that the caller's reads really wait;
+    ``fail_at``: (step, sub-group) whose send raises."""
+    send, calls = opt._driver.send, {"failed": False}
+
+    def slow(sg, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        if fail_at == (opt.pipeline.step_count, sg) and not kwargs.get("speculative") \
+                and not calls["failed"]:
+            calls["failed"] = True
+            raise OSError("the device went away")
+        return send(sg, *args, **kwargs)
+    opt._driver.send = slow
+
+
+def train(tmp_path, name, overlap, steps=7, accumulate=2, reads=True, **kw):
+    model, ema = make_model(), make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path / name)], overlap=overlap,
+                   max_grad_norm=0.05, **SMALL, **kw)
+    slowed(opt)
+    history = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            loss_of(model, step, micro, poison=step == 3 and micro == 1).backward()
+        opt.step()
+        if reads:  # right after step(): an EMA of the params, an edit, the optimizer's states
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+            if step == 4:
+                model[2].bias.data[0] = 0.25
+            if step == 5:
+                opt.state_dict()
+        opt.zero_grad(set_to_none=False)  # zeroed in place: waits for the updates reading them
+        history.append([p.detach().clone() for p in model.parameters()])
+    states = opt.state_dict()["state"]
+    tail = opt._tail
+    opt.close()
+    return history, states, [e.detach().clone() for e in ema.parameters()], tail
+
+
+@pytest.fixture
+def tail_on_cpu(monkeypatch):
+    monkeypatch.setenv("SMARTINF_STEP_TAIL_ON_CPU", "1")
+
+
+def test_the_same_bits_as_a_step_that_waits(tmp_path, tail_on_cpu):
+    on = train(tmp_path, "on", True)
+    off = train(tmp_path, "off", False)
+    assert off[3] is None and on[3] is not None
+    for step, (a, b) in enumerate(zip(on[0], off[0]), 1):
+        for i, (p, q) in enumerate(zip(a, b)):
+            assert torch.equal(p, q), f"param {i} after step {step}"
+    for i in off[1]:
+        for k in off[1][i]:
+            assert torch.equal(torch.as_tensor(on[1][i][k]), torch.as_tensor(off[1][i][k])), (i, k)
+    for p, q in zip(on[2], off[2]):
+        assert torch.equal(p, q)
+    assert on[3].deferred == 5 * 6  # five sub-groups a step, the inf step skipped
+    assert on[3].waits > 0  # the reads after step() found updates still running
+
+
+def test_off_on_the_cpu_by_default(tmp_path):
+    assert train(tmp_path, "default", True, steps=1, reads=False)[3] is None
+
+
+def test_the_forward_reads_each_param_after_its_update(tmp_path, tail_on_cpu):
+    """A forward right after step(): every op on a pending param (and its gradient) waited;
+    none is pending once the step is done; metadata reads do not wait."""
+    model = make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)], **SMALL)
+    slowed(opt, seconds=0.05)
+    loss_of(model, 0).backward()
+    opt.step()
+    first = model[0].weight
+    assert type(first).__name__ == "PendingParameter" and first.shape == (40, 24)
+    assert first.grad is not None and not opt._tail._events[0].is_set()  # (no wait)
+    loss_of(model, 1).backward()  # the next backward: the whole step done first
+    assert not tail_module._PENDING
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert opt.pipeline.step_count == 1
+    opt.close()
+
+
+def test_a_step_failed_in_the_background_raises_at_the_next_use(tmp_path, tail_on_cpu):
+    model = make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)], commit_every=1,
+                   max_grad_norm=1e-3, **SMALL)  # (clipped: no update starts during backward)
+    slowed(opt, fail_at=(1, 3))  # the second step's fourth sub-group
+    loss_of(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    committed = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, 1).backward()
+    opt.step()
+    with pytest.raises(OSError, match="the device went away"):  # (its forward, or backward)
+        loss_of(model, 2).backward()
+    opt.zero_grad()
+    for p, q in zip(model.parameters(), committed):
+        assert torch.equal(p, q)  # back at the last commit
+    assert opt.pipeline.step_count == 1
+    loss_of(model, 2).backward()
+    opt.step()  # and it goes on
+    opt.settle()
+    assert opt.pipeline.step_count == 2
+    opt.close()
