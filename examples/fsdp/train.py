@@ -166,8 +166,10 @@ def main() -> None:
                 sort_by="cpu_time_total", row_limit=60, max_name_column_width=80) + table.getvalue())
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
+        # (start_s: a step finished in the background runs on past t3 too; the starts'
+        # differences are the iterations' whole wall time)
         records.append({"step": step + 1, "loss": mean.item() / world, "fwd_s": t1 - t0,
-                        "bwd_s": t2 - t1, "step_s": t3 - t2})
+                        "bwd_s": t2 - t1, "step_s": t3 - t2, "start_s": t0})
         if rank == 0:
             r = records[-1]
             print(f"step {r['step']:4d}  loss {r['loss']:.6f}  fwd {r['fwd_s']:.3f}s  "
