@@ -21,6 +21,7 @@ from smartinf.step.driver import overrides, rule_for
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.optim.state_view import StateView
 from smartinf.optim.layout import Layout
+from smartinf.optim.tail import InBackground
 from smartinf.optim import sharding
 from smartinf.optim.sharding import local
 from smartinf.optim.subgroups import Subgroup
@@ -32,7 +33,7 @@ logger = logging.getLogger("smartinf")
 DEFAULT_SUBGROUP_SIZE = subgroups.HOST_SIZE
 
 
-class _StorageOptimizer(Layout, torch.optim.Optimizer):
+class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
     """The common machinery; subclasses name the torch optimizer they stand in for."""
 
     torch_class: Optional[type] = torch.optim.Optimizer  # None: torch has no such optimizer
@@ -139,15 +140,6 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
             self._watch.record(sg.id, pieces if hashed else None)
         self._landed(sg)
 
-    def _landed(self, sg: Subgroup) -> None:
-        if self._tail is not None:
-            self._tail.landed(sg.id)  # (its params' uses go on: queued behind the put)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's; gradients zeroed in place wait for the last step's updates that read them."""
-        if not set_to_none and self.pipeline is not None and self._tail is not None:
-            self._tail.drain()
-        super().zero_grad(set_to_none)
 
     # -- step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -232,13 +224,6 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
         return loss
 
-    def _held(self, sg: Subgroup) -> list[torch.Tensor]:
-        """What a sub-group's update in the background puts or reads: its params and their
-        gradients."""
-        held = {id(s.param): s.param for s in sg.slices}
-        held.update({id(s.param.grad): s.param.grad for s in sg.slices if s.param.grad is not None})
-        return list(held.values())
-
     def _finish(self, i: int, buffer: int) -> None:
         sg = self._plan[i]
         out = self._driver.out(buffer, sg.dtype, sg.numel)
@@ -248,13 +233,6 @@ class _StorageOptimizer(Layout, torch.optim.Optimizer):
         # update, which waits for the stream first (Pipeline.update).
         if sg.device.type == "cuda" and out.is_cpu:
             torch.cuda.current_stream(sg.device).synchronize()
-
-    def settle(self) -> None:
-        """The last step finished: its updates done and put into the model, committed (they
-        finish while the next forward runs, each param's use waiting for its own). To time a
-        step whole; nothing else needs it."""
-        if self.pipeline is not None:
-            self._session.settle()
 
     # -- traffic ----------------------------------------------------------------------
     def traffic(self) -> dict[str, float]:

@@ -244,3 +244,32 @@ class BackgroundStep:
                 self.wait(mine)
             return unshard(*args, **kwargs)
         return wait_then_unshard
+
+
+class InBackground:
+    """Mixed into ``_StorageOptimizer`` (its ``_tail``, ``_session``): what a step finishing in
+    the background holds, each sub-group let go as it lands, and what waits for it."""
+
+    def _held(self, sg: Any) -> list[torch.Tensor]:
+        """What a sub-group's update in the background puts or reads: its params and their
+        gradients."""
+        held = {id(s.param): s.param for s in sg.slices}
+        held.update({id(s.param.grad): s.param.grad for s in sg.slices if s.param.grad is not None})
+        return list(held.values())
+
+    def _landed(self, sg: Any) -> None:
+        if self._tail is not None:
+            self._tail.landed(sg.id)  # (its params' uses go on: queued behind the put)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; gradients zeroed in place wait for the last step's updates that read them."""
+        if not set_to_none and self._tail is not None:
+            self._tail.drain()
+        super().zero_grad(set_to_none)
+
+    def settle(self) -> None:
+        """The last step finished: its updates done and put into the model, committed (they
+        finish while the next forward runs, each param's use waiting for its own). To time a
+        step whole; nothing else needs it."""
+        if self.pipeline is not None:
+            self._session.settle()
