@@ -218,8 +218,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                             hyper[self._plan[i].group],
                             params=self._flat_params(self._plan[i]) if self._split else None),
                         self._finish)
-        if self._tail is None:
-            finish()
+        if self._tail is None or all(self._on_its_gpu(sg.id) for sg in active):
+            finish()  # (a GPU's work in its memory: on its stream, the forward queues behind)
         else:  # while the next forward runs, each param's use waiting for its own sub-group
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
         return loss

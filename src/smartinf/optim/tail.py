@@ -257,6 +257,13 @@ class InBackground:
         held.update({id(s.param.grad): s.param.grad for s in sg.slices if s.param.grad is not None})
         return list(held.values())
 
+    def _on_its_gpu(self, sg: int) -> bool:
+        """Whether sub-group ``sg``'s update is a GPU's work on states in its own memory: kernels
+        the next forward's queue behind on the stream anyway, where a thread of their own only
+        adds its host work to the forward's (GPT-2 XL under FSDP2 on an H200: 0.313 s an
+        iteration through the thread, 0.267 s without)."""
+        return self.pipeline.gpu_of(sg) is not None and self.pipeline.resident(sg)
+
     def _landed(self, sg: Any) -> None:
         if self._tail is not None:
             self._tail.landed(sg.id)  # (its params' uses go on: queued behind the put)
