@@ -135,3 +135,35 @@ def test_a_step_failed_in_the_background_raises_at_the_next_use(tmp_path, tail_o
     opt.settle()
     assert opt.pipeline.step_count == 2
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["from the start", "after two steps"])
+def test_a_compiled_forward_never_reads_a_pending_param(tmp_path, tail_on_cpu, how):
+    """Compiled code reads the params' storage past any torch function: once torch.compile has
+    made a graph the step finishes in step(), and a module compiled while a step runs waits
+    for all of it first; the same bits as overlap=False."""
+    import torch._dynamo.utils
+
+    def run(name, overlap):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = make_model()
+        opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path / name)],
+                       overlap=overlap, max_grad_norm=0.05, **SMALL)
+        slowed(opt)
+        forward = torch.compile(model) if how == "from the start" else model
+        losses = []
+        for step in range(5):
+            if step == 2 and how != "from the start":
+                forward = torch.compile(model)
+            loss = loss_of(forward, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return losses, params
+    on, off = run("on", True), run("off", False)
+    for a, b in zip(on[0] + on[1], off[0] + off[1]):
+        assert torch.equal(a, b)

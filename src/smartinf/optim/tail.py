@@ -10,14 +10,16 @@ forward's, ``.data``, ``state_dict``, an EMA's read, an edit, ``torch.save``; no
 such as ``.shape`` or ``.grad``), and the swap is undone as each one lands. What no op on
 the param itself can see waits explicitly: FSDP2's all-gathers (which copy from the shard's
 storage) wait for their group's sub-groups, the next backward's first gradient, a
-``zero_grad`` that zeroes in place, and anything that reads or writes the states (``settle``)
-wait for the whole step. The bits are those of a step that waited: the same updates, only
+``zero_grad`` that zeroes in place, anything that reads or writes the states (``settle``) and
+a compiled module's forward wait for the whole step; once torch.compile has made a graph (its
+code reads the params' storage), the step stays in ``step()``. The bits are those of a step that waited: the same updates, only
 later; nothing reads a param before its update put it, nor writes a gradient an update still
 reads.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from functools import partial
 from typing import Any, Callable, Iterable, Optional
@@ -95,6 +97,19 @@ def _pending_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+def _compiled() -> bool:
+    """Whether torch.compile has made a graph in this process: compiled code takes the params
+    as inputs and reads their storage, past ``__torch_function__``, so a step it may run
+    beside finishes in ``step()``."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["stats"]["unique_graphs"] > 0
+
+
+def _is_compiled(module: Any) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None or \
+        type(module).__name__ == "OptimizedModule"
+
+
 class BackgroundStep:
     """The step of one ``smartinf.optim`` optimizer finishing on a thread of its own.
 
@@ -119,6 +134,9 @@ class BackgroundStep:
         return self._thread is not None
 
     def start(self, guarded: dict[int, list], run: Callable[[], None]) -> None:
+        if _compiled():  # (compiled code reads the params' storage past any torch function)
+            run()
+            return
         try:
             for sg, tensors in guarded.items():
                 self._events[sg] = threading.Event()
@@ -136,6 +154,9 @@ class BackgroundStep:
         stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
         # (not a daemon: an interpreter exiting waits for the step to commit)
         self._thread = threading.Thread(target=self._run, args=(run, stream), name="smartinf-step")
+        # a module compiled since (torch.compile(model), model.compile()) waits for it all
+        self._compile_guard = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: self.drain() if _is_compiled(module) else None)
         self._thread.start()
 
     def _wait_for(self, ident: int) -> None:
@@ -195,6 +216,7 @@ class BackgroundStep:
             thread.join()
             self._thread = None
             self._events.clear()
+            self._compile_guard.remove()
         self._raise()
 
     def _raise(self) -> None:
