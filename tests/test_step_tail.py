@@ -167,3 +167,28 @@ def test_a_compiled_forward_never_reads_a_pending_param(tmp_path, tail_on_cpu, h
     on, off = run("on", True), run("off", False)
     for a, b in zip(on[0] + on[1], off[0] + off[1]):
         assert torch.equal(a, b)
+
+
+def test_copies_of_the_model_right_after_step_hold_its_result(tmp_path, tail_on_cpu):
+    """deepcopy, model.state_dict() and torch.save right after step(): each waited for the
+    params it copied, and holds plain Parameters."""
+    import copy
+    import io
+    model = make_model()
+    opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)], **SMALL)
+    slowed(opt, seconds=0.05)
+    loss_of(model, 0).backward()
+    opt.step()
+    copied = copy.deepcopy(model)
+    state = model.state_dict()
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    opt.settle()
+    for name, p in model.named_parameters():
+        for other in (dict(copied.named_parameters())[name], state[name],
+                      dict(loaded.named_parameters())[name]):
+            assert torch.equal(other, p) and type(other) in (torch.nn.Parameter, torch.Tensor)
+    assert opt._tail.waits > 0
+    opt.close()
