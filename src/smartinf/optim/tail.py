@@ -57,9 +57,12 @@ def _metadata() -> frozenset:
 _READS_NO_VALUES = _metadata()
 _PENDING: dict[int, Callable[[], None]] = {}  # id(tensor) -> waits for its sub-groups
 _CLASSES: dict[type, type] = {}  # a tensor's class -> its pending subclass
+_BASES: dict[type, type] = {}  # pending subclass -> the class it stands for
 
 
 def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """A pending class's: an op that reads values waits for the pending tensors among its
+    arguments (their classes restored) and runs as it would have; metadata runs at once."""
     kwargs = kwargs or {}
     if func not in _READS_NO_VALUES:
         for t in tree_leaves((args, kwargs)):
@@ -75,7 +78,6 @@ def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: An
     return base.__torch_function__(func, types, args, kwargs)
 
 
-_BASES: dict[type, type] = {}  # pending subclass -> the class it stands for
 # A DTensor's shard is read past any torch function (its attribute, and autograd Functions)
 _SHARD_READS = frozenset({"_local_tensor", "to_local", "full_tensor", "redistribute"})
 _thread = threading.local()  # .stepping: on a step's own thread (its reads never wait)
