@@ -38,22 +38,11 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # noqa: E402
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.planning.model  # noqa: E402
 from examples.gpt import gpu  # noqa: E402
+from examples.gpt.counters import counters as pipeline_counters, difference  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
 MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
-# smartinf: the pipeline's counters recorded per step (seconds busy per stage, and the
-# background commit's), as differences
-PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
-                     "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
-                     "durable_step", "speculative_updates", "retracted_updates",
-                     # phased I/O: turns between reads and writes, and the drive's turns
-                     # waited for while another rank of the host held them
-                     "io_turns", "io_turn_waits",
-                     # seconds with an update in flight, waited for, and hidden (the rest)
-                     "update_s", "update_wait_s", "update_hidden_s",
-                     # the updates finished while the next forward ran (the optimizer's)
-                     "deferred_updates", "gather_waits", "gather_wait_s", "drain_s")
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict:
@@ -252,9 +241,7 @@ def main() -> None:
         choices, predicted = described(the_pipeline())
 
     def counters() -> dict:
-        pipeline = the_pipeline()
-        stats = {**pipeline.stats, **engine.optimizer.overlap_stats} if pipeline is not None else {}
-        return {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
+        return pipeline_counters(engine.optimizer)
 
     records = []
     num_params = sum(p.ds_numel for p in engine.module.parameters())
@@ -319,7 +306,7 @@ def main() -> None:
             if choices is None:
                 choices, predicted = described(the_pipeline())
             c1 = counters()
-            rec["pipeline"] = {k: v - c0[k] for k, v in c1.items()}
+            rec["pipeline"] = difference(c1, c0)
         records.append(rec)
         write_record(None)
         if rank == 0:

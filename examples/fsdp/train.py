@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 
 import smartinf.optim  # noqa: E402
 from examples.gpt import gpu  # noqa: E402
+from examples.gpt.counters import counters, difference  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -141,6 +142,7 @@ def main() -> None:
         return time.perf_counter()
 
     records = []
+    before = counters(opt)  # (smartinf's pipeline, once opened: its counters per step)
     for step in range(args.steps):
         x, y = (t.to(device) for t in next(data))
         t0 = sync()
@@ -168,8 +170,11 @@ def main() -> None:
         dist.all_reduce(mean)
         # (start_s: a step finished in the background runs on past t3 too; the starts'
         # differences are the iterations' whole wall time)
+        now = counters(opt)
         records.append({"step": step + 1, "loss": mean.item() / world, "fwd_s": t1 - t0,
-                        "bwd_s": t2 - t1, "step_s": t3 - t2, "start_s": t0})
+                        "bwd_s": t2 - t1, "step_s": t3 - t2, "start_s": t0,
+                        "pipeline": difference(now, before)})
+        before = now
         if rank == 0:
             r = records[-1]
             print(f"step {r['step']:4d}  loss {r['loss']:.6f}  fwd {r['fwd_s']:.3f}s  "

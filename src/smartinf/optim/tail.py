@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
@@ -130,6 +131,8 @@ class BackgroundStep:
         self._unsharded: set[int] = set()  # FSDP2 param groups whose all-gathers wait
         self.deferred = 0  # sub-groups landed after step() returned
         self.waits = 0  # ops that waited for one
+        self.wait_seconds = 0.0
+        self.drain_seconds = 0.0  # waits for the whole step
 
     @property
     def running(self) -> bool:
@@ -207,15 +210,19 @@ class BackgroundStep:
         events = [self._events[sg] for sg in subgroups if sg in self._events]
         if events and not all(e.is_set() for e in events):
             self.waits += 1
+            start = time.perf_counter()
             for e in events:
                 e.wait()
+            self.wait_seconds += time.perf_counter() - start
         self._raise()
 
     def drain(self) -> None:
         """Until the whole step is done and committed (its error raised, if it failed)."""
         thread = self._thread
         if thread is not None:
+            start = time.perf_counter()
             thread.join()
+            self.drain_seconds += time.perf_counter() - start
             self._thread = None
             self._events.clear()
             self._compile_guard.remove()
@@ -299,6 +306,18 @@ class InBackground:
         if not set_to_none and self._tail is not None:
             self._tail.drain()
         super().zero_grad(set_to_none)
+
+    @property
+    def overlap_stats(self) -> dict[str, float]:
+        """With the step finished during the next forward, so far (DeepSpeed's names):
+        ``deferred_updates`` (sub-groups put after ``step()`` returned), ``gather_waits`` (uses
+        of a pending param, or all-gathers, that waited), ``gather_wait_s`` (their seconds) and
+        ``drain_s`` (seconds the next backward, ``step()`` or a state read waited for the rest)."""
+        tail = self._tail
+        if tail is None:
+            return {}
+        return {"deferred_updates": tail.deferred, "gather_waits": tail.waits,
+                "gather_wait_s": tail.wait_seconds, "drain_s": tail.drain_seconds}
 
     def settle(self) -> None:
         """The last step finished: its updates done and put into the model, committed (they
