@@ -29,14 +29,16 @@ def loss_of(model, step, micro=0, poison=False):
     return loss * float("inf") if poison else loss
 
 
-def slowed(opt, seconds=0.02, fail_at=None):
+def slowed(opt, seconds=0.02, fail_at=None, gate=None):
     """Each update sent later (on the step's thread), so that the caller's reads really wait;
-    ``fail_at``: (step, sub-group) whose send raises."""
+    ``fail_at``: (step, sub-group) whose send raises; ``gate``: an Event the sends wait for."""
     send, calls = opt._driver.send, {"failed": False}
 
     def slow(sg, *args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
+            if gate is not None:
+                gate.wait()
         if fail_at == (opt.pipeline.step_count, sg) and not kwargs.get("speculative") \
                 and not calls["failed"]:
             calls["failed"] = True
@@ -105,12 +107,14 @@ def test_the_forward_reads_each_param_after_its_update(tmp_path, tail_on_cpu):
     none is pending once the step is done; metadata reads do not wait."""
     model = make_model()
     opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path)], **SMALL)
-    slowed(opt, seconds=0.05)
+    gate = threading.Event()
+    slowed(opt, seconds=0, gate=gate)
     loss_of(model, 0).backward()
     opt.step()
     first = model[0].weight
     assert type(first).__name__ == "PendingParameter" and first.shape == (40, 24)
     assert first.grad is not None and not opt._tail._events[0].is_set()  # (no wait)
+    gate.set()
     loss_of(model, 1).backward()  # the next backward: the whole step done first
     assert not tail_module._PENDING
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
