@@ -140,7 +140,6 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             self._watch.record(sg.id, pieces if hashed else None)
         self._landed(sg)
 
-
     # -- step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:

@@ -51,8 +51,9 @@ class ParamHooks:
         # it hands to ``averaged``, not from the local ones accumulated here
         self.ddp: Callable[[], bool] = lambda: False
         self._averaged: dict[int, torch.Tensor] = {}  # id(param) -> its averaged gradient
-        # Before a gradient is written or an update starts: the last step done (its tail)
-        self.before: Callable[[], None] = lambda: None
+        # Before a gradient is written or an update starts: the last step done (its tail;
+        # set before ``register``, which then hooks each param's gradient for it)
+        self.before: Optional[Callable[[], None]] = None
 
     def register(self, plan: Sequence[Any]) -> None:
         """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
@@ -72,7 +73,8 @@ class ParamHooks:
             for p in self._params[sg.id]:
                 if id(p) not in hooked and p.requires_grad:
                     hooked.add(id(p))
-                    self._hooks.append(p.register_hook(self._gradient))
+                    if self.before is not None:
+                        self._hooks.append(p.register_hook(self._gradient))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def subgroups(self) -> list[int]:
@@ -93,7 +95,8 @@ class ParamHooks:
         self.before()
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        self.before()
+        if self.before is not None:
+            self.before()
         try:
             with self._lock:
                 seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
@@ -111,7 +114,8 @@ class ParamHooks:
     def averaged(self, pairs: list) -> None:
         """DDP's averaged gradients of a bucket's params: each sub-group whose params all have
         theirs starts its update from them (what DDP then puts into ``.grad``)."""
-        self.before()
+        if self.before is not None:
+            self.before()
         with self._lock:
             ready = {}
             for p, g in pairs:

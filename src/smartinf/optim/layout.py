@@ -114,6 +114,7 @@ class Layout:
         # a retracted update would have advanced, and where backward runs on the CPU only
         # when asked (speculate_on_cpu).
         self._speculation: Optional[Speculation] = None
+        self._tail = None
         gpu = any(sg.device.type == "cuda" for sg in self._plan)
         if pipeline.settings.overlap and compress is None and (gpu or speculate_on_cpu()):
             self._speculation = Speculation(pipeline)
@@ -122,16 +123,15 @@ class Layout:
                                          params=self._flat_params(sg) if self._split else None),
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      gradients.flat)
+            # The step finished while the next forward runs, where updates start during
+            # backward and the forward runs on a GPU (or SMARTINF_STEP_TAIL_ON_CPU)
+            if gpu or defaults.step_tail_on_cpu():
+                self._tail = BackgroundStep()
+                self._hooks.before = self._tail.drain  # (the next backward's gradients)
+                if self._sharding.active:
+                    self._tail.find_fsdp(self._subgroups_of)
             self._hooks.register(self._plan)
             self._ddp = DdpTrigger(self._trained(), self._hooks)
-        # The step finished while the next forward runs, where updates start during backward
-        # and the forward runs on a GPU (or SMARTINF_STEP_TAIL_ON_CPU)
-        self._tail = BackgroundStep() if self._speculation is not None and \
-            (gpu or defaults.step_tail_on_cpu()) else None
-        if self._tail is not None:
-            self._hooks.before = self._tail.drain  # (the next backward's gradients)
-            if self._sharding.active:
-                self._tail.find_fsdp(self._subgroups_of)
         self._session = StepSession(pipeline, self._driver,
                                     lambda i, flat: self._scatter(self._plan[i], flat),
                                     self._speculation)

@@ -129,14 +129,12 @@ class BackgroundStep:
         self._subgroups_of: dict[int, list] = {}  # id(tensor) -> its sub-groups not landed
         self._lock = threading.Lock()
         self._unsharded: set[int] = set()  # FSDP2 param groups whose all-gathers wait
+        self._finder: Any = None  # the hook that finds FSDP2's modules (find_fsdp)
+        self._compile_guard: Any = None  # while a step runs: compiled modules wait for it
         self.deferred = 0  # sub-groups landed after step() returned
         self.waits = 0  # ops that waited for one
         self.wait_seconds = 0.0
         self.drain_seconds = 0.0  # waits for the whole step
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
 
     def start(self, guarded: dict[int, list], run: Callable[[], None]) -> None:
         if _compiled():  # (compiled code reads the params' storage past any torch function)
@@ -244,9 +242,9 @@ class BackgroundStep:
         self._finder = torch.nn.modules.module.register_module_forward_pre_hook(found)
 
     def stop_finding(self) -> None:
-        finder, self._finder = getattr(self, "_finder", None), None
-        if finder is not None:
-            finder.remove()
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
 
     def wait_in_unshards(self, module: Any, subgroups_of: Callable[[list], list]) -> None:
         """Each FSDP2 param group in ``module`` (an ``FSDPModule``) waits, before it all-gathers
