@@ -108,6 +108,7 @@ flags() {  # mode name -> train.py flags
     fsdp2-cpu-offload) echo "--mode cpu-offload" ;;
     fsdp2-fp32-all-k10) echo "--mode smartinf --memory-budget 40GiB --commit-every 10" ;;
     fsdp2-auto-gpu-k10) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto" ;;
+    fsdp2-auto-gpu-k10-sync) echo "--mode smartinf --state-dtype auto --gpu-memory-budget auto --no-overlap" ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }

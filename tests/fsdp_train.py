@@ -14,8 +14,10 @@ the last step / read before the first), ``bf16`` (bf16 params), ``if_exists``, `
 shard of the first param), ``first="resume"`` (start at the step the reopened directories
 hold), ``started`` / ``sleep`` (a file rank 0 makes after each step from the third, then sleeps: a test
 kills the ranks meanwhile), ``tail`` (SMARTINF_STEP_TAIL_ON_CPU=1: the step finishes while the
-next forward runs, each update slowed; the params are then recorded after the last step
-only, so that the next forward's all-gathers are what waits for them).
+next forward runs, each update slowed and recorded in the order sent; the params are then
+recorded after the last step only, so that the next forward's all-gathers are what waits
+for them). Unless ``unsharded``, the root's group holds a param of its own (``WithGain``):
+the model's last, used first.
 """
 from __future__ import annotations
 
@@ -44,10 +46,26 @@ def model(config: dict) -> torch.nn.Module:
         return m
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config.get("mixed") else MixedPrecisionPolicy()
+    gain = torch.nn.Module()
+    gain.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 24, dtype=m[0].weight.dtype))
+    m = WithGain(*m, gain)
     for layer in (m[0], m[2]):
         fully_shard(layer, mp_policy=policy)
     fully_shard(m, mp_policy=policy)
     return m
+
+
+class WithGain(torch.nn.Sequential):
+    """The layers, the input scaled first by the last module's ``weight``: a param of the
+    root's group, the model's last, used first (as a transformer's root group holds its
+    embedding, used first, and its output layer, the model's last params)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *layers, gain = self
+        x = x * gain.weight
+        for layer in layers:
+            x = layer(x)
+        return x
 
 
 def optimizer(m: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
@@ -68,9 +86,12 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
                             world_size=world)
     m = model(config)
     opt = optimizer(m, dict(config, optim="smartinf" if config["optim"] == "both" else config["optim"]))
+    sent = []  # (the step's count, sub-group) of each update step() sent
     if config.get("tail"):  # each update sent later, so that the next forward really waits
         send = opt._driver.send
-        opt._driver.send = lambda *a, **k: (time.sleep(0.02), send(*a, **k))[1]
+        opt._driver.send = lambda *a, **k: (
+            k.get("speculative") or sent.append((opt.pipeline.step_count, a[0])),
+            time.sleep(0.02), send(*a, **k))[2]
     ref = model(config) if config["optim"] == "both" else None
     ref_opt = optimizer(ref, dict(config, optim="torch")) if ref is not None else None
     if config.get("load"):
@@ -126,7 +147,8 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
                  checkpoint_id=config["save"])
     if config["optim"] != "torch":
         record["counts"] = opt._speculation and dict(vars(opt._speculation.counts))
-        record["tail"] = opt._tail and {"deferred": opt._tail.deferred, "waits": opt._tail.waits}
+        record["tail"] = opt._tail and {"deferred": opt._tail.deferred, "waits": opt._tail.waits,
+                                        "sent": sent, "root": opt._subgroups_of([m[-1].weight])}
         steps = torch.tensor([float(opt.pipeline.step_count), -float(opt.pipeline.step_count)])
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         record["step_counts_agree"] = steps[0].item() == -steps[1].item()

@@ -96,6 +96,14 @@ def test_a_step_finished_during_the_next_forward_changes_no_bit(tmp_path, world)
     for p, q in zip(on["params"][-1], off["params"][-1]):
         assert torch.equal(p, q)
     assert on["tail"]["deferred"] > 0 and off["tail"] is None
+    # The first step's updates in plan order; after a forward has shown the order its
+    # all-gathers need them in, the root group's first (its own param is the model's last)
+    sent, root = on["tail"]["sent"], on["tail"]["root"]
+    first = [sg for step, sg in sent if step == 0]
+    assert first == sorted(first) and root[-1] == first[-1]
+    for step in {step for step, _ in sent} - {0}:
+        order = [sg for s, sg in sent if s == step]
+        assert sorted(order[:len(root)]) == root and order != sorted(order)
 
 
 @pytest.mark.parametrize("world_after", [2, 1])

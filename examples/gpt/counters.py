@@ -19,7 +19,9 @@ PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_d
 
 def counters(optimizer: Any) -> dict:
     """The counters now of ``optimizer``'s pipeline (none before it is opened), with each
-    device's busy compute seconds (``busy_compute_by_device``: which device held the step)."""
+    device's busy compute seconds and bytes each way over the host's link
+    (``busy_compute_<i>``, ``host_to_device_<i>``, ``device_to_host_<i>``: which device held
+    the step, and what crossed PCIe for it)."""
     pipeline = getattr(optimizer, "pipeline", None)
     if pipeline is None:
         return {}
@@ -27,6 +29,8 @@ def counters(optimizer: Any) -> dict:
     found = {k: stats.get(k, 0.0) for k in PIPELINE_COUNTERS}
     for i, device in enumerate(pipeline.device_stats):
         found[f"busy_compute_{i}"] = device.get("busy_compute", 0.0)
+        for link in ("host_to_device", "device_to_host"):
+            found[f"{link}_{i}"] = device.get(link, 0.0)
     return found
 
 

@@ -209,18 +209,23 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if partial and not self._warned_partial:
             self._warned_partial = True
             logger.warning(gradients.PARTIAL, partial)
+        # (a GPU's work in its memory stays here: on its stream, the forward queues behind)
+        later = self._tail is not None and not all(self._on_its_gpu(sg.id) for sg in active)
+        rest = [sg.id for sg in active if sg.id not in kept]
+        if later:  # updated in the order the next forward needs them
+            rest = self._tail.ordered(rest)
+
         def finish() -> None:
-            session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept},
-                        [sg.id for sg in active if sg.id not in kept],
+            session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept}, rest,
                         lambda i, b: self._driver.send(
                             i, gradients.flat(self._plan[i], grads), b, scale,
                             hyper[self._plan[i].group],
                             params=self._flat_params(self._plan[i]) if self._split else None),
                         self._finish)
-        if self._tail is None or all(self._on_its_gpu(sg.id) for sg in active):
-            finish()  # (a GPU's work in its memory: on its stream, the forward queues behind)
-        else:  # while the next forward runs, each param's use waiting for its own sub-group
+        if later:  # while the next forward runs, each param's use waiting for its own sub-group
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
+        else:
+            finish()
         return loss
 
     def _finish(self, i: int, buffer: int) -> None:

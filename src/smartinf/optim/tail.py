@@ -131,12 +131,25 @@ class BackgroundStep:
         self._unsharded: set[int] = set()  # FSDP2 param groups whose all-gathers wait
         self._finder: Any = None  # the hook that finds FSDP2's modules (find_fsdp)
         self._compile_guard: Any = None  # while a step runs: compiled modules wait for it
+        # FSDP2: the sub-groups in the order the last forward's all-gathers asked for them
+        # (the root's group, which holds the output layer, first: ``ordered``)
+        self._needed: list[int] = []
+        self._streams: dict[Any, Any] = {}  # the step's own CUDA stream, per device
         self.deferred = 0  # sub-groups landed after step() returned
         self.waits = 0  # ops that waited for one
         self.wait_seconds = 0.0
         self.drain_seconds = 0.0  # waits for the whole step
 
+    def ordered(self, subgroups: list[int]) -> list[int]:
+        """``subgroups`` in the order the next forward needs them: as the last forward's FSDP2
+        all-gathers asked for them, the others after, in their own order. (FSDP2's root group
+        holds the embedding and the output layer, the last sub-groups of the model's params:
+        updated in plan order, the forward's first all-gather waited for the whole step.)"""
+        rank = {sg: i for i, sg in enumerate(self._needed)}
+        return sorted(subgroups, key=lambda sg: rank.get(sg, len(rank)))
+
     def start(self, guarded: dict[int, list], run: Callable[[], None]) -> None:
+        self._needed = []
         if _compiled():  # (compiled code reads the params' storage past any torch function)
             run()
             return
@@ -154,7 +167,7 @@ class BackgroundStep:
             self._events.clear()
             run()
             return
-        stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        stream = self._stream_of_its_own()
         # (not a daemon: an interpreter exiting waits for the step to commit)
         self._thread = threading.Thread(target=self._run, args=(run, stream), name="smartinf-step")
         # a module compiled since (torch.compile(model), model.compile()) waits for it all
@@ -162,27 +175,45 @@ class BackgroundStep:
             lambda module, args: self.drain() if _is_compiled(module) else None)
         self._thread.start()
 
+    def _stream_of_its_own(self) -> Any:
+        """The step's CUDA stream, after what the caller's queued (the gradients, the
+        clipping's scale): on the forward's, each update's wait for its inputs
+        (``Pipeline.update``) would also wait for the forward's kernels queued so far, and
+        the forward would wait for the next update: the two in lockstep."""
+        if not torch.cuda.is_available():
+            return None
+        caller = torch.cuda.current_stream()
+        stream = self._streams.get(caller.device)
+        if stream is None:
+            stream = self._streams[caller.device] = torch.cuda.Stream(caller.device)
+        stream.wait_stream(caller)
+        return stream
+
     def _wait_for(self, ident: int) -> None:
         self.wait(list(self._subgroups_of.get(ident, ())))
 
     def _run(self, run: Callable[[], None], stream: Any) -> None:
         _thread.stepping = True
         try:
-            # (this thread's ops never wait for what it puts; the caller's stream orders the
-            # GPU's work: the forward's ops queue behind each put)
+            # (this thread's ops never wait for what it puts; each put is on the GPU before
+            # its sub-group lands, so the forward's ops on any stream read it)
             with torch._C.DisableTorchFunctionSubclass(), torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 run()
         except BaseException as e:  # raised by the next wait or drain, on the caller's thread
             self._error = e
         finally:
+            if stream is not None:
+                stream.synchronize()  # (a failed step's puts, before anything reads them)
             with self._lock:
                 self._release(dict(self._holds))
                 for event in self._events.values():
                     event.set()
 
     def landed(self, sg: int) -> None:
-        """Sub-group ``sg``'s params are in the model (queued on the stream)."""
+        """Sub-group ``sg``'s params are in the model."""
+        if getattr(_thread, "stepping", False) and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # (the step's stream: its puts alone)
         with self._lock:
             held = self._holds.get(sg)
             if held is None:
@@ -270,6 +301,7 @@ class BackgroundStep:
             if self._thread is not None:
                 if not mine:
                     mine.extend(subgroups_of(params) or [None])
+                self._needed.extend(sg for sg in mine if sg is not None and sg not in self._needed)
                 self.wait(mine)
             return unshard(*args, **kwargs)
         return wait_then_unshard
