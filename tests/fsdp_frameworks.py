@@ -10,7 +10,8 @@ issue 61 found), so the real ``_prepare_fsdp2`` runs here: ``fully_shard`` per m
 the sharded params written into the optimizer's groups.
 
 ``config``: ``optim`` ("smartinf" or "torch"), ``dir`` (smartinf's devices), ``out`` (rank 0's
-record), ``steps``, ``save`` / ``load`` (a checkpoint directory the framework writes after the
+record), ``steps``, ``tail`` (Accelerate: SMARTINF_STEP_TAIL_ON_CPU=1, the step finished while
+the next forward runs), ``save`` / ``load`` (a checkpoint directory the framework writes after the
 last step / reads before the first; the Trainer: ``output_dir`` and the checkpoint resumed).
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _init(rank: int, world: int, port: int) -> None:
 def accelerate_run(rank: int, world: int, port: int, config: dict) -> None:
     from accelerate import Accelerator
     _init(rank, world, port)
+    if config.get("tail"):
+        os.environ["SMARTINF_STEP_TAIL_ON_CPU"] = "1"
     accelerator = Accelerator(cpu=True)
     forced(accelerator, fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=1)
     m = sharded_model(dict(unsharded=True))
@@ -72,6 +75,8 @@ def accelerate_run(rank: int, world: int, port: int, config: dict) -> None:
     if config["optim"] == "smartinf":  # laid out over this rank's shards, not the whole model
         record["laid_out"] = (sum(sg.numel for sg in opt.optimizer._plan),
                               sum(p.to_local().numel() for p in m.parameters()))
+        tail = opt.optimizer._tail  # (its FSDP2 param groups whose all-gathers wait for it)
+        record["tail"] = tail and {"deferred": tail.deferred, "groups": len(tail._unsharded)}
     if rank == 0:
         torch.save(record, config["out"])
     dist.destroy_process_group()

@@ -62,6 +62,20 @@ def test_accelerate_prepare_save_and_load_state(tmp_path):
             assert torch.equal(p, q)
 
 
+def test_a_step_finished_during_the_next_forward_under_accelerate(tmp_path):
+    """Accelerate shards the model after the optimizer is made, so the states are laid out
+    by the first step, after its forward: the next forwards' all-gathers still wait for
+    their own shards' sub-groups (each FSDP2 param group found), and every step's params
+    are bit for bit those of the step finished in ``step()``."""
+    tail = launch(tmp_path, fsdp_frameworks.accelerate_run, "tail", optim="smartinf", steps=4, tail=True)
+    now = launch(tmp_path, fsdp_frameworks.accelerate_run, "now", optim="smartinf", steps=4)
+    assert tail["tail"]["deferred"] > 0 and now["tail"] is None
+    assert tail["tail"]["groups"] == 2  # (each Linear's: the root holds no param of its own)
+    for a, b in zip(tail["params"], now["params"]):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
 def test_trainer_trains_checkpoints_and_resumes(tmp_path):
     """The Trainer with ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}`` and
     ``optimizer_cls_and_kwargs=(smartinf.optim.AdamW, {...})``, no other code: its losses and

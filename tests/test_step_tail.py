@@ -25,7 +25,8 @@ def make_model():
 
 def loss_of(model, step, micro=0, poison=False):
     g = torch.Generator().manual_seed(1000 * step + micro)
-    loss = model(torch.randn(16, 24, generator=g)).pow(2).mean()
+    x = torch.randn(16, 24, generator=g).to(next(model.parameters()).device)
+    loss = model(x).pow(2).mean()
     return loss * float("inf") if poison else loss
 
 
@@ -47,8 +48,8 @@ def slowed(opt, seconds=0.02, fail_at=None, gate=None):
     opt._driver.send = slow
 
 
-def train(tmp_path, name, overlap, steps=7, accumulate=2, reads=True, **kw):
-    model, ema = make_model(), make_model()
+def train(tmp_path, name, overlap, steps=7, accumulate=2, reads=True, device="cpu", **kw):
+    model, ema = make_model().to(device), make_model().to(device)
     opt = so.AdamW(model.parameters(), lr=1e-2, devices=[str(tmp_path / name)], overlap=overlap,
                    max_grad_norm=0.05, **SMALL, **kw)
     slowed(opt)
@@ -96,6 +97,24 @@ def test_the_same_bits_as_a_step_that_waits(tmp_path, tail_on_cpu):
         assert torch.equal(p, q)
     assert on[3].deferred == 5 * 6  # five sub-groups a step, the inf step skipped
     assert on[3].waits > 0  # the reads after step() found updates still running
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("placement", [
+    {},  # the host's cores update, params back through host buffers
+    dict(gpu_memory_budget="10KiB", gpu_host_states=True, memory_budget="64KiB"),
+], ids=["host", "gpu-and-host-memory"])
+def test_on_a_gpu_the_same_bits_as_a_step_that_waits(tmp_path, placement):
+    """On a GPU (the default there): the step's own CUDA stream, each sub-group's params on
+    the GPU before its uses go on, the GPU updating states in its memory and in host memory."""
+    on = train(tmp_path, "on", True, device="cuda", **placement)
+    off = train(tmp_path, "off", False, device="cuda", **placement)
+    assert off[3] is None and on[3] is not None and on[3].deferred > 0
+    for step, (a, b) in enumerate(zip(on[0], off[0]), 1):
+        for i, (p, q) in enumerate(zip(a, b)):
+            assert torch.equal(p, q), f"param {i} after step {step}"
+    for p, q in zip(on[2], off[2]):
+        assert torch.equal(p, q)
 
 
 def test_off_on_the_cpu_by_default(tmp_path):

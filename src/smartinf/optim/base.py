@@ -188,9 +188,9 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             finally:
                 if self._speculation is not None:
                     self._hooks.end_step()
-                    self._ddp.stop_finding()  # (DDP is found at the first forward, or none is)
+                    self._ddp.step_ended()  # (DDP is found at the first forward, or none is)
                     if self._tail is not None:
-                        self._tail.stop_finding()  # (FSDP2's modules likewise)
+                        self._tail.step_ended()  # (FSDP2's modules likewise)
         except BaseException:
             session.fail(discard=True)
             raise

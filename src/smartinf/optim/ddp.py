@@ -7,8 +7,9 @@ without one (each gradient times 1 / world size, then summed over the ranks) and
 bucket is averaged, hands its params' averaged gradients to ``ParamHooks``, which starts the
 update of every sub-group whose params all have theirs: the bits DDP then copies into
 ``.grad``. DDP is found at the first forward that runs inside it (a global forward pre-hook,
-removed then, or after the first ``step()`` where no DDP holds these params); a DDP with a
-communication hook of its own keeps it, and the updates wait for ``step()``.
+removed then, or at the first ``step()`` after a forward where no DDP holds these params:
+the states laid out by the first step, the hook is made after that step's forward); a DDP
+with a communication hook of its own keeps it, and the updates wait for ``step()``.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ class DdpTrigger:
         self._hooks = hooks
         self.attached: Optional[Any] = None
         hooks.ddp = lambda: self.attached is not None
+        self._forward_seen = False
         self._finder = torch.nn.modules.module.register_module_forward_pre_hook(self._find) \
             if dist.is_available() and dist.is_initialized() else None
 
     def _find(self, module: Any, args: Any) -> None:
+        self._forward_seen = True
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is None or not any(id(p) in self._ours for p in ddp.module.parameters()):
@@ -53,6 +56,11 @@ class DdpTrigger:
         if self._hooks.speculation.enabled:
             logger.info("smartinf: %s: updates wait for step()", why)
         self._hooks.speculation.enabled = False
+
+    def step_ended(self) -> None:
+        """At ``step()``: no DDP holds these params if a forward ran since the hook was made."""
+        if self._forward_seen:
+            self.stop_finding()
 
     def stop_finding(self) -> None:
         if self._finder is not None:

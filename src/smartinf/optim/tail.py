@@ -130,6 +130,7 @@ class BackgroundStep:
         self._lock = threading.Lock()
         self._unsharded: set[int] = set()  # FSDP2 param groups whose all-gathers wait
         self._finder: Any = None  # the hook that finds FSDP2's modules (find_fsdp)
+        self._found = False  # a forward found them (step_ended)
         self._compile_guard: Any = None  # while a step runs: compiled modules wait for it
         # FSDP2: the sub-groups in the order the last forward's all-gathers asked for them
         # (the root's group, which holds the output layer, first: ``ordered``)
@@ -264,13 +265,20 @@ class BackgroundStep:
 
     # -- FSDP2: all-gathers copy from the shards' storage, under any op on the params ---------
     def find_fsdp(self, subgroups_of: Callable[[list], list]) -> None:
-        """Until ``stop_finding``: each FSDP2 module that runs a forward has its param groups'
-        all-gathers wait (``wait_in_unshards``). (Global forward pre-hooks run before a
-        module's own: before FSDP2's all-gather of the first forward.)"""
+        """Until a step after a forward that found them (``step_ended``): each FSDP2 module
+        that runs a forward has its param groups' all-gathers wait (``wait_in_unshards``).
+        (Global forward pre-hooks run before a module's own: before FSDP2's all-gather of the
+        first forward. States laid out by the first step are laid out after its forward.)"""
         def found(module: Any, args: Any) -> None:
             if hasattr(module, "_get_fsdp_state"):
+                self._found = True
                 self.wait_in_unshards(module, subgroups_of)
+        self._found = False
         self._finder = torch.nn.modules.module.register_module_forward_pre_hook(found)
+
+    def step_ended(self) -> None:
+        if self._found:
+            self.stop_finding()
 
     def stop_finding(self) -> None:
         if self._finder is not None:
