@@ -56,7 +56,13 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
     # smartinf's step() by phase (host seconds; records since the phases were kept)
     phased = [s["step_phases"] for s in steps if s.get("step_phases")]
     phases = {k: statistics.median(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
+    # the wall time from one iteration's start to the next (records since the examples keep
+    # ``start_s``): the phases leave out what runs between them (the records' own work, and
+    # a step finishing on the optimizer's streams that no phase waited for)
+    starts = [s["start_s"] for s in record["steps"] if "start_s" in s]
+    wall = statistics.median(b - a for a, b in zip(starts[1:], starts[2:])) if len(starts) > 2 else None
     return {**median, "iteration_s": median["fwd_s"] + median["bwd_s"] + median["step_s"],
+            "wall_iteration_s": wall,
             "mean_step_s": mean_step,
             "mean_iteration_s": median["fwd_s"] + median["bwd_s"] + mean_step,
             "smartinf": record.get("smartinf"),

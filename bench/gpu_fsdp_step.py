@@ -31,18 +31,20 @@ import smartinf.optim as so  # noqa: E402
 def timed_step(step: int, mode: str, loss_of: Callable[[], torch.Tensor], opt: Any,
                params: Any) -> dict:
     """One iteration, timed: forward (``loss_of()``) and backward, then the step (with torch's
-    optimizer, after ``clip_grad_norm_``: smartinf's clips itself)."""
-    torch.cuda.synchronize()
+    optimizer, after ``clip_grad_norm_``: smartinf's clips itself). The training stream's
+    work waited for, not the device's: smartinf's step may finish on streams of its own
+    while the next forward runs (what that forward waits for is timed there)."""
+    torch.cuda.current_stream().synchronize()
     start = time.perf_counter()
     loss = loss_of()
     loss.backward()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     mid = time.perf_counter()
     if mode == "torch":
         torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     end = time.perf_counter()
     return {"step": step, "loss": float(loss.detach()), "fwd_bwd_s": mid - start,
             "step_s": end - mid, "iteration_s": end - start}

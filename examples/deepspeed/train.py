@@ -291,7 +291,7 @@ def main() -> None:
         host_io = torch.tensor([io1[0] - io0[0], io1[1] - io0[1]], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(host_io)
         rec = {"step": step + 1, "loss": mean_loss.item() / world, "fwd_s": t1 - t0,
-               "bwd_s": t2 - t1, "step_s": t3 - t2, "storage_read": io1[0] - io0[0],
+               "bwd_s": t2 - t1, "step_s": t3 - t2, "start_s": t0, "storage_read": io1[0] - io0[0],
                "storage_written": io1[1] - io0[1],
                "host_storage_read": int(host_io[0]), "host_storage_written": int(host_io[1]),
                "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),

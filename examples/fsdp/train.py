@@ -18,7 +18,6 @@ backward / optimizer-step seconds; ``--json`` writes them (rank 0). Without a GP
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
@@ -89,6 +88,31 @@ def optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimizer:
         state_dtype=args.state_dtype, overlap=not args.no_overlap, if_exists=args.if_exists, **kw)
 
 
+class Profiled:
+    """torch.profiler and cProfile (this thread's Python functions) from ``__init__`` to
+    ``stop``, which writes their tables: by CPU time (every thread's ops), by the GPU's own
+    time, and the Python functions'."""
+
+    def __init__(self, cuda: bool) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        self.torch = torch.profiler.profile(activities=activities)
+        self.functions = cProfile.Profile()
+        self.torch.__enter__()
+        self.functions.enable()
+
+    def stop(self, path: Path) -> None:
+        self.functions.disable()
+        self.torch.__exit__(None, None, None)
+        table = io.StringIO()
+        pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
+        events = self.torch.key_averages()
+        path.write_text("\n\n".join([
+            events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80),
+            events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=80),
+            table.getvalue()]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES, default="smartinf")
@@ -117,7 +141,9 @@ def main() -> None:
     p.add_argument("--gpu-memory", help="emulate a GPU with this much memory (e.g. 80GiB) on a "
                    "larger one, as examples/deepspeed/train.py's flag does")
     p.add_argument("--profile-step", type=int, default=0,
-                   help="write torch.profiler's table of this step's opt.step() to --json's .prof.txt")
+                   help="write torch.profiler's tables of this step's opt.step() and the next "
+                        "iteration's forward and backward (a step finished meanwhile) to "
+                        "--json's .prof.txt")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
     args = p.parse_args()
 
@@ -137,11 +163,14 @@ def main() -> None:
     data = batches(lang, args.batch, args.seq, seed=1000 + rank)
 
     def sync() -> float:
+        # The training stream's work done (as the DeepSpeed example's settle_stream): a
+        # device-wide synchronize would also wait for the optimizer's own streams, a step
+        # finishing while the next forward runs, and so time the two one after the other.
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter()
 
-    records = []
+    records, profiler = [], None
     before = counters(opt)  # (smartinf's pipeline, once opened: its counters per step)
     for step in range(args.steps):
         x, y = (t.to(device) for t in next(data))
@@ -153,19 +182,14 @@ def main() -> None:
         t2 = sync()
         if args.mode != "smartinf" and args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        profiling = args.profile_step == step + 1 and rank == 0 and args.json
-        functions = cProfile.Profile() if profiling else contextlib.nullcontext()
-        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling
-              else contextlib.nullcontext()) as prof, functions:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t3 = sync()
-        if profiling:  # torch's table, then the Python functions' of the same step
-            table = io.StringIO()
-            pstats.Stats(functions, stream=table).sort_stats("tottime").print_stats(40)
-            Path(args.json).with_suffix(".prof.txt").write_text(prof.key_averages().table(
-                sort_by="cpu_time_total", row_limit=60, max_name_column_width=80) + table.getvalue())
+        if profiler is not None:  # (the iteration after the profiled step: done)
+            profiler.stop(Path(args.json).with_suffix(".prof.txt"))
+            profiler = None
+        if args.profile_step == step + 1 and rank == 0 and args.json:
+            profiler = Profiled(cuda)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = sync()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         # (start_s: a step finished in the background runs on past t3 too; the starts'
@@ -179,6 +203,8 @@ def main() -> None:
             r = records[-1]
             print(f"step {r['step']:4d}  loss {r['loss']:.6f}  fwd {r['fwd_s']:.3f}s  "
                   f"bwd {r['bwd_s']:.3f}s  step {r['step_s']:.3f}s", flush=True)
+    if profiler is not None:  # (the last step profiled: no iteration after it)
+        profiler.stop(Path(args.json).with_suffix(".prof.txt"))
     if args.json and rank == 0:
         Path(args.json).write_text(json.dumps({
             "mode": args.mode, "model": args.model, "world_size": world, "dtype": args.dtype,

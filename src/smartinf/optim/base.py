@@ -323,5 +323,5 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         if self.pipeline is None:
-            return f"smartinf.optim.{type(self).__name__}(laid out once FSDP2 has sharded its params)"
+            return f"smartinf.optim.{type(self).__name__}(laid out by the first step)"
         return f"smartinf.optim.{type(self).__name__}({len(self._plan)} sub-groups on {self.pipeline!r})"
