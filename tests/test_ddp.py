@@ -32,6 +32,11 @@ def _rank(rank: int, world: int, port: int, config: dict) -> None:
     opt = so.AdamW(ddp.parameters(), lr=1e-2, devices=[config["dir"]], subgroup_size=300,
                    chunk=128, overlap=config["overlap"], max_grad_norm=config.get("clip"))
     record = {"params": []}
+    if config.get("step_first"):  # a step before any forward, as where the first step lays
+        for p in model.parameters():  # the states out (a GPU budget of "auto"): after its forward
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     for step in range(STEPS):
         for micro in range(config.get("accumulate", 1)):
             g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
@@ -68,6 +73,15 @@ def test_updates_start_from_ddps_averaged_gradients_and_are_kept(tmp_path, accum
     # started during backward, from the averaged gradients, and held
     assert counts["retracted"] == 0, counts
     assert counts["kept"] == counts["started"] >= (STEPS - 1) * 2, counts
+
+
+def test_ddp_is_found_at_the_first_forward_after_a_step(tmp_path):
+    """The hook that finds DDP made, then a step before any forward: DDP is still found at
+    the next forward, and updates start from its averaged gradients and hold."""
+    on = train(tmp_path, "on", overlap=True, step_first=True)
+    off = train(tmp_path, "off", overlap=False, step_first=True)
+    assert_same(on, off)
+    assert on["counts"]["retracted"] == 0 and on["counts"]["kept"] >= (STEPS - 1) * 2, on["counts"]
 
 
 def test_a_param_no_forward_uses_is_stepped_as_without_overlap(tmp_path):
