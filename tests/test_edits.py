@@ -307,6 +307,24 @@ def test_the_gpu_digest_counts_words_from_the_first_byte():
         assert int(edits._words_digest(flipped)) != int(edits._words_digest(part))
 
 
+def test_the_gpu_digest_is_its_formula():
+    """The GPU's digest as its docstring defines it (the words' plain sum taken from their
+    rows' sums: wrapping int64, the same value), over words that overflow int64 sums."""
+    mix, row = edits._MIX, edits._ROW
+    g = torch.Generator().manual_seed(1)
+    for nbytes in (8 * 8 * 37 + 21, 8 * 5, 3):
+        b = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        words = [int.from_bytes(bytes(b[i:i + 8].tolist()), "little", signed=True)
+                 for i in range(0, nbytes - nbytes % 8, 8)]
+        rows = len(words) // row
+        loose = words[rows * row:] + [int(x) for x in b[8 * len(words):]]
+        row_sums = [sum(words[r * row:(r + 1) * row]) for r in range(rows)]
+        h = sum(words) * mix + sum((i + 1) * s for i, s in enumerate(row_sums))
+        h = h * mix + sum((i + 1) * x for i, x in enumerate(loose)) + nbytes
+        wrapped = (h + (1 << 63)) % (1 << 64) - (1 << 63)
+        assert int(edits._words_digest(b)) == wrapped
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_gpu_tensors_are_digested_together_as_alone(device):
     """The GPU's digest of many small tensors at once (DeepSpeed's kept-whole params, run

@@ -120,7 +120,10 @@ def _words_digest(b: torch.Tensor) -> torch.Tensor:
 
     def weighted(x: torch.Tensor) -> torch.Tensor:
         return (x * torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device)).sum()
-    h = words.sum() * _MIX + weighted(words[:rows * _ROW].view(rows, _ROW).sum(1))
+    # the plain sum of the words from their rows' sums (wrapping: the same value), so that
+    # the params are read once, not twice
+    row_sums = words[:rows * _ROW].view(rows, _ROW).sum(1)
+    h = (row_sums.sum() + words[rows * _ROW:].sum()) * _MIX + weighted(row_sums)
     return h * _MIX + weighted(loose) + b.numel()
 
 
