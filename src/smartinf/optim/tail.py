@@ -81,7 +81,7 @@ def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: An
 
 # A DTensor's shard is read past any torch function (its attribute, and autograd Functions)
 _SHARD_READS = frozenset({"_local_tensor", "to_local", "full_tensor", "redistribute"})
-_thread = threading.local()  # .stepping: on a step's own thread (its reads never wait)
+_thread = threading.local()  # .stepping: on a step's own thread (its reads never wait); .stream
 
 
 def _pending_class(cls: type) -> type:
@@ -117,9 +117,10 @@ class BackgroundStep:
     """The step of one ``smartinf.optim`` optimizer finishing on a thread of its own.
 
     ``start(guarded, run)``: ``guarded`` maps each sub-group whose params the step puts to
-    the tensors to hold (its params and their gradients); ``run()`` is the step (on the
-    caller's CUDA stream, which the forward's ops then queue behind), and ``landed(sg)``,
-    called by it as each sub-group's params are put, lets that sub-group's tensors go."""
+    the tensors to hold (its params and their gradients); ``run()`` is the step (on a CUDA
+    stream of its own, after what the caller queued), and ``landed(sg)``, called by it as
+    each sub-group's params are put, lets that sub-group's tensors go once that stream has
+    done its puts."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
@@ -151,6 +152,7 @@ class BackgroundStep:
 
     def start(self, guarded: dict[int, list], run: Callable[[], None]) -> None:
         self._needed = []
+        on_gpu = next((t.device for ts in guarded.values() for t in ts if t.is_cuda), None)
         if _compiled():  # (compiled code reads the params' storage past any torch function)
             run()
             return
@@ -168,7 +170,7 @@ class BackgroundStep:
             self._events.clear()
             run()
             return
-        stream = self._stream_of_its_own()
+        stream = self._stream_of_its_own(on_gpu) if on_gpu is not None else None
         # (not a daemon: an interpreter exiting waits for the step to commit)
         self._thread = threading.Thread(target=self._run, args=(run, stream), name="smartinf-step")
         # a module compiled since (torch.compile(model), model.compile()) waits for it all
@@ -176,14 +178,12 @@ class BackgroundStep:
             lambda module, args: self.drain() if _is_compiled(module) else None)
         self._thread.start()
 
-    def _stream_of_its_own(self) -> Any:
-        """The step's CUDA stream, after what the caller's queued (the gradients, the
-        clipping's scale): on the forward's, each update's wait for its inputs
-        (``Pipeline.update``) would also wait for the forward's kernels queued so far, and
-        the forward would wait for the next update: the two in lockstep."""
-        if not torch.cuda.is_available():
-            return None
-        caller = torch.cuda.current_stream()
+    def _stream_of_its_own(self, device: torch.device) -> Any:
+        """The step's CUDA stream on ``device``, after what the caller's queued there (the
+        gradients, the clipping's scale): on the forward's, each update's wait for its
+        inputs (``Pipeline.update``) would also wait for the forward's kernels queued so
+        far, and the forward would wait for the next update: the two in lockstep."""
+        caller = torch.cuda.current_stream(device)
         stream = self._streams.get(caller.device)
         if stream is None:
             stream = self._streams[caller.device] = torch.cuda.Stream(caller.device)
@@ -195,6 +195,7 @@ class BackgroundStep:
 
     def _run(self, run: Callable[[], None], stream: Any) -> None:
         _thread.stepping = True
+        _thread.stream = stream
         try:
             # (this thread's ops never wait for what it puts; each put is on the GPU before
             # its sub-group lands, so the forward's ops on any stream read it)
@@ -213,8 +214,9 @@ class BackgroundStep:
 
     def landed(self, sg: int) -> None:
         """Sub-group ``sg``'s params are in the model."""
-        if getattr(_thread, "stepping", False) and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # (the step's stream: its puts alone)
+        stream = getattr(_thread, "stream", None)  # (on the step's thread: its puts alone)
+        if stream is not None:
+            stream.synchronize()
         with self._lock:
             held = self._holds.get(sg)
             if held is None:
