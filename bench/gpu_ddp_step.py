@@ -5,6 +5,10 @@
 Medians of iterations 2+, and the losses of both, step by step.
 
     torchrun --nproc_per_node=1 bench/gpu_ddp_step.py --mode smartinf|torch --dir D [--steps 12]
+        [--json F [--profile-step N]]
+
+``--profile-step N``: torch.profiler's and cProfile's tables of iterations N and N + 1 (a step
+and the forward and backward after it), to F's ``.prof.txt``.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
+from examples.gpt.profiled import Profiled  # noqa: E402
 from gpu_fsdp_step import summary, timed_step  # noqa: E402
 
 import smartinf.optim as so  # noqa: E402
@@ -34,6 +40,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", required=True)
     p.add_argument("--json")
+    p.add_argument("--profile-step", type=int, default=0)
     a = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -48,7 +55,7 @@ def main() -> None:
                        if_exists="overwrite")
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    rows = []
+    rows, profiled = [], None
     for i in range(a.steps):
         g = torch.Generator(device="cuda").manual_seed(1000 + i)
         x = torch.randint(0, vocab, (a.batch, a.seq), device="cuda", generator=g)
@@ -57,7 +64,12 @@ def main() -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = ddp(x)
             return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten())
+        if a.profile_step == i + 1 and rank == 0 and a.json:
+            profiled = Profiled(True)
         rows.append(timed_step(i + 1, a.mode, loss_of, opt, ddp.parameters()))
+        if profiled is not None and i == a.profile_step:  # (iteration N + 1 done)
+            profiled.stop(Path(a.json).with_suffix(".prof.txt"))
+            profiled = None
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
     result = dict(summary(a.mode, rows, model), rows=rows)

@@ -18,11 +18,8 @@ backward / optimizer-step seconds; ``--json`` writes them (rank 0). Without a GP
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -39,6 +36,7 @@ import smartinf.optim  # noqa: E402
 from examples.gpt import gpu  # noqa: E402
 from examples.gpt.counters import counters, difference  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.profiled import Profiled  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
 MODES = ("smartinf", "fsdp", "cpu-offload")
@@ -86,31 +84,6 @@ def optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimizer:
         model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
         devices=[os.path.join(args.dir, "smartinf")], max_grad_norm=args.clip or None,
         state_dtype=args.state_dtype, overlap=not args.no_overlap, if_exists=args.if_exists, **kw)
-
-
-class Profiled:
-    """torch.profiler and cProfile (this thread's Python functions) from ``__init__`` to
-    ``stop``, which writes their tables: by CPU time (every thread's ops), by the GPU's own
-    time, and the Python functions'."""
-
-    def __init__(self, cuda: bool) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU] + \
-            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        self.torch = torch.profiler.profile(activities=activities)
-        self.functions = cProfile.Profile()
-        self.torch.__enter__()
-        self.functions.enable()
-
-    def stop(self, path: Path) -> None:
-        self.functions.disable()
-        self.torch.__exit__(None, None, None)
-        table = io.StringIO()
-        pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
-        events = self.torch.key_averages()
-        path.write_text("\n\n".join([
-            events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80),
-            events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=80),
-            table.getvalue()]))
 
 
 def main() -> None:

@@ -1,0 +1,36 @@
+"""torch.profiler and cProfile over a span of a training loop (``Profiled``): the examples'
+and benches' ``--profile-step``, a step and the next iteration's forward and backward (a step
+finished meanwhile)."""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import torch
+
+
+class Profiled:
+    """torch.profiler and cProfile (this thread's Python functions) from ``__init__`` to
+    ``stop``, which writes their tables: by CPU time (every thread's ops), by the GPU's own
+    time, and the Python functions'."""
+
+    def __init__(self, cuda: bool) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        self.torch = torch.profiler.profile(activities=activities)
+        self.functions = cProfile.Profile()
+        self.torch.__enter__()
+        self.functions.enable()
+
+    def stop(self, path: Path) -> None:
+        self.functions.disable()
+        self.torch.__exit__(None, None, None)
+        table = io.StringIO()
+        pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
+        events = self.torch.key_averages()
+        path.write_text("\n\n".join([
+            events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80),
+            events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=80),
+            table.getvalue()]))
