@@ -40,6 +40,9 @@ flags() {  # mode name -> train.py flags
   case $1 in
     zero-offload) echo "--mode deepspeed-cpu" ;;
     super-offload) echo "--mode super-offload" ;;
+    # ZeRO-Offload at stage 2 with ZenFlow (its tutorial's settings; not exact by design:
+    # compare its losses with an exact mode's); params whole on the GPU, so no --zero-init
+    zenflow) echo "--mode zenflow" ;;
     zero-infinity) echo "--mode zero-infinity" ;;
     # ZeRO-Offload++: a quarter / half of the states updated on the GPU, the rest on the CPU
     zero-offload-pp-q) echo "--mode deepspeed-cpu --offload-ratio 0.75" ;;

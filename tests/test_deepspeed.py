@@ -315,6 +315,15 @@ def test_lion_matches_deepspeed_cpu_lion(work, disk_dir):
     assert 8 * n * (STEPS - 1) <= total_read(ours) < 12 * n * STEPS  # Lion: 8 B/param a step
 
 
+def test_the_zenflow_peer_trains(work, disk_dir):
+    """The head-to-heads' stall-free peer, ``--mode zenflow`` (ZeRO-Offload at stage 2 with
+    ZenFlow's tutorial settings; not exact by design): DeepSpeed takes its ZenFlow optimizer
+    on the example's model and batches, and the loss falls."""
+    zenflow, = train_all(work, 1, Run(disk_dir, "zenflow", mode="zenflow"))
+    assert "Zenflow" in zenflow["log"]
+    assert losses(zenflow)[-1] < losses(zenflow)[0]
+
+
 def test_bf16_within_noise_of_deepspeed(work, disk_dir):
     ours, ref = train_all(work, 1, Run(disk_dir, "ours-bf16", ("--dtype", "bf16")),
                           Run(disk_dir, "ref-bf16", ("--dtype", "bf16"), mode="deepspeed-cpu"))

@@ -8,7 +8,10 @@ DeepSpeed config and ``smartinf.integrations.deepspeed.initialize`` in place of
 ``deepspeed.initialize``. The other modes run DeepSpeed alone on the same model and data:
 ``deepspeed-cpu`` (ZeRO-3, optimizer offloaded to CPU, DeepSpeedCPUAdam: ZeRO-Offload),
 ``super-offload`` (the same with DeepSpeed's SuperOffload, CUDA only: CPU Adam per
-sub-group during backward, speculative) and ``zero-infinity`` (ZeRO-3, optimizer states swapped to NVMe: ZeRO-Infinity). Each rank
+sub-group during backward, speculative), ``zero-infinity`` (ZeRO-3, optimizer states swapped
+to NVMe: ZeRO-Infinity) and ``zenflow`` (ZeRO-Offload at stage 2 with DeepSpeed's ZenFlow: the
+most important gradients' updates on the GPU, the rest on the CPU every few steps; not exact
+by design). Each rank
 reads its own batches; every mode sees the same ones. Per step the script prints the
 loss (mean over ranks), the forward / backward / optimizer-step seconds and the bytes
 this process read from and wrote to storage during the step; ``--json`` writes them, with
@@ -42,7 +45,13 @@ from examples.gpt.counters import counters as pipeline_counters, difference  # n
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
-MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity")
+MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity", "zenflow")
+
+#: ZenFlow's settings as its tutorial gives them (https://www.deepspeed.ai/tutorials/zenflow):
+#: the top 5 % of gradients by importance updated on the GPU each step, the rest accumulated
+#: and applied by the CPU's Adam every 4 steps, overlapped with the next steps
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+           "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict:
@@ -97,6 +106,9 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
             config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     elif args.mode == "super-offload":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": True}
+    elif args.mode == "zenflow":  # ZeRO-Offload at stage 2 (ZenFlow's), params whole on the GPU
+        config["zero_optimization"] = {"stage": 2, "zenflow": dict(ZENFLOW),
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     else:
         config["zero_optimization"]["offload_optimizer"] = {
             "device": "nvme", "nvme_path": storage, "pin_memory": True, "buffer_count": 4}
@@ -200,6 +212,9 @@ def main() -> None:
     lang = Language()
     config = ds_config(args, world)
     shape = GPTConfig(vocab or lang.vocab_size, args.seq, d_model, n_layer, n_head)
+    if args.zero_init and config["zero_optimization"]["stage"] != 3:
+        p.error(f"--zero-init builds the model partitioned for ZeRO-3; --mode {args.mode} is stage "
+                f"{config['zero_optimization']['stage']}, whose params are whole on each GPU")
     if args.zero_init:  # each param partitioned as it is made, initialised gathered
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = GPT(shape, seed=0, checkpoint=args.checkpoint_activations,
@@ -244,7 +259,7 @@ def main() -> None:
         return pipeline_counters(engine.optimizer)
 
     records = []
-    num_params = sum(p.ds_numel for p in engine.module.parameters())
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
 
     def write_record(after_steps: "dict | None") -> None:
         """The record so far (rank 0), replaced after each step so that a run stopped early
