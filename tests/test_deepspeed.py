@@ -817,6 +817,13 @@ def test_an_auto_gpu_budget_is_measured_by_the_first_step_on_a_fresh_run(monkeyp
     assert measured == (50 << 30) - (8 << 30) - int((80 << 30) * gpu_budget.defaults.GPU_MARGIN_SHARE)
     assert fresh.with_gpu_budget(10 << 30, 0, measured).gpu_memory_budget == measured
     assert gpu_budget.measured(margin=60 << 30) == 0
+    # a 40 GiB GPU emulated on this 80 GiB one (the rest held by a tensor: in "free"
+    # already): the margin is the smaller GPU's
+    monkeypatch.setenv("SMARTINF_GPU_MEMORY", "40GiB")
+    assert gpu_budget.measured() == (50 << 30) - (8 << 30) - int((40 << 30) * gpu_budget.defaults.GPU_MARGIN_SHARE)
+    monkeypatch.setenv("SMARTINF_GPU_MEMORY", "120GiB")  # (more than the GPU: its own)
+    assert gpu_budget.measured() == measured
+    monkeypatch.delenv("SMARTINF_GPU_MEMORY")
     # a run in the directories: its GPU's states (a cpu device's directory stands in) are
     # resumed with the budget they take, one copy of its states file
     rank = tmp_path / "run" / "rank00000"

@@ -24,6 +24,9 @@ Explicit arguments always win over these.
   start during backward too, on their twins (off).
 - ``SMARTINF_SPECULATE_ON_CPU``: with overlap, updates start during a backward that runs on
   the CPU too (0, off: it holds the cores the update needs).
+- ``SMARTINF_GPU_MEMORY``: the GPU's memory a budget of ``"auto"`` takes its margin as a
+  share of (unset: the device's whole memory), for a smaller GPU emulated on a larger one
+  (the examples' ``--gpu-memory`` sets it).
 """
 from __future__ import annotations
 
@@ -216,6 +219,12 @@ def speculate_on_cpu() -> bool:
     ``SMARTINF_SPECULATE_ON_CPU``, off): there backward holds the cores the update needs (on
     this project's 2-core machine the 266 M GPT's iteration was 1.1x slower with them)."""
     return _flag_env("SMARTINF_SPECULATE_ON_CPU", False)
+
+
+def gpu_memory() -> Optional[int]:
+    """``SMARTINF_GPU_MEMORY`` in bytes (None: unset)."""
+    raw = os.environ.get("SMARTINF_GPU_MEMORY")
+    return None if not raw else parse_bytes(raw, "SMARTINF_GPU_MEMORY")
 
 
 def step_tail_on_cpu() -> bool:

@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.config import get_zero_config
 
 from smartinf import _native, defaults, update_rules
 from smartinf.planning import gpu_cores, host_states, plan, space, twins
-from smartinf.planning.gpu_budget import held as held_gpu_budget
+from smartinf.planning.gpu_budget import free_and_total, held as held_gpu_budget
 from smartinf.pipeline.checkpoint import manifest_fields
 from smartinf.pipeline.compress import TopK
 from smartinf.pipeline.devices import GPU_DIRECTORY, rank_directory, with_gpu
@@ -231,12 +231,13 @@ def gpu_budget(later_bytes: int, reserve: Optional[int] = None) -> int:
     """Bytes of the current GPU's memory for states: what is free (torch's cached blocks
     given back first), less ``later_bytes`` that the training allocates after the optimizer
     is built, less ``reserve`` for the activations (None: ``defaults.GPU_RESERVE_SHARE`` of
-    the GPU's memory). 0 where nothing is left; logged with its terms."""
+    the GPU's memory, ``gpu_budget.free_and_total``'s). 0 where nothing is left; logged with
+    its terms."""
     if not torch.cuda.is_available():
         raise ValueError('"gpu": {"memory_budget": "auto"} sizes a budget on this rank\'s CUDA '
                          'GPU, and none is visible here: remove the "gpu" block')
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
+    free, total = free_and_total()
     reserve = int(total * defaults.GPU_RESERVE_SHARE) if reserve is None else reserve
     budget = max(0, free - later_bytes - reserve)
     logger.warning("smartinf: a GPU budget of %.1f GB for states: %.1f GB free, less %.1f GB "

@@ -16,14 +16,24 @@ from smartinf.pipeline.checkpoint import STATES, manifest_copies, manifest_field
 logger = logging.getLogger("smartinf")
 
 
+def free_and_total() -> tuple[int, int]:
+    """The current GPU's free and total bytes, the total as a budget's margin counts it: at
+    most ``SMARTINF_GPU_MEMORY`` (a smaller GPU emulated on a larger one, the rest held by a
+    tensor, so in use already)."""
+    free, total = torch.cuda.mem_get_info()
+    emulated = defaults.gpu_memory()
+    return free, min(total, emulated) if emulated else total
+
+
 def measured(margin: Optional[int] = None) -> int:
     """At the first step, before its update: bytes of the current GPU's memory for states,
     what the first iteration (forward and backward, the framework's buffers, the
     activations) left: what is free now, less what it took at its peak beyond what torch
     still holds, less ``margin`` (None: ``defaults.GPU_MARGIN_SHARE`` of the GPU's memory: the
-    devices' slots, the gathers prefetched from the second iteration, fragmentation); 0
-    where nothing is left; logged with its terms."""
-    free, total = torch.cuda.mem_get_info()
+    devices' slots, the gathers prefetched from the second iteration, fragmentation; of
+    ``SMARTINF_GPU_MEMORY`` where that is less: on a larger GPU emulating a smaller one the
+    margin is the smaller one's); 0 where nothing is left; logged with its terms."""
+    free, total = free_and_total()
     peak, held_now = torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()
     margin = int(total * defaults.GPU_MARGIN_SHARE) if margin is None else margin
     budget = max(0, free - (peak - held_now) - margin)
