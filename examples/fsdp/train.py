@@ -80,6 +80,8 @@ def optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimizer:
         kw["gpu_memory_budget"] = args.gpu_memory_budget
     if args.split_master:
         kw["master"] = "split"
+    if args.gpu_host_states != "auto":
+        kw["gpu_host_states"] = {"on": True, "off": False}.get(args.gpu_host_states, args.gpu_host_states)
     return smartinf.optim.AdamW(
         model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
         devices=[os.path.join(args.dir, "smartinf")], max_grad_norm=args.clip or None,
@@ -103,6 +105,11 @@ def main() -> None:
     p.add_argument("--memory-budget", help="smartinf: bytes of states resident in host memory")
     p.add_argument("--gpu-memory-budget", help="smartinf: bytes of the GPU's memory for states "
                    "updated there, or auto: what the first iteration leaves")
+    p.add_argument("--gpu-host-states", default="auto",
+                   type=lambda v: v if v in ("auto", "on", "off") else float(v),
+                   help="smartinf: the states kept in host memory updated on the GPU, crossing "
+                        "PCIe: on, off, auto, or a share from 0 to 1 (that share on the GPU, "
+                        "the rest on the host's cores, at once)")
     p.add_argument("--commit-every", type=int, help="smartinf: steps per durable commit")
     p.add_argument("--copies", type=int, choices=(1, 2), help="smartinf: copies on disk")
     p.add_argument("--no-overlap", action="store_true", help="smartinf: overlap=False")
