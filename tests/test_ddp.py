@@ -29,11 +29,16 @@ def _rank(rank: int, world: int, port: int, config: dict) -> None:
         model.forward = lambda x: model[2](model[1](model[0](x)))
     ddp = DDP(model, bucket_cap_mb=0.002,  # (several buckets: sub-groups spanning two)
               find_unused_parameters=bool(config.get("unused")))
+    if config.get("step_first"):  # DDP's first iteration before the optimizer is made (as
+        # the first step lays the states out after it on a GPU): its buckets rebuilt
+        ddp(torch.randn(8, 24, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
+        for p in model.parameters():
+            p.grad = None
     opt = so.AdamW(ddp.parameters(), lr=1e-2, devices=[config["dir"]], subgroup_size=300,
                    chunk=128, overlap=config["overlap"], max_grad_norm=config.get("clip"))
     record = {"params": []}
-    if config.get("step_first"):  # a step before any forward, as where the first step lays
-        for p in model.parameters():  # the states out (a GPU budget of "auto"): after its forward
+    if config.get("step_first"):  # a step before the optimizer saw a forward, as where the first
+        for p in model.parameters():  # step lays the states out (a GPU budget of "auto")
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -76,8 +81,10 @@ def test_updates_start_from_ddps_averaged_gradients_and_are_kept(tmp_path, accum
 
 
 def test_ddp_is_found_at_the_first_forward_after_a_step(tmp_path):
-    """The hook that finds DDP made, then a step before any forward: DDP is still found at
-    the next forward, and updates start from its averaged gradients and hold."""
+    """DDP's first iteration, then the optimizer made and a step before its hook that finds
+    DDP saw a forward (as where the first step lays the states out on a GPU): DDP is still
+    found at the next forward, its communication hook registered after its first iteration,
+    and updates start from its averaged gradients and hold."""
     on = train(tmp_path, "on", overlap=True, step_first=True)
     off = train(tmp_path, "off", overlap=False, step_first=True)
     assert_same(on, off)
