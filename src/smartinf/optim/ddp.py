@@ -6,18 +6,18 @@ retracted at ``step()``. Here DDP's own communication hook reduces each bucket a
 without one (each gradient times 1 / world size, then summed over the ranks) and, once the
 bucket is averaged, hands its params' averaged gradients to ``ParamHooks``, which starts the
 update of every sub-group whose params all have theirs: the bits DDP then copies into
-``.grad``. DDP is found at the first forward that runs inside it (a global forward pre-hook,
-removed then, or at the first ``step()`` after a forward where no DDP holds these params:
-the states laid out by the first step, the hook is made after that step's forward); a DDP
-with a communication hook of its own keeps it, and the updates wait for ``step()``.
+``.grad``. DDP is found at the first forward that runs inside it (``ForwardFinder``, removed
+then, or at the first ``step()`` after a forward where no DDP holds these params); a DDP with
+a communication hook of its own keeps it, and the updates wait for ``step()``.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
+
+from smartinf.optim.finder import ForwardFinder
 
 logger = logging.getLogger("smartinf")
 
@@ -30,17 +30,19 @@ class DdpTrigger:
         self._hooks = hooks
         self.attached: Optional[Any] = None
         hooks.ddp = lambda: self.attached is not None
-        self._forward_seen = False
-        self._finder = torch.nn.modules.module.register_module_forward_pre_hook(self._find) \
+        self._finder = ForwardFinder(self._find) \
             if dist.is_available() and dist.is_initialized() else None
 
-    def _find(self, module: Any, args: Any) -> None:
-        self._forward_seen = True
+    def _find(self, module: Any) -> bool:
+        """Any forward tells whether a DDP holds these params: inside one, it is active."""
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel._get_active_ddp_module()
-        if ddp is None or not any(id(p) in self._ours for p in ddp.module.parameters()):
-            return
-        self.stop_finding()
+        if ddp is not None and any(id(p) in self._ours for p in ddp.module.parameters()):
+            self.stop_finding()
+            self._attach(ddp)
+        return True
+
+    def _attach(self, ddp: Any) -> None:
         pipeline = self._hooks.speculation.pipeline
         if all(pipeline.gpu_of(sg) is not None for sg in self._hooks.subgroups()):
             return  # every sub-group updated on its GPU at step(): DDP's own reduction stays
@@ -59,13 +61,12 @@ class DdpTrigger:
 
     def step_ended(self) -> None:
         """At ``step()``: no DDP holds these params if a forward ran since the hook was made."""
-        if self._forward_seen:
-            self.stop_finding()
+        if self._finder is not None:
+            self._finder.step_ended()
 
     def stop_finding(self) -> None:
         if self._finder is not None:
-            self._finder.remove()
-            self._finder = None
+            self._finder.stop()
 
     def _reduce(self, state, bucket):  # (DDP checks a hook's annotations: none given)
         group = self.attached.process_group

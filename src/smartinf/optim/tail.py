@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
+from smartinf.optim.finder import ForwardFinder
+
 _METADATA_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad",
                         "grad_fn", "_version", "ndim", "is_cuda", "is_cpu", "layout",
                         "is_sparse", "is_meta", "is_quantized", "itemsize", "nbytes", "names",
@@ -130,12 +132,11 @@ class BackgroundStep:
         self._subgroups_of: dict[int, list] = {}  # id(tensor) -> its sub-groups not landed
         self._lock = threading.Lock()
         self._unsharded: set[int] = set()  # FSDP2 param groups whose all-gathers wait
-        self._finder: Any = None  # the hook that finds FSDP2's modules (find_fsdp)
-        self._found = False  # a forward found them (step_ended)
+        self._finder: Optional[ForwardFinder] = None  # finds FSDP2's modules (find_fsdp)
         self._compile_guard: Any = None  # while a step runs: compiled modules wait for it
         # FSDP2: the sub-groups in the order the last forward's all-gathers asked for them
         # (the root's group, which holds the output layer, first: ``ordered``)
-        self._needed: list[int] = []
+        self._needed: dict[int, None] = {}  # (ordered: a set in the order first asked)
         self._streams: dict[Any, Any] = {}  # the step's own CUDA stream, per device
         self.deferred = 0  # sub-groups landed after step() returned
         self.waits = 0  # ops that waited for one
@@ -151,7 +152,7 @@ class BackgroundStep:
         return sorted(subgroups, key=lambda sg: rank.get(sg, len(rank)))
 
     def start(self, guarded: dict[int, list], run: Callable[[], None]) -> None:
-        self._needed = []
+        self._needed = {}
         on_gpu = next((t.device for ts in guarded.values() for t in ts if t.is_cuda), None)
         if _compiled():  # (compiled code reads the params' storage past any torch function)
             run()
@@ -271,21 +272,20 @@ class BackgroundStep:
         that runs a forward has its param groups' all-gathers wait (``wait_in_unshards``).
         (Global forward pre-hooks run before a module's own: before FSDP2's all-gather of the
         first forward. States laid out by the first step are laid out after its forward.)"""
-        def found(module: Any, args: Any) -> None:
-            if hasattr(module, "_get_fsdp_state"):
-                self._found = True
-                self.wait_in_unshards(module, subgroups_of)
-        self._found = False
-        self._finder = torch.nn.modules.module.register_module_forward_pre_hook(found)
+        def found(module: Any) -> bool:
+            if not hasattr(module, "_get_fsdp_state"):
+                return False
+            self.wait_in_unshards(module, subgroups_of)
+            return True
+        self._finder = ForwardFinder(found)
 
     def step_ended(self) -> None:
-        if self._found:
-            self.stop_finding()
+        if self._finder is not None:
+            self._finder.step_ended()
 
     def stop_finding(self) -> None:
         if self._finder is not None:
-            self._finder.remove()
-            self._finder = None
+            self._finder.stop()
 
     def wait_in_unshards(self, module: Any, subgroups_of: Callable[[list], list]) -> None:
         """Each FSDP2 param group in ``module`` (an ``FSDPModule``) waits, before it all-gathers
@@ -311,7 +311,7 @@ class BackgroundStep:
             if self._thread is not None:
                 if not mine:
                     mine.extend(subgroups_of(params) or [None])
-                self._needed.extend(sg for sg in mine if sg is not None and sg not in self._needed)
+                self._needed.update(dict.fromkeys(sg for sg in mine if sg is not None))
                 self.wait(mine)
             return unshard(*args, **kwargs)
         return wait_then_unshard
