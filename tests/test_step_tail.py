@@ -103,12 +103,14 @@ def test_the_same_bits_as_a_step_that_waits(tmp_path, tail_on_cpu):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("placement", [
-    {},  # the host's cores update, params back through host buffers
+    {},  # the default there: every state in the GPU's memory, the GPU updating them
+    dict(gpu_memory_budget=0),  # the host's cores update, params back through host buffers
     dict(gpu_memory_budget="10KiB", gpu_host_states=True, memory_budget="64KiB"),
-], ids=["host", "gpu-and-host-memory"])
+], ids=["gpu-memory", "host", "gpu-and-host-memory"])
 def test_on_a_gpu_the_same_bits_as_a_step_that_waits(tmp_path, placement):
     """On a GPU (the default there): the step's own CUDA stream, each sub-group's params on
-    the GPU before its uses go on, the GPU updating states in its memory and in host memory."""
+    the GPU before its uses go on, the GPU updating states in its memory and in host memory,
+    and the host's cores updating them."""
     on = train(tmp_path, "on", True, device="cuda", **placement)
     off = train(tmp_path, "off", False, device="cuda", **placement)
     assert off[3] is None and on[3] is not None and on[3].deferred > 0

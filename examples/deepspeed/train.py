@@ -44,6 +44,7 @@ from examples.gpt import gpu  # noqa: E402
 from examples.gpt.counters import counters as pipeline_counters, difference  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
+from examples.gpt.profiled import Profiled  # noqa: E402
 
 MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity", "zenflow")
 
@@ -200,6 +201,9 @@ def main() -> None:
                    "larger one: the rest is held by a tensor made first, so that a GPU budget of "
                    "\"auto\" places the states as it would there")
     p.add_argument("--json", help="write the per-step record here (rank 0)")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="write torch.profiler's tables of this step's engine.step() and the next "
+                        "iteration's forward and backward to the --json path's .prof.txt")
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
     args = p.parse_args()
 
@@ -278,6 +282,7 @@ def main() -> None:
     # Each step's counters run from where the last one's stopped: background writes that
     # land between two steps are counted too.
     c1, io1 = counters(), storage_bytes()
+    profiler = None
     for step in range(start, args.steps):
         x, y = (t.to(device) for t in next(data))
         c0, io0 = c1, io1
@@ -296,6 +301,11 @@ def main() -> None:
                     safe_set_full_grad(param, grad * 0.5)
         settle_stream()
         t2 = time.perf_counter()
+        if profiler is not None:  # (the iteration after the profiled step: done)
+            profiler.stop(Path(args.json).with_suffix(".prof.txt"))
+            profiler = None
+        if args.profile_step == step + 1 and rank == 0 and args.json:
+            profiler = Profiled(torch.cuda.is_available())
         engine.step()
         settle_stream()
         t3 = time.perf_counter()
@@ -333,6 +343,8 @@ def main() -> None:
             engine.save_checkpoint(args.save, client_state={"step": step + 1})
             c1, io1 = counters(), storage_bytes()  # the checkpoint's copies are no step's
 
+    if profiler is not None:  # (the last step profiled: no iteration after it)
+        profiler.stop(Path(args.json).with_suffix(".prof.txt"))
     # smartinf with overlap: the last step's updates may still run; finish them, and count
     # what they moved
     io_end = io1

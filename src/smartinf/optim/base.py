@@ -13,7 +13,7 @@ import torch
 from smartinf.step import edits
 from smartinf.optim import gradients, subgroups, torch_state
 from smartinf.optim import options as optim_options
-from smartinf import update_rules
+from smartinf import defaults, update_rules
 from smartinf.pipeline.checkpoint import save_devices, save_param_groups
 from smartinf.pipeline.compress import TopK
 from smartinf.pipeline.devices import DeviceLike
@@ -209,8 +209,9 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if partial and not self._warned_partial:
             self._warned_partial = True
             logger.warning(gradients.PARTIAL, partial)
-        # (a GPU's work in its memory stays here: on its stream, the forward queues behind)
-        later = self._tail is not None and not all(self._on_its_gpu(sg.id) for sg in active)
+        # (a GPU's work in its memory may stay here: on its stream, the forward queues behind)
+        later = self._tail is not None and (defaults.step_tail_gpu_states() or
+                                            not all(self._on_its_gpu(sg.id) for sg in active))
         rest = [sg.id for sg in active if sg.id not in kept]
         if later:  # updated in the order the next forward needs them
             rest = self._tail.ordered(rest)
