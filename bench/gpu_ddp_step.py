@@ -5,10 +5,12 @@
 Medians of iterations 2+, and the losses of both, step by step.
 
     torchrun --nproc_per_node=1 bench/gpu_ddp_step.py --mode smartinf|torch --dir D [--steps 12]
-        [--json F [--profile-step N]]
+        [--json F [--profile-step N]] [--subgroup-size N]
 
 ``--profile-step N``: torch.profiler's and cProfile's tables of iterations N and N + 1 (a step
-and the forward and backward after it), to F's ``.prof.txt``.
+and the forward and backward after it), to F's ``.prof.txt``. Each smartinf row also holds
+the step's host seconds by phase (``last_step_phases``). ``--subgroup-size``: smartinf's
+``subgroup_size`` (params; left out, the planner's).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--json")
     p.add_argument("--profile-step", type=int, default=0)
+    p.add_argument("--subgroup-size", type=int, default=None)
     a = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -52,7 +55,7 @@ def main() -> None:
     if a.mode == "smartinf":
         opt = so.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.1,
                        devices=[os.path.join(a.dir, "ddp-states")], max_grad_norm=1.0,
-                       if_exists="overwrite")
+                       if_exists="overwrite", subgroup_size=a.subgroup_size)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     rows, profiled = [], None
@@ -67,6 +70,8 @@ def main() -> None:
         if a.profile_step == i + 1 and rank == 0 and a.json:
             profiled = Profiled(True)
         rows.append(timed_step(i + 1, a.mode, loss_of, opt, ddp.parameters()))
+        if a.mode == "smartinf":
+            rows[-1]["phases"] = dict(opt.last_step_phases)
         if profiled is not None and i == a.profile_step:  # (iteration N + 1 done)
             profiled.stop(Path(a.json).with_suffix(".prof.txt"))
             profiled = None

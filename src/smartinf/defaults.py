@@ -235,14 +235,6 @@ def step_tail_on_cpu() -> bool:
     return _flag_env("SMARTINF_STEP_TAIL_ON_CPU", False)
 
 
-def step_tail_gpu_states() -> bool:
-    """Whether, on a GPU, a step whose updates are all the GPU's on states in its own memory
-    also finishes while the next forward runs (``SMARTINF_STEP_TAIL_GPU_STATES``, on): its
-    kernels are few, but its host work and waits between them (a sub-group's gradient in, its
-    chunks, its params out) would hold the forward back."""
-    return _flag_env("SMARTINF_STEP_TAIL_GPU_STATES", True)
-
-
 #: With int8/int4 states, tensors of at most this many elements keep fp32 moments (lpmm's
 #: rule: a quantisation block shared with larger neighbours costs them most of their
 #: moments' precision, and they are few bytes). The front-ends put them in sub-groups of

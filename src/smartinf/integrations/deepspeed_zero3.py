@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -20,6 +19,7 @@ from deepspeed.runtime.zero import stage3
 from smartinf import defaults
 from smartinf.step.driver import overrides
 from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.phases import Phases
 from smartinf.step.rounding import round_to
 from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose
 from smartinf.planning.gpu_budget import measured as measured_gpu_budget
@@ -48,20 +48,6 @@ def _give_back_freed_pinned_memory() -> None:
     if empty is not None and torch.cuda.is_available():
         torch.cuda.synchronize()  # (a cached block waits for the copies that used it)
         empty()
-
-
-class _Phases:
-    """Host seconds between marks, each named by what ran since the last: no synchronize
-    added, so a phase that waits for the GPU shows as long."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name + "_s"] = now - self._last
-        self._last = now
 
 
 class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
@@ -156,7 +142,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         per-sub-group update in the pipeline, N + 1 sub-groups in flight with N devices
         (with ``overlap``: the updates not done during backward finish while the next
         forward runs)."""
-        phases = _Phases()
+        phases = Phases()
         if self.pipeline is None:  # the first step: the GPU budget from what the iteration took
             self._open(measured_gpu_budget())
             self._start_speculation()

@@ -13,11 +13,12 @@ import torch
 from smartinf.step import edits
 from smartinf.optim import gradients, subgroups, torch_state
 from smartinf.optim import options as optim_options
-from smartinf import defaults, update_rules
+from smartinf import update_rules
 from smartinf.pipeline.checkpoint import save_devices, save_param_groups
 from smartinf.pipeline.compress import TopK
 from smartinf.pipeline.devices import DeviceLike
 from smartinf.step.driver import overrides, rule_for
+from smartinf.step.phases import Phases
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.optim.state_view import StateView
 from smartinf.optim.layout import Layout
@@ -61,6 +62,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
+        # the last step()'s host seconds by phase (open_and_drain, norm, edits, take, updates)
+        self.last_step_phases: dict[str, float] = {}
         self._warned_partial = False
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
@@ -155,9 +158,12 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
+        phases = Phases()
+        self.last_step_phases = phases.seconds
         self._laid_out()
         if self._tail is not None:
             self._tail.drain()  # (a step without a backward since the last one)
+        phases.mark("open_and_drain")
         sharding.refuse_replaced(self, [s.param for sg in self._plan for s in sg.slices])
         loss = None
         if closure is not None:
@@ -176,12 +182,14 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
         if norm is not None:
             self.last_grad_norm = norm
+        phases.mark("norm")
         self.state.check()  # (edits written through opt.state: refused before anything changes)
         session = self._session
         session.begin()
         try:
             self.state.apply()  # what was written through opt.state, before the update
             self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
+            phases.mark("edits")
             # The updates started during backward that assumed rightly; the others retracted.
             try:
                 kept = session.take(scale, lambda i: hyper[self._plan[i].group])
@@ -195,6 +203,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             session.fail(discard=True)
             raise
         session.predict(grad_scale if scale == grad_scale else None)  # the next step's, expected
+        phases.mark("take")
         self.last_step_skipped = scale is None
         if scale is None:
             self.skipped_steps += 1
@@ -209,9 +218,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if partial and not self._warned_partial:
             self._warned_partial = True
             logger.warning(gradients.PARTIAL, partial)
-        # (a GPU's work in its memory may stay here: on its stream, the forward queues behind)
-        later = self._tail is not None and (defaults.step_tail_gpu_states() or
-                                            not all(self._on_its_gpu(sg.id) for sg in active))
+        # (a GPU's work in its memory stays here: on its stream, the forward queues behind)
+        later = self._tail is not None and not all(self._on_its_gpu(sg.id) for sg in active)
         rest = [sg.id for sg in active if sg.id not in kept]
         if later:  # updated in the order the next forward needs them
             rest = self._tail.ordered(rest)
@@ -227,6 +235,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
         else:
             finish()
+        phases.mark("updates")
         return loss
 
     def _finish(self, i: int, buffer: int) -> None:
