@@ -326,6 +326,82 @@ def test_the_gpu_digest_is_its_formula():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_matmul_digest_sees_every_change_of_bits(device):
+    """The GPU's digest of slices of many 4 KiB rows (run here on the host's tensors too): the
+    same bits at any alignment give the same digest; a flipped bit anywhere, a word moved
+    within its row or across rows, or the slices in another order, another."""
+    weights = edits.mm_weights(torch.device(device))
+    if weights is None:
+        pytest.skip("torch._int_mm does not run here")
+    torch.manual_seed(0)
+    whole = torch.randn(300_000, device=device)
+    for start, stop in [(0, 300_000), (1, 300_000), (3, 250_017), (7, 100_000)]:
+        part = whole[start:stop].view(torch.uint8)
+        base = int(edits._matmul_digest([part], weights))
+        assert int(edits._matmul_digest([part.clone()], weights)) == base
+        rows = part.numel() // edits.MM_ROW
+        for i in {0, 8, edits.MM_ROW * 3 + 5, part.numel() // 2, rows * edits.MM_ROW, part.numel() - 1}:
+            flipped = part.clone()
+            flipped[i] ^= 1
+            assert int(edits._matmul_digest([flipped], weights)) != base, (start, i)
+        words = part.clone()[:rows * edits.MM_ROW].view(torch.int64)
+        for a, b in [(0, 1), (3, 400), (10, 40_000)]:  # in a row, across rows
+            moved = part.clone()
+            moved[:rows * edits.MM_ROW].view(torch.int64)[[a, b]] = words[[b, a]]
+            assert int(edits._matmul_digest([moved], weights)) != base, (a, b)
+    a, b = whole[:100_000].view(torch.uint8), whole[100_000:].view(torch.uint8)
+    assert int(edits._matmul_digest([a, b], weights)) != int(edits._matmul_digest([b, a], weights))
+    assert edits.digest([whole]) == edits.digest([whole.clone()])
+
+
+def test_each_8_byte_block_of_the_matmul_digests_weights_is_nonsingular():
+    """A changed word changes its row's sums: each word's 8 x 8 block of the weights has a
+    nonzero determinant (exact: fraction-free elimination over Python's integers)."""
+    weights = edits.mm_weights(torch.device("cpu"))
+    assert weights.shape == (edits.MM_ROW, 8) and bool((weights != 0).all())
+
+    def determinant(m: list) -> int:  # Bareiss
+        m, sign, prev = [row[:] for row in m], 1, 1
+        for k in range(len(m) - 1):
+            if m[k][k] == 0:
+                swap = next((i for i in range(k + 1, len(m)) if m[i][k]), None)
+                if swap is None:
+                    return 0
+                m[k], m[swap], sign = m[swap], m[k], -sign
+            for i in range(k + 1, len(m)):
+                for j in range(k + 1, len(m)):
+                    m[i][j] = (m[i][j] * m[k][k] - m[i][k] * m[k][j]) // prev
+            prev = m[k][k]
+        return sign * m[-1][-1]
+    rows = weights.tolist()
+    for word in range(edits.MM_ROW // 8):
+        assert determinant(rows[8 * word:8 * word + 8]) != 0, word
+
+
+def test_the_matmul_digest_is_its_formula():
+    """The GPU's digest of slices as its docstring defines it, computed here another way
+    (int64 matmul, Python's integers wrapped at the end)."""
+    weights = edits.mm_weights(torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    slices = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+              for n in (edits.MM_ROW * 20 + 100, 500, edits.MM_ROW * 17)]
+    sums, rest, lengths = [], [], 0
+    for b in slices:
+        rows = b.numel() // edits.MM_ROW
+        lengths = (lengths * 0x100000001B3 + b.numel()) % (1 << 64)
+        if rows >= edits.MM_LEAST_ROWS:
+            block = b[:rows * edits.MM_ROW].view(torch.int8).view(rows, -1).to(torch.int64)
+            sums += (block @ weights.to(torch.int64)).view(-1).tolist()
+            b = b[rows * edits.MM_ROW:]
+        rest.append(b)
+    h = int(edits._words_digest(torch.cat(rest)))
+    mixed = edits._mixed(torch.arange(1, len(sums) + 1, dtype=torch.int64)).tolist()
+    h = (h * edits._MIX + sum(sums)) * edits._MIX + sum(s * m for s, m in zip(sums, mixed))
+    h = h * edits._MIX + lengths
+    assert int(edits._matmul_digest(slices, weights)) == (h + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_small_gpu_tensors_are_digested_together_as_alone(device):
     """The GPU's digest of many small tensors at once (DeepSpeed's kept-whole params, run
     here on the host's tensors too): a tensor's digest is its own whatever else is in the

@@ -5,18 +5,23 @@ place, through ``.data`` or by a new ``.data``) becomes the master instead of be
 overwritten by the stored one. Detected, not copied: a digest reads the params where they
 are. (A split master needs none: its devices checksum the params sent in.)
 
-The digest is exact for any change of bits: on the host XXH3-64 of each 256 KiB of each
-slice (the extents' checksum), computed by every core at the check and, where the step
-copies the params into the model, while copying them (``copy``: in cache); on a GPU, where
-hashing would need a kernel of our own, position-weighted sums of the 64-bit words counted
-from each slice's first byte (torch's integer reductions, which wrap and so are
-order-free): any single changed word changes the plain sum, and moving words between rows
-of 8 changes the weighted one. Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's
-kept-whole params, hundreds a step) are digested together, a few kernels for all of them
-(``digests``): each byte weighted by a mixed hash of its position in its tensor, summed
-per tensor. What it cannot tell from no edit is an edit that writes the
-bits already there: with a bf16/fp16 param over an fp32 master, writing the master's
-rounding keeps the master (see ``merge``).
+The digest sees any change of bits: on the host XXH3-64 of each 256 KiB of each slice (the
+extents' checksum), computed by every core at the check and, where the step copies the
+params into the model, while copying them (``copy``: in cache); on a GPU, where hashing
+would need a kernel of our own, torch's integer ops, which wrap and so are order-free. There
+each slice, read where it lies (no copy of the sub-group first), is cut into rows of 4 KiB
+multiplied by a fixed int8 matrix of 8 columns (``torch._int_mm``: the tensor cores, about
+one read of the params): a changed word changes its row's eight exact sums, since each
+8-byte block of the weights is nonsingular, and a word moved within its row changes them
+too; the rows' sums are then summed under mixed 64-bit weights of their positions. A
+slice's last partial row, and slices too small for the matmul, go with ``_words_digest``'s
+position-weighted sums of their 64-bit words. (Where ``_int_mm`` is missing, those sums of
+the whole sub-group.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
+params, hundreds a step) are digested together, a few kernels for all of them
+(``digests``): each byte weighted by a mixed hash of its position in its tensor, summed per
+tensor. What it cannot tell from no edit is an edit that writes the bits already there:
+with a bf16/fp16 param over an fp32 master, writing the master's rounding keeps the master
+(see ``merge``).
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ _MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64)  # another (splitmix64's)
 _ROW = 8  # words per row of the GPU digest's weighted sum
 PIECE = 256 << 10  # bytes per XXH3 of the host digest: hashed in cache right after a copy
 SMALL = 1 << 20  # bytes up to which a GPU tensor's digest is taken with the others' (digests)
+MM_ROW = 4096  # bytes per row of the GPU digest's matmul
+MM_LEAST_ROWS = 17  # the fewest rows torch._int_mm takes
+_MM_WEIGHTS: dict = {}  # device -> the matmul's weights there (None: no torch._int_mm there)
 _THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -51,7 +59,10 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
                                                 PIECE, _THREADS))
         return fold(sums)
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
-    return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
+    weights = mm_weights(raw[0].device)
+    if weights is None:
+        return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
+    return _matmul_digest(raw, weights)
 
 
 def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
@@ -83,9 +94,7 @@ def _small_digests(b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     device = b.device
     lengths = torch.tensor(sizes, device=device)  # one copy to the device
     key = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)
-    pos = torch.arange(b.numel(), device=device) - (lengths.cumsum(0) - lengths)[key] + 1
-    weight = pos * _MIX
-    weight = (weight ^ (weight >> 29)) * _MIX2
+    weight = _mixed(torch.arange(b.numel(), device=device) - (lengths.cumsum(0) - lengths)[key] + 1)
     value = b.to(torch.int64)
     plain = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, key, value)
     mixed = torch.zeros_like(plain).index_add_(0, key, value * weight)
@@ -125,6 +134,57 @@ def _words_digest(b: torch.Tensor) -> torch.Tensor:
     row_sums = words[:rows * _ROW].view(rows, _ROW).sum(1)
     h = (row_sums.sum() + words[rows * _ROW:].sum()) * _MIX + weighted(row_sums)
     return h * _MIX + weighted(loose) + b.numel()
+
+
+def mm_weights(device: torch.device) -> Optional[torch.Tensor]:
+    """The GPU digest's matmul weights on ``device``: ``MM_ROW`` x 8 int8, none zero, the same
+    in every process (column-major, as ``torch._int_mm`` takes them); None where
+    ``torch._int_mm`` does not run."""
+    if device not in _MM_WEIGHTS:
+        g = torch.Generator().manual_seed(0x5EED)
+        size = torch.randint(1, 128, (8, MM_ROW), generator=g, dtype=torch.int16)
+        sign = torch.randint(0, 2, (8, MM_ROW), generator=g, dtype=torch.int16) * 2 - 1
+        weights = (size * sign).to(torch.int8).to(device).t()
+        try:
+            torch._int_mm(torch.zeros(MM_LEAST_ROWS, MM_ROW, dtype=torch.int8, device=device), weights)
+        except (RuntimeError, NotImplementedError, AttributeError):  # (an older GPU, or torch)
+            weights = None
+        _MM_WEIGHTS[device] = weights
+    return _MM_WEIGHTS[device]
+
+
+def _matmul_digest(raw: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """The digest of byte slices ``raw`` (1-D uint8, contiguous) on a GPU: each slice's whole
+    rows of ``MM_ROW`` bytes times ``weights`` (int32 sums, exact: at most 4096 x 128 x 127),
+    all rows' sums under mixed weights of their positions, and the rest of the bytes by
+    ``_words_digest``; then the slices' lengths. A function of the bytes and the slices' sizes
+    only: a slice not 16-byte aligned (a cut param's) is copied first, for the matmul."""
+    sums, rest, lengths = [], [], 0
+    for b in raw:
+        lengths = (lengths * 0x100000001B3 + b.numel()) & ((1 << 64) - 1)
+        rows = b.numel() // MM_ROW
+        if rows >= MM_LEAST_ROWS:
+            if b.data_ptr() % 16:
+                b = b.clone()
+            sums.append(torch._int_mm(b[:rows * MM_ROW].view(torch.int8).view(rows, MM_ROW),
+                                      weights).view(-1))
+            b = b[rows * MM_ROW:]
+        if b.numel():
+            rest.append(b)
+    h = _words_digest(rest[0] if len(rest) == 1 else torch.cat(rest)) if rest else \
+        torch.zeros((), dtype=torch.int64, device=raw[0].device)
+    if sums:
+        o = (sums[0] if len(sums) == 1 else torch.cat(sums)).to(torch.int64)
+        positions = torch.arange(1, o.numel() + 1, dtype=torch.int64, device=o.device)
+        h = (h * _MIX + o.sum()) * _MIX + (o * _mixed(positions)).sum()
+    return h * _MIX + (lengths - (1 << 64) if lengths >= 1 << 63 else lengths)
+
+
+def _mixed(positions: torch.Tensor) -> torch.Tensor:
+    """A mixed hash of each of ``positions`` (int64, wrapping; splitmix64's constants): weights
+    between which no small linear relation cancels, as position times a constant would."""
+    weight = positions * _MIX
+    return (weight ^ (weight >> 29)) * _MIX2
 
 
 def merge(stored: torch.Tensor, held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
