@@ -120,7 +120,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
         """Puts masters (or updated params) into the model, as what it now holds (host
         params of its dtype hashed as they are copied: ``edits.copy``; on a GPU, one
-        multi-tensor copy, then the params' digest, slice by slice where they lie)."""
+        multi-tensor copy, the digest taken of ``flat``, the same bytes)."""
         held = [local(s.param) for s in sg.slices]
         contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
         srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
@@ -128,7 +128,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             torch._foreach_copy_([h.detach().view(-1)[s.start:s.stop] for h, s in zip(held, sg.slices)],
                                  srcs, non_blocking=True)
             if self._watch is not None:
-                self._watch.record(sg.id)
+                self._watch.record_parts(sg.id, [flat])
             self._landed(sg)
             return
         hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"

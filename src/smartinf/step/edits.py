@@ -8,15 +8,18 @@ are. (A split master needs none: its devices checksum the params sent in.)
 The digest sees any change of bits: on the host XXH3-64 of each 256 KiB of each slice (the
 extents' checksum), computed by every core at the check and, where the step copies the
 params into the model, while copying them (``copy``: in cache); on a GPU, where hashing
-would need a kernel of our own, torch's integer ops, which wrap and so are order-free. There
-each slice, read where it lies (no copy of the sub-group first), is cut into rows of 4 KiB
-multiplied by a fixed int8 matrix of 8 columns (``torch._int_mm``: the tensor cores, about
-one read of the params): a changed word changes its row's eight exact sums, since each
-8-byte block of the weights is nonsingular, and a word moved within its row changes them
-too; the rows' sums are then summed under mixed 64-bit weights of their positions. A
-slice's last partial row, and slices too small for the matmul, go with ``_words_digest``'s
-position-weighted sums of their 64-bit words. (Where ``_int_mm`` is missing, those sums of
-the whole sub-group.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
+would need a kernel of our own, torch's integer ops, which wrap and so are order-free, over
+the sub-group's bytes (its slices one after another). There rows of 4 KiB are multiplied
+by a fixed int8 matrix of 8 columns (``torch._int_mm``, the tensor cores: 1.5 reads' time of
+the bytes on an H200, where the sums of rows of 8 words took 3.2): a changed word changes
+its row's eight exact sums, since each 8-byte block of the weights is nonsingular, and so
+does a word moved within its row; the rows' sums are summed plain and under mixed 64-bit
+weights of their positions. The last partial row, and fewer bytes than the matmul takes,
+go by ``_words_digest``: position-weighted sums of the 64-bit words (any single changed word
+changes the plain sum, and moving words between rows of 8 the weighted one), which is also
+the whole digest where ``_int_mm`` does not run. (Matmuls slice by slice, without the
+sub-group's copy, were launch-bound: 1.30 ms a GPT-2 XL sub-group of 48 slices, as the copy
+and one matmul.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
 params, hundreds a step) are digested together, a few kernels for all of them
 (``digests``): each byte weighted by a mixed hash of its position in its tensor, summed per
 tensor. What it cannot tell from no edit is an edit that writes the bits already there:
@@ -59,10 +62,9 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
                                                 PIECE, _THREADS))
         return fold(sums)
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
-    weights = mm_weights(raw[0].device)
-    if weights is None:
-        return _words_digest(raw[0] if len(raw) == 1 else torch.cat(raw))
-    return _matmul_digest(raw, weights)
+    b = raw[0] if len(raw) == 1 else torch.cat(raw)
+    weights = mm_weights(b.device)
+    return _words_digest(b) if weights is None else _matmul_digest(b, weights)
 
 
 def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
@@ -153,31 +155,24 @@ def mm_weights(device: torch.device) -> Optional[torch.Tensor]:
     return _MM_WEIGHTS[device]
 
 
-def _matmul_digest(raw: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """The digest of byte slices ``raw`` (1-D uint8, contiguous) on a GPU: each slice's whole
-    rows of ``MM_ROW`` bytes times ``weights`` (int32 sums, exact: at most 4096 x 128 x 127),
-    all rows' sums under mixed weights of their positions, and the rest of the bytes by
-    ``_words_digest``; then the slices' lengths. A function of the bytes and the slices' sizes
-    only: a slice not 16-byte aligned (a cut param's) is copied first, for the matmul."""
-    sums, rest, lengths = [], [], 0
-    for b in raw:
-        lengths = (lengths * 0x100000001B3 + b.numel()) & ((1 << 64) - 1)
-        rows = b.numel() // MM_ROW
-        if rows >= MM_LEAST_ROWS:
-            if b.data_ptr() % 16:
-                b = b.clone()
-            sums.append(torch._int_mm(b[:rows * MM_ROW].view(torch.int8).view(rows, MM_ROW),
-                                      weights).view(-1))
-            b = b[rows * MM_ROW:]
-        if b.numel():
-            rest.append(b)
-    h = _words_digest(rest[0] if len(rest) == 1 else torch.cat(rest)) if rest else \
-        torch.zeros((), dtype=torch.int64, device=raw[0].device)
-    if sums:
-        o = (sums[0] if len(sums) == 1 else torch.cat(sums)).to(torch.int64)
-        positions = torch.arange(1, o.numel() + 1, dtype=torch.int64, device=o.device)
-        h = (h * _MIX + o.sum()) * _MIX + (o * _mixed(positions)).sum()
-    return h * _MIX + (lengths - (1 << 64) if lengths >= 1 << 63 else lengths)
+def _matmul_digest(b: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The digest of bytes ``b`` (1-D uint8, contiguous) on a GPU: its whole rows of ``MM_ROW``
+    bytes times ``weights`` (int32 sums, exact: at most 4096 x 128 x 127), the rows' sums
+    under mixed weights of their positions, the rest of the bytes by ``_words_digest``, and
+    the length. A function of the bytes alone: ``b`` not 16-byte aligned (a cut param's
+    slice) is copied first, for the matmul."""
+    rows = b.numel() // MM_ROW
+    if rows < MM_LEAST_ROWS:
+        return _words_digest(b)
+    if b.data_ptr() % 16:
+        b = b.clone()
+    sums = torch._int_mm(b[:rows * MM_ROW].view(torch.int8).view(rows, MM_ROW), weights)
+    o = sums.view(-1).to(torch.int64)
+    positions = torch.arange(1, o.numel() + 1, dtype=torch.int64, device=o.device)
+    h = (o.sum() * _MIX + (o * _mixed(positions)).sum()) * _MIX + b.numel()
+    if rows * MM_ROW < b.numel():
+        h = h * _MIX + _words_digest(b[rows * MM_ROW:])
+    return h
 
 
 def _mixed(positions: torch.Tensor) -> torch.Tensor:
