@@ -25,6 +25,10 @@
 # (seconds, MiB used by processes, MiB used on STATES' file system).
 set -u
 OUT=${OUT:-/tmp/out}; STATES=${STATES:-/tmp/states}; STEPS=${STEPS:-6}; GPUS=${GPUS:-1}
+# (as docs/deepspeed.md runs the large shapes: a full GPU's fragments otherwise make the
+# caching allocator free its cache and retry, a wait for every stream; the records count
+# them, alloc_retries)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "$GPUS" -gt 1 ]; then
   LAUNCH="--standalone --nproc_per_node $GPUS"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / GPUS ))}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 PIPELINE_COUNTERS = ("busy_load", "busy_host_to_device", "busy_compute", "busy_device_to_host",
                      "busy_writeback", "busy_persist", "wait_commit", "twin_copies",
                      "durable_step", "speculative_updates", "retracted_updates",
@@ -21,7 +23,8 @@ def counters(optimizer: Any) -> dict:
     """The counters now of ``optimizer``'s pipeline (none before it is opened), with each
     device's busy compute seconds and bytes each way over the host's link
     (``busy_compute_<i>``, ``host_to_device_<i>``, ``device_to_host_<i>``: which device held
-    the step, and what crossed PCIe for it)."""
+    the step, and what crossed PCIe for it), and the CUDA caching allocator's retries
+    (``alloc_retries``: a full GPU's frees wait for every stream, a step's tail too)."""
     pipeline = getattr(optimizer, "pipeline", None)
     if pipeline is None:
         return {}
@@ -31,6 +34,8 @@ def counters(optimizer: Any) -> dict:
         found[f"busy_compute_{i}"] = device.get("busy_compute", 0.0)
         for link in ("host_to_device", "device_to_host"):
             found[f"{link}_{i}"] = device.get(link, 0.0)
+    if torch.cuda.is_available():  # each retry frees cached blocks: a wait for the whole GPU
+        found["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     return found
 
 
