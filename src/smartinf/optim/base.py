@@ -62,8 +62,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
-        # the last step()'s host seconds by phase (open_and_drain, norm, edits, take, updates)
-        self.last_step_phases: dict[str, float] = {}
+        self.last_step_phases: dict[str, float] = {}  # the last step()'s host seconds by phase
         self._warned_partial = False
         self._stepped = False  # a step or a load has changed the states since they were opened
         self._export: Optional[tuple] = None  # what state_dict() last returned, to know it again
@@ -158,7 +157,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
-        phases = Phases()
+        phases = Phases()  # (open_and_drain, norm, edits, take, updates)
         self.last_step_phases = phases.seconds
         self._laid_out()
         if self._tail is not None:
