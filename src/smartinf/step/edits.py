@@ -17,9 +17,9 @@ does a word moved within its row; the rows' sums are summed plain and under mixe
 weights of their positions. The last partial row, and fewer bytes than the matmul takes,
 go by ``_words_digest``: position-weighted sums of the 64-bit words (any single changed word
 changes the plain sum, and moving words between rows of 8 the weighted one), which is also
-the whole digest where ``_int_mm`` does not run. (Matmuls slice by slice, without the
-sub-group's copy, were launch-bound: 1.30 ms a GPT-2 XL sub-group of 48 slices, as the copy
-and one matmul.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
+the whole digest where ``_int_mm`` does not run. (Matmuls slice by slice, without that
+copy, were launch-bound: 1.30 ms for a GPT-2 XL sub-group of 48 slices, no less than the copy
+and the sums of rows of 8 words had taken.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
 params, hundreds a step) are digested together, a few kernels for all of them
 (``digests``): each byte weighted by a mixed hash of its position in its tensor, summed per
 tensor. What it cannot tell from no edit is an edit that writes the bits already there:
