@@ -48,8 +48,9 @@ def main() -> None:
     flat = torch.cat(parts)
     raw = [t.view(torch.uint8) for t in parts]
     b = flat.view(torch.uint8)
-    words = b[:b.numel() // 64 * 64].view(torch.int64)
-    weights = torch.randint(-127, 128, (8, 4096), dtype=torch.int8, device="cuda").t()
+    words = b[:b.numel() // 8192 * 8192].view(torch.int64)  # (whole rows of 8 and of 1024)
+    weights = edits.mm_weights(flat.device)  # (None: no torch._int_mm on this GPU)
+    rows = b.numel() // edits.MM_ROW
     ops = {
         "fp32 sum (read floor)": lambda: flat.sum(),
         "copy (cat's traffic)": lambda: flat.clone(),
@@ -60,8 +61,8 @@ def main() -> None:
         "int64 rows-of-8 sums": lambda: words.view(-1, 8).sum(1),
         "int64 columns of 1024 sums": lambda: words.view(-1, 1024).sum(0),
         "int32 sum to int64": lambda: flat.view(torch.int32).sum(dtype=torch.int64),
-        "int8 matmul 4096 x 8": lambda: torch._int_mm(b[:b.numel() // 4096 * 4096].view(torch.int8)
-                                                      .view(-1, 4096), weights),
+        "int8 matmul 4096 x 8": lambda: torch._int_mm(
+            b[:rows * edits.MM_ROW].view(torch.int8).view(rows, edits.MM_ROW), weights),
     }
     found = {"params": flat.numel(), "parts": len(parts), "device": torch.cuda.get_device_name()}
     for name, fn in ops.items():

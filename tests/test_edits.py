@@ -340,7 +340,8 @@ def test_the_matmul_digest_sees_every_change_of_bits(device):
         base = int(edits._matmul_digest(part, weights))
         assert int(edits._matmul_digest(part.clone(), weights)) == base
         rows = part.numel() // edits.MM_ROW
-        for i in {0, 8, edits.MM_ROW * 3 + 5, part.numel() // 2, rows * edits.MM_ROW, part.numel() - 1}:
+        last = part.numel() - 1
+        for i in {0, 8, edits.MM_ROW * 3 + 5, part.numel() // 2, rows * edits.MM_ROW, last}:
             flipped = part.clone()
             flipped[i] ^= 1
             assert int(edits._matmul_digest(flipped, weights)) != base, (start, i)

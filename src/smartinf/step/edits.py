@@ -19,12 +19,12 @@ go by ``_words_digest``: position-weighted sums of the 64-bit words (any single 
 changes the plain sum, and moving words between rows of 8 the weighted one), which is also
 the whole digest where ``_int_mm`` does not run. (Matmuls slice by slice, without that
 copy, were launch-bound: 1.30 ms for a GPT-2 XL sub-group of 48 slices, no less than the copy
-and the sums of rows of 8 words had taken.) Small tensors on a GPU (up to ``SMALL`` bytes: DeepSpeed's kept-whole
-params, hundreds a step) are digested together, a few kernels for all of them
-(``digests``): each byte weighted by a mixed hash of its position in its tensor, summed per
-tensor. What it cannot tell from no edit is an edit that writes the bits already there:
-with a bf16/fp16 param over an fp32 master, writing the master's rounding keeps the master
-(see ``merge``).
+and the sums of rows of 8 words had taken.) Small tensors on a GPU (up to ``SMALL`` bytes:
+DeepSpeed's kept-whole params, hundreds a step) are digested together, a few kernels for all
+of them (``digests``): each byte weighted by a mixed hash of its position in its tensor,
+summed per tensor. What it cannot tell from no edit is an edit that writes the bits already
+there: with a bf16/fp16 param over an fp32 master, writing the master's rounding keeps the
+master (see ``merge``).
 """
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def mm_weights(device: torch.device) -> Optional[torch.Tensor]:
         sign = torch.randint(0, 2, (8, MM_ROW), generator=g, dtype=torch.int16) * 2 - 1
         weights = (size * sign).to(torch.int8).to(device).t()
         try:
-            torch._int_mm(torch.zeros(MM_LEAST_ROWS, MM_ROW, dtype=torch.int8, device=device), weights)
+            probe = torch.zeros(MM_LEAST_ROWS, MM_ROW, dtype=torch.int8, device=device)
+            torch._int_mm(probe, weights)
         except (RuntimeError, NotImplementedError, AttributeError):  # (an older GPU, or torch)
             weights = None
         _MM_WEIGHTS[device] = weights
