@@ -44,6 +44,7 @@ from examples.gpt import gpu  # noqa: E402
 from examples.gpt.counters import counters as pipeline_counters, difference  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
+from examples.gpt.gil_watch import GilWatch  # noqa: E402
 from examples.gpt.profiled import Profiled  # noqa: E402
 
 MODES = ("smartinf", "deepspeed-cpu", "super-offload", "zero-infinity", "zenflow")
@@ -205,6 +206,9 @@ def main() -> None:
                    help="write torch.profiler's tables of this step's engine.step() and the next "
                         "iteration's forward and backward to the --json path's .prof.txt")
     p.add_argument("--params-out", help="save the final params (fp32, gathered) here (rank 0)")
+    p.add_argument("--watch-gil", action="store_true",
+                   help="record per step the seconds Python stood still "
+                        "(examples/gpt/gil_watch.py) and the longest stall's stacks")
     args = p.parse_args()
 
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank
@@ -283,7 +287,10 @@ def main() -> None:
     # land between two steps are counted too.
     c1, io1 = counters(), storage_bytes()
     profiler = None
+    watch = GilWatch() if args.watch_gil else None
+    t4 = None
     for step in range(start, args.steps):
+        t_data = time.perf_counter()
         x, y = (t.to(device) for t in next(data))
         c0, io0 = c1, io1
         t0 = time.perf_counter()
@@ -310,12 +317,18 @@ def main() -> None:
         settle_stream()
         t3 = time.perf_counter()
         io1 = storage_bytes()
+        # where the time between step()'s return and the next forward goes ("between"): from
+        # t3 on, and the last step's record written (from its t4) and this one's batch
+        between = {"last_record": None if t4 is None else t_data - t4, "data": t0 - t_data}
         mean_loss = loss.detach().float().clone()
         torch.distributed.all_reduce(mean_loss)
+        between["loss_all_reduce"] = time.perf_counter() - t3
         # every rank's storage bytes: the host's disk is one, whatever the world size
         host_io = torch.tensor([io1[0] - io0[0], io1[1] - io0[1]], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(host_io)
-        rec = {"step": step + 1, "loss": mean_loss.item() / world, "fwd_s": t1 - t0,
+        loss_value = mean_loss.item()
+        between["loss_item"] = time.perf_counter() - t3
+        rec = {"step": step + 1, "loss": loss_value / world, "fwd_s": t1 - t0,
                "bwd_s": t2 - t1, "step_s": t3 - t2, "start_s": t0, "storage_read": io1[0] - io0[0],
                "storage_written": io1[1] - io0[1],
                "host_storage_read": int(host_io[0]), "host_storage_written": int(host_io[1]),
@@ -332,6 +345,11 @@ def main() -> None:
                 choices, predicted = described(the_pipeline())
             c1 = counters()
             rec["pipeline"] = difference(c1, c0)
+        t4 = time.perf_counter()
+        between["counters"] = t4 - t3
+        rec["between"] = between  # seconds from t3 (data and last_record: their own)
+        if watch is not None:
+            rec.update(watch.take())
         records.append(rec)
         write_record(None)
         if rank == 0:

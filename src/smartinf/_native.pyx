@@ -174,7 +174,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         size_t add_subgroup(uint64_t, const float*, uint64_t, cbool&, cbool) except +raise_py_error nogil
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&, cbool, cbool) except +raise_py_error nogil
-        cbool retractable(size_t) except +raise_py_error
+        cbool retractable(size_t) except +raise_py_error nogil
         void retract(size_t) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
         void read_states(size_t, float* const*, const void*) except +raise_py_error nogil
@@ -182,7 +182,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         unsigned state_arrays()
         void commit() except +raise_py_error nogil
         void seal_logs() except +raise_py_error nogil
-        cbool logged_step_pending() except +raise_py_error
+        cbool logged_step_pending() except +raise_py_error nogil
         void finish_logged_step() except +raise_py_error nogil
         void drop_logged_step() except +raise_py_error nogil
         void flush() except +raise_py_error nogil
@@ -199,11 +199,11 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         size_t subgroup_count()
         uint64_t numel(size_t) except +raise_py_error
         size_t device_of(size_t) except +raise_py_error
-        vector[uint64_t] planned_bytes(const vector[uint64_t]&, const vector[cbool]&, uint32_t) except +raise_py_error
+        vector[uint64_t] planned_bytes(const vector[uint64_t]&, const vector[cbool]&, uint32_t) except +raise_py_error nogil
         uint64_t subgroup_steps(size_t) except +raise_py_error
         cbool pending()
-        cmap[string, double] stats()
-        vector[cmap[string, double]] device_stats()
+        cmap[string, double] stats() nogil
+        vector[cmap[string, double]] device_stats() nogil
         string engine()
         vector[string] notes()
 
@@ -464,7 +464,10 @@ cdef class NativePipeline:
         return done
 
     def retractable(self, size_t sg) -> bool:
-        return self.p.retractable(sg)
+        cdef cbool r
+        with nogil:  # (the pipeline's lock may be held by an update queueing its chunks)
+            r = self.p.retractable(sg)
+        return r
 
     def retract(self, size_t sg):
         with nogil:
@@ -500,7 +503,10 @@ cdef class NativePipeline:
             self.p.seal_logs()
 
     def logged_step_pending(self) -> bool:
-        return self.p.logged_step_pending()
+        cdef cbool r
+        with nogil:
+            r = self.p.logged_step_pending()
+        return r
 
     def finish_logged_step(self):
         with nogil:
@@ -572,7 +578,10 @@ cdef class NativePipeline:
         (with a log, and a step's gradients of ``gradient_bytes`` a param)."""
         cdef vector[uint64_t] n = numels
         cdef vector[cbool] s = small
-        return list(self.p.planned_bytes(n, s, gradient_bytes))
+        cdef vector[uint64_t] grow
+        with nogil:
+            grow = self.p.planned_bytes(n, s, gradient_bytes)
+        return list(grow)
 
     @property
     def state_arrays(self) -> int:
@@ -582,10 +591,16 @@ cdef class NativePipeline:
         return self.p.subgroup_steps(sg)
 
     def stats(self) -> dict:
-        return {k.decode(): v for k, v in self.p.stats()}
+        cdef cmap[string, double] found
+        with nogil:
+            found = self.p.stats()
+        return {k.decode(): v for k, v in found}
 
     def device_stats(self) -> list:
-        return [{k.decode(): v for k, v in s} for s in self.p.device_stats()]
+        cdef vector[cmap[string, double]] found
+        with nogil:
+            found = self.p.device_stats()
+        return [{k.decode(): v for k, v in s} for s in found]
 
     @property
     def engine(self) -> str:

@@ -48,6 +48,7 @@ SMALL = 1 << 20  # bytes up to which a GPU tensor's digest is taken with the oth
 MM_ROW = 4096  # bytes per row of the GPU digest's matmul
 MM_LEAST_ROWS = 17  # the fewest rows torch._int_mm takes
 _MM_WEIGHTS: dict = {}  # device -> the matmul's weights there (None: no torch._int_mm there)
+_ROW_WEIGHTS: dict = {}  # (row sums, device) -> their weights (_row_weights)
 _THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -168,12 +169,23 @@ def _matmul_digest(b: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if b.data_ptr() % 16:
         b = b.clone()
     sums = torch._int_mm(b[:rows * MM_ROW].view(torch.int8).view(rows, MM_ROW), weights)
-    o = sums.view(-1).to(torch.int64)
-    positions = torch.arange(1, o.numel() + 1, dtype=torch.int64, device=o.device)
-    h = (o.sum() * _MIX + (o * _mixed(positions)).sum()) * _MIX + b.numel()
+    # (sum(o) * _MIX + sum(o * mixed)) * _MIX: one product with weights mixed + _MIX, kept
+    h = (sums.view(-1) * _row_weights(sums.numel(), b.device)).sum() * _MIX + b.numel()
     if rows * MM_ROW < b.numel():
         h = h * _MIX + _words_digest(b[rows * MM_ROW:])
     return h
+
+
+def _row_weights(n: int, device: torch.device) -> torch.Tensor:
+    """``_mixed(1..n) + _MIX`` on ``device`` (int64), made once per size: a step digests
+    sub-groups of a few sizes."""
+    key = (n, device)
+    if key not in _ROW_WEIGHTS:
+        if len(_ROW_WEIGHTS) >= 16:  # (bounded: an odd size each time would not pile up)
+            _ROW_WEIGHTS.pop(next(iter(_ROW_WEIGHTS)))
+        positions = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        _ROW_WEIGHTS[key] = _mixed(positions) + _MIX
+    return _ROW_WEIGHTS[key]
 
 
 def _mixed(positions: torch.Tensor) -> torch.Tensor:
