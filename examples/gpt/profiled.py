@@ -4,8 +4,10 @@ finished meanwhile)."""
 from __future__ import annotations
 
 import cProfile
+import gzip
 import io
 import pstats
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,7 +16,8 @@ import torch
 class Profiled:
     """torch.profiler and cProfile (this thread's Python functions) from ``__init__`` to
     ``stop``, which writes their tables: by CPU time (every thread's ops), by the GPU's own
-    time, and the Python functions'."""
+    time, and the Python functions'; and torch.profiler's timeline beside them
+    (``.prof.trace.json.gz``)."""
 
     def __init__(self, cuda: bool) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU] + \
@@ -29,6 +32,12 @@ class Profiled:
         self.torch.__exit__(None, None, None)
         table = io.StringIO()
         pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
+        # the timeline too (gzipped, beside the tables): which thread's call a wait overlaps
+        trace = path.with_suffix(".trace.json")
+        self.torch.export_chrome_trace(str(trace))
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
         events = self.torch.key_averages()
         path.write_text("\n\n".join([
             events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80),
