@@ -46,15 +46,31 @@ __global__ void piece_sums_kernel(const uint8_t* params, std::size_t n, std::siz
 
 }  // namespace
 
+void allocate_piece_sums(PieceSums& sums, std::size_t n) {
+  sums.capacity = store::params_pieces(n);
+  check(cudaMalloc(&sums.gpu, sums.capacity * sizeof(uint64_t)), "allocating a checksum's pieces on the GPU");
+  check(cudaHostAlloc(&sums.host, sums.capacity * sizeof(uint64_t) + xxh3::kLongAbove, cudaHostAllocPortable),
+        "page-locking a checksum's pieces");
+  sums.tail = reinterpret_cast<uint8_t*>(sums.host + sums.capacity);
+}
+
+void free_piece_sums(PieceSums& sums) {  // (cudaFree and cudaFreeHost of nullptr: no-ops)
+  cudaFree(sums.gpu);
+  cudaFreeHost(sums.host);
+  sums = PieceSums{};
+}
+
 void queue_piece_sums(const void* params, std::size_t n, PieceSums& sums, cudaStream_t stream) {
   const std::size_t pieces = store::params_pieces(n);
-  sums.host.resize(pieces);
+  if (pieces > sums.capacity)
+    throw std::out_of_range("a params checksum of " + std::to_string(n) + " params: its buffers hold " +
+                            std::to_string(sums.capacity) + " pieces");
   if (!pieces) return;
   const std::size_t threads = pieces * xxh3::kLanes;
   piece_sums_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(params), n, pieces, sums.gpu);
   check(cudaGetLastError(), "launching the params checksum");
-  check(cudaMemcpyAsync(sums.host.data(), sums.gpu, pieces * sizeof(uint64_t), cudaMemcpyDeviceToHost,
+  check(cudaMemcpyAsync(sums.host, sums.gpu, pieces * sizeof(uint64_t), cudaMemcpyDeviceToHost,
                         stream), "the params checksum's pieces to the host");
   const std::size_t last = n - (pieces - 1) * store::kParamsPiece;
   if (2 * last <= xxh3::kLongAbove)
@@ -68,7 +84,7 @@ uint64_t join_piece_sums(PieceSums& sums, std::size_t n) {
     const std::size_t last = n - (pieces - 1) * store::kParamsPiece;
     if (2 * last <= xxh3::kLongAbove) sums.host[pieces - 1] = store::params_piece_sum(sums.tail, last);
   }
-  return store::join_params_sums(sums.host.data(), pieces);
+  return store::join_params_sums(sums.host, pieces);
 }
 
 uint64_t params_checksum(const void* params, std::size_t n, PieceSums& sums, cudaStream_t stream) {

@@ -2,7 +2,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -10,12 +9,20 @@
 
 namespace smartinf::device::cuda {
 
-// One checksum's pieces on their way to the host.
+// One checksum's pieces on their way to the host. Both host buffers are page-locked
+// (allocate_piece_sums): a copy to pageable memory returns only once the stream has reached
+// it, and meanwhile blocks the other threads' CUDA calls (the training loop's among them).
 struct PieceSums {
-  uint64_t* gpu = nullptr;                      // store::params_pieces(n) sums, GPU memory
-  std::vector<uint64_t> host;                   // their copy
-  uint8_t tail[store::xxh3::kLongAbove] = {};  // a last piece too short for the GPU's XXH3
+  uint64_t* gpu = nullptr;   // store::params_pieces(n) sums, GPU memory
+  uint64_t* host = nullptr;  // their copy (page-locked)
+  uint8_t* tail = nullptr;   // a last piece too short for the GPU's XXH3 (page-locked, kLongAbove)
+  std::size_t capacity = 0;  // pieces each holds
 };
+
+// The buffers of a checksum of up to `n` params; free_piece_sums releases them (also those
+// of one half made).
+void allocate_piece_sums(PieceSums& sums, std::size_t n);
+void free_piece_sums(PieceSums& sums);
 
 // Queues on `stream` the hash of the pieces of the n bf16 params at `params` (GPU memory)
 // and their copy to the host (`sums.gpu` holds store::params_pieces(n) values).

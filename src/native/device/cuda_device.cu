@@ -58,8 +58,10 @@ struct Mirror {
   void* own_states = nullptr;
   void* own_grad = nullptr;
   void* own_out = nullptr;
-  // A split master's params checksums: of the params sent, and of those emitted.
+  // A split master's params checksums: of the params sent, and of those emitted; and one
+  // checksum's way to and from the GPU (copy_sum), page-locked as theirs (PieceSums).
   cuda::PieceSums sent, emitted;
+  uint64_t* sum = nullptr;
   void* states = nullptr;
   const void* grad = nullptr;
   void* out = nullptr;
@@ -98,9 +100,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
         check(cudaMalloc(&m.own_states, g.states_bytes()), "allocating a slot's states on the GPU");
         check(cudaMalloc(&m.own_grad, io), "allocating a slot's gradient on the GPU");
         check(cudaMalloc(&m.own_out, io), "allocating a slot's params on the GPU");
-        for (cuda::PieceSums* sums : {&m.sent, &m.emitted})
-          check(cudaMalloc(&sums->gpu, store::params_pieces(g.chunk) * sizeof(uint64_t)),
-                "allocating a slot's checksum pieces on the GPU");
+        for (cuda::PieceSums* sums : {&m.sent, &m.emitted}) cuda::allocate_piece_sums(*sums, g.chunk);
+        check(cudaHostAlloc(&m.sum, sizeof(uint64_t), cudaHostAllocPortable), "page-locking a checksum");
         m.states = m.own_states, m.grad = m.own_grad, m.out = m.own_out;
         check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "creating a stream");
       }
@@ -174,14 +175,14 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   uint64_t params_sum(size_t i, uint64_t offset) override {
     const Mirror& m = mirrors_[i];
     if (!m.resident) return Device::params_sum(i, offset);
-    uint64_t sum = 0;
-    copy_sum(m, &sum, static_cast<char*>(m.states) + offset, cudaMemcpyDeviceToHost);
-    return sum;
+    copy_sum(m, m.sum, static_cast<char*>(m.states) + offset, cudaMemcpyDeviceToHost);
+    return *m.sum;
   }
   void set_params_sum(size_t i, uint64_t offset, uint64_t sum) override {
     const Mirror& m = mirrors_[i];
     if (!m.resident) return Device::set_params_sum(i, offset, sum);
-    copy_sum(m, static_cast<char*>(m.states) + offset, &sum, cudaMemcpyHostToDevice);
+    *m.sum = sum;
+    copy_sum(m, static_cast<char*>(m.states) + offset, m.sum, cudaMemcpyHostToDevice);
   }
 
   // Params in this GPU's memory are hashed here (the rare checksum of a whole chunk, of
@@ -364,8 +365,9 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       cudaFree(m.own_states);
       cudaFree(m.own_grad);
       cudaFree(m.own_out);
-      cudaFree(m.sent.gpu);
-      cudaFree(m.emitted.gpu);
+      cuda::free_piece_sums(m.sent);
+      cuda::free_piece_sums(m.emitted);
+      cudaFreeHost(m.sum);
     }
     mirrors_.clear();
     if (persist_stream_) cudaStreamDestroy(persist_stream_);
