@@ -28,6 +28,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
+from smartinf.integrations.deepspeed_norm import norm_groups  # noqa: E402
 from examples.deepspeed.train import leave_without_teardown  # noqa: E402
 from examples.gpt.data import Language, batches  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
@@ -37,13 +38,13 @@ KEYS = (None, "exp_avg", "exp_avg_sq")  # the master, then Adam's states
 
 
 def config(devices: str | None, lr: float = 1e-2, bf16: bool = False,
-           block: dict | None = None) -> dict:
+           block: dict | None = None, zero: dict | None = None) -> dict:
     """DeepSpeed's default stage3_param_persistence_threshold: all but the embedding stay
-    gathered. ``block``: more keys of the smartinf block."""
+    gathered. ``block``: more keys of the smartinf block; ``zero``: of zero_optimization."""
     c = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.1,
                                                    "torch_adam": True}},
-         "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9}
+         "zero_optimization": {"stage": 3, **(zero or {})}, "steps_per_print": 10 ** 9}
     if bf16:
         c["bf16"] = {"enabled": True}
     if devices:
@@ -52,13 +53,13 @@ def config(devices: str | None, lr: float = 1e-2, bf16: bool = False,
 
 
 def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 1e-2,
-           bf16: bool = False, block: dict | None = None) -> object:
+           bf16: bool = False, block: dict | None = None, zero: dict | None = None) -> object:
     model = GPT(GPTConfig(LANG.vocab_size, 32, 64, 2, 4), seed=seed)
     init = smartinf_ds.initialize if devices else deepspeed.initialize
     if args is not None:  # the argparse way: the config only in args.deepspeed_config
         return init(args=args, model=model, model_parameters=model.parameters())[0]
     return init(model=model, model_parameters=model.parameters(),
-                config=config(devices, lr, bf16, block))[0]
+                config=config(devices, lr, bf16, block, zero))[0]
 
 
 def train(eng: object, data: object, steps: int) -> list:
@@ -332,6 +333,33 @@ def main() -> None:
             except RuntimeError as e:
                 out[name] = str(e)
         out["then"] = train(ours, data[0], 1)
+        return out
+
+    @check
+    def norms_by_subgroup():
+        """deepspeed_norm.norm_groups (one all-reduce for every sub-group) against DeepSpeed's
+        own _get_norm_groups on the same gradients, several sub-groups, bit for bit: finite,
+        then with an inf in one sub-group's gradient (its norm -1)."""
+        eng = engine(str(root / "norms"), zero={"sub_group_size": 20000})
+        x, y = (t.to(eng.device) for t in next(batches(LANG, 4, 32, seed=7 + rank)))
+        logits = eng(x)
+        eng.backward(F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1)))
+        opt = eng.optimizer
+
+        def both() -> list:
+            ours_, theirs = norm_groups(opt), opt._get_norm_groups()
+            return [[float(a) for a in ours_], [float(b) for b in theirs],
+                    all(torch.equal(a, b) for a, b in zip(ours_, theirs))]
+        out = {"groups": len(opt.fp16_groups), "finite": both()}
+        out["batched"] = opt.__dict__["_smartinf_norm_group"] != "own"
+        grad = opt.averaged_gradients[1][0]
+        kept = grad.view(-1)[0].item()
+        if rank == 0:
+            grad.view(-1)[0] = float("inf")
+        out["inf"] = both()
+        grad.view(-1)[0] = kept
+        eng.step()
+        eng.destroy()
         return out
 
     if rank == 0:

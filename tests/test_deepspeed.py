@@ -473,6 +473,20 @@ def test_a_gather_right_after_step_waits_for_the_step(api):
     assert got["vs_masters"] == 0.0
 
 
+def test_the_norm_by_subgroup_is_deepspeeds_bit_for_bit(api):
+    """step()'s gradient norms by sub-group, reduced over the two ranks in one all-reduce
+    (deepspeed_norm.py), are DeepSpeed's own _get_norm_groups to the bit, finite and with an
+    inf in one sub-group (its -1)."""
+    got = ok(api["norms_by_subgroup"])
+    assert got["groups"] >= 3 and got["batched"]
+    for case in ("finite", "inf"):
+        ours, theirs, same = got[case]
+        assert same and ours == theirs, (case, ours, theirs)
+    assert got["finite"][0][1] > 0 and got["inf"][0][1] == -1.0
+    assert [n for i, n in enumerate(got["inf"][0]) if i != 1] == \
+        [n for i, n in enumerate(got["finite"][0]) if i != 1]
+
+
 def test_offload_states_is_refused_clearly(api):
     """DeepSpeed's offload_states()/reload_states() move FusedAdam's states and the engine's
     buffers; with the block the states are on the devices already: refused at the call."""

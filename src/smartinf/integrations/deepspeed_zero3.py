@@ -23,6 +23,7 @@ from smartinf.step.phases import Phases
 from smartinf.step.rounding import round_to
 from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose
 from smartinf.planning.gpu_budget import measured as measured_gpu_budget
+from smartinf.integrations.deepspeed_norm import norm_groups
 from smartinf.integrations.deepspeed_overlap import Overlap
 from smartinf.integrations.deepspeed_states import StoredStates
 
@@ -158,7 +159,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         phases.mark("overflow")
         scaled_norm = None
         if not self.overflow:
-            scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
+            scaled_norm = combine_grad_norm_groups(norm_groups(self))
             if is_invalid_grad_norm(scaled_norm):
                 self.overflow = True
         hyper = [overrides(_rule(self._rule_class, g)) for g in self.optimizer.param_groups]
