@@ -50,14 +50,14 @@ def _partition_group(opt: Any) -> Any:
 
 
 def _decide(opt: Any) -> Any:
-    if opt.offload_optimizer or opt.model_parallel_group is not None or \
+    if opt.offload_optimizer or getattr(opt, "model_parallel_group", None) is not None or \
             getattr(opt, "use_muon", False):
         return _OWN
-    groups: set = set()
-    for params in opt.fp16_groups:
-        if params and opt._autoep_expert_parallel_group(params) is not None:
-            return _OWN
-        groups.update(id(opt._get_param_partition_group(p)) for p in params)
-    if len(groups) > 1:
+    # (as DeepSpeed 0.19.8 finds them; a release without these has neither AutoEP nor groups
+    # other than the data-parallel one)
+    autoep = getattr(opt, "_autoep_expert_parallel_group", lambda params: None)
+    group_of = getattr(opt, "_get_param_partition_group", lambda param: opt.dp_process_group)
+    groups = {id(group_of(p)): group_of(p) for params in opt.fp16_groups for p in params}
+    if len(groups) != 1 or any(params and autoep(params) is not None for params in opt.fp16_groups):
         return _OWN
-    return opt._get_param_partition_group(opt.fp16_groups[0][0]) if groups else _OWN
+    return next(iter(groups.values()))
