@@ -200,12 +200,16 @@ def test_overflow_step_is_skipped_and_storage_untouched(disk_dir, compress):
     assert oa.skipped_steps == 2
     assert list(oa.last_step_phases) == ["open_and_drain_s", "norm_s", "edits_s", "take_s"]
     set_grads(a, reference_grads(b, 2))
-    oa.step()
+    with torch.profiler.profile() as profiled:
+        oa.step()
     assert not oa.last_step_skipped and oa.pipeline.step_count == 2
-    # where step() went, phase by phase (a skipped step has no updates)
+    # where step() went, phase by phase (a skipped step has no updates), and under
+    # torch.profiler a marker where each phase ends
     assert list(oa.last_step_phases) == ["open_and_drain_s", "norm_s", "edits_s", "take_s",
                                          "updates_s"]
     assert all(s >= 0 for s in oa.last_step_phases.values())
+    assert [e.name for e in profiled.events() if e.name.startswith("smartinf.")] == \
+        ["smartinf." + k[:-2] for k in oa.last_step_phases]
     oa.close()
 
 

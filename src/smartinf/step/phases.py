@@ -1,8 +1,11 @@
 """Where a step's host time went (``Phases``): the seconds between marks, as the front-ends
-report them (``last_step_phases``)."""
+report them (``last_step_phases``), and under torch.profiler a marker at each (``smartinf.<phase>``
+where the phase ends), so that a timeline shows which phase a wait fell in."""
 from __future__ import annotations
 
 import time
+
+import torch
 
 
 class Phases:
@@ -17,3 +20,6 @@ class Phases:
         now = time.perf_counter()
         self.seconds[name + "_s"] = now - self._last
         self._last = now
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+            with torch.profiler.record_function(f"smartinf.{name}"):
+                pass
