@@ -363,6 +363,8 @@ def main() -> None:
 
     if profiler is not None:  # (the last step profiled: no iteration after it)
         profiler.stop(Path(args.json).with_suffix(".prof.txt"))
+    if watch is not None:
+        watch.stop()
     # smartinf with overlap: the last step's updates may still run; finish them, and count
     # what they moved
     io_end = io1

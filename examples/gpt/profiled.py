@@ -4,10 +4,8 @@ finished meanwhile)."""
 from __future__ import annotations
 
 import cProfile
-import gzip
 import io
 import pstats
-import shutil
 from pathlib import Path
 
 import torch
@@ -33,11 +31,7 @@ class Profiled:
         table = io.StringIO()
         pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
         # the timeline too (gzipped, beside the tables): which thread's call a wait overlaps
-        trace = path.with_suffix(".trace.json")
-        self.torch.export_chrome_trace(str(trace))
-        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+        self.torch.export_chrome_trace(str(path.with_suffix(".trace.json.gz")))
         events = self.torch.key_averages()
         path.write_text("\n\n".join([
             events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80),
