@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3's gradient norms by sub-group (``norm_groups``) with one all-reduce and one
 inf/NaN check for all of them. DeepSpeed's ``get_grad_norm_direct`` reduces each sub-group's sum
 over the ranks on its own and makes its -1 (an invalid norm) from a host float, which waits for
-the GPU: once a sub-group, ~0.9 ms each of the host's time in a 7 B step's timeline
+the GPU: once a sub-group, about 1 ms each of the host's time in a 7 B step's timeline
 (``bench/measured/h200-g-*``), about 0.1 s of every 13 B step() (121 sub-groups). The values are
 DeepSpeed's: each sub-group's sum of its gradients' squared norms by the same ops, the sums
 reduced over the ranks together, then the roots and the -1s as DeepSpeed takes them (the same
