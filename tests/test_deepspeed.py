@@ -985,6 +985,19 @@ def test_auto_weighs_the_host_copies_the_overlap_allocates():
     assert copies(False, True, no_overlap) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a CUDA GPU")
+def test_pinned_blocks_torch_keeps_cached_are_given_back_before_a_choice():
+    """A page-locked block freed into torch's cache (as ZeRO-3's offload_param frees each
+    param's partition once it has moved them into flat buffers) counts as available host
+    memory once the choice's release has run: here 4 GiB of it."""
+    block = torch.empty(4 << 30, dtype=torch.uint8).pin_memory()
+    block.fill_(1)
+    del block  # (still page-locked, in torch's cache)
+    before = space.available_memory()
+    sds_config.release_cached_pinned()
+    assert space.available_memory() - before > 3 << 30
+
+
 def test_the_examples_gpu_memory_emulation_is_refused_where_it_cannot_hold(work, disk_dir):
     """--gpu-memory emulates a smaller GPU on a larger one: without a GPU (or for more than
     the GPU has) the example says so before it makes anything, rather than run unemulated."""

@@ -301,6 +301,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     the partitions hold host memory beside the states)."""
     if settings.planned is None:
         return settings
+    release_cached_pinned()  # (every rank: each measures its host's memory before opening)
     world, local = dist.get_world_size(), defaults.local_ranks()
     chosen = [None]
     auto = "auto" in settings.planned
@@ -329,6 +330,20 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     dist.broadcast_object_list(chosen, src=0)
     return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
+
+def release_cached_pinned() -> None:
+    """torch's unoccupied cached page-locked host blocks given back to the system before the
+    host's memory is measured for a choice. ZeRO-3's ``offload_param`` pins each param's
+    partition, then copies them all into flat pinned buffers; the partitions it frees stay in
+    torch's cache, counted as taken (2 B a param: 25 GB at 13 B, which left a 13 B model's
+    states too little host memory to fit)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return  # (no pinned block can be cached)
+    release = getattr(torch.accelerator, "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)  # (torch before the public call)
+    if release is not None:
+        release()
+
 
 def _partition_copies(gpu_host_states: "bool | str | float", on_gpu: bool,
                       speculates: Callable[[bool], bool]) -> float:
