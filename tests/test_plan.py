@@ -238,6 +238,21 @@ def test_the_gpus_share_needs_no_host_memory(tmp_path, monkeypatch):
     assert int4(gpu)["resident"] == 1.0  # the GPU's sub-groups have none
 
 
+def test_the_report_names_the_gpus_share(tmp_path):
+    """The line auto says names the states the GPU's budget holds beside the host's share (a
+    GPU user shown "host memory 33.6 MB" alone took the states for streamed), or, where the
+    budget is measured by the first step, says so; a run without a GPU budget names none."""
+    params = 100_000_000
+    states = params * state_bytes_per_param("fp32", "fp32")
+    on_gpu = plan.choose(params, [str(tmp_path)], figures={}, gpu_budget=2 * int(states))
+    assert on_gpu.gpu_bytes == int(states) and on_gpu.ram_bytes < states / 10
+    assert f"GPU memory {plan.space._size(states)}, disk" in on_gpu.report()
+    later = plan.choose(params, [str(tmp_path)], figures={}, gpu_budget_later=True)
+    assert later.gpu_bytes == 0 and "GPU memory: what the first step leaves" in later.report()
+    host = plan.choose(params, [str(tmp_path)], figures={})
+    assert host.gpu_bytes == 0 and "GPU memory" not in host.report()
+
+
 def test_a_log_where_no_format_keeps_two_copies(tmp_path, monkeypatch):
     """An fp32 master asked for, a disk that holds no format's two copies: auto takes
     copies="log" (every instant recoverable, streamed, overlap off) before one copy of

@@ -81,6 +81,8 @@ class Choice:
     why: str
     weighed: list = field(default_factory=list)
     commit_waits: bool = True
+    gpu_bytes: int = 0  # the states the GPU's budget holds
+    gpu_later: bool = False  # the GPU's budget measured after this choice (its first step)
 
     def settings(self) -> dict:
         log = {"overlap": False} if self.copies == "log" else {}  # (a log runs without)
@@ -92,9 +94,14 @@ class Choice:
     def report(self) -> str:
         disks = ", ".join(f"{d}: {space._size(b)}" for d, b in self.disk_bytes.items())
         step = f"; predicted step {self.step_s:.2f} s" if self.step_s is not None else ""
+        # (the GPU's share named: a GPU user read "host memory 33.6 MB" alone as states streamed)
+        gpu = f", GPU memory {space._size(self.gpu_bytes)}" if self.gpu_bytes else \
+            ", GPU memory: what the first step leaves (measured then; the host's share shrinks)" \
+            if self.gpu_later else ""
         return (f"smartinf auto: state_dtype={self.state_dtype!r}, master={self.master!r}, "
                 f"memory_budget={space._size(self.memory_budget)} a device, commit_every="
-                f"{self.commit_every}, copies={self.copies!r}{step}; host memory {space._size(self.ram_bytes)}, disk {disks}. "
+                f"{self.commit_every}, copies={self.copies!r}{step}; host memory "
+                f"{space._size(self.ram_bytes)}{gpu}, disk {disks}. "
                 f"{self.why}" + ("" if self.commit_waits else "; a durable commit due while the "
                                  "last is still being written is put off (commit_waits=False)"))
 
@@ -286,7 +293,8 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
                     step_s += params * grad_bytes / rates["write_bps"]
             return dict(state_dtype=fmt_dtype, master=fmt_master, memory_budget=budget,
                         commit_every=every, copies=kept, resident=resident,
-                        ram_bytes=budget * devices, disk_bytes=need, step_s=step_s,
+                        ram_bytes=budget * devices, gpu_bytes=states - in_ram,
+                        disk_bytes=need, step_s=step_s,
                         refused=_disk_fits(need, ranks, held), whole=whole,
                         moved=per_param * 2 + (grad_bytes if kept == "log" else 0))
 
@@ -340,7 +348,7 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
         commit_waits = commit_every is not None or processes > 1 or best["commit_every"] == 1
     return Choice(best["state_dtype"], best["master"], best["memory_budget"], best["commit_every"],
                   best["copies"], best["ram_bytes"], best["disk_bytes"], best["step_s"], why, weighed,
-                  commit_waits)
+                  commit_waits, int(best["gpu_bytes"]), gpu_budget_later and not gpu_budget)
 
 
 def _ruled_out(best: dict, weighed: list, fitting: list) -> str:
