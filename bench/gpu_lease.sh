@@ -11,6 +11,8 @@
 #       (in each next call, made at once): waits until the steps are done or the seconds have
 #       passed, copying the log and everything under /tmp/lease/out (give the steps
 #       OUT=/tmp/lease/out) into $OUT every 10 s, so a call cut short still returns them
+#       (files at most one folder below it: deeper ones do not come back from the machine,
+#       so a step with a tree of records tars it, e.g. `tar czf /tmp/lease/out/r.tgz -C /tmp r`)
 set -u
 L=/tmp/lease
 case ${1:-} in
