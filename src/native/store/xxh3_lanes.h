@@ -60,18 +60,35 @@ SMARTINF_HD inline uint64_t read64(const uint8_t* p) {
 #define SMARTINF_UNROLL_STRIPES _Pragma("GCC unroll 16")
 #endif
 
-// Lane `lane`'s accumulator after the whole input (len > kLongAbove).
-SMARTINF_HD inline uint64_t lane_accumulator(const uint8_t* input, std::size_t len, unsigned lane) {
+// Lane `lane`'s accumulator before the input.
+SMARTINF_HD inline uint64_t initial_accumulator(unsigned lane) {
   constexpr uint64_t kInit[kLanes] = {0xC2B2AE3Du,           kPrime64_1,
                                       0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                                       0x85EBCA77C2B2AE63ull, 0x85EBCA77u,
                                       0x27D4EB2F165667C5ull, kPrime32_1};
+  return kInit[lane];
+}
+
+// The secret's word lane `lane`'s accumulator is scrambled with at the end of each whole block.
+SMARTINF_HD inline uint64_t scramble_key(unsigned lane) { return secret64(192 - kStripe + 8 * lane); }
+
+SMARTINF_HD inline uint64_t scramble(uint64_t acc, uint64_t key) {
+  acc ^= acc >> 47;
+  acc ^= key;
+  return acc * kPrime32_1;
+}
+
+// The secret's word the last stripe (the input's last 64 bytes, re-read) mixes lane `lane` with.
+SMARTINF_HD inline uint64_t last_key(unsigned lane) { return secret64(192 - kStripe - 7 + 8 * lane); }
+
+// Lane `lane`'s accumulator after the whole input (len > kLongAbove). Within a block a lane's
+// accumulator only adds each stripe's term (the GPU sums them by groups of threads).
+SMARTINF_HD inline uint64_t lane_accumulator(const uint8_t* input, std::size_t len, unsigned lane) {
   uint64_t key[kStripesPerBlock];  // stripe s of a block: the secret's word at 8 s + 8 lane
   SMARTINF_UNROLL_STRIPES
   for (std::size_t s = 0; s < kStripesPerBlock; ++s) key[s] = secret64(s * 8 + 8 * lane);
-  const uint64_t scramble_key = secret64(192 - kStripe + 8 * lane);
-  const uint64_t last_key = secret64(192 - kStripe - 7 + 8 * lane);
-  uint64_t acc = kInit[lane];
+  const uint64_t scrambling = scramble_key(lane);
+  uint64_t acc = initial_accumulator(lane);
   const unsigned other = lane ^ 1u;  // the lane whose bytes this one adds unmixed
   auto stripe = [&](const uint8_t* p, uint64_t k) {
     k ^= read64(p + 8 * lane);
@@ -81,15 +98,13 @@ SMARTINF_HD inline uint64_t lane_accumulator(const uint8_t* input, std::size_t l
   for (std::size_t b = 0; b < blocks; ++b) {
     SMARTINF_UNROLL_STRIPES
     for (std::size_t s = 0; s < kStripesPerBlock; ++s) stripe(input + b * kBlock + s * kStripe, key[s]);
-    acc ^= acc >> 47;
-    acc ^= scramble_key;
-    acc *= kPrime32_1;
+    acc = scramble(acc, scrambling);
   }
   const std::size_t stripes = ((len - 1) - blocks * kBlock) / kStripe;  // < kStripesPerBlock
   SMARTINF_UNROLL_STRIPES
   for (std::size_t s = 0; s < kStripesPerBlock; ++s)
     if (s < stripes) stripe(input + blocks * kBlock + s * kStripe, key[s]);
-  stripe(input + len - kStripe, last_key);
+  stripe(input + len - kStripe, last_key(lane));
   return acc;
 }
 
