@@ -466,6 +466,25 @@ def test_cuda_tensors_go_only_to_their_gpus_sub_groups(disk_dir):
 
 
 @needs_gpu
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_the_gpu_checksum_of_params_is_the_hosts(offset):
+    """A split master's params checksum hashed on the GPU (device/cuda_checksum.cu: a warp a
+    32 KiB piece, its four groups of threads summing a block's stripes) is the host's, for
+    lengths at the edges of XXH3's long path, of a block and of a piece, at 8-byte aligned
+    addresses (offset 0) and not (1-3 params on)."""
+    from smartinf import _native
+    piece = 1 << 14
+    g = torch.Generator().manual_seed(offset)
+    host = torch.randint(-2**15, 2**15, (3 * piece + 4096 + offset,), dtype=torch.int16,
+                         generator=g).view(torch.bfloat16)
+    gpu = host.cuda()
+    for numel in (1, 120, 121, 512, 513, 4096, piece - 1, piece, piece + 1, 2 * piece + 121,
+                  3 * piece + 7, 3 * piece + 4096):
+        expected = _native.params_checksum(host[offset:].data_ptr(), numel)
+        assert _native.params_checksum(gpu[offset:].data_ptr(), numel, gpu=True) == expected, numel
+
+
+@needs_gpu
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("memory", MEMORIES)
 def test_a_split_masters_params_in_gpu_memory_stay_there(disk_dir, state_dtype, memory):

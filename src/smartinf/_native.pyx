@@ -87,6 +87,14 @@ cdef extern from "store/checksum.h" namespace "smartinf::store":
     void c_copy_piece_checksums "smartinf::store::copy_piece_checksums"(void*, const void*, size_t, size_t, uint64_t*) nogil
 
 
+cdef extern from "store/checksum.h" namespace "smartinf::store":
+    uint64_t c_params_checksum "smartinf::store::params_checksum"(const void*, size_t) nogil
+
+
+cdef extern from "device/registry.h" namespace "smartinf::device":
+    uint64_t c_gpu_params_checksum "smartinf::device::gpu_params_checksum"(const void*, size_t) except + nogil
+
+
 cdef extern from "fault.h" namespace "smartinf::fault":
     cdef enum class Action(int):
         none
@@ -214,6 +222,18 @@ def piece_checksums(uintptr_t address, size_t nbytes, size_t piece, unsigned thr
     with nogil:
         c_piece_checksums(<const void*>address, nbytes, piece, out.data(), threads)
     return list(out)
+
+
+def params_checksum(uintptr_t address, size_t numel, bint gpu=False) -> int:
+    """A split master's checksum of ``numel`` bf16 params at address: hashed by the host,
+    or (``gpu``) by the current GPU where they lie, as its device hashes them."""
+    cdef uint64_t out
+    with nogil:
+        if gpu:
+            out = c_gpu_params_checksum(<const void*>address, numel)
+        else:
+            out = c_params_checksum(<const void*>address, numel)
+    return out
 
 
 def copy_piece_checksums(uintptr_t dst, uintptr_t src, size_t nbytes, size_t piece) -> list:

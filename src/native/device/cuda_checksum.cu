@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "device/registry.h"
 #include "store/checksum.h"
 #include "store/xxh3_lanes.h"
 
@@ -149,3 +150,20 @@ uint64_t params_checksum(const void* params, std::size_t n, PieceSums& sums, cud
 }
 
 }  // namespace smartinf::device::cuda
+
+namespace smartinf::device {
+
+uint64_t gpu_params_checksum(const void* params, std::size_t numel) {
+  cuda::PieceSums sums;
+  cuda::allocate_piece_sums(sums, numel);
+  try {
+    const uint64_t sum = cuda::params_checksum(params, numel, sums, nullptr);
+    cuda::free_piece_sums(sums);
+    return sum;
+  } catch (...) {
+    cuda::free_piece_sums(sums);
+    throw;
+  }
+}
+
+}  // namespace smartinf::device

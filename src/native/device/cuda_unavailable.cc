@@ -11,4 +11,8 @@ std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&
                               "the PATH, or CUDACXX) and reinstall smartinf");
 }
 
+uint64_t gpu_params_checksum(const void*, std::size_t) {
+  throw std::invalid_argument("smartinf was built without CUDA: no GPU checksum");
+}
+
 }  // namespace smartinf::device

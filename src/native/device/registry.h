@@ -47,6 +47,9 @@ using MakeDevice = std::unique_ptr<Device> (*)(const std::string& dir, const Slo
 // Each in its <kind>_device.cc (or <kind>_unavailable.cc where its toolkit was not found).
 std::unique_ptr<Device> make_xrt_device(const std::string&, const SlotGeometry&, const DeviceOptions&);
 std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&, const DeviceOptions&);
+// A split master's params checksum (store::params_checksum) of bf16 params in the current
+// GPU's memory, hashed there (cuda_checksum.cu): what the tests compare with the host's.
+uint64_t gpu_params_checksum(const void* params, std::size_t numel);
 
 struct DeviceKind {
   const char* name;        // DeviceSpec::kind, smartinf.devices' `kind`
