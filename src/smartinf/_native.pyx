@@ -176,6 +176,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         cbool compressed
         const int32_t* index
         uint64_t nnz
+        const void* ready
 
     cdef cppclass Pipeline:
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
@@ -464,10 +465,10 @@ cdef class NativePipeline:
 
     def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,
                uint64_t nnz, uintptr_t out, int out_dtype, dict hyper,
-               cbool speculative=False, cbool log_only=False) -> NativeCompletion:
+               cbool speculative=False, cbool log_only=False, uintptr_t ready=0) -> NativeCompletion:
         cdef Gradient g
         g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
-        g.index, g.nnz = <const int32_t*>index, nnz
+        g.index, g.nnz, g.ready = <const int32_t*>index, nnz, <const void*>ready
         cdef UpdateHyper h  # kernels::Hyper's defaults; a rule sends the fields it reads
         h.lr, h.weight_decay, h.grad_scale = hyper["lr"], hyper["weight_decay"], hyper["grad_scale"]
         if "beta1" in hyper:

@@ -78,7 +78,7 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
   }
 
   bool host_memory() const override { return true; }
-  void bind_caller(size_t i, const void* grad, void* out) override {
+  void bind_caller(size_t i, const void* grad, void* out, const void*) override {  // (host memory: ready)
     slots_[i].grad = grad ? const_cast<void*>(grad) : own_[i].grad;
     slots_[i].out = out ? out : own_[i].out;
   }

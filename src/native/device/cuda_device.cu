@@ -207,8 +207,13 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     }
     return a.type == cudaMemoryTypeDevice && a.device == gpu_;
   }
-  void bind_caller(size_t i, const void* grad, void* out) override {
+  void bind_caller(size_t i, const void* grad, void* out, const void* ready) override {
     Mirror& m = mirrors_[i];
+    // Everything of the job runs on the slot's stream (copies, checksums, the update), so
+    // one wait orders it after what the caller queued for these buffers.
+    if (ready)
+      check(cudaStreamWaitEvent(m.stream, static_cast<cudaEvent_t>(const_cast<void*>(ready)), 0),
+            "waiting for the caller's stream");
     m.grad = grad ? grad : m.own_grad;
     m.out = out ? out : m.own_out;
     m.grad_in = m.params_in = false;

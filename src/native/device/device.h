@@ -140,8 +140,11 @@ class Device {
   // gradient and params at the caller's buffers (bind_caller) instead of copying them in
   // and out.
   virtual bool reaches(const void*) const { return host_memory(); }
-  // Slot `slot`'s dense gradient and params for one job (null: the slot's own buffers).
-  virtual void bind_caller(size_t slot, const void* grad, void* out);
+  // Slot `slot`'s dense gradient and params for one job (null: the slot's own buffers), and
+  // the event of the caller's stream after which its buffers hold what it queued (a
+  // cudaEvent_t for the cuda device, whose slot's stream waits for it before anything of the
+  // job reads them; null: ready now).
+  virtual void bind_caller(size_t slot, const void* grad, void* out, const void* ready = nullptr);
   virtual void copy_in(size_t slot, const void* grad, size_t bytes) = 0;  // host -> device
   // host -> device: the bf16 params a split master is rebuilt from, into the slot's `out`.
   virtual void copy_in_params(size_t slot, const void* params, size_t bytes) = 0;
@@ -188,7 +191,7 @@ inline void Device::bind_states(size_t, uint64_t at) {
     throw std::invalid_argument(describe() + " has no memory for resident states");
 }
 
-inline void Device::bind_caller(size_t, const void* grad, void* out) {
+inline void Device::bind_caller(size_t, const void* grad, void* out, const void*) {
   if (grad || out) throw std::logic_error(describe() + " reaches no caller's buffer");
 }
 

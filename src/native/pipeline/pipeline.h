@@ -98,6 +98,10 @@ struct Gradient {
   bool compressed = false;
   const int32_t* index = nullptr;
   uint64_t nnz = 0;
+  // Gradient and params in a GPU's memory: an event the caller's stream recorded after what
+  // it queued for them (a cudaEvent_t), which the device's stream waits for before reading
+  // them (Device::bind_caller), where the caller's thread would wait; null: ready now.
+  const void* ready = nullptr;
 };
 
 class Pipeline {

@@ -344,7 +344,8 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
     const bool dense = job.kind == JobKind::update && !job.kernel.compressed;
     const bool grad_there = dense && device_.reaches(job.input);
     const bool out_there = job.output && device_.reaches(job.output);
-    device_.bind_caller(slot, grad_there ? job.input : nullptr, out_there ? job.output : nullptr);
+    device_.bind_caller(slot, grad_there ? job.input : nullptr, out_there ? job.output : nullptr,
+                        job.ready);
     l.send_params = split_ && job.output && (job.kind == JobKind::update || job.kind == JobKind::read);
     if (l.send_params && out_there && !host_memory_ && job.kind == JobKind::read)
       throw std::invalid_argument("a split master's states are read out through host memory: "

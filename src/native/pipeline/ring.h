@@ -51,6 +51,7 @@ struct Job {
   // update: updated params (with a split master also the bf16 params sent in); read with a
   // split master: the bf16 params the masters are rebuilt from (null: masters not read)
   void* output = nullptr;
+  const void* ready = nullptr;  // update: Gradient::ready, which input and output wait for
   // init: the state arrays from the host; a null one is filled with `fill`
   const float* imported[device::kMaxStateArrays] = {};
   float fill[device::kMaxStateArrays] = {};

@@ -180,6 +180,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
     const uint64_t c = job.chunk;
     job.output = static_cast<char*>(out) + c * options_.chunk * osize;
     job.kernel = kernel;
+    job.ready = g.ready;
     job.write_back = write_back;
     if (compressed) {
       job.input = g.index + first[c];

@@ -174,12 +174,17 @@ class Steps:
         # maximize: torch negates the gradient first; a negated scale is the same, exactly
         hyper = dict(rule.hyper(), grad_scale=-float(grad_scale) if rule.maximize else float(grad_scale))
         on_gpu = [b.owner for b in (g, o) if isinstance(b.owner, torch.Tensor) and b.owner.is_cuda]
-        if on_gpu:  # the device's own stream reads them: what the caller's queued must land
-            torch.cuda.current_stream(on_gpu[0].device).synchronize()
+        ready = None
+        if on_gpu:  # the device's own stream reads them once what the caller queued has run:
+            # it waits for this event, where a host sync here held the caller's thread (DDP at
+            # GPT-2 XL: a wait a sub-group, with nothing queued meanwhile)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(on_gpu[0].device))
         done = native.update(sg, g.address, g.dtype, index is not None,
                              index.address if index else 0, nnz, o.address, o.dtype, hyper,
-                             bool(speculative), bool(log_only))
-        future = UpdateFuture(done, keep)
+                             bool(speculative), bool(log_only),
+                             ready.cuda_event if ready is not None else 0)
+        future = UpdateFuture(done, keep + (ready,))  # (the event too, until every chunk waited)
         self._inflight.append(future)
         return future
 

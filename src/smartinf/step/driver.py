@@ -107,7 +107,7 @@ class Driver:
         if params is not None and params.data_ptr() != out.data_ptr():
             out.copy_(params, non_blocking=True)
         if (grad.is_cuda or (params is not None and params.is_cuda)) and \
-                not (getattr(g, "is_cuda", False) or out.is_cuda):  # (else update() syncs)
+                not (getattr(g, "is_cuda", False) or out.is_cuda):  # (else update() orders them)
             device = grad.device if grad.is_cuda else params.device
             torch.cuda.current_stream(device).synchronize()  # the host copies landed
         return self.pipeline.update(sg, g, out, grad_scale=scale, speculative=speculative,
