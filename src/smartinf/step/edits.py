@@ -28,6 +28,7 @@ master (see ``merge``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
@@ -48,7 +49,6 @@ SMALL = 1 << 20  # bytes up to which a GPU tensor's digest is taken with the oth
 MM_ROW = 4096  # bytes per row of the GPU digest's matmul
 MM_LEAST_ROWS = 17  # the fewest rows torch._int_mm takes
 _MM_WEIGHTS: dict = {}  # device -> the matmul's weights there (None: no torch._int_mm there)
-_ROW_WEIGHTS: dict = {}  # (row sums, device) -> their weights (_row_weights)
 _THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -176,16 +176,11 @@ def _matmul_digest(b: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return h
 
 
+@functools.lru_cache(maxsize=16)  # (bounded: an odd size each time would not pile up)
 def _row_weights(n: int, device: torch.device) -> torch.Tensor:
     """``_mixed(1..n) + _MIX`` on ``device`` (int64), made once per size: a step digests
     sub-groups of a few sizes."""
-    key = (n, device)
-    if key not in _ROW_WEIGHTS:
-        if len(_ROW_WEIGHTS) >= 16:  # (bounded: an odd size each time would not pile up)
-            _ROW_WEIGHTS.pop(next(iter(_ROW_WEIGHTS)))
-        positions = torch.arange(1, n + 1, dtype=torch.int64, device=device)
-        _ROW_WEIGHTS[key] = _mixed(positions) + _MIX
-    return _ROW_WEIGHTS[key]
+    return _mixed(torch.arange(1, n + 1, dtype=torch.int64, device=device)) + _MIX
 
 
 def _mixed(positions: torch.Tensor) -> torch.Tensor:
