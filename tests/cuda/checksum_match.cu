@@ -17,11 +17,11 @@ int main() {
   uint16_t* gpu = nullptr;
   smartinf::device::cuda::PieceSums sums;
   cudaStream_t stream;
-  if (cudaMalloc(&gpu, host.size() * 2) != cudaSuccess || cudaMalloc(&sums.gpu, 8 * 8) != cudaSuccess ||
-      cudaStreamCreate(&stream) != cudaSuccess) {
+  if (cudaMalloc(&gpu, host.size() * 2) != cudaSuccess || cudaStreamCreate(&stream) != cudaSuccess) {
     std::printf("no GPU memory\n");
     return 2;
   }
+  smartinf::device::cuda::allocate_piece_sums(sums, most);  // (page-locked: what the devices use)
   cudaMemcpy(gpu, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
   const std::size_t sizes[] = {1, 7, 120, 121, 1000, kParamsPiece - 1, kParamsPiece, kParamsPiece + 1,
                                kParamsPiece + 120, kParamsPiece + 121, 3 * kParamsPiece + 5, most};
@@ -37,6 +37,7 @@ int main() {
                     (unsigned long long)got, (unsigned long long)want);
       }
     }
+  smartinf::device::cuda::free_piece_sums(sums);
   std::printf("%d cases, %d differ\n", cases, differ);
   return differ != 0;
 }
