@@ -986,6 +986,35 @@ def test_auto_weighs_the_host_copies_the_overlap_allocates():
     assert copies(False, True, no_overlap) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_gpu_norms_are_deepspeeds_to_the_order_of_additions(dtype):
+    """A sub-group's sum of squared gradient norms on a GPU (deepspeed_norm.square_sum:
+    torch's multi-tensor norm, adding in fp64 as it reads) against DeepSpeed's ops (each
+    gradient copied into fp64, then its norm), on views of one flat buffer as ZeRO-3's
+    partitions are (odd offsets and lengths, an empty one). The squares are exact in fp64, so
+    the two differ only in the order of their additions: within 2 (n + k + 1) units of fp64
+    rounding of the sum (n elements, k tensors), where adding in fp32 would be ~1e-7 off. An
+    inf or a NaN gives the same inf or NaN (the sub-group's -1)."""
+    from smartinf.integrations.deepspeed_norm import square_sum
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = (torch.randn(3_000_017, generator=g, device="cuda") * 1e-2).to(dtype)
+    bounds = [0, 3, 3, 1_000_003, 1_000_004, 2_999_999, 3_000_017]
+    grads = [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def both() -> tuple:
+        theirs = torch.sum(torch.pow(torch.stack([t.to(torch.float64).norm(2.0) for t in grads]), 2.0))
+        return square_sum(grads, torch.float64, "cuda"), theirs
+
+    ours, theirs = both()
+    assert ours.dtype == torch.float64 and theirs.item() > 0
+    bound = 2 * (flat.numel() + len(grads) + 1) * 2.0**-53 * theirs.item()
+    assert abs(ours - theirs).item() <= bound, (ours.item(), theirs.item(), bound)
+    for bad, same in ((float("inf"), torch.isposinf), (float("nan"), torch.isnan)):
+        flat[1_500_000] = bad
+        assert all(bool(same(x)) for x in both()), bad
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a CUDA GPU")
 def test_pinned_blocks_torch_keeps_cached_are_given_back_before_a_choice():
     """A page-locked block freed into torch's cache (as ZeRO-3's offload_param frees each
