@@ -425,3 +425,20 @@ def test_small_gpu_tensors_are_digested_together_as_alone(device):
     edited[1:4] += torch.tensor([1, -2 % 256, 1], dtype=torch.uint8, device=device)
     assert alone(edited) != alone(cancel)
     assert alone(part[:-1]) != alone(torch.cat([part[:-1], part[:1] * 0]))  # the length counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_sums_are_index_adds_wrapping(device):
+    """The small tensors' digest sums each run by differences of one prefix sum: the same
+    int64 values, wrapping, as index_add_ by run (what it replaced), for runs empty, of one
+    element and long, of values whose sums wrap."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 0, 1, 4000, 0, 77, 1]
+    x = torch.randint(-2**62, 2**62, (sum(sizes),), generator=g, dtype=torch.int64).to(device) * 3
+    lengths = torch.tensor(sizes, device=device)
+    ends = lengths.cumsum(0)
+    key = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)
+    expected = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, key, x)
+    got = edits._run_sums(x, ends - lengths, ends)
+    assert got.tolist() == expected.tolist()
+    assert got[1] == 0 and got[2] == x[5]
