@@ -17,7 +17,8 @@ ONLY=${ONLY:-}
 # forward runs (deferred), in place in their partitions (-shared: half of those bytes on the
 # GPU, the rest on the host's cores, at once); and those with the params in host
 # memory (ZeRO-3's offload_param): the GPU reads the gradients in its buffer and writes the
-# params into their host partitions.
+# params into their host partitions (-shared: half of them on the host's cores, which read
+# the gradients over PCIe and write the params where they lie).
 CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memory-budget 64MiB"
        "tiny-fp16|--dtype fp16 --clip 0 --nan-at 3"
        "tiny-fp16-resident|--dtype fp16 --clip 0 --nan-at 3 --memory-budget 64MiB"
@@ -27,7 +28,8 @@ CASES=("tiny|--dtype bf16 --clip 0" "tiny-resident|--dtype bf16 --clip 0 --memor
        "tiny-gpu-host-shared|--dtype bf16 --clip 0.05 --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 1MiB --gpu-host-states 0.5"
        "tiny-offload-param|--dtype bf16 --clip 0.05 --offload-param --memory-budget 64MiB"
        "tiny-offload-param-gpu-host|--dtype bf16 --clip 0.05 --offload-param --gpu-memory-budget 1MiB --memory-budget 64MiB --gpu-host-states on"
-       "tiny-offload-param-gpu-host-int8-split|--dtype bf16 --clip 0.05 --offload-param --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 64MiB --gpu-host-states on")
+       "tiny-offload-param-gpu-host-int8-split|--dtype bf16 --clip 0.05 --offload-param --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 64MiB --gpu-host-states on"
+       "tiny-offload-param-gpu-host-shared|--dtype bf16 --clip 0.05 --offload-param --state-dtype int8 --split-master --gpu-memory-budget 512KiB --memory-budget 1MiB --gpu-host-states 0.5")
 CASES=($(for case in "${CASES[@]}"; do [[ $case == "$ONLY"* ]] && echo "${case// /@}"; done))
 CASES=("${CASES[@]//@/ }")
 for case in "${CASES[@]}"; do
