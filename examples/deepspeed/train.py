@@ -42,7 +42,7 @@ import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
 import smartinf.planning.model  # noqa: E402
 from examples.gpt import gpu  # noqa: E402
 from examples.gpt.counters import counters as pipeline_counters, difference  # noqa: E402
-from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.data import Language, made_ahead  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 from examples.gpt.gil_watch import GilWatch  # noqa: E402
 from examples.gpt.profiled import Profiled  # noqa: E402
@@ -238,7 +238,7 @@ def main() -> None:
         if path is None:
             raise SystemExit(f"no checkpoint found in {args.load}")
         start = client["step"]
-    data = batches(lang, args.batch, args.seq, seed=1000 + rank)
+    data = made_ahead(lang, args.batch, args.seq, 1000 + rank, args.steps, device)
     for _ in range(start):
         next(data)  # the batches the checkpointed steps consumed
 
@@ -291,7 +291,7 @@ def main() -> None:
     t4 = None
     for step in range(start, args.steps):
         t_data = time.perf_counter()
-        x, y = (t.to(device) for t in next(data))
+        x, y = next(data)
         c0, io0 = c1, io1
         t0 = time.perf_counter()
         logits = engine(x)

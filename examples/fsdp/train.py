@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 import smartinf.optim  # noqa: E402
 from examples.gpt import gpu  # noqa: E402
 from examples.gpt.counters import counters, difference  # noqa: E402
-from examples.gpt.data import Language, batches  # noqa: E402
+from examples.gpt.data import Language, made_ahead  # noqa: E402
 from examples.gpt.profiled import Profiled  # noqa: E402
 from examples.gpt.model import GPT, MODELS, GPTConfig  # noqa: E402
 
@@ -140,7 +140,7 @@ def main() -> None:
     vocab = MODELS[args.model][3] or lang.vocab_size
     model = sharded_model(args, vocab, device)
     opt = optimizer(args, model)
-    data = batches(lang, args.batch, args.seq, seed=1000 + rank)
+    data = made_ahead(lang, args.batch, args.seq, 1000 + rank, args.steps, device)
 
     def sync() -> float:
         # The training stream's work done (as the DeepSpeed example's settle_stream): a
@@ -153,7 +153,7 @@ def main() -> None:
     records, profiler = [], None
     before = counters(opt)  # (smartinf's pipeline, once opened: its counters per step)
     for step in range(args.steps):
-        x, y = (t.to(device) for t in next(data))
+        x, y = next(data)
         t0 = sync()
         logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
