@@ -1489,3 +1489,19 @@ def test_two_ranks_on_one_drive_take_its_turns(work, disk_dir):
     assert sum(s["pipeline"]["io_turns"] for s in phased["steps"]) > 0
     assert losses(phased) == losses(mixed)
     assert params_rel_diff(phased, mixed) == 0
+
+
+def test_the_examples_batches_made_ahead_are_the_streams():
+    """examples/gpt/data.py's made_ahead (the DeepSpeed and FSDP examples' data): the batches
+    made before the loop, then those made as read past its cap, are ``batches``' stream in
+    order, so a run's losses and a resumed run's (which skips the batches its checkpoint
+    consumed) are what they were."""
+    import itertools
+    sys.path.insert(0, str(ROOT))
+    from examples.gpt.data import Language, batches, made_ahead
+    lang = Language()
+    ahead = list(itertools.islice(made_ahead(lang, 2, 16, 5, 4, torch.device("cpu"), most=3), 7))
+    stream = list(itertools.islice(batches(lang, 2, 16, 5), 7))
+    assert len(ahead) == 7
+    for (x, y), (want_x, want_y) in zip(ahead, stream):
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, islice
+from itertools import accumulate, chain, islice
 
 import torch
 
@@ -187,10 +187,11 @@ def batches(lang: Language, batch_size: int, seq_len: int, seed: int
 
 
 def made_ahead(lang: Language, batch_size: int, seq_len: int, seed: int, count: int,
-               device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``count`` of ``batches``, made before training starts and put on ``device``,
-    as a DataLoader's workers would have them ready: one batch of 8 x 1024 takes about 15 ms
-    of Python to make (``bench/measured/h200-j-7b-*``, ``between.data``), which a timed
-    iteration should not hold."""
-    return iter([tuple(t.to(device) for t in b)
-                 for b in islice(batches(lang, batch_size, seq_len, seed), count)])
+               device: torch.device, most: int = 256) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` on ``device``, the first ``count`` of them (up to ``most``) made before
+    training starts, as a DataLoader's workers would have them ready: one batch of 8 x 1024
+    takes about 15 ms of Python to make (``bench/measured/h200-j-7b-*``, ``between.data``),
+    which a timed iteration should not hold. Those after are made as they are read."""
+    stream = batches(lang, batch_size, seq_len, seed)
+    ready = [tuple(t.to(device) for t in b) for b in islice(stream, min(count, most))]
+    return chain(ready, (tuple(t.to(device) for t in b) for b in stream))
