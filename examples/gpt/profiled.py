@@ -14,7 +14,7 @@ import torch
 class Profiled:
     """torch.profiler and cProfile (this thread's Python functions) from ``__init__`` to
     ``stop``, which writes their tables: by CPU time (every thread's ops), by the GPU's own
-    time, and the Python functions'; and torch.profiler's timeline beside them
+    time, and the Python functions' (by their own time, then with their callees'); and torch.profiler's timeline beside them
     (``.prof.trace.json.gz``)."""
 
     def __init__(self, cuda: bool) -> None:
@@ -29,7 +29,11 @@ class Profiled:
         self.functions.disable()
         self.torch.__exit__(None, None, None)
         table = io.StringIO()
-        pstats.Stats(self.functions, stream=table).sort_stats("tottime").print_stats(40)
+        stats = pstats.Stats(self.functions, stream=table)
+        stats.sort_stats("tottime").print_stats(40)
+        # and by what each call holds within it: where a phase's host time goes (DeepSpeed's
+        # partitioning of 7 B's params, 17 ms a step, showed in neither table above)
+        stats.sort_stats("cumulative").print_stats(60)
         # the timeline too (gzipped, beside the tables): which thread's call a wait overlaps
         self.torch.export_chrome_trace(str(path.with_suffix(".trace.json.gz")))
         events = self.torch.key_averages()
