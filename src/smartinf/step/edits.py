@@ -242,8 +242,9 @@ class ParamWatch:
         for k in keys:
             if isinstance(now[k], torch.Tensor):
                 by_device.setdefault(now[k].device, []).append(k)
-        for on_gpu in by_device.values():  # one sync per GPU
-            flags = torch.stack([now[k] == self._held[k] for k in on_gpu]).cpu().tolist()
+        for device, on_gpu in by_device.items():  # one comparison and one sync per GPU
+            held = torch.stack([torch.as_tensor(self._held[k], device=device) for k in on_gpu])
+            flags = (torch.stack([now[k] for k in on_gpu]) == held).cpu().tolist()
             same.update(zip(on_gpu, flags))
         return [k for k in keys if not same[k]]
 
