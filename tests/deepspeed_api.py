@@ -354,7 +354,9 @@ def main() -> None:
             ours_, theirs = norm_groups(opt), opt._get_norm_groups()
             return [[float(a) for a in ours_], [float(b) for b in theirs],
                     all(torch.equal(a, b) for a, b in zip(ours_, theirs))]
-        out = {"groups": len(opt.fp16_groups), "finite": both()}
+        out = {"groups": len(opt.fp16_groups), "finite": both(), "device": eng.device.type,
+               "numel": sum(q.ds_numel for q in eng.module.parameters()),
+               "tensors": len(list(eng.module.parameters()))}
         out["batched"] = opt.__dict__["_smartinf_norm_group"] != "own"
         grad = opt.averaged_gradients[1][0]
         kept = grad.view(-1)[0].item()

@@ -475,13 +475,18 @@ def test_a_gather_right_after_step_waits_for_the_step(api):
 
 def test_the_norm_by_subgroup_is_deepspeeds_bit_for_bit(api):
     """step()'s gradient norms by sub-group, reduced over the two ranks in one all-reduce
-    (deepspeed_norm.py), are DeepSpeed's own _get_norm_groups to the bit, finite and with an
-    inf in one sub-group (its -1)."""
+    (deepspeed_norm.py), are DeepSpeed's own _get_norm_groups to the bit on the host, finite
+    and with an inf in one sub-group (its -1); on GPUs to the order of the fp64 additions
+    (square_sum: within 2 (n + k + 1) ulps, n elements and k tensors in all)."""
     got = ok(api["norms_by_subgroup"])
     assert got["groups"] >= 3 and got["batched"]
     for case in ("finite", "inf"):
         ours, theirs, same = got[case]
-        assert same and ours == theirs, (case, ours, theirs)
+        if got["device"] == "cpu":
+            assert same and ours == theirs, (case, ours, theirs)
+        else:
+            bound = 2 * (got["numel"] + got["tensors"] + 1) * 2.0**-53
+            assert all(abs(a - b) <= bound * abs(b) for a, b in zip(ours, theirs)), (case, ours, theirs)
     assert got["finite"][0][1] > 0 and got["inf"][0][1] == -1.0
     assert [n for i, n in enumerate(got["inf"][0]) if i != 1] == \
         [n for i, n in enumerate(got["finite"][0]) if i != 1]
