@@ -7,6 +7,9 @@
 #       (in the first call, carrying .devkit): the steps run one after another from a copy of
 #       the tree in /tmp/lease/tree, in a session of their own (setsid), each step's output in
 #       /tmp/lease/log; the env a step sources stays for the next (one shell runs them all)
+#   bash bench/gpu_lease.sh start-file STEPS.txt
+#       the same, the steps one a line in a file of the tree (a call's command line holds
+#       2000 characters at most; an untracked file travels with the tree)
 #   bash bench/gpu_lease.sh wait 540
 #       (in each next call, made at once): waits until the steps are done or the seconds have
 #       passed, copying the log and everything under /tmp/lease/out (give the steps
@@ -16,6 +19,11 @@
 set -u
 L=/tmp/lease
 case ${1:-} in
+  start-file)
+    [ -f "${2:-}" ] || { echo "no steps file: ${2:-}" >&2; exit 2; }
+    mapfile -t steps < "$2"
+    exec bash "$0" start "${steps[@]}"
+    ;;
   start)
     shift
     rm -rf "$L" && mkdir -p "$L/out" && cp -r . "$L/tree"
@@ -41,5 +49,5 @@ case ${1:-} in
     done
     tail -c 6000 "$L/log"
     ;;
-  *) echo "usage: $0 start STEP... | wait SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 start STEP... | start-file FILE | wait SECONDS" >&2; exit 2 ;;
 esac
