@@ -22,6 +22,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # Updates during backward start by default only where backward runs on a GPU; the tests
 # exercise them on the CPU too (inherited by the DeepSpeed runs' processes).
 os.environ.setdefault("SMARTINF_SPECULATE_ON_CPU", "1")
+# torch.compile's kernel cache is keyed without ATEN_CPU_CAPABILITY: a run forced to AVX2
+# (docs/testing.md) would reuse this CPU's AVX-512 kernels (or leave its own for the next
+# run), and a compiled forward gave wrong values and corrupted the heap. Each forced
+# capability compiles into a cache of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        "/tmp", f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 def free_port() -> int:
