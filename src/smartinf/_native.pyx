@@ -85,9 +85,6 @@ cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t extent_checksum(const void*, size_t) nogil
     void c_piece_checksums "smartinf::store::piece_checksums"(const void*, size_t, size_t, uint64_t*, unsigned) nogil
     void c_copy_piece_checksums "smartinf::store::copy_piece_checksums"(void*, const void*, size_t, size_t, uint64_t*) nogil
-
-
-cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t c_params_checksum "smartinf::store::params_checksum"(const void*, size_t) nogil
 
 

@@ -331,6 +331,7 @@ def choose(settings: Settings, params: list, speculates: Callable[[bool], bool])
     return dataclasses.replace(settings, planned=None,
                                pipeline=dataclasses.replace(settings.pipeline, **chosen[0]))
 
+
 def release_cached_pinned() -> None:
     """torch's unoccupied cached page-locked host blocks given back to the system before the
     host's memory is measured for a choice. ZeRO-3's ``offload_param`` pins each param's
