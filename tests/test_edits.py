@@ -442,3 +442,69 @@ def test_run_sums_are_index_adds_wrapping(device):
     got = edits._run_sums(x, ends - lengths, ends)
     assert got.tolist() == expected.tolist()
     assert got[1] == 0 and got[2] == x[5]
+
+
+NATIVE_GPU = torch.cuda.is_available() and edits._build_info.CUDA
+
+
+def unit_digest_reference(parts):
+    """native_digests' formula on the host, in Python's integers: the 2-byte units of the
+    parts one after another, their sum and their sum weighted by the kernel's hash of each
+    position (device/cuda_digest.cu), and the length in bytes, folded modulo 2**64 as int64."""
+    b = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for t in parts])
+    units = (b.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    m32, m64 = (1 << 32) - 1, (1 << 64) - 1
+    plain = mixed = 0
+    for position, u in enumerate(units):
+        x = (position * 0x9E3779B1) & m32
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & m32
+        x ^= x >> 13
+        plain, mixed = plain + u, mixed + u * x
+    mix = edits._MIX % (1 << 64)
+    h = (((plain * mix + mixed) & m64) * mix + b.numel()) & m64
+    return h - (1 << 64) if h >> 63 else h
+
+
+@pytest.mark.skipif(not NATIVE_GPU, reason="needs a CUDA GPU and smartinf built with CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_gpu_digest_is_its_formula_however_the_bytes_are_cut(dtype):
+    """One launch for many keys (device/cuda_digest.cu): each key's digest is the formula of
+    its bytes (Python's integers), whatever else is in the call; parts at odd 2-byte offsets,
+    empty ones, and keys across the kernel's chunks give the digest of their concatenation."""
+    torch.manual_seed(0)
+    chunk = edits._native.digest_chunk_units()
+    whole = torch.randn(3 * chunk + 1001, dtype=dtype, device="cuda")
+    keys = [[whole[1:2000]], [whole[3:517], whole[517:517], whole[517:4001]], [whole[:1]],
+            [whole[5:2 * chunk + 7], whole[2 * chunk + 7:]], [whole[4:4]]]
+    got = [int(d) for d in edits.native_digests(torch.device("cuda"), keys)]
+    assert got[:3] == [unit_digest_reference(parts) for parts in keys[:3]]
+    assert got[4] == 0  # (no bytes)
+    alone = [int(edits.native_digests(torch.device("cuda"), [parts])[0]) for parts in keys]
+    assert got == alone
+    assert got[3] == int(edits.digest([whole[5:].clone()]))  # cut anywhere: one stream
+    assert edits.digests([[whole[:10], whole[10:]]])[0] == edits.digest([whole])  # (digests' way)
+
+
+@pytest.mark.skipif(not NATIVE_GPU, reason="needs a CUDA GPU and smartinf built with CUDA")
+def test_the_native_gpu_digest_sees_every_change_of_bits():
+    """Any flipped bit (in every chunk), two units swapped far apart or within a chunk, and two
+    changes that cancel in the plain sum, each change the digest; the same bits elsewhere keep it."""
+    torch.manual_seed(1)
+    chunk = edits._native.digest_chunk_units()
+    part = torch.randn(chunk + 999, device="cuda")[3:]
+    base = int(edits.digest([part]))
+    assert int(edits.digest([part.clone()])) == base
+    units = part.view(torch.int16)
+    for i in {0, 1, chunk - 1, chunk, 2 * chunk + 5, units.numel() - 1}:
+        for bit in (0, 15):
+            flipped = part.clone()
+            flipped.view(torch.int16)[i] ^= 1 << bit if bit < 15 else -(1 << 15)
+            assert int(edits.digest([flipped])) != base, (i, bit)
+    for a, b in [(0, 1), (7, 2 * chunk + 3)]:
+        swapped = part.clone()
+        swapped.view(torch.int16)[[a, b]] = units[[b, a]]
+        assert torch.equal(swapped, part) or int(edits.digest([swapped])) != base, (a, b)
+    cancel = part.clone()
+    cancel.view(torch.int16)[[10, 20]] += torch.tensor([1, -1], dtype=torch.int16, device="cuda")
+    assert int(edits.digest([cancel])) != base

@@ -90,6 +90,10 @@ cdef extern from "store/checksum.h" namespace "smartinf::store":
 
 cdef extern from "device/registry.h" namespace "smartinf::device":
     uint64_t c_gpu_params_checksum "smartinf::device::gpu_params_checksum"(const void*, size_t) except + nogil
+    cdef struct DigestPart:
+        pass
+    uint64_t c_digest_chunk_units "smartinf::device::digest_chunk_units"()
+    void c_queue_gpu_unit_sums "smartinf::device::queue_gpu_unit_sums"(const DigestPart*, size_t, size_t, uint64_t*, int, void*) except + nogil
 
 
 cdef extern from "fault.h" namespace "smartinf::fault":
@@ -232,6 +236,20 @@ def params_checksum(uintptr_t address, size_t numel, bint gpu=False) -> int:
         else:
             out = c_params_checksum(<const void*>address, numel)
     return out
+
+
+def digest_chunk_units() -> int:
+    """The 2-byte units each block of a GPU digest sums (device/cuda_digest.cu)."""
+    return c_digest_chunk_units()
+
+
+def queue_gpu_unit_sums(uintptr_t parts, size_t count, size_t chunks, uintptr_t sums, int gpu,
+                        uintptr_t stream) -> None:
+    """Queues on ``stream`` of GPU ``gpu`` the keys' unit sums of the ``count`` parts whose
+    table (int64, 5 columns: device/registry.h's DigestPart) is at ``parts`` in its memory,
+    added into ``sums`` (uint64 pairs, there)."""
+    with nogil:
+        c_queue_gpu_unit_sums(<const DigestPart*>parts, count, chunks, <uint64_t*>sums, gpu, <void*>stream)
 
 
 def copy_piece_checksums(uintptr_t dst, uintptr_t src, size_t nbytes, size_t piece) -> list:

@@ -15,4 +15,10 @@ uint64_t gpu_params_checksum(const void*, std::size_t) {
   throw std::invalid_argument("smartinf was built without CUDA: no GPU checksum");
 }
 
+uint64_t digest_chunk_units() { return 1; }
+
+void queue_gpu_unit_sums(const DigestPart*, std::size_t, std::size_t, uint64_t*, int, void*) {
+  throw std::invalid_argument("smartinf was built without CUDA: no GPU digest");
+}
+
 }  // namespace smartinf::device

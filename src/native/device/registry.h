@@ -51,6 +51,21 @@ std::unique_ptr<Device> make_cuda_device(const std::string&, const SlotGeometry&
 // GPU's memory, hashed there (cuda_checksum.cu): what the tests compare with the host's.
 uint64_t gpu_params_checksum(const void* params, std::size_t numel);
 
+// One run of bytes of a GPU digest (cuda_digest.cu; smartinf/step/edits.py builds the table):
+// `units` 2-byte units at `address` (GPU memory, 2-byte aligned), from unit `offset` of key
+// `key`'s stream of units on; its blocks are those from `first_chunk` (digest_chunk_units()
+// units each).
+struct DigestPart {
+  uint64_t address, units, offset, key, first_chunk;
+};
+static_assert(sizeof(DigestPart) == 5 * sizeof(uint64_t), "the table is an int64 tensor of 5 columns");
+uint64_t digest_chunk_units();
+// Queues on `stream` (a cudaStream_t of GPU `gpu`) the adding, into sums[2 key] and
+// sums[2 key + 1] (zeros to begin with), of each key's plain and position-weighted sums of
+// its units, for the `count` parts at `parts` (GPU memory) and their `chunks` blocks.
+void queue_gpu_unit_sums(const DigestPart* parts, std::size_t count, std::size_t chunks,
+                         uint64_t* sums, int gpu, void* stream);
+
 struct DeviceKind {
   const char* name;        // DeviceSpec::kind, smartinf.devices' `kind`
   bool quantized;          // runs int8 and int4 moments

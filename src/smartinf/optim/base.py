@@ -9,6 +9,7 @@ import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from smartinf.step import edits
 from smartinf.optim import gradients, subgroups, torch_state
@@ -122,15 +123,16 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         multi-tensor copy, the digest taken of ``flat``, the same bytes)."""
         held = [local(s.param) for s in sg.slices]
         contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
-        srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
         if contiguous and flat.is_cuda and sg.device == flat.device:
-            torch._foreach_copy_([h.detach().view(-1)[s.start:s.stop] for h, s in zip(held, sg.slices)],
-                                 srcs, non_blocking=True)
+            targets = subgroups.targets(held, sg)
+            with torch.no_grad():  # (a whole param is written as itself)
+                torch._foreach_copy_(targets, _unflatten_dense_tensors(flat, targets), non_blocking=True)
             if self._watch is not None:
                 self._watch.record_parts(sg.id, [flat])
             self._landed(sg)
             return
         hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
+        srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
         pieces = []
         for h, s, src in zip(held, sg.slices, srcs):
             if hashed:

@@ -8,6 +8,7 @@ import math
 from typing import Any, Optional, Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from smartinf import update_rules
 from smartinf.optim.sharding import Sharding, local
@@ -49,9 +50,10 @@ def flat(sg: Subgroup, grads: dict) -> torch.Tensor:
     parts = []
     for s in sg.slices:
         g = grads.get(id(s.param))
-        parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device)
-                     if g is None else g.reshape(-1)[s.start:s.stop])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts.append(torch.zeros(s.stop - s.start, dtype=sg.dtype, device=sg.device) if g is None
+                     else g if s.stop - s.start == g.numel()  # (whole: flattened by the cat, no view op)
+                     else g.reshape(-1)[s.start:s.stop])
+    return _flatten_dense_tensors(parts)  # (one part: its flat view, no copy)
 
 
 def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,

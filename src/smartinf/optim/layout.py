@@ -85,7 +85,7 @@ class Layout:
         # What the model's params held when the optimizer last put or took them: an edit
         # since becomes the master at the next step (a split master's devices check itself).
         self._watch = None if self._split else edits.ParamWatch(
-            lambda i: [subgroups.read(s.param, s.start, s.stop) for s in self._plan[i].slices])
+            lambda i: [subgroups.held(s.param, s.start, s.stop) for s in self._plan[i].slices])
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))

@@ -110,6 +110,24 @@ def read(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return local(p).detach().reshape(-1)[start:stop]
 
 
+def held(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``read``'s elements for a digest (``step.edits``): where they are the whole of a
+    contiguous ``p``, ``p`` itself (its bytes are in logical order), without the three view
+    ops ``read`` makes, hundreds a step."""
+    t = local(p)
+    if start == 0 and stop == t.numel() and t.is_contiguous():
+        return t
+    return t.detach().reshape(-1)[start:stop]
+
+
+def targets(held: Sequence[torch.Tensor], sg: Subgroup) -> list[torch.Tensor]:
+    """``sg``'s slices in ``held`` (its params' local tensors, contiguous) to write into, in
+    the sub-group's order: a whole param as itself, shaped (no view ops: hundreds a step; its
+    source is shaped alike by one unflatten of the flat sub-group), a cut one as its 1-D slice."""
+    return [h if s.stop - s.start == h.numel() else h.detach().view(-1)[s.start:s.stop]
+            for h, s in zip(held, sg.slices)]
+
+
 def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
     """Writes elements [start, stop) of ``p`` in logical order, any strides (channels_last,
     transposed): a non-contiguous param is written whole."""

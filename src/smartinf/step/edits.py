@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from smartinf import _native
+from smartinf import _build_info, _native
 from smartinf.step.rounding import round_to
 
 logger = logging.getLogger("smartinf")
@@ -62,6 +62,8 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
             sums.append(_native.piece_checksums(t.data_ptr(), t.numel() * t.element_size(),
                                                 PIECE, _THREADS))
         return fold(sums)
+    if _native_takes(parts):
+        return native_digests(parts[0].device, [parts])[0]
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
     b = raw[0] if len(raw) == 1 else torch.cat(raw)
     weights = mm_weights(b.device)
@@ -73,12 +75,17 @@ def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
     key's digest is depends on its own parts only, never on the others in the call."""
     out: list = [None] * len(keys_parts)
     small: dict = {}
+    native: dict = {}
     for i, parts in enumerate(keys_parts):
-        nbytes = sum(t.numel() * t.element_size() for t in parts)
-        if parts[0].device.type != "cpu" and nbytes <= SMALL:
+        if parts[0].device.type != "cpu" and _native_takes(parts):
+            native.setdefault(parts[0].device, []).append(i)
+        elif parts[0].device.type != "cpu" and sum(t.numel() * t.element_size() for t in parts) <= SMALL:
             small.setdefault(parts[0].device, []).append(i)
         else:
             out[i] = digest(parts)
+    for device, keys in native.items():
+        for i, d in zip(keys, native_digests(device, [keys_parts[i] for i in keys])):
+            out[i] = d
     for keys in small.values():
         raw = [t.detach().contiguous().view(-1).view(torch.uint8)
                for i in keys for t in keys_parts[i]]
@@ -87,6 +94,45 @@ def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
         for i, d in zip(keys, out_small.unbind()):
             out[i] = d
     return out
+
+
+def _native_takes(parts: Sequence[torch.Tensor]) -> bool:
+    """Whether the native GPU digest (``native_digests``) takes these GPU parts: smartinf built
+    with CUDA, and elements of an even size (it sums 2-byte units). Decided by the dtype, never
+    by where the parts are cut, so that a key's digest is one function of its bytes."""
+    return _build_info.CUDA and all(t.element_size() % 2 == 0 for t in parts)
+
+
+def native_digests(device: torch.device, keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
+    """Each key's digest of its parts (tensors on ``device``, a GPU, of elements of an even
+    size) by one launch of the native kernel (device/cuda_digest.cu) on the current stream:
+    over the key's 2-byte units one after another, their plain sum and their sum weighted by a
+    bijective hash of each unit's position, with the key's length (int64, wrapping). The parts
+    are read where they lie, each byte once; the table of where they lie crosses to the GPU
+    from page-locked memory, without waiting for the stream. 0-d int64 tensors, on ``device``."""
+    chunk = _native.digest_chunk_units()
+    rows, keep, lengths, first = [], [], [], 0
+    for key, parts in enumerate(keys_parts):
+        offset = 0
+        for t in parts:
+            if not t.is_contiguous():
+                t = t.detach().contiguous()  # (kept until queued: the stream reads it after)
+                keep.append(t)
+            units = t.numel() * t.element_size() // 2
+            if units:
+                rows.append((t.data_ptr(), units, offset, key, first))
+                first += -(-units // chunk)
+                offset += units
+        lengths.append(2 * offset)
+    sums = torch.zeros(2 * len(keys_parts), dtype=torch.int64, device=device)
+    if rows:
+        table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        _native.queue_gpu_unit_sums(table.data_ptr(), len(rows), first, sums.data_ptr(),
+                                    device.index if device.index is not None else torch.cuda.current_device(),
+                                    torch.cuda.current_stream(device).cuda_stream)
+    plain, mixed = sums.view(-1, 2).unbind(1)
+    lengths = torch.tensor(lengths, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return list(((plain * _MIX + mixed) * _MIX + lengths).unbind())
 
 
 def _small_digests(b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
