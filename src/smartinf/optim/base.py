@@ -9,7 +9,6 @@ import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
 from smartinf.step import edits
 from smartinf.optim import gradients, subgroups, torch_state
@@ -97,10 +96,11 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
     def _rule(self, group: dict) -> Any:
         return rule_for(self.rule_class, group)
 
-    def _edited(self) -> list[int]:
+    def _edited(self, now: Optional[dict] = None) -> list[int]:
         """The sub-groups whose params the caller changed since the optimizer put or took
-        them (weights loaded, clamped, pruned, rolled back)."""
-        return [] if self._watch is None else self._watch.changed(sg.id for sg in self._plan)
+        them (weights loaded, clamped, pruned, rolled back); ``now``: their digests taken
+        already in this step (``ParamWatch.look``)."""
+        return [] if self._watch is None else self._watch.changed((sg.id for sg in self._plan), now)
 
     def _adopt(self, edited: Sequence[int]) -> None:
         """The edited params become the masters (``ParamWatch.adopt``); never overwritten by
@@ -112,11 +112,6 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                               lambda i: (self._gather_params(self._plan[i]), self._plan[i].dtype),
                               self._speculation)
 
-    def _flat_params(self, sg: Subgroup) -> torch.Tensor:
-        """The sub-group's params as the model holds them, flat, on their device."""
-        parts = [subgroups.read(s.param, s.start, s.stop) for s in sg.slices]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
         """Puts masters (or updated params) into the model, as what it now holds (host
         params of its dtype hashed as they are copied: ``edits.copy``; on a GPU, one
@@ -124,9 +119,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         held = [local(s.param) for s in sg.slices]
         contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
         if contiguous and flat.is_cuda and sg.device == flat.device:
-            targets = subgroups.targets(held, sg)
-            with torch.no_grad():  # (a whole param is written as itself)
-                torch._foreach_copy_(targets, _unflatten_dense_tensors(flat, targets), non_blocking=True)
+            subgroups.put_on_gpu(sg, held, flat)
             if self._watch is not None:
                 self._watch.record_parts(sg.id, [flat])
             self._landed(sg)
@@ -179,8 +172,11 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
         if self._sharding.active:  # every rank skips the step where any found inf/NaN
             found_inf = self._sharding.any(found_inf)
+        looks: list = []  # the params' digests, queued on their GPUs while the norm is computed
+        look = None if self._watch is None else \
+            (lambda: looks.append(self._watch.look(sg.id for sg in self._plan)))
         scale, norm = (None, None) if found_inf else \
-            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
+            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding, look)
         if norm is not None:
             self.last_grad_norm = norm
         phases.mark("norm")
@@ -189,7 +185,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         session.begin()
         try:
             self.state.apply()  # what was written through opt.state, before the update
-            self._adopt(self._edited())  # even if the step is skipped: the caller's weights stand
+            # even if the step is skipped: the caller's weights stand
+            self._adopt(self._edited(looks[0] if looks else None))
             phases.mark("edits")
             # The updates started during backward that assumed rightly; the others retracted.
             try:
@@ -230,7 +227,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                         lambda i, b: self._driver.send(
                             i, gradients.flat(self._plan[i], grads), b, scale,
                             hyper[self._plan[i].group],
-                            params=self._flat_params(self._plan[i]) if self._split else None),
+                            params=subgroups.flat_params(self._plan[i]) if self._split else None),
                         self._finish)
         if later:  # while the next forward runs, each param's use waiting for its own sub-group
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)

@@ -120,7 +120,7 @@ class Layout:
             self._speculation = Speculation(pipeline)
             self._hooks = ParamHooks(self._speculation, lambda sg, grad, scale, hyper, out: self._driver.send(
                                          sg.id, grad, 0, scale, hyper, out=out, speculative=True,
-                                         params=self._flat_params(sg) if self._split else None),
+                                         params=subgroups.flat_params(sg) if self._split else None),
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      gradients.flat)
             # The step finished while the next forward runs, where updates start during

@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from smartinf.optim.sharding import local
 from smartinf.pipeline.checkpoint import stored_subgroups
@@ -120,12 +121,21 @@ def held(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t.detach().reshape(-1)[start:stop]
 
 
-def targets(held: Sequence[torch.Tensor], sg: Subgroup) -> list[torch.Tensor]:
-    """``sg``'s slices in ``held`` (its params' local tensors, contiguous) to write into, in
-    the sub-group's order: a whole param as itself, shaped (no view ops: hundreds a step; its
-    source is shaped alike by one unflatten of the flat sub-group), a cut one as its 1-D slice."""
-    return [h if s.stop - s.start == h.numel() else h.detach().view(-1)[s.start:s.stop]
-            for h, s in zip(held, sg.slices)]
+def flat_params(sg: Subgroup) -> torch.Tensor:
+    """The sub-group's params as the model holds them, flat, on their device."""
+    parts = [read(s.param, s.start, s.stop) for s in sg.slices]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def put_on_gpu(sg: Subgroup, held: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Writes ``flat`` (``sg``'s params, of their dtype, on their GPU) into ``held`` (its
+    params' local tensors, contiguous) by one multi-tensor copy: a whole param as itself,
+    its source shaped alike by one unflatten of ``flat`` (no view ops: hundreds a step), a
+    cut one through its 1-D slice."""
+    targets = [h if s.stop - s.start == h.numel() else h.detach().view(-1)[s.start:s.stop]
+               for h, s in zip(held, sg.slices)]
+    with torch.no_grad():
+        torch._foreach_copy_(targets, _unflatten_dense_tensors(flat, targets), non_blocking=True)
 
 
 def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:

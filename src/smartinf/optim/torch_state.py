@@ -102,7 +102,7 @@ def hooked_load(opt: Any, state_dict: dict, load: Callable[[dict], None]) -> Non
 def read(opt: Any, sg: Subgroup, into: Any = None) -> dict:
     """``sg``'s stored states (``Pipeline.read_states``; a split master rebuilt from the
     params the model holds)."""
-    params = opt._flat_params(sg).to("cpu").contiguous() if opt._split else None
+    params = subgroups.flat_params(sg).to("cpu").contiguous() if opt._split else None
     return opt.pipeline.read_states(sg.id, into, params=params)
 
 

@@ -278,11 +278,19 @@ class ParamWatch:
         """``record`` of each of ``keys``, their digests taken together (``digests``)."""
         self._held.update(zip(keys, digests([self._parts(k) for k in keys])))
 
-    def changed(self, keys: Iterable[Hashable]) -> list:
-        """The sub-groups among ``keys`` whose params differ from the last record (one host
-        sync per GPU); ``record`` them once the devices hold their edits."""
+    def look(self, keys: Iterable[Hashable]) -> dict:
+        """The digests of ``keys``' params as they are now (queued on their GPUs), for
+        ``changed`` to compare later: taken while the GPUs have other work to finish first."""
         keys = [k for k in keys if k in self._held]
-        now = dict(zip(keys, digests([self._parts(k) for k in keys])))
+        return dict(zip(keys, digests([self._parts(k) for k in keys])))
+
+    def changed(self, keys: Iterable[Hashable], now: Optional[dict] = None) -> list:
+        """The sub-groups among ``keys`` whose params differ from the last record (one host
+        sync per GPU); ``record`` them once the devices hold their edits. ``now``: ``look``'s
+        digests of them, where nothing has written the params since."""
+        keys = [k for k in keys if k in self._held]
+        if now is None:
+            now = self.look(keys)
         same = {k: now[k] == self._held[k] for k in keys if not isinstance(now[k], torch.Tensor)}
         by_device: dict = {}
         for k in keys:
