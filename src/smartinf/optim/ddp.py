@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from smartinf.optim.finder import ForwardFinder
