@@ -44,14 +44,14 @@ WARM = ("torch", "deepspeed", "smartinf.integrations.deepspeed", "examples.deeps
         "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
-def launch_env() -> dict:
+def launch_env(world: int = 1) -> dict:
     # The streamed path these tests were written for, durable every step (a block with only
     # "devices" gets the planner's placement: test_the_blocks_defaults_train_as_streaming); a
     # block's own "memory_budget" or "commit_every" wins over these.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("SMARTINF_MEMORY_BUDGET", "0")
     env.setdefault("SMARTINF_COMMIT_EVERY", "1")
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() < world:  # (a rank a GPU, or all on the host: gloo)
         env["DS_ACCELERATOR"] = "cpu"
     return env
 
@@ -61,7 +61,7 @@ def torchrun(world: int, script: Path, *args: str, fresh: bool = False) -> subpr
     forked from a process that has DeepSpeed imported (a fresh one's environment, argv and
     rendezvous; the first rank to fail ends the others). ``fresh``: torch.distributed.run
     itself, its ranks fresh interpreters (as users launch; one test's launch keeps it so)."""
-    return warm.run("deepspeed", WARM, [script, *args], world=world, env=launch_env(),
+    return warm.run("deepspeed", WARM, [script, *args], world=world, env=launch_env(world),
                     port=free_port(), fresh_=fresh)
 
 
@@ -1351,7 +1351,7 @@ def killed_at_random(work: Path, storage: str, rng, extra: tuple) -> None:
     import psutil
     run = warm.start("deepspeed", WARM, [SCRIPT, "--mode", "smartinf", "--dir", storage,
                                          "--steps", "60", *extra],
-                     world=2, env=launch_env(), port=free_port())
+                     world=2, env=launch_env(2), port=free_port())
     after, seen = rng.randint(3, 6), []
     try:
         for line in run.lines():

@@ -1041,3 +1041,29 @@ def test_overlap_changes_no_bit(tmp_path, dtype, kw):
             assert torch.equal(torch.as_tensor(states[0][i][k]), torch.as_tensor(states[1][i][k])), (i, k)
     for o in opts:
         o.close()
+
+
+def test_a_subgroups_params_put_and_gradients_gathered_whole_and_cut():
+    """The put of a flat sub-group into the model (``subgroups.copy_into``: whole params as
+    themselves, cut ones through their slices, one multi-tensor copy), the digest's parts
+    (``held``) and the flat gradient (``gradients.flat``: a missing one as zeros) hold the
+    elements ``read``/``write`` give, in logical order, for params cut across sub-groups."""
+    from smartinf.optim import gradients, subgroups
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(3)),
+              torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(2, 2))]
+    plan = subgroups.plan_subgroups([{"params": params}], 30)
+    assert any(s.stop - s.start != s.param.numel() for sg in plan for s in sg.slices)  # (cut)
+    grads = {id(p): torch.randn_like(p) for p in params[:3]}  # (the last has none)
+    for sg in plan:
+        flat = torch.randn(sg.numel)
+        subgroups.copy_into(sg, [s.param for s in sg.slices], flat)
+        got = torch.cat([subgroups.read(s.param, s.start, s.stop) for s in sg.slices])
+        assert torch.equal(got, flat)
+        held = [subgroups.held(s.param, s.start, s.stop) for s in sg.slices]
+        assert torch.equal(torch.cat([h.reshape(-1) for h in held]), flat)
+        assert all(h is s.param for h, s in zip(held, sg.slices) if s.stop - s.start == s.param.numel())
+        expected = torch.cat([grads[id(s.param)].reshape(-1)[s.start:s.stop] if id(s.param) in grads
+                              else torch.zeros(s.stop - s.start) for s in sg.slices])
+        assert torch.equal(gradients.flat(sg, grads), expected)
+    assert all(not p.grad_fn and p.requires_grad for p in params)  # (written as leaves still)

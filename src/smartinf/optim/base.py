@@ -119,7 +119,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         held = [local(s.param) for s in sg.slices]
         contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
         if contiguous and flat.is_cuda and sg.device == flat.device:
-            subgroups.put_on_gpu(sg, held, flat)
+            subgroups.copy_into(sg, held, flat)
             if self._watch is not None:
                 self._watch.record_parts(sg.id, [flat])
             self._landed(sg)

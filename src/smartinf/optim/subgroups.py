@@ -127,7 +127,7 @@ def flat_params(sg: Subgroup) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def put_on_gpu(sg: Subgroup, held: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+def copy_into(sg: Subgroup, held: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Writes ``flat`` (``sg``'s params, of their dtype, on their GPU) into ``held`` (its
     params' local tensors, contiguous) by one multi-tensor copy: a whole param as itself,
     its source shaped alike by one unflatten of ``flat`` (no view ops: hundreds a step), a
