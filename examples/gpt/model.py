@@ -25,6 +25,8 @@ MODELS = {  # name: (d_model, n_layer, n_head, vocab_size or None for the data's
     "3b": (3200, 26, 32, 32000),         # 3.3 B: OpenLLaMA 3B's (the peers' largest here)
     "7b": (4096, 32, 32, 32000),         # 6.57 B: Llama-2 7B's width, depth and vocabulary
     "13b": (5120, 40, 40, 32000),        # 12.7 B: Llama-2 13B's (the blocks GPT-2's)
+    "15b": (5120, 47, 40, 32000),        # 15.0 B: 13B's 47 deep, the most one H200 box holds with
+                                         # --offload-param (int8 + split: 6 B a param of host memory)
     "30b": (6656, 60, 52, 32000),        # 32.1 B: Llama-1 30B's width, depth and heads
     "65b": (8192, 80, 64, 32000),        # 64.7 B: Llama-1 65B's (params in host memory: --offload-param)
 }
