@@ -121,6 +121,29 @@ def test_edits_between_steps_become_the_masters(tmp_path, monkeypatch, edit, fmt
         assert counts.reasons.get("params edited", 0) > 0
 
 
+def test_an_edit_inside_the_steps_closure_becomes_the_master(tmp_path):
+    """step(closure): the params' digests are taken early in the step, but after the closure,
+    so an edit the closure makes (after its backward) is taken as the master, as torch's
+    optimizer, which reads the params after the closure, takes it."""
+    ours, theirs = make_model(), make_model()
+    opt = so.AdamW(ours.parameters(), lr=1e-2, devices=[str(tmp_path)], **SMALL)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for step in range(4):
+        torch.manual_seed(step)
+        x = torch.randn(16, 24)
+        for model, optimizer in ((ours, opt), (theirs, ref)):
+            def closure(model=model, optimizer=optimizer):
+                optimizer.zero_grad(set_to_none=True)
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                prune(model, step, {})  # through .data, after backward
+                return loss
+            optimizer.step(closure)
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            assert_close_fp32(p.detach().numpy(), q.detach().numpy(), f"step {step + 1}")
+    opt.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("states", ["gpu", "host"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "bf16-split"])

@@ -163,6 +163,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the params' digests first, queued on their GPUs while the host gathers the gradients
+        now = None if self._watch is None else self._watch.look(sg.id for sg in self._plan)
         # Every group's hyper-parameters are checked before any sub-group is sent: a bad
         # one found halfway would leave earlier sub-groups' params updated in the model.
         for group in self.param_groups:
@@ -172,11 +174,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
         if self._sharding.active:  # every rank skips the step where any found inf/NaN
             found_inf = self._sharding.any(found_inf)
-        looks: list = []  # the params' digests, queued on their GPUs while the norm is computed
-        look = None if self._watch is None else \
-            (lambda: looks.append(self._watch.look(sg.id for sg in self._plan)))
         scale, norm = (None, None) if found_inf else \
-            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding, look)
+            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
         if norm is not None:
             self.last_grad_norm = norm
         phases.mark("norm")
@@ -186,7 +185,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         try:
             self.state.apply()  # what was written through opt.state, before the update
             # even if the step is skipped: the caller's weights stand
-            self._adopt(self._edited(looks[0] if looks else None))
+            self._adopt(self._edited(now))
             phases.mark("edits")
             # The updates started during backward that assumed rightly; the others retracted.
             try:

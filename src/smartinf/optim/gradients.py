@@ -5,7 +5,7 @@ loss scale and inf flag (``amp``)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -57,11 +57,9 @@ def flat(sg: Subgroup, grads: dict) -> torch.Tensor:
 
 
 def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,
-               sharding: Optional[Sharding] = None,
-               meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
+               sharding: Optional[Sharding] = None) -> torch.Tensor:
     """The L2 norm of all gradients, computed in ``dtype``, on the host (one sync); of every
-    rank's shards where ``sharding`` is active (their squares summed over the ranks).
-    ``meanwhile`` is called once the norm is queued, before it is waited for."""
+    rank's shards where ``sharding`` is active (their squares summed over the ranks)."""
     # GPU gradients by torch's multi-tensor kernel, as clip_grad_norm_ takes them there (one
     # launch for many tensors: a per-tensor norm was 580 launches of GPT-2 XL's step)
     on_gpu: dict = {}
@@ -74,27 +72,21 @@ def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,
     device = norms[0].device if norms else torch.device("cpu")
     norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0) if norms \
         else torch.zeros((), dtype=dtype)
-    if meanwhile is not None:
-        meanwhile()
     if sharding is None or not sharding.active:
         return norm.cpu()
     return sharding.sum(norm.pow(2).reshape(1)).sqrt()[0].cpu()
 
 
 def scale(grad_scale: float, grads: Sequence[torch.Tensor], max_grad_norm: Optional[float],
-          sharding: Optional[Sharding] = None,
-          meanwhile: Optional[Callable[[], None]] = None) -> tuple[Optional[float], Optional[float]]:
+          sharding: Optional[Sharding] = None) -> tuple[Optional[float], Optional[float]]:
     """(the factor every gradient is multiplied by: ``grad_scale``, 1/loss scale, then
     clipping; None when a gradient holds inf/NaN and the step must be skipped, the norm of
     the unscaled gradients, or None where there are none). With ``sharding`` active, of every
-    rank's gradients: each rank gets the same answer. ``meanwhile``: called once, while the
-    GPUs compute the norm (work to queue behind it), or at once where there is none."""
+    rank's gradients: each rank gets the same answer."""
     sharded = sharding is not None and sharding.active
     if not grads and not sharded:
-        if meanwhile is not None:
-            meanwhile()
         return grad_scale, None
-    total = total_norm(grads, torch.float32, sharding, meanwhile)  # fp16's own norm overflows at 65504
+    total = total_norm(grads, torch.float32, sharding)  # fp16's own norm overflows at 65504
     if not torch.isfinite(total):
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         if sharded:  # (every rank is here: the norm is theirs)

@@ -280,17 +280,20 @@ class ParamWatch:
 
     def look(self, keys: Iterable[Hashable]) -> dict:
         """The digests of ``keys``' params as they are now (queued on their GPUs), for
-        ``changed`` to compare later: taken while the GPUs have other work to finish first."""
+        ``changed`` to compare later: taken early in a step, so the GPUs compute them while
+        the host goes on."""
         keys = [k for k in keys if k in self._held]
         return dict(zip(keys, digests([self._parts(k) for k in keys])))
 
     def changed(self, keys: Iterable[Hashable], now: Optional[dict] = None) -> list:
         """The sub-groups among ``keys`` whose params differ from the last record (one host
         sync per GPU); ``record`` them once the devices hold their edits. ``now``: ``look``'s
-        digests of them, where nothing has written the params since."""
+        digests of them, taken earlier in the step (nothing writes the params in between)."""
         keys = [k for k in keys if k in self._held]
-        if now is None:
-            now = self.look(keys)
+        now = now or {}
+        missing = [k for k in keys if k not in now]  # (recorded since the look, or none taken)
+        if missing:
+            now = {**now, **self.look(missing)}
         same = {k: now[k] == self._held[k] for k in keys if not isinstance(now[k], torch.Tensor)}
         by_device: dict = {}
         for k in keys:
