@@ -70,8 +70,8 @@ def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,
     for group in on_gpu.values():
         norms.extend(torch._foreach_norm(group, 2.0, dtype=dtype))
     device = norms[0].device if norms else torch.device("cpu")
-    norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0) if norms \
-        else torch.zeros((), dtype=dtype)
+    together = norms if len(on_gpu) == 1 and len(norms) == len(grads) else [n.to(device) for n in norms]
+    norm = torch.linalg.vector_norm(torch.stack(together), 2.0) if norms else torch.zeros((), dtype=dtype)
     if sharding is None or not sharding.active:
         return norm.cpu()
     return sharding.sum(norm.pow(2).reshape(1)).sqrt()[0].cpu()
