@@ -7,9 +7,13 @@ are. (A split master needs none: its devices checksum the params sent in.)
 
 The digest sees any change of bits: on the host XXH3-64 of each 256 KiB of each slice (the
 extents' checksum), computed by every core at the check and, where the step copies the
-params into the model, while copying them (``copy``: in cache); on a GPU, where hashing
-would need a kernel of our own, torch's integer ops, which wrap and so are order-free, over
-the sub-group's bytes (its slices one after another). There rows of 4 KiB are multiplied
+params into the model, while copying them (``copy``: in cache); on a GPU the native kernel's
+sums (``native_digests``, ``device/cuda_digest.cu``), one launch for every sub-group there,
+reading each byte once where it lies (one changed 2-byte unit changes the plain sum; two,
+cancelling there, the weighted one: the weights, a bijection of positions below 2^32, differ).
+Where smartinf was built without CUDA, torch's integer
+ops, which wrap and so are order-free, over the sub-group's bytes (its slices one after
+another, copied together first). There rows of 4 KiB are multiplied
 by a fixed int8 matrix of 8 columns (``torch._int_mm``, the tensor cores: 1.5 reads' time of
 the bytes on an H200, where the sums of rows of 8 words took 3.2): a changed word changes
 its row's eight exact sums, since each 8-byte block of the weights is nonsingular, and so
