@@ -135,8 +135,11 @@ def native_digests(device: torch.device, keys_parts: Sequence[Sequence[torch.Ten
                                     device.index if device.index is not None else torch.cuda.current_device(),
                                     torch.cuda.current_stream(device).cuda_stream)
     plain, mixed = sums.view(-1, 2).unbind(1)
-    lengths = torch.tensor(lengths, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    return list(((plain * _MIX + mixed) * _MIX + lengths).unbind())
+    if len(lengths) == 1:  # (a step's record of the sub-group it put: a scalar, no copy to make)
+        length = lengths[0]
+    else:
+        length = torch.tensor(lengths, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return list(((plain * _MIX + mixed) * _MIX + length).unbind())
 
 
 def _small_digests(b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
