@@ -1067,3 +1067,23 @@ def test_a_subgroups_params_put_and_gradients_gathered_whole_and_cut():
                               else torch.zeros(s.stop - s.start) for s in sg.slices])
         assert torch.equal(gradients.flat(sg, grads), expected)
     assert all(not p.grad_fn and p.requires_grad for p in params)  # (written as leaves still)
+
+
+@pytest.mark.parametrize("where", ["cpu", "cpu+cuda", "cuda"])
+def test_the_gradients_norm_wherever_they_lie(where):
+    """``gradients.total_norm`` over gradients on the host, on a GPU (two dtypes: two
+    multi-tensor groups) or on both at once: the L2 norm of them all, on the host."""
+    if "cuda" in where and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from smartinf.optim import gradients
+    torch.manual_seed(0)
+    grads = [torch.randn(n) for n in (5, 300, 1, 77)]
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in grads])).item()
+    if where != "cpu":
+        moved = [g.cuda() for g in grads]
+        moved[1] = moved[1].double()
+        grads = moved if where == "cuda" else grads[:2] + moved[2:]
+    got = gradients.total_norm(grads, torch.float32)
+    assert got.device.type == "cpu"
+    # fp32 sums of 383 squares, then roots: within n units of fp32 rounding
+    assert got.item() == pytest.approx(expected, rel=383 * 2.0 ** -24)

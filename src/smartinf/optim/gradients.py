@@ -67,10 +67,11 @@ def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,
         if g.is_cuda:
             on_gpu.setdefault((g.device, g.dtype), []).append(g)
     norms = [torch.linalg.vector_norm(g, 2.0, dtype=dtype) for g in grads if not g.is_cuda]
+    one_gpu = not norms and len(on_gpu) == 1  # (every norm on one GPU: none to move)
     for group in on_gpu.values():
         norms.extend(torch._foreach_norm(group, 2.0, dtype=dtype))
     device = norms[0].device if norms else torch.device("cpu")
-    together = norms if len(on_gpu) == 1 and len(norms) == len(grads) else [n.to(device) for n in norms]
+    together = norms if one_gpu else [n.to(device) for n in norms]
     norm = torch.linalg.vector_norm(torch.stack(together), 2.0) if norms else torch.zeros((), dtype=dtype)
     if sharding is None or not sharding.active:
         return norm.cpu()
