@@ -1078,10 +1078,10 @@ def test_the_gradients_norm_wherever_they_lie(where):
     from smartinf.optim import gradients
     torch.manual_seed(0)
     grads = [torch.randn(n) for n in (5, 300, 1, 77)]
+    grads[1] = grads[1].bfloat16()  # (a second dtype: a param dtype smartinf takes)
     expected = torch.linalg.vector_norm(torch.cat([g.double() for g in grads])).item()
     if where != "cpu":
         moved = [g.cuda() for g in grads]
-        moved[1] = moved[1].double()
         grads = moved if where == "cuda" else grads[:2] + moved[2:]
     got = gradients.total_norm(grads, torch.float32)
     assert got.device.type == "cpu"
