@@ -15,8 +15,9 @@ gathered copies (``p.data``, no gather), after step 5 every param rolled back to
 after step 1. DeepSpeed's own step would overwrite such edits with its fp32 masters, so its
 run is told of them the DeepSpeed way (``safe_set_full_fp32_param``); smartinf's is not.
 ``--bf16`` trains in bf16 (DeepSpeed's fp32 masters, smartinf's fp32 or split ones), ``--block``
-adds keys to the smartinf block (a memory budget, a split master). Rank 0 writes, per step, the losses and how far each engine's persistent params (read
-without a gather) and gathered params are from the other's; then, clamped once more after
+adds keys to the smartinf block (a memory budget, a split master). Rank 0 writes, per step, the losses, how far each engine's persistent params (read
+without a gather) and gathered params are from the other's, and how often each step
+released a persistent param; then, clamped once more after
 the last step, the largest fp32 master of smartinf's checkpoint.
 """
 from __future__ import annotations
@@ -71,6 +72,22 @@ def roll_back(eng: object, snapshot: dict) -> None:
 EDITS = {2: clamp, 3: prune_kept_whole, 5: roll_back}
 
 
+def trained_counting_releases(eng: object, data: object) -> tuple:
+    """One step's loss, and how often it released a kept-whole param (DeepSpeed's own
+    ``param.partition``, which forward and backward leave alone)."""
+    calls = []
+    kept = [q for q in eng.module.parameters() if getattr(q, "ds_persist", False)]
+    own = [q.partition for q in kept]
+    for q, partition in zip(kept, own):
+        q.partition = lambda *a, _p=partition, **k: (calls.append(1), _p(*a, **k))[1]
+    try:
+        loss = train(eng, data, 1)[0]
+    finally:
+        for q, partition in zip(kept, own):
+            q.partition = partition
+    return loss, len(calls)
+
+
 def tell_deepspeed(eng: object) -> None:
     """DeepSpeed's own way to make the model's (edited) params its fp32 masters."""
     params = named(eng)
@@ -102,14 +119,17 @@ def run(directory: Path, out: Path, bf16: bool, block: dict, rank: int) -> None:
     record: dict = {"kept_whole": len(kept_whole), "steps": []}
     snapshots: dict = {}
     for step in range(1, STEPS + 1):
-        losses = [train(ours, data[0], 1)[0], train(ref, data[1], 1)[0]]
+        (mine_loss, mine_released), (ref_loss, ref_released) = \
+            trained_counting_releases(ours, data[0]), trained_counting_releases(ref, data[1])
+        losses = [mine_loss, ref_loss]
         mine, theirs = named(ours), named(ref)  # read right after step(), no gather
         shapes_equal = all(mine[n].data.shape == theirs[n].data.shape for n in kept_whole)
         whole = rel([mine[n].data for n in kept_whole], [theirs[n].data for n in kept_whole]) \
             if shapes_equal else float("inf")
         everything = rel(list(gathered(ours).values()), list(gathered(ref).values()))
         record["steps"].append({"losses": losses, "kept_whole_shapes_equal": shapes_equal,
-                                "kept_whole": whole, "gathered": everything})
+                                "kept_whole": whole, "gathered": everything,
+                                "released": [mine_released, ref_released]})
         if step == 1:
             snapshots = {id(e): gathered(e) for e in (ours, ref)}
         if step in EDITS:

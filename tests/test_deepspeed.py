@@ -1183,6 +1183,9 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
     # bits (within half an ulp of the edit, where DeepSpeed told takes the edit): every
     # element within one bf16 ulp of DeepSpeed's
     "2-overlap-bf16-split": (2, True, ("--bf16", "--block", '{"master": "split"}'), BF16_ULP),
+    # and at one rank, where the kept-whole params' gathered copies are their partitions:
+    # their edits are the devices' to tell
+    "1-overlap-bf16-split": (1, True, ("--bf16", "--block", '{"master": "split"}'), BF16_ULP),
     # (a CUDA GPU only) the same, states resident in the GPU's memory: its sub-groups' params
     # read, checksummed and written in their partitions there
     "1-overlap-bf16-split-gpu": (1, True, ("--bf16", "--block", '{"master": "split", "gpu": '
@@ -1231,7 +1234,8 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(edit_runs, case):
     kept-whole params pruned in place become the masters at the next step, as DeepSpeed's
     own ZeRO-3 does once told of them (safe_set_full_fp32_param); the kept-whole params read
     without a gather right after step() are DeepSpeed's, with the step's tail running during
-    the next forward (overlap: updates during backward, as on a GPU) or not."""
+    the next forward (overlap: updates during backward, as on a GPU) or not. At one rank the
+    step leaves them gathered (their copies are their partitions): none is released."""
     world, _, _, tol = EDIT_CASES[case]
     if "-gpu" in case and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -1242,6 +1246,12 @@ def test_edits_and_kept_whole_params_as_deepspeed_told_of_them(edit_runs, case):
     assert record["kept_whole"] > 0
     for step, s in enumerate(record["steps"], 1):
         assert s["kept_whole_shapes_equal"], f"step {step}: kept-whole params read empty"
+        # DeepSpeed's step releases the kept-whole params and gathers them again; at one
+        # rank, where the gathered copy is the partition, smartinf's leaves them be (but at
+        # the first step: DeepSpeed's first backward, recording its trace, released them)
+        ours_released, deepspeeds_released = s["released"]
+        assert deepspeeds_released > 0, (step, s)
+        assert step == 1 or (ours_released == 0) == (world == 1), (step, s)
         assert s["kept_whole"] <= tol and s["gathered"] <= tol, (step, s)
         ours, ref = s["losses"]
         assert abs(ours - ref) <= tol * abs(ref), (step, s)
