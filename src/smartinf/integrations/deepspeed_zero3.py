@@ -229,7 +229,7 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         persistent = {id(p) for p in self.persistent_parameters}
         params = list(self.module.parameters())
         if all(_gathered_as_partition(p) if id(p) in persistent
-               else p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params):
+               else getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE for p in params):
             for p in params:
                 p.ds_active_sub_modules.clear()  # (as DeepSpeed's release does)
         else:
