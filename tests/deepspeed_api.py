@@ -25,6 +25,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
                              safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_full_grad,
                              safe_set_full_optimizer_state, safe_set_local_fp32_param)
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
 import smartinf.integrations.deepspeed as smartinf_ds  # noqa: E402
@@ -102,8 +103,12 @@ def states_diff(a: object, b: object, keys: tuple = KEYS) -> dict:
 
 
 def gathered(eng: object) -> dict:
+    """Every param whole, as the model holds it now; the kept-whole (persistent) ones left
+    gathered, as the caller found them (a ``GatheredParameters`` of them would release them
+    at its exit, and an edit of theirs that followed would edit nothing)."""
     params = named(eng)
-    with deepspeed.zero.GatheredParameters(list(params.values())):
+    apart = [p for p in params.values() if p.ds_status != ZeroParamStatus.AVAILABLE]
+    with deepspeed.zero.GatheredParameters(apart, enabled=bool(apart)):
         return {n: p.detach().clone() for n, p in params.items()}
 
 

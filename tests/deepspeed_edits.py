@@ -11,13 +11,14 @@ ends the launch.
 
 Each step, both engines get the same edit: after step 2 every param clamped through
 ``GatheredParameters(modifier_rank=0)``, after step 3 the kept-whole params pruned in their
-gathered copies (``p.data``, no gather), after step 5 every param rolled back to its values
+gathered copies (``p.data``, no gather), after step 4 their data replaced by half of it
+(``p.data = p.data * 0.5``), after step 5 every param rolled back to its values
 after step 1. DeepSpeed's own step would overwrite such edits with its fp32 masters, so its
 run is told of them the DeepSpeed way (``safe_set_full_fp32_param``); smartinf's is not.
 ``--bf16`` trains in bf16 (DeepSpeed's fp32 masters, smartinf's fp32 or split ones), ``--block``
 adds keys to the smartinf block (a memory budget, a split master). Rank 0 writes, per step, the losses, how far each engine's persistent params (read
-without a gather) and gathered params are from the other's, and how often each step
-released a persistent param; then, clamped once more after
+without a gather) and gathered params are from the other's, how often each step released
+a persistent param and which edit came before it; then, clamped once more after
 the last step, the largest fp32 master of smartinf's checkpoint.
 """
 from __future__ import annotations
@@ -55,11 +56,27 @@ def clamp(eng: object, snapshot: dict) -> None:
             p.data.clamp_(-CLIP, CLIP)
 
 
+def kept_whole(eng: object) -> list:
+    """The kept-whole params, as gathered as step() left them (an edit of an empty released
+    copy would edit nothing)."""
+    params = [p for p in named(eng).values() if getattr(p, "ds_persist", False)]
+    assert all(p.data.numel() == p.ds_numel for p in params), "a kept-whole param was released"
+    return params
+
+
 def prune_kept_whole(eng: object, snapshot: dict) -> None:
+    kept = {id(p) for p in kept_whole(eng)}
     for i, p in enumerate(named(eng).values()):
-        if getattr(p, "ds_persist", False):
+        if id(p) in kept:
             g = torch.Generator().manual_seed(i)
             p.data.mul_((torch.rand(p.shape, generator=g) > 0.3).to(p.device, p.dtype))
+
+
+def rescale_kept_whole(eng: object, snapshot: dict) -> None:
+    """A kept-whole param's data replaced by a new tensor (``p.data = ...``), not edited in
+    place: at one rank its gathered copy is then no longer its partition's memory."""
+    for p in kept_whole(eng):
+        p.data = p.data * 0.5
 
 
 def roll_back(eng: object, snapshot: dict) -> None:
@@ -69,7 +86,7 @@ def roll_back(eng: object, snapshot: dict) -> None:
             p.data.copy_(snapshot[n])
 
 
-EDITS = {2: clamp, 3: prune_kept_whole, 5: roll_back}
+EDITS = {2: clamp, 3: prune_kept_whole, 4: rescale_kept_whole, 5: roll_back}
 
 
 def trained_counting_releases(eng: object, data: object) -> tuple:
@@ -129,7 +146,8 @@ def run(directory: Path, out: Path, bf16: bool, block: dict, rank: int) -> None:
         everything = rel(list(gathered(ours).values()), list(gathered(ref).values()))
         record["steps"].append({"losses": losses, "kept_whole_shapes_equal": shapes_equal,
                                 "kept_whole": whole, "gathered": everything,
-                                "released": [mine_released, ref_released]})
+                                "released": [mine_released, ref_released],
+                                "edit_before": EDITS[step - 1].__name__ if step - 1 in EDITS else None})
         if step == 1:
             snapshots = {id(e): gathered(e) for e in (ours, ref)}
         if step in EDITS:

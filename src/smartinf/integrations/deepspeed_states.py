@@ -185,7 +185,7 @@ class StoredStates:
         if self.persistent_parameters:
             self.persistent_parameters[0].partition(self.persistent_parameters)
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
-        self._whole.record_all(self._kept_apart())
+        self._record_kept_whole()
 
     def _get_fp32_opt_state_partition(self, param: Any, release_swap_buffers: bool,
                                       optim_state_key: Optional[str] = None) -> tuple:

@@ -239,14 +239,24 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         """The sub-groups whose partitions the caller changed since the step put them
         (through ``GatheredParameters(modifier_rank=...)``, or in a kept-whole param's
         gathered copy, which is written into its partition here, as DeepSpeed's
-        ``partition(has_been_updated=True)`` would)."""
+        ``partition(has_been_updated=True)`` would). A kept-whole param apart from its
+        partition that has no record was its partition when recorded: its data was
+        replaced since (``p.data = ...``), an edit too."""
         whole = [p for p in self._kept_apart() if p.data.numel() == p.ds_numel]
-        for p in self._whole.changed(whole):  # (one partitioned since holds its edits there)
+        copied = self._whole.changed(whole, unrecorded=True)
+        for p in copied:  # (one partitioned since holds its edits there)
             part, flat = p.ds_tensor, p.data.reshape(-1)
             start = part.ds_numel * dist.get_rank(group=self.dp_process_group)
             count = max(0, min(part.ds_numel, p.ds_numel - start))
             part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
-        return [] if self._watch is None else self._watch.changed(range(len(self.fp16_groups)))
+        if self._watch is not None:
+            return self._watch.changed(range(len(self.fp16_groups)))
+        # A split master's devices tell its edits from the partition at the update; one
+        # started during backward read the partition before these copies: retracted, the
+        # step's update reads them
+        if copied and self._speculation is not None:
+            self._speculation.drop(sorted({self._subgroup_of[p.ds_id] for p in copied}))
+        return []
 
     def _adopt(self, edited: list) -> None:
         """The edited partitions become the masters (``ParamWatch.adopt``), as a step of their
@@ -307,6 +317,12 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         """DeepSpeed's (the kept-whole params gathered again: their sub-groups are done),
         then what they hold is what an edit is told from."""
         super()._post_step(timer_names)
+        self._record_kept_whole()
+
+    def _record_kept_whole(self) -> None:
+        """What the kept-whole params apart from their partitions hold now, what an edit of
+        theirs is told from (the others have no record: ``_edited``)."""
+        self._whole.forget(self.persistent_parameters)
         self._whole.record_all(self._kept_apart())
 
     def _kept_apart(self) -> list:

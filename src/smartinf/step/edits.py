@@ -292,10 +292,19 @@ class ParamWatch:
         keys = [k for k in keys if k in self._held]
         return dict(zip(keys, digests([self._parts(k) for k in keys])))
 
-    def changed(self, keys: Iterable[Hashable], now: Optional[dict] = None) -> list:
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """No record of ``keys`` (until ``record``)."""
+        for k in keys:
+            self._held.pop(k, None)
+
+    def changed(self, keys: Iterable[Hashable], now: Optional[dict] = None,
+                unrecorded: bool = False) -> list:
         """The sub-groups among ``keys`` whose params differ from the last record (one host
         sync per GPU); ``record`` them once the devices hold their edits. ``now``: ``look``'s
-        digests of them, taken earlier in the step (nothing writes the params in between)."""
+        digests of them, taken earlier in the step (nothing writes the params in between).
+        ``unrecorded``: keys without a record count as changed (else they are skipped)."""
+        keys = list(keys)
+        fresh = [k for k in keys if k not in self._held] if unrecorded else []
         keys = [k for k in keys if k in self._held]
         now = now or {}
         missing = [k for k in keys if k not in now]  # (recorded since the look, or none taken)
@@ -310,7 +319,7 @@ class ParamWatch:
             held = torch.stack([torch.as_tensor(self._held[k], device=device) for k in on_gpu])
             flags = (torch.stack([now[k] for k in on_gpu]) == held).cpu().tolist()
             same.update(zip(on_gpu, flags))
-        return [k for k in keys if not same[k]]
+        return fresh + [k for k in keys if not same[k]]
 
     def adopt(self, pipeline: Any, edited: Sequence[int],
               held: Callable[[int], tuple[torch.Tensor, torch.dtype]],
