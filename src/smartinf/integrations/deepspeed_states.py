@@ -179,14 +179,6 @@ class StoredStates:
                            self.pipeline.step_count, self._dirs)
             self._regather_persistent()
 
-    def _regather_persistent(self) -> None:
-        """The kept-whole (persistent) params gathered again from their partitions: an
-        all-gather skips params still gathered, so they are released first."""
-        if self.persistent_parameters:
-            self.persistent_parameters[0].partition(self.persistent_parameters)
-            self.persistent_parameters[0].all_gather(self.persistent_parameters)
-        self._record_kept_whole()
-
     def _get_fp32_opt_state_partition(self, param: Any, release_swap_buffers: bool,
                                       optim_state_key: Optional[str] = None) -> tuple:
         """This rank's part of ``param``'s master (or optimizer state), from the devices'

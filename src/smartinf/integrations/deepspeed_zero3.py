@@ -3,7 +3,8 @@
 the devices, the kept-whole and small params in sub-groups of their own, ``auto``'s choice)
 and its step (DeepSpeed's overflow check, loss scale, norm and clipping; the updates through
 the ``StepSession``, now or, with overlap, in the tail). Updates during backward:
-``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``."""
+``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``;
+the kept-whole params: ``deepspeed_kept_whole``."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,7 +16,6 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from smartinf import defaults
 from smartinf.step.driver import overrides
@@ -25,6 +25,7 @@ from smartinf.step.rounding import round_to
 from smartinf.integrations.deepspeed_config import _rule, _rule_class, check_config, choose
 from smartinf.planning.gpu_budget import measured as measured_gpu_budget
 from smartinf.integrations.deepspeed_norm import norm_groups
+from smartinf.integrations.deepspeed_kept_whole import KeptWhole
 from smartinf.integrations.deepspeed_overlap import Overlap
 from smartinf.integrations.deepspeed_states import StoredStates
 
@@ -52,15 +53,7 @@ def _give_back_freed_pinned_memory() -> None:
         empty()
 
 
-def _gathered_as_partition(p: Any) -> bool:
-    """A param gathered whole whose data is its partition's memory (DeepSpeed's gather at
-    one rank, the partition on the param's device)."""
-    return p.ds_status == ZeroParamStatus.AVAILABLE and p.ds_tensor is not None and \
-        p.ds_tensor.numel() == p.ds_numel == p.data.numel() and \
-        p.data.data_ptr() == p.ds_tensor.data_ptr() and p.data.device == p.ds_tensor.device
-
-
-class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_Stage3):
+class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, stage3.DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
 
     def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any,
@@ -218,37 +211,11 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             phases.mark("launch")
         self.last_step_phases = phases.seconds
 
-    def _release_for_step(self) -> None:
-        """DeepSpeed's ``_partition_all_parameters`` (every param released before the step,
-        the kept-whole ones gathered again by ``_post_step``), less the kept-whole params
-        whose gathered data is their partition: at world 1 with the partitions on the
-        params' device, DeepSpeed's gather is a view (``_no_gather_coalesced``), so the
-        step's update reaches them where they are, and releasing and gathering them again
-        changes no value. It took 19 ms of 7 B's step (lease m), and the gather a
-        synchronize. Anything else still gathered: DeepSpeed's, whole."""
-        persistent = {id(p) for p in self.persistent_parameters}
-        params = list(self.module.parameters())
-        if all(_gathered_as_partition(p) if id(p) in persistent
-               else getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE for p in params):
-            for p in params:
-                p.ds_active_sub_modules.clear()  # (as DeepSpeed's release does)
-        else:
-            self._partition_all_parameters()
-
     def _edited(self) -> list[int]:
         """The sub-groups whose partitions the caller changed since the step put them
         (through ``GatheredParameters(modifier_rank=...)``, or in a kept-whole param's
-        gathered copy, which is written into its partition here, as DeepSpeed's
-        ``partition(has_been_updated=True)`` would). A kept-whole param apart from its
-        partition that has no record was its partition when recorded: its data was
-        replaced since (``p.data = ...``), an edit too."""
-        whole = [p for p in self._kept_apart() if p.data.numel() == p.ds_numel]
-        copied = self._whole.changed(whole, unrecorded=True)
-        for p in copied:  # (one partitioned since holds its edits there)
-            part, flat = p.ds_tensor, p.data.reshape(-1)
-            start = part.ds_numel * dist.get_rank(group=self.dp_process_group)
-            count = max(0, min(part.ds_numel, p.ds_numel - start))
-            part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+        gathered copy: ``_kept_whole_edits``)."""
+        copied = self._kept_whole_edits()
         if self._watch is not None:
             return self._watch.changed(range(len(self.fp16_groups)))
         # A split master's devices tell its edits from the partition at the update; one
@@ -319,18 +286,6 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
         super()._post_step(timer_names)
         self._record_kept_whole()
 
-    def _record_kept_whole(self) -> None:
-        """What the kept-whole params apart from their partitions hold now, what an edit of
-        theirs is told from (the others have no record: ``_edited``)."""
-        self._whole.forget(self.persistent_parameters)
-        self._whole.record_all(self._kept_apart())
-
-    def _kept_apart(self) -> list:
-        """The kept-whole params whose gathered copy is not their partition: an edit of
-        theirs is told from what it held when gathered (the others' edits are their
-        partitions', which ``_watch`` or a split master's devices tell)."""
-        return [p for p in self.persistent_parameters if not _gathered_as_partition(p)]
-
     def _combined_scale(self, total_norm: Any) -> Any:
         """What DeepSpeed divides the gradients by: loss scale times the clip coefficient."""
         combined = self.loss_scale
@@ -375,13 +330,6 @@ class SmartInfinityStage3(Overlap, StoredStates, stage3.DeepSpeedZeroOptimizer_S
             torch.cuda.current_stream(flat.device).synchronize()  # before the buffer is reused
         self._unflatten_partitioned_parameters(i)
         self._put(i)
-
-    def _release_kept_whole(self, restored: list) -> None:
-        """After a failure, the kept-whole params' gathered copies hold the failed step's
-        values: released (a local operation), so the next gather (the forward's, a
-        ``GatheredParameters``) takes them from the restored partitions."""
-        if set(restored) & set(self._persistent_subgroups):
-            self.persistent_parameters[0].partition(self.persistent_parameters)
 
     def _put(self, i: int) -> None:
         """Sub-group ``i``'s partition holds what the step put: an edit is told from it."""
