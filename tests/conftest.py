@@ -1,6 +1,7 @@
 import errno
 import fcntl
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -33,10 +34,25 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launch's rendezvous (torchrun's
-    --master_port): tests running at once (pytest-xdist's workers) each get their own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    --master_port): tests running at once (pytest-xdist's workers) each get their own. Below
+    the kernel's ephemeral range: a port the kernel picked for us there (bind to 0) could be
+    taken by another launch's outgoing connection before torchrun listens on it (EADDRINUSE,
+    seen once in CI)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low // 3), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port below {low}")
 
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
