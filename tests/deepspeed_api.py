@@ -54,8 +54,14 @@ def config(devices: str | None, lr: float = 1e-2, bf16: bool = False,
 
 
 def engine(devices: str | None, seed: int = 0, args: object = None, lr: float = 1e-2,
-           bf16: bool = False, block: dict | None = None, zero: dict | None = None) -> object:
+           bf16: bool = False, block: dict | None = None, zero: dict | None = None,
+           freeze: bool = False) -> object:
+    """``freeze``: the blocks' first LayerNorms frozen (kept whole, in no sub-group)."""
     model = GPT(GPTConfig(LANG.vocab_size, 32, 64, 2, 4), seed=seed)
+    if freeze:
+        for name, p in model.named_parameters():
+            if ".ln1." in name:
+                p.requires_grad_(False)
     init = smartinf_ds.initialize if devices else deepspeed.initialize
     if args is not None:  # the argparse way: the config only in args.deepspeed_config
         return init(args=args, model=model, model_parameters=model.parameters())[0]

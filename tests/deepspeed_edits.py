@@ -16,7 +16,8 @@ gathered copies (``p.data``, no gather), after step 4 their data replaced by hal
 after step 1. DeepSpeed's own step would overwrite such edits with its fp32 masters, so its
 run is told of them the DeepSpeed way (``safe_set_full_fp32_param``); smartinf's is not.
 ``--bf16`` trains in bf16 (DeepSpeed's fp32 masters, smartinf's fp32 or split ones), ``--block``
-adds keys to the smartinf block (a memory budget, a split master). Rank 0 writes, per step, the losses, how far each engine's persistent params (read
+adds keys to the smartinf block (a memory budget, a split master), ``--freeze`` freezes the
+blocks' first LayerNorms (kept whole, in no sub-group; the kept-whole edits leave them). Rank 0 writes, per step, the losses, how far each engine's persistent params (read
 without a gather) and gathered params are from the other's, how often each step released
 a persistent param and which edit came before it; then, clamped once more after
 the last step, the largest fp32 master of smartinf's checkpoint.
@@ -57,9 +58,9 @@ def clamp(eng: object, snapshot: dict) -> None:
 
 
 def kept_whole(eng: object) -> list:
-    """The kept-whole params, as gathered as step() left them (an edit of an empty released
-    copy would edit nothing)."""
-    params = [p for p in named(eng).values() if getattr(p, "ds_persist", False)]
+    """The trained kept-whole params, as gathered as step() left them (an edit of an empty
+    released copy would edit nothing)."""
+    params = [p for p in named(eng).values() if getattr(p, "ds_persist", False) and p.requires_grad]
     assert all(p.data.numel() == p.ds_numel for p in params), "a kept-whole param was released"
     return params
 
@@ -113,7 +114,8 @@ def tell_deepspeed(eng: object) -> None:
         if p.data.numel() == p.ds_numel:  # kept whole: its copy is what the forward used
             values[n] = p.data.detach().clone()
     for n, p in params.items():
-        safe_set_full_fp32_param(p, values[n])
+        if p.requires_grad:  # (a frozen one has no master: GatheredParameters wrote its partition)
+            safe_set_full_fp32_param(p, values[n])
 
 
 def main() -> None:
@@ -121,16 +123,17 @@ def main() -> None:
     flags = argparse.ArgumentParser()
     flags.add_argument("--bf16", action="store_true")
     flags.add_argument("--block", default="{}", type=json.loads, help="more of the smartinf block")
+    flags.add_argument("--freeze", action="store_true", help="the blocks' first LayerNorms frozen")
     for name, overlap, argv in a.cases:
         os.environ["SMARTINF_SPECULATE_ON_CPU"] = "1" if overlap else "0"
         case = flags.parse_args(argv)
-        run(Path(a.dir) / name, Path(a.out) / f"{name}.json", case.bf16, case.block, rank)
+        run(Path(a.dir) / name, Path(a.out) / f"{name}.json", case.bf16, case.block, rank, case.freeze)
     leave_without_teardown()
 
 
-def run(directory: Path, out: Path, bf16: bool, block: dict, rank: int) -> None:
-    ours = engine(str(directory / "ours"), lr=LR, bf16=bf16, block=block)
-    ref = engine(None, lr=LR, bf16=bf16)
+def run(directory: Path, out: Path, bf16: bool, block: dict, rank: int, freeze: bool) -> None:
+    ours = engine(str(directory / "ours"), lr=LR, bf16=bf16, block=block, freeze=freeze)
+    ref = engine(None, lr=LR, bf16=bf16, freeze=freeze)
     data = [batches(LANG, 4, 32, seed=1000 + rank) for _ in range(2)]
     kept_whole = [n for n, q in named(ours).items() if getattr(q, "ds_persist", False)]
     record: dict = {"kept_whole": len(kept_whole), "steps": []}

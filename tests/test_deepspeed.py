@@ -1183,6 +1183,9 @@ EDIT_CASES = {  # name: (world, overlap, script flags, tolerance)
     # bits (within half an ulp of the edit, where DeepSpeed told takes the edit): every
     # element within one bf16 ulp of DeepSpeed's
     "2-overlap-bf16-split": (2, True, ("--bf16", "--block", '{"master": "split"}'), BF16_ULP),
+    # with frozen kept-whole params (in no sub-group: their partitions take the edits)
+    "2-overlap-bf16-split-frozen": (2, True, ("--bf16", "--freeze", "--block", '{"master": "split"}'),
+                                    BF16_ULP),
     # and at one rank, where the kept-whole params' gathered copies are their partitions:
     # their edits are the devices' to tell
     "1-overlap-bf16-split": (1, True, ("--bf16", "--block", '{"master": "split"}'), BF16_ULP),

@@ -220,9 +220,10 @@ class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, stage3.DeepSpeedZero
             return self._watch.changed(range(len(self.fp16_groups)))
         # A split master's devices tell its edits from the partition at the update; one
         # started during backward read the partition before these copies: retracted, the
-        # step's update reads them
+        # step's update reads them (a frozen param's is in no sub-group)
         if copied and self._speculation is not None:
-            self._speculation.drop(sorted({self._subgroup_of[p.ds_id] for p in copied}))
+            self._speculation.drop(sorted({self._subgroup_of[p.ds_id] for p in copied
+                                           if p.ds_id in self._subgroup_of}))
         return []
 
     def _adopt(self, edited: list) -> None:
