@@ -118,7 +118,7 @@ def held(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     t = local(p)
     if start == 0 and stop == t.numel() and t.is_contiguous():
         return t
-    return t.detach().reshape(-1)[start:stop]
+    return read(p, start, stop)
 
 
 def flat_params(sg: Subgroup) -> torch.Tensor:
