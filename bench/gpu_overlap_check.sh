@@ -5,8 +5,9 @@
 # resident, fp16 with an injected overflow, clipping acting): the same losses and final
 # params, printed side by side, with the updates started during backward and those
 # finished while the next forward ran. Environment as for gpu_headtohead.sh.
+# GPUS: ranks, one a GPU (default 1), both runs of a case alike (each at the same world size)
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; GPUS=${GPUS:-1}
 # ONLY: the cases whose names begin with it, without the pytest run
 ONLY=${ONLY:-}
 [ -n "$ONLY" ] || python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py 2>&1 | tail -5
@@ -35,7 +36,7 @@ CASES=("${CASES[@]//@/ }")
 for case in "${CASES[@]}"; do
   for overlap in "" "--no-overlap"; do
     name="${case%%|*}${overlap:+-sync}"
-    python3 -m torch.distributed.run --nproc_per_node=1 examples/deepspeed/train.py --model tiny \
+    python3 -m torch.distributed.run --standalone --nproc_per_node="$GPUS" examples/deepspeed/train.py --model tiny \
       --steps 8 --sub-group-size 60000 --dir "/tmp/states/$name" --if-exists overwrite \
       --json "$OUT/$name.json" --params-out "/tmp/$name.pt" ${case#*|} $overlap > "/tmp/$name.log" 2>&1 \
       || { echo "$name failed"; tail -30 "/tmp/$name.log"; }
