@@ -303,12 +303,11 @@ def main() -> None:
         check(load)
 
     @check
-    def failed_commit_puts_params_back():
+    def failed_commit_keeps_the_step():
         """A durable commit that fails (the disk full at its sync) raises, from step() or,
-        with overlap, where the step's tail drains (settle); the devices are back at the
-        step before, and so are the model's params, the kept-whole ones gathered again from
-        their partitions: fp32, and bf16 over fp32 masters (rounded as the devices round
-        them), bit for bit."""
+        with overlap, where the step's tail drains (settle), and undoes nothing: the step
+        stands, the devices' and the model's params at it, the directories at the step
+        before until a commit lands (the next one's): fp32, and bf16 over fp32 masters."""
         import smartinf._native as native
 
         def one(bf16):  # (every step durable: the next one's commit fails)
@@ -330,8 +329,11 @@ def main() -> None:
             whole = [n for n, q in named(eng).items() if getattr(q, "ds_persist", False)]
             out = {"errno": errno, "kept_whole": len(whole),
                    "moved": rel(list(after.values()), list(before.values())),
-                   "steps": [steps, eng.optimizer.pipeline.step_count]}
+                   "steps": [steps, eng.optimizer.pipeline.step_count],
+                   "durable": eng.optimizer.pipeline.durable_step_count}
             out["then"] = train(eng, d, 1)  # training goes on
+            eng.optimizer.settle()
+            out["durable_then"] = eng.optimizer.pipeline.durable_step_count
             eng.destroy()
             return out
         return {"fp32": one(False), "bf16": one(True)}

@@ -527,16 +527,17 @@ def test_a_load_right_after_step_is_not_overwritten_by_the_step(api):
     assert got["None"] <= TOL and got["local"] <= TOL, got
 
 
-def test_a_failed_commit_puts_the_params_back_with_the_devices(api):
-    """The step session's restore, under DeepSpeed: a durable commit that fails leaves the
-    devices at the step before, and the params with them, bit for bit (they kept the failed
-    step's update before), the kept-whole ones gathered again from their partitions, in
-    fp32 and in bf16 (the masters rounded as the devices round them); training goes on."""
-    for dtype, got in ok(api["failed_commit_puts_params_back"]).items():
+def test_a_failed_commit_keeps_the_step(api):
+    """Under DeepSpeed, a durable commit that fails (commit_every=1) raises and undoes
+    nothing: the step stands (the params moved by its update, the step counted), the
+    directories stay at the step before, and the next step's commit makes both durable; in
+    fp32 and in bf16. (Before, the devices and params went back to the step before.)"""
+    for dtype, got in ok(api["failed_commit_keeps_the_step"]).items():
         assert got["errno"] == 28, dtype
-        assert got["steps"][0] == got["steps"][1] > 0, dtype
-        assert got["kept_whole"] > 0 and got["moved"] == 0.0, (dtype, got)
+        assert got["steps"][1] == got["steps"][0] + 1 and got["durable"] == got["steps"][0], (dtype, got)
+        assert got["kept_whole"] > 0 and got["moved"] > 0.0, (dtype, got)
         assert all(math.isfinite(x) for x in got["then"]), dtype
+        assert got["durable_then"] == got["steps"][1] + 1, (dtype, got)
 
 
 def test_safe_get_fp32_params_and_optimizer_states_read_the_devices(api):

@@ -7,11 +7,12 @@ test_crash.py.)"""
 import errno
 import os
 
+import numpy as np
 import pytest
 
 import smartinf
 import smartinf._native as native
-from test_tiers import FP32_BYTES, RULE, SIZES, CHUNK, assert_same, run_step, states, train
+from test_tiers import FP32_BYTES, RULE, SIZES, CHUNK, assert_same, grads, run_step, states, train
 from conftest import open_with_subgroups
 
 ALL_STATES = sum(FP32_BYTES.values())
@@ -141,7 +142,8 @@ def test_discard_after_write_states_closes_the_pipeline(tmp_path):
 def test_a_new_directory_is_written_first_by_its_first_durable_commit(tmp_path):
     """A resident sub-group's first states stay in memory until the first durable commit
     (13 B: 51 GB not written before the first step); until then the directory holds no step:
-    a reopen refuses it, and a failed step before that commit closes the pipeline."""
+    a reopen refuses it, and a step failing after an update before that commit closes the
+    pipeline (one failing before any update undoes nothing)."""
     d = str(tmp_path / "d")
     plain = train(str(tmp_path / "plain"), 3)
     pipe = open_one(d)
@@ -157,6 +159,10 @@ def test_a_new_directory_is_written_first_by_its_first_durable_commit(tmp_path):
     with open_one(d) as pipe:
         assert_same(states(pipe), plain[2][1])
     with open_one(str(tmp_path / "e")) as pipe:
+        with pytest.raises(KeyError):
+            with pipe.step():
+                raise KeyError("a step fails before any update: nothing to undo")
         with pytest.raises(RuntimeError, match="going back to step 0: directories of one copy"):
             with pipe.step():
-                raise KeyError("the first step fails")
+                pipe.update(0, grads(0)[0], np.empty(SIZES[0], np.float16))
+                raise KeyError("the first step fails after an update")

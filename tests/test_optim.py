@@ -580,10 +580,12 @@ def test_state_dict_with_different_step_counts_in_a_subgroup_is_refused(disk_dir
     oa.close()
 
 
-def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
+def test_a_failed_commit_keeps_the_step(disk_dir, caplog):
+    """A durable commit that fails (a full disk at its sync) raises from step(), and nothing
+    is undone: the step stands (params and states, like torch's), said so, and the next
+    durable commit writes it."""
     import smartinf._native as native
     a, oa, b, ob = adamw_pair(disk_dir, 2, memory_budget=0, commit_every=1)  # (streamed, durable)
-    before = [p.detach().clone() for p in a.parameters()]
     set_grads(a, reference_grads(b, 2))
     native.arm_fault("store.synced", "error", errno=28)
     try:
@@ -591,28 +593,30 @@ def test_a_failed_commit_leaves_the_model_as_it_was(disk_dir):
             oa.step()
     finally:
         native.disarm_fault()
-    assert e.value.errno == 28 and oa.pipeline.step_count == 2
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
-    train_both(a, oa, b, ob, range(2, 4))  # the step is redone and training goes on
+    ob.step()
+    assert e.value.errno == 28
+    assert (oa.pipeline.step_count, oa.pipeline.durable_step_count) == (3, 2)
+    assert "the steps stand, in memory, nothing undone (step 3; do not redo it)" in caplog.text
+    assert_models_close(a, b)
+    train_both(a, oa, b, ob, range(3, 5))  # training goes on; the next commit is durable
+    assert oa.pipeline.durable_step_count == 5
     assert_models_close(a, b)
     oa.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_commit(
+def test_resident_states_and_a_commit_interval_match_torch_and_keep_a_failed_commits_steps(
         disk_dir, caplog, overlap):
-    """memory_budget + commit_every=3 train like torch; a durable commit that fails puts
-    the devices (resident states reloaded) and the model's params back to the last durable
-    commit, with a warning, and training from there goes on like torch from that step.
-    With overlap the commit is written in the background and fails where it lands: here
-    state_dict(), which puts the params back as step() would."""
+    """memory_budget + commit_every=3 train like torch; a durable commit that fails undoes
+    nothing: the steps since the last durable one stand in memory (said so), training goes
+    on like torch, and the next durable commit writes them. With overlap the commit is
+    written in the background and fails where it lands: here state_dict()."""
     import smartinf._native as native
     a, oa, b, ob = adamw_pair(disk_dir, 5, memory_budget="4MiB", commit_every=3, overlap=overlap)
     oa.pipeline.settle()
     assert (oa.pipeline.durable_step_count, oa.pipeline.step_count) == (3, 5)
     assert all(oa.pipeline.resident(i) for i in range(oa.pipeline.num_subgroups))
     assert_models_close(a, b)
-    c, oc, d, od = adamw_pair(str(Path(disk_dir) / "ref3"), 3)  # torch's model at step 3
     set_grads(a, reference_grads(b, 5))
     native.arm_fault("store.synced", "error", errno=5)
     try:
@@ -622,13 +626,57 @@ def test_resident_states_and_a_commit_interval_match_torch_and_fail_back_to_a_co
             oa.state_dict()  # with overlap it lands here
     finally:
         native.disarm_fault()
-    assert oa.pipeline.step_count == 3
-    assert "back at step 3" in caplog.text
-    assert_models_close(a, d)
-    train_both(a, oa, d, od, range(3, 7))
-    assert_models_close(a, d)
+    ob.step()
+    assert (oa.pipeline.step_count, oa.pipeline.durable_step_count) == (6, 3)
+    assert "nothing undone" in caplog.text
+    assert_models_close(a, b)
+    train_both(a, oa, b, ob, range(6, 9))
+    oa.pipeline.settle()
+    assert oa.pipeline.durable_step_count == 7  # (the commit after the failed one: due at once)
+    assert_models_close(a, b)
     oa.close()
-    oc.close()
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_an_exception_in_step_undoes_that_step_alone(disk_dir, caplog, every):
+    """Steps before a failing one stay, whatever commit_every: one failing before any
+    update (its closure raises) changes nothing; one failing after its first sub-group's
+    update (a gradient the caller's code breaks mid-step) undoes that update where it read
+    what the committed copy holds (commit_every=1), else keeps it, said so, one step ahead;
+    the other sub-groups' params are torch's at step 3 either way, and training goes on."""
+    a, oa, b, ob = adamw_pair(disk_dir, 3, commit_every=every)
+    c, oc, d, od = adamw_pair(str(Path(disk_dir) / "ref4"), 4)  # torch's model at step 4
+    with pytest.raises(ZeroDivisionError):
+        oa.step(lambda: 1 / 0)
+    assert oa.pipeline.step_count == 3
+    assert_models_close(a, b)
+    set_grads(a, reference_grads(b, 3))
+    send, calls = oa._driver.send, []
+
+    def failing(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise RuntimeError("the caller's code broke mid-step")
+        return send(*args, **kwargs)
+    oa._driver.send = failing
+    with pytest.raises(RuntimeError, match="mid-step"):
+        oa.step()
+    oa._driver.send = send
+    assert oa.pipeline.step_count == 3 and oa.pipeline.durable_step_count in (0, 3)
+    first = oa._plan[calls[0]]
+    kept = "were updated in place over steps not yet durable" in caplog.text
+    assert kept == (every == 10)
+    for sg in oa._plan:
+        for sl in sg.slices:
+            want = d if sg is first and kept else b  # (torch at step 4, or at 3)
+            j = next(j for j, q in enumerate(a.parameters()) if q is sl.param)
+            got = sl.param.detach().reshape(-1)[sl.start:sl.stop]
+            ref = list(want.parameters())[j].detach().reshape(-1)[sl.start:sl.stop]
+            assert_close_fp32(got.numpy(), ref.numpy(), f"sub-group {sg.id}")
+    if not kept:
+        train_both(a, oa, b, ob, range(3, 6))  # the step redone: torch's from there
+        assert_models_close(a, b)
+    oa.close()
 
 
 def test_state_dict_on_a_full_disk_raises_enospc(small_fs):

@@ -14,6 +14,7 @@ import pytest
 
 import smartinf
 import smartinf._native as native
+from smartinf.pipeline.checkpoint import manifest_fields
 from conftest import ENGINES, fill, open_with_subgroups
 
 SIZES = [3000, 2500, 1000]
@@ -122,21 +123,28 @@ def test_failed_commit_changes_nothing(tmp_path, reference, point):
         with pytest.raises(OSError, match=f"injected fault at {point}") as e:
             run_step(pipe, 1)
         assert e.value.errno == errno.EIO
-        assert pipe.step_count == 1
-        assert_states_equal(states(pipe), reference[1])
-        assert not os.path.exists(os.path.join(d, "manifest.tmp"))
-        run_step(pipe, 1)  # the pipeline goes on: the step can be redone
+        # the step stands, nothing undone; the directory holds step 1 until a commit lands
+        assert (pipe.step_count, pipe.durable_step_count) == (2, 1)
         assert_states_equal(states(pipe), reference[2])
+        assert not os.path.exists(os.path.join(d, "manifest.tmp"))
+        assert manifest_step(d) == 1
+        pipe.flush()  # the commit again
+        assert pipe.durable_step_count == 2 and manifest_step(d) == 2
     with open_pipe(d) as pipe:
         assert pipe.step_count == 2
         assert_states_equal(states(pipe), reference[2])
 
 
-def still_at_step_one_then_redone(pipe, dirs, reference_two):
-    """After a failed second step: at step 1, bit for bit; the step redone; reopened at 2."""
-    assert pipe.step_count == 1
-    assert_states_equal(states(pipe), reference_two[1])
-    run_step(pipe, 1)
+def manifest_step(directory):
+    return int(manifest_fields(directory)["step"])
+
+
+def the_step_stands_then_commits(pipe, dirs, reference_two):
+    """After a failed commit of the second step: every directory at step 1, the step
+    standing in memory bit for bit, made durable by the next commit; reopened at 2."""
+    assert (pipe.step_count, pipe.durable_step_count) == (2, 1)
+    assert [manifest_step(d) for d in dirs] == [1, 1]
+    assert_states_equal(states(pipe), reference_two[2])
     pipe.close()
     with open_pipe(dirs) as pipe:
         assert pipe.step_count == 2
@@ -150,7 +158,7 @@ def test_failed_commit_on_the_second_device_rolls_back_the_first(tmp_path, refer
         native.arm_fault("pipeline.device_committed", "error")  # after device a
         with pytest.raises(OSError, match="injected fault"):
             run_step(pipe, 1)
-        still_at_step_one_then_redone(pipe, dirs, reference_two)
+        the_step_stands_then_commits(pipe, dirs, reference_two)
 
 
 def test_a_failed_sync_on_the_second_device_publishes_no_device(tmp_path, reference_two):
@@ -165,7 +173,7 @@ def test_a_failed_sync_on_the_second_device_publishes_no_device(tmp_path, refere
         with pytest.raises(OSError, match="injected fault at store.synced"):
             run_step(pipe, 1)
         assert [open(m, "rb").read() for m in manifests] == before
-        still_at_step_one_then_redone(pipe, dirs, reference_two)
+        the_step_stands_then_commits(pipe, dirs, reference_two)
 
 
 @pytest.fixture
@@ -286,11 +294,11 @@ def test_full_disk_at_commit_keeps_the_last_step(small_fs, reference):
         with pytest.raises(OSError) as e:
             run_step(pipe, 1)
         assert e.value.errno == errno.ENOSPC and small_fs in e.value.filename
-        assert pipe.step_count == 1
-        assert_states_equal(states(pipe), reference[1])
-        os.remove(filler)
-        run_step(pipe, 1)
+        assert (pipe.step_count, pipe.durable_step_count) == (2, 1)  # the step stands
         assert_states_equal(states(pipe), reference[2])
+        os.remove(filler)
+        pipe.flush()
+        assert pipe.durable_step_count == 2
     with open_pipe(small_fs) as pipe:
         assert_states_equal(states(pipe), reference[2])
 

@@ -216,12 +216,12 @@ def test_flush_discard_and_reads_between_durable_commits(tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("point", ["io.read", "io.write", "store.synced", "manifest.renamed"])
-def test_a_failed_step_or_commit_goes_back_to_the_durable_commit(tmp_path, point, overlap):
-    """An I/O error in a step or a failed durable commit: the pipeline is back at its last
-    durable commit (resident states reloaded), the directories too, and training goes on
-    identically from there. With overlap a durable commit fails where it lands (here
-    flush(); else the next update of a streamed sub-group, or the next durable commit)."""
+@pytest.mark.parametrize("point", ["io.read", "io.write"])
+def test_an_io_error_in_an_update_made_in_place_goes_back_to_the_durable_commit(tmp_path, point, overlap):
+    """An I/O error in step 7 (durable commits every 4), whose updates write in place over
+    steps 5 and 6 (not yet durable): which update is half written is not known, so the
+    pipeline is back at its last durable commit (resident states reloaded), the directories
+    too, and training goes on identically from there."""
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     plain = train(str(tmp_path / "plain"), 8)
     with open_pipe(dirs, memory_budget=36864, commit_every=4, overlap=overlap) as pipe:
@@ -229,20 +229,113 @@ def test_a_failed_step_or_commit_goes_back_to_the_durable_commit(tmp_path, point
             run_step(pipe, step)
         native.arm_fault(point, "error", errno=errno.EIO)
         with pytest.raises(OSError, match="injected fault|read failed|write failed") as e:
-            for step in range(6, 8):  # the commit of step 8 is durable
-                run_step(pipe, step)
-            pipe.flush()
+            run_step(pipe, 6)
         native.disarm_fault()
         assert e.value.errno == errno.EIO
         assert (pipe.step_count, pipe.durable_step_count) == (4, 4)
+        assert pipe.undo_step() == []
         assert_same(states(pipe), plain[3][1])
-        assert not any(os.path.exists(os.path.join(d, "manifest.tmp")) for d in dirs)
         for step in range(4, 8):
             run_step(pipe, step)
         assert_same(states(pipe), plain[7][1])
     with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
         assert pipe.step_count == 8
         assert_same(states(pipe), plain[7][1])
+
+
+@pytest.mark.parametrize("point", ["io.read", "io.write"])
+def test_an_io_error_in_the_first_step_after_a_durable_commit_undoes_it_alone(tmp_path, point):
+    """The same I/O error in step 5, the first after the durable commit of step 4: every
+    update read states the committed copy holds, so the step is undone alone (streamed
+    sub-groups' writes forgotten, the resident one reloaded) and nothing else is lost."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    plain = train(str(tmp_path / "plain"), 6)
+    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+        for step in range(4):
+            run_step(pipe, step)
+        pipe.settle()  # (step 4's durable commit landed: the fault is step 5's)
+        native.arm_fault(point, "error", errno=errno.EIO)
+        with pytest.raises(OSError):
+            run_step(pipe, 4)
+        native.disarm_fault()
+        assert (pipe.step_count, pipe.durable_step_count, pipe.undo_step()) == (4, 4, [])
+        assert_same(states(pipe), plain[3][1])
+        run_step(pipe, 4)
+        run_step(pipe, 5)
+        assert_same(states(pipe), plain[5][1])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_failing_in_the_caller_undoes_itself_alone(tmp_path, overlap):
+    """An exception in the caller's code within ``with pipe.step():`` after some updates (no
+    device failed): the steps before stay. In step 5 (the first after a durable commit) each
+    update is undone; in step 7 those made in place over steps 5 and 6 are whole and are
+    kept (undo_step() names them), the others undone: finishing step 7 for those gives the
+    uninterrupted run's bits."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    plain = train(str(tmp_path / "plain"), 8)
+
+    def failing_step(step, updated):
+        with pytest.raises(RuntimeError, match="the caller's"):
+            with pipe.step():
+                for i in updated:
+                    pipe.update(i, grads(step)[i], np.empty(SIZES[i], np.float16))
+                pipe.wait()
+                raise RuntimeError("the caller's own error")
+
+    with open_pipe(dirs, memory_budget=36864, commit_every=4, overlap=overlap) as pipe:
+        for step in range(4):
+            run_step(pipe, step)
+        pipe.settle()
+        failing_step(4, [0, 2])
+        assert (pipe.step_count, pipe.durable_step_count, pipe.undo_step()) == (4, 4, [])
+        assert_same(states(pipe), plain[3][1])
+        for step in range(4, 6):
+            run_step(pipe, step)
+        failing_step(6, [0, 2, 3])
+        kept = pipe.undo_step()
+        assert kept == [0, 2, 3]  # each updated in place over steps 5 and 6
+        assert (pipe.step_count, pipe.durable_step_count) == (6, 4)
+        for i, got in enumerate(states(pipe)):
+            assert np.array_equal(got, plain[6 if i in kept else 5][1][i]), f"sub-group {i}"
+        with pipe.step():  # step 7 for the one not kept
+            pipe.update(1, grads(6)[1], np.empty(SIZES[1], np.float16))
+        run_step(pipe, 7)
+        assert_same(states(pipe), plain[7][1])
+    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+        assert pipe.step_count == 8
+        assert_same(states(pipe), plain[7][1])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("point", ["store.synced", "manifest.renamed"])
+def test_a_failed_durable_commit_keeps_the_steps(tmp_path, point, overlap):
+    """The durable commit of step 8 fails (a sync, or one device's manifest renamed and the
+    other's not): the error is raised, every device stays at step 4 on disk, and nothing is
+    undone: the steps stand in memory, and the next durable commit writes them. With overlap
+    the commit fails where it lands (here flush())."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    plain = train(str(tmp_path / "plain"), 9)
+    with open_pipe(dirs, memory_budget=36864, commit_every=4, overlap=overlap) as pipe:
+        for step in range(6):
+            run_step(pipe, step)
+        native.arm_fault(point, "error", errno=errno.EIO)
+        with pytest.raises(OSError, match="injected fault") as e:
+            for step in range(6, 8):  # the commit of step 8 is durable
+                run_step(pipe, step)
+            pipe.flush()
+        native.disarm_fault()
+        assert e.value.errno == errno.EIO
+        assert (pipe.step_count, pipe.durable_step_count) == (8, 4)
+        assert_same(states(pipe), plain[7][1])
+        assert not any(os.path.exists(os.path.join(d, "manifest.tmp")) for d in dirs)
+        run_step(pipe, 8)  # due again: durable now
+        pipe.settle()
+        assert (pipe.step_count, pipe.durable_step_count) == (9, 9)
+        assert_same(states(pipe), plain[8][1])
+    with open_pipe(dirs, memory_budget=36864, commit_every=4) as pipe:
+        assert pipe.step_count == 9
+        assert_same(states(pipe), plain[8][1])
 
 
 def test_a_directory_reopens_with_another_budget_and_interval(tmp_path):

@@ -198,6 +198,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         void flush() except +raise_py_error nogil
         void settle() except +raise_py_error nogil
         void discard() except +raise_py_error nogil
+        vector[size_t] undo_step() except +raise_py_error nogil
         void close() except +raise_py_error nogil
         cbool closed()
         uint64_t step()
@@ -563,6 +564,12 @@ cdef class NativePipeline:
     def discard(self):
         with nogil:
             self.p.discard()
+
+    def undo_step(self) -> list:
+        cdef vector[size_t] kept
+        with nogil:
+            kept = self.p.undo_step()
+        return list(kept)
 
     def close(self):
         with nogil:

@@ -75,12 +75,15 @@ void Pipeline::commit() {
           "step but it was not updated; a crash would finish the step with it. Update it, or "
           "discard() the step");
   }
+  auto undo = undo_;  // (wait_step forgets it)
   try {
     wait_step();
   } catch (...) {
-    back_to_durable();
+    if (logs_or_rewritten()) back_to_durable();
+    else undo_updates(std::move(undo), true);  // the failed step alone
     throw;
   }
+  kept_.clear();
   land_if_written();
   const uint64_t last = pending_ ? pending_->step : durable_step_;  // the interval's start
   // (a durable commit due while the last is still written: put off, where it may not wait)
@@ -214,8 +217,8 @@ void Pipeline::land() {
       }
       lose_one_copy("the durable commit of step " + std::to_string(c.step) + " failed (" + what + ")");
     }
-    // Some devices may be at `step` already: put them back, so the pipeline stays at the
-    // last step every device has (its updates are lost; the caller may redo them).
+    // Some devices may be at `step` already: put them back, so that every device stays at
+    // the last step all have.
     try {
       for (Unit& u : devices_)
         if (u.store->step() == c.step && c.step != durable_step_) u.store->rollback_last_step();
@@ -226,11 +229,17 @@ void Pipeline::land() {
           "): the pipeline is closed; reopen the directories, which rolls them back to step " +
           std::to_string(durable_step_));
     }
-    try {
-      wait_step();  // no update in flight may touch what back_to_durable reloads
-    } catch (...) {
+    if (logs_or_rewritten()) {  // a log's journal is the commit's: its step is redone
+      try {
+        wait_step();  // no update in flight may touch what back_to_durable reloads
+      } catch (...) {
+      }
+      back_to_durable();
+      throw;
     }
-    back_to_durable();
+    // The steps stand, their states in resident memory and the working copies: those it
+    // held stay dirty (a resident one behind its extents), so the next durable commit
+    // (commit_every, flush, close) writes them again. Nothing is undone.
     throw;
   }
   // Their committed copy is now what the commit wrote; one updated since stays dirty (its
@@ -243,6 +252,35 @@ void Pipeline::abandon() {
   pending_.reset();  // its writes end with the rings; the directories reopen before it
   for (Unit& u : devices_) u.ring.reset();
   devices_.clear();
+}
+
+bool Pipeline::logs_or_rewritten() const {
+  return rewritten() || std::any_of(devices_.begin(), devices_.end(), [](const Unit& u) {
+    return u.store->logs();
+  });
+}
+
+std::vector<size_t> Pipeline::undo_step() {
+  std::lock_guard lock(mu_);
+  require_open();
+  if (!step_in_progress()) return kept_;  // a commit() whose updates failed undid it
+  auto undo = undo_;
+  bool failed = false;
+  try {
+    wait_step();  // (its error is the failed step's, raised already)
+  } catch (...) {
+    failed = true;
+  }
+  try {
+    land();  // a commit the caller was promised; a failed one keeps the states
+  } catch (...) {
+    if (devices_.empty()) throw;
+  }
+  if (logs_or_rewritten()) {
+    back_to_durable();
+    return {};
+  }
+  return undo_updates(std::move(undo), failed);
 }
 
 void Pipeline::discard() {

@@ -153,6 +153,16 @@ class Pipeline {
   // Waits for the step and goes back to durable_step(): the step's updates and those of
   // the non-durable commits before it are forgotten (resident states reloaded).
   void discard();
+  // Waits for the step and undoes it alone (a failed step): each update (or states written)
+  // is retracted where the states it read are still held (a streamed sub-group's committed
+  // extents, a resident one's other copy), or its resident states are reloaded from the
+  // committed copy (its first update since the last durable commit); the steps before stay.
+  // An update made in place over steps not yet durable cannot be undone: it is kept, and
+  // its sub-group returned (as torch keeps what its loop updated before an exception);
+  // where the devices' work failed (an I/O error) such an update may be half written, so
+  // the pipeline goes back to durable_step() (discard()), as with a log or a directory of
+  // one copy written over.
+  std::vector<size_t> undo_step();
   // Forgets a step in progress as discard() does, else makes the committed steps durable;
   // persists the layout.
   void close();
@@ -253,6 +263,16 @@ class Pipeline {
   bool give_twin(Placement& p);
   // Back to the last durable commit: dirty sub-groups forgotten, resident ones reloaded.
   void back_to_durable();
+  // How an update (or states written) of the step in progress is undone: its placement put
+  // back (its states elsewhere untouched), its resident states reloaded from the committed
+  // copy, or not at all (kept: written in place over steps not yet durable).
+  enum class Undo { restore, reload, keep };
+  Undo undo_of(const Placement& before, bool elsewhere) const;
+  void restore(size_t sg, Placement before);  // `before` back, as retract does
+  // The step's updates in `undo` undone (after wait_step, which threw where `failed`: then
+  // any kept one sends the pipeline back to the durable commit); returns the kept (kept_).
+  std::vector<size_t> undo_updates(std::map<size_t, std::pair<Placement, Undo>> undo,
+                                   bool failed);
   void abandon();  // drops every device without saving: after a failure it cannot undo
   // Sub-group `sg` updated (or written) in the step in progress, to `steps`; its new states
   // stay in resident memory (`stays_resident`) or go to its shadow extents.
@@ -262,6 +282,7 @@ class Pipeline {
   // every step: refused, naming what would hold it (`id`, `numel` params on `unit`).
   void refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const;
   bool rewritten() const;  // a directory of one copy written over since its durable step
+  bool logs_or_rewritten() const;  // a failure goes back to the durable step (back_to_durable)
   [[noreturn]] void lose_one_copy(const std::string& why);  // abandons, then says so
   // A directory with a log whose step was partly written where the step before was:
   // abandons, and says the reopen finishes the logged step.
@@ -285,6 +306,11 @@ class Pipeline {
   std::optional<PendingCommit> pending_;
   // Speculative updates of the step in progress: each sub-group's placement before it.
   std::map<size_t, std::pair<Placement, std::shared_ptr<Completion>>> speculative_;
+  // Every update (or states written) of the step in progress: its placement before, and how
+  // a failed step undoes it; kept_: the sub-groups the last undone step kept (a commit()
+  // whose updates failed undoes the step itself: undo_step() then returns these).
+  std::map<size_t, std::pair<Placement, Undo>> undo_;
+  std::vector<size_t> kept_;
   uint64_t speculative_updates_ = 0, retracted_updates_ = 0;
   uint64_t background_commits_ = 0, commit_wait_ns_ = 0;
   std::shared_ptr<Activity> updates_ = std::make_shared<Activity>();  // the updates' wall time

@@ -33,6 +33,12 @@ void Pipeline::retract(size_t sg) {
   it->second.second->wait();
   devices_[before.unit].ring->drain();  // its write-back, which a new update would race
   completions_.erase(std::find(completions_.begin(), completions_.end(), it->second.second));
+  restore(sg, before);
+  speculative_.erase(it);
+  ++retracted_updates_;
+}
+
+void Pipeline::restore(size_t sg, Placement before) {
   const bool held = pending_ && std::any_of(pending_->subgroups.begin(), pending_->subgroups.end(),
                                             [&](const auto& e) { return e.first == sg; });
   if (!held) {  // a commit that held it landed since: as land() would have left it
@@ -41,8 +47,46 @@ void Pipeline::retract(size_t sg) {
   }
   placement_[sg] = before;
   updated_[sg] = false;
-  speculative_.erase(it);
-  ++retracted_updates_;
+  undo_.erase(sg);
+}
+
+// A streamed sub-group's update reads its committed extents and writes the others unless
+// it was updated since the last durable commit (then in place); a resident one's writes
+// `elsewhere` (its twin) or over its memory, which the committed copy still holds unless
+// it was updated since.
+Pipeline::Undo Pipeline::undo_of(const Placement& before, bool elsewhere) const {
+  if (elsewhere || (before.resident == device::kOwnStates && !before.dirty)) return Undo::restore;
+  return before.dirty ? Undo::keep : Undo::reload;
+}
+
+std::vector<size_t> Pipeline::undo_updates(std::map<size_t, std::pair<Placement, Undo>> undo,
+                                           bool failed) {
+  kept_.clear();
+  // The devices' work failed (an I/O error): an update made in place may be half written,
+  // and which one is not known: back to the durable commit, as the only states whole.
+  if (failed && std::any_of(undo.begin(), undo.end(),
+                            [](const auto& u) { return u.second.second == Undo::keep; })) {
+    back_to_durable();
+    return kept_;
+  }
+  try {
+    for (auto& [sg, u] : undo) {
+      if (u.second == Undo::keep) {
+        kept_.push_back(sg);
+        continue;
+      }
+      restore(sg, u.first);
+      if (u.second != Undo::reload) continue;
+      std::vector<Job> jobs = chunk_jobs(placement_[sg], JobKind::verify);  // the committed copy
+      submit_and_wait(placement_[sg].unit, jobs);
+    }
+  } catch (const std::exception& e) {
+    abandon();
+    throw std::runtime_error(std::string("undoing a failed step failed (") + e.what() +
+                             "): the pipeline is closed; reopen the directories, which are at "
+                             "step " + std::to_string(durable_step_));
+  }
+  return kept_;
 }
 
 namespace {
@@ -83,6 +127,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
                                              bool speculative, bool log_only) {
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
+  if (!step_in_progress()) kept_.clear();  // a new step: the last failed one's kept are its own
   store::StateStore& logs = *devices_[p.unit].store;
   if (log_only && !logs.logs())
     throw std::invalid_argument("log_only is for directories made with copies='log'");
@@ -149,7 +194,8 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   std::vector<Job> jobs = chunk_jobs(p, JobKind::update);  // reads the copy current now
   // Its copy is being written, or must survive a retract: the update goes to the twin, then
   // they swap.
-  if (p.pinned || (speculative && resident)) {
+  const bool elsewhere = p.pinned || (speculative && resident);
+  if (elsewhere) {
     Placement& q = placement_[sg];
     for (Job& job : jobs) {
       job.copy_from = job.resident;
@@ -160,6 +206,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   // Resident states reach storage only at a durable commit (make_durable).
   const bool write_back = p.resident == device::kOwnStates;
   mark_written(sg, steps + 1, !write_back);
+  undo_[sg] = {before, undo_of(before, elsewhere)};
   device::Kernel kernel;
   kernel.step = kernels::make_step(rule_, h, steps + 1);
   kernel.grad = g.dtype;
@@ -199,7 +246,9 @@ void Pipeline::write_states(size_t sg, const float* const* arrays, uint64_t step
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
   land();
+  const Placement before = p;
   mark_written(sg, steps, false);  // init jobs write the shadow extents too
+  undo_[sg] = {before, undo_of(before, false)};
   devices_[p.unit].store->begin_rewrite();  // one copy: the shadow extents are the committed ones
   const uint32_t shadow = devices_[p.unit].store->record(p.local).copy ^ 1u;
   std::vector<Job> jobs = init_jobs(p, shadow, arrays);
@@ -259,6 +308,7 @@ void Pipeline::wait_step() {
   }
   completions_.clear();
   speculative_.clear();
+  undo_.clear();
   std::fill(updated_.begin(), updated_.end(), false);
   if (error) std::rethrow_exception(error);
 }

@@ -187,7 +187,7 @@ class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, stage3.DeepSpeedZero
             try:
                 kept = self._take_speculated(scale, hyper)
             except BaseException:
-                self._session.fail(discard=True)
+                self._session.fail(undo=True)
                 raise
             self._session.now(kept, [i for i in range(len(self.fp16_groups)) if i not in kept],
                               lambda i, b: self._send(i, b, scale, hyper[self.sub_group_to_group_id[i]]),

@@ -197,7 +197,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                     if self._tail is not None:
                         self._tail.step_ended()  # (FSDP2's modules likewise)
         except BaseException:
-            session.fail(discard=True)
+            session.fail(undo=True)
             raise
         session.predict(grad_scale if scale == grad_scale else None)  # the next step's, expected
         phases.mark("take")

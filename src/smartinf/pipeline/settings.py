@@ -78,7 +78,8 @@ class PipelineSettings:
         Steps per durable commit (``SMARTINF_COMMIT_EVERY``; 1). Every ``commit_every``-th
         ``commit()`` writes the resident states, syncs and switches the manifests; the
         others only advance ``step_count``. A crash reopens at ``durable_step_count``,
-        bit for bit; ``discard()`` and a failed step go back to it as well.
+        bit for bit; ``discard()`` goes back to it as well (a failed step is undone alone:
+        ``undo_step``).
     commit_waits
         Whether a durable commit that falls due while the last one is still written in the
         background (``overlap``) waits for it: ``True`` (the default here), every

@@ -208,8 +208,9 @@ class Steps:
         """Ends the step: waits for its write-backs; every ``commit_every``-th step also
         writes the resident states, makes the writes durable, then flips the sub-groups'
         shadow copies in one atomic manifest update per device (with ``overlap``, once the
-        resident states are written in the background: ``commit_pending``). If that fails,
-        the pipeline is back at ``durable_step_count``."""
+        resident states are written in the background: ``commit_pending``). If an update
+        failed, the step is undone alone (``undo_step``); if the durable commit fails, the
+        steps stand in memory, nothing undone, and the next durable commit writes them."""
         native = self._open()
         self._refuse_other_params_after_resume()
         try:
@@ -249,8 +250,8 @@ class Steps:
 
     def settle(self) -> None:
         """Waits for a durable commit being written in the background (``overlap``) to
-        land. If it fails, the pipeline is back at the durable commit before it
-        (``step_count`` tells) and its error is raised here."""
+        land. If it fails, its error is raised here; the steps stand (``durable_step_count``
+        stays where it was, the next durable commit writes them)."""
         self._open().settle()
 
     def discard(self) -> None:
@@ -263,14 +264,30 @@ class Steps:
             self._inflight.clear()
             self._warn_foreign()
 
+    def undo_step(self) -> list[int]:
+        """Ends a failed step without committing it, undoing it alone: each update is
+        retracted (or its resident states reloaded from the committed copy), the steps
+        before it stay. An update made in place over steps not yet durable (``commit_every``
+        > 1, states resident without a twin) cannot be undone: it is kept, as torch keeps
+        what its loop updated before an exception; those sub-groups are returned. With a log
+        or one copy written over, back to the durable commit as ``discard()``. After a
+        ``commit()`` whose updates failed (it undid the step), the sub-groups it kept."""
+        native = self._open()
+        try:
+            return native.undo_step()
+        finally:
+            self._inflight.clear()
+            self._warn_foreign()
+
     @contextlib.contextmanager
     def step(self) -> Iterator["Pipeline"]:
-        """``with pipe.step(): pipe.update(...)`` commits on success, discards on error."""
+        """``with pipe.step(): pipe.update(...)`` commits on success; on error the step is
+        undone alone (``undo_step``)."""
         self._open()
         try:
             yield self
         except BaseException:
-            self.discard()
+            self.undo_step()
             raise
         self.commit()
 

@@ -4,12 +4,14 @@ A front-end says when a gradient is final and what the step's global decisions a
 gradient scale after inf/NaN checks and clipping, each group's hyper-parameters); the
 session does the rest, the same way for both: the updates started during backward kept or
 retracted (``Speculation``), the other sub-groups sent through the driver, each one's params
-put into the model as its update lands, and the step committed. Where anything fails, the
-devices are back at their last durable commit, and so are the model's params: every
-sub-group whose params the step put (all of them where the devices went back further than
-the step) is rebuilt from its stored master. With a split master the params are the
-masters' high halves and cannot be put back; that is said, and they are taken as the
-masters at the next step.
+put into the model as its update lands, and the step committed. Where the step fails, it is
+undone alone (``Pipeline.undo_step``): its updates retracted and the params it put rebuilt
+from the stored masters; the steps before stay. An update made in place over steps not yet
+durable cannot be undone: it is kept, params and states, as torch keeps what its loop
+updated before an exception, and that is said. Where only the step's durable commit
+failed, the step stands: nothing is undone. With a split master the params are the masters'
+high halves and cannot be put back; that is said, and they are taken as the masters at the
+next step.
 
 The step finishes ``now`` (before ``step()`` returns) or ``later``: DeepSpeed with
 ``overlap`` hands the updates to a ``StepTail``, which puts each sub-group's params when the
@@ -52,12 +54,11 @@ class StepSession:
     def with_tail(self, finish: Callable[[int], None]) -> StepTail:
         """The tail a ``later`` step hands its updates to; ``finish(sg)`` puts a landed
         sub-group's params (through ``put``)."""
-        self.tail = StepTail(finish, self._commit, lambda: self.fail(discard=True))
+        self.tail = StepTail(finish, self._commit, lambda: self.fail(undo=True))
         return self.tail
 
     def _commit(self) -> None:
-        """The tail's step committed; if that fails, the model's params go back with the
-        devices."""
+        """The tail's step committed; if its updates failed, the step is undone alone."""
         try:
             self.pipeline.commit()
         except BaseException:
@@ -109,7 +110,7 @@ class StepSession:
                         self._sealed()  # every process sealed before any updates
                 self.run(rest, send, finish)
         except BaseException:
-            self.fail()
+            self.fail(undo=True)
             raise
 
     def run(self, subgroups: Sequence[int], send: Callable[[int, int], Any],
@@ -121,22 +122,46 @@ class StepSession:
             finish(sg, buffer)
         self.driver.run(subgroups, send, landed)
 
-    def fail(self, discard: bool = False) -> None:
-        """After a failure: the devices back at their last durable commit (``discard``: the
-        step is still open), and the model's params with them."""
-        if discard:
+    def fail(self, undo: bool = False) -> None:
+        """After a failure: the step undone alone (``undo``: the pipeline's step may still be
+        open), and the model's params of the sub-groups it put with it, but those whose
+        update was kept; where the devices went back further (a log, one copy written over),
+        every sub-group's. A step that stands (only its durable commit failed) keeps its
+        params."""
+        kept: list = []
+        if undo:
             try:
-                self.pipeline.discard()
+                kept = self.pipeline.undo_step()
             except Exception as e:  # the original error is the one to raise
-                logger.error("discarding the failed step failed too: %s", e)
-        touched = self._touched
-        if self.pipeline.step_count < self._before:  # back to a durable commit further back
+                logger.error("undoing the failed step failed too: %s", e)
+        # (a kept update whose params the step had not put yet: its masters put too)
+        touched = [sg for sg in self._touched if sg not in set(kept)] + \
+            [sg for sg in kept if sg not in set(self._touched)]
+        if self.pipeline.closed:
+            touched = []
+        elif self.pipeline.step_count > self._before:  # only its durable commit failed
+            self._commit_failed()
+            touched = []
+        elif self.pipeline.step_count < self._before:  # back to a durable commit further back
             logger.warning("the step failed: the devices are back at step %d, their last "
                            "durable commit (commit_every=%d), and so are the model's params",
                            self.pipeline.step_count, self.pipeline.settings.commit_every)
             touched = range(self.pipeline.num_subgroups)
+        if kept:
+            logger.warning("the step failed after sub-groups %s were updated in place over "
+                           "steps not yet durable: their updates are kept (params and states, "
+                           "one step ahead of the others), as torch keeps what its loop updated "
+                           "before an exception; the other sub-groups' updates were undone",
+                           sorted(kept))
         self._restore(touched)
         self._touched = []
+
+    def _commit_failed(self) -> None:
+        logger.warning("a durable commit failed (the error follows): the steps stand, in "
+                       "memory, nothing undone (step %d; do not redo it); the directories stay "
+                       "at step %d until a durable commit lands (the next one due, save(), "
+                       "close(), or the interpreter's exit)", self.pipeline.step_count,
+                       self.pipeline.durable_step_count)
 
     def _restore(self, subgroups: Sequence[int]) -> None:
         """The model's params of ``subgroups`` rebuilt from the stored masters."""
@@ -164,17 +189,19 @@ class StepSession:
         """Before the states are read, written or copied: the last step finished (its tail
         drained, committed), updates started during a backward since retracted (the step
         redoes them), and a durable commit written in the background landed. If that commit
-        failed, the devices are back at the durable commit before it, and so are the
-        model's params; the error is raised."""
+        failed, its error is raised; the steps stand, in memory, for the next durable commit
+        (with a log: back at the commit before, and so are the model's params)."""
         if self.tail is not None:
             self.tail.drain()
         if self.speculation is not None:
             self.speculation.cancel()
         self.begin()
         try:
-            self.pipeline.settle()
+            self.pipeline.settle()  # (a failed commit's steps stand: nothing to restore)
         except BaseException:
-            if self.pipeline.step_count < self._before:
+            if self.pipeline.step_count == self._before:
+                self._commit_failed()
+            if self.pipeline.step_count < self._before:  # a log's: back to the commit before
                 logger.warning("a durable commit written in the background failed: the devices "
                                "are back at step %d, their last durable commit, and so are the "
                                "model's params", self.pipeline.step_count)

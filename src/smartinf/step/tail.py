@@ -23,7 +23,7 @@ class StepTail:
     """The updates of one step still in flight after ``step()`` returned, by sub-group.
 
     ``finish(sg)`` puts a done sub-group's params into the model; ``commit()`` ends the
-    pipeline's step; ``discard()`` goes back to the last committed one (an update failed)."""
+    pipeline's step; ``discard()`` undoes the step (an update failed)."""
 
     def __init__(self, finish: Callable[[int], None], commit: Callable[[], None],
                  discard: Callable[[], None]) -> None:
