@@ -55,6 +55,14 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port below {low}")
 
 
+def files_digest(root, but: tuple = ()) -> dict:
+    """Every file under ``root`` but those named ``but``: its bytes' digest (what a refusal
+    must leave as it was)."""
+    import hashlib
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(root).rglob("*")) if f.is_file() and f.name not in but}
+
+
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """A directory that ``make(directory)`` filled once for all of this run's pytest-xdist
     workers (a launch whose results several tests read): the first worker to ask makes it,

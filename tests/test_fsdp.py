@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import warm
-from conftest import assert_close_fp32, free_port
+from conftest import assert_close_fp32, files_digest as _tree, free_port
 from smartinf.planning import space
 from fsdp_train import run
 
@@ -261,14 +261,6 @@ def _budgets_together(rank, directory, port, budget):
     with pytest.raises(ValueError, match="and 2 ranks of this host open as much at once"):
         so.AdamW(layer.parameters(), devices=[f"{directory}/rank{rank}"], memory_budget=budget)
     dist.destroy_process_group()
-
-
-def _tree(root) -> dict:
-    """Every file under ``root``: its bytes' digest (what a refusal must leave as it was)."""
-    import hashlib
-    from pathlib import Path
-    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(Path(root).rglob("*")) if f.is_file()}
 
 
 def test_ranks_restarted_on_other_hosts_are_refused_before_anything_is_written(tmp_path):

@@ -314,7 +314,9 @@ def test_optim_auto_trains_a_log_as_two_copies_do(tmp_path, monkeypatch):
     weights = torch.randn(2048, 2048).to(torch.bfloat16)
     params = weights.numel()
     per = state_bytes_per_param("int4", "fp32")
-    free = plan._disk_need(params, per, ["d"], "log")["d"] + (1 << 20)
+    # (4 MiB beside the planner's estimate: the commits' files the disk check counts, a
+    # manifest and a log header in the run's and the small tensors' directories)
+    free = plan._disk_need(params, per, ["d"], "log")["d"] + (4 << 20)
     assert free < 2 * params * per
     usage = shutil.disk_usage(tmp_path)
 

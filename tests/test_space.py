@@ -3,6 +3,13 @@ directory too small, or a memory budget beyond the host's, is refused before the
 byte, naming what is needed, what is free and what would fit."""
 import errno
 import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 
 import pytest
 import torch
@@ -13,8 +20,9 @@ from smartinf.planning import space
 
 
 def test_a_directory_too_small_is_refused_before_the_first_byte(small_fs):
-    """24 MiB of ext4: 1 Mi fp32 params need 24 MiB of fp32 states (two copies); int8 states
-    would fit (and are offered), and the directory is left as it was found."""
+    """24 MiB of ext4: 1 Mi fp32 params need 24 MiB of fp32 states (two copies); what it offers
+    instead each runs when followed (fp32 params: no split master; no log, whose spare
+    extents and gradients do not fit either), and the directory is left as it was found."""
     model = torch.nn.Linear(1024, 1024, bias=False)
     found = sorted(os.listdir(small_fs))
     with pytest.raises(OSError) as refused:  # (two copies asked: one would fit, all resident)
@@ -22,12 +30,90 @@ def test_a_directory_too_small_is_refused_before_the_first_byte(small_fs):
     assert refused.value.errno == errno.ENOSPC
     text = str(refused.value)
     assert "1.05 M params need 25.2 MB" in text and "MB free" in text and small_fs in text
-    assert "What would fit: " in text and "state_dtype='int8', master='split'" in text
-    assert "copies='log' (every instant recoverable; streamed, overlap off): one copy, 12.6 MB" in text
+    assert "What would fit: copies=1 (" in text and "state_dtype='int8', master='fp32'" in text
+    assert "split" not in text and "copies='log'" not in text
     assert sorted(os.listdir(small_fs)) == found  # nothing written, nothing left
-    opt = so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, state_dtype="int8",
-                   if_exists="overwrite")  # what it offered fits
-    opt.close()
+    offers = re.findall(r"(copies=\S+? |state_dtype='\w+', master='\w+')", text.split("What would fit:")[1])
+    assert len(offers) == 2
+    for offer in offers:  # each one runs a step and commits it
+        opt = so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, if_exists="overwrite",
+                       **eval(f"dict({offer.strip()})"))
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+        opt.close()
+
+
+def test_bf16_params_are_offered_a_split_master_that_runs(small_fs):
+    model = torch.nn.Linear(2048, 1024, bias=False).to(torch.bfloat16)
+    with pytest.raises(OSError) as refused:
+        so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, state_dtype="int8", copies=2)
+    text = str(refused.value)
+    assert "state_dtype='int4', master='split'" in text
+    offers = re.findall(r"(copies=\S+? |state_dtype='\w+', master='\w+')", text.split("What would fit:")[1])
+    for offer in offers:
+        opt = so.AdamW(model.parameters(), devices=[small_fs], chunk=1 << 16, if_exists="overwrite",
+                       **{"state_dtype": "int8", "copies": 2, **eval(f"dict({offer.strip()})")})
+        model(torch.randn(2, 2048, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.close()
+
+
+def leave_free(directory: str, nbytes: int) -> None:
+    """Fills ``directory``'s file system but ``nbytes`` (as ``shutil.disk_usage`` counts)."""
+    with open(os.path.join(directory, "filler"), "ab") as f:
+        os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(directory).free - nbytes)
+    assert shutil.disk_usage(directory).free == nbytes
+
+
+def test_room_for_the_states_but_not_the_manifest_is_refused_at_creation(small_fs, tmp_path):
+    """Issue 88: a disk of exactly the states (and the open's lock and manifest) passed, and
+    the first durable commit failed writing its manifest. Refused at creation, naming bytes."""
+    run, sizes = os.path.join(small_fs, "run"), [250_000]
+    with smartinf.Pipeline(str(tmp_path), subgroup_sizes=sizes, commit_every=10) as pipe:
+        pipe.add_subgroup(sizes[0])
+    states = os.path.getsize(tmp_path / "states.bin")
+    os.mkdir(run)
+    leave_free(small_fs, states + 2 * os.statvfs(small_fs).f_frsize)  # + the open's lock and manifest
+    with pytest.raises(OSError, match=r"need 6\.0 MB in .*run .* and their commits .*B more \(the "
+                                      r"manifest.*\): [\d,]+ B, and that file system has "
+                                      r"[\d,]+ B free") as refused:
+        smartinf.Pipeline(run, subgroup_sizes=sizes, commit_every=10)
+    assert refused.value.errno == errno.ENOSPC and os.listdir(run) == []
+
+
+def test_a_full_disk_is_refused_before_the_open_writes(small_fs):
+    """Nothing free: refused naming the bytes the open writes (the core said "cannot write the
+    manifest", naming none, and left its lock and states file)."""
+    run = os.path.join(small_fs, "run")
+    os.mkdir(run)
+    leave_free(small_fs, 0)
+    with pytest.raises(OSError, match=r"opening .*run writes a lock and a manifest there first: "
+                                      r"2\.0 kB, and that file system has 0 B free"):
+        smartinf.Pipeline(run, subgroup_sizes=[1000])
+    assert os.listdir(run) == []
+
+
+def test_a_reopen_counts_what_its_directory_holds(small_fs):
+    """A run stopped before its first durable commit (its manifest records no sub-group, its
+    states file holds them) on a disk then filled but for a manifest's blocks: reopened, its
+    states file's bytes are not asked again."""
+    run = os.path.join(small_fs, "run")
+    stopped = textwrap.dedent(f"""
+        import os, smartinf
+        pipe = smartinf.Pipeline({run!r}, subgroup_sizes=[250_000], commit_every=10)
+        pipe.add_subgroup(250_000)
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", stopped], check=True)
+    assert os.path.getsize(os.path.join(run, "states.bin")) > 6_000_000
+    leave_free(small_fs, 4 * os.statvfs(small_fs).f_frsize)
+    with smartinf.Pipeline(run, subgroup_sizes=[250_000], commit_every=10) as pipe:
+        pipe.add_subgroup(250_000)
+        with pipe.step():
+            pipe.update(0, np.ones(250_000, np.float32), np.empty(250_000, np.float32))
+    with smartinf.Pipeline(run, commit_every=10) as pipe:
+        pipe.add_subgroup(250_000)
+        assert pipe.durable_step_count == 1
 
 
 def test_nothing_fits_says_how_many_params_would(small_fs):

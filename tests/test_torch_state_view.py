@@ -201,3 +201,127 @@ def test_a_reset_through_opt_state_with_a_split_master_is_the_fp32_masters(disk_
     (split, split_avg), (fp32, fp32_avg) = runs
     assert all(torch.equal(p, q) for p, q in zip(split, fp32))
     assert torch.equal(split_avg, fp32_avg)
+
+
+# -- edits while updates run during backward (issue 88) --------------------------------------
+def backward_pair(directory, steps):
+    """AdamW and torch's on two copies of the model, trained ``steps`` steps with real
+    backward passes (so smartinf.optim's updates start during backward, ``train_with_backward``)."""
+    a, b = make_model(), make_model()
+    oa = so.AdamW(a.parameters(), lr=1e-2, devices=[directory], **SMALL)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    train_with_backward(a, oa, b, ob, range(steps))
+    return a, oa, b, ob
+
+
+def train_with_backward(a, oa, b, ob, steps, between=lambda model, opt: None):
+    """Steps both on ``a``'s backward passes (torch's fed the same gradients);
+    ``between(model, opt)`` after each backward."""
+    for step in steps:
+        torch.manual_seed(100 + step)
+        a(torch.randn(16, 24)).pow(2).mean().backward()
+        set_grads(b, [p.grad for p in a.parameters()])
+        for model, opt in ((a, oa), (b, ob)):
+            between(model, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def halve_exp_avg(opt, model, held):
+    for t in held:
+        t["exp_avg"].mul_(0.5)
+
+
+def zero_moments(opt, model, held):
+    for t in held:
+        t["exp_avg"].zero_()
+        t["exp_avg_sq"].zero_()
+
+
+def reset_entries(opt, model, held):
+    for p in model.parameters():
+        opt.state[p] = {}
+
+
+@pytest.mark.parametrize("edit", [halve_exp_avg, zero_moments, reset_entries])
+@pytest.mark.parametrize("when", ["before_backward", "after_backward"])
+def test_an_edit_reaches_the_next_update_as_torchs_with_updates_during_backward(disk_dir, edit, when):
+    """torch's next step sees an edit made between steps, before or after the next backward;
+    so does smartinf.optim's, whose updates start during that backward: the edited
+    sub-groups' wait for step() (made before) or are retracted and redone (after, through
+    tensors taken since the last step). Two and three steps on, the params, the states and
+    the step count are torch's."""
+    a, oa, b, ob = backward_pair(disk_dir, 3)
+    held = {o: [o.state[p] for p in m.parameters()] for m, o in ((a, oa), (b, ob))}
+    counts = oa._speculation.counts
+    kept = counts.kept
+    if when == "before_backward":
+        edit(oa, a, held[oa])
+        edit(ob, b, held[ob])
+    train_with_backward(a, oa, b, ob, [3], lambda m, o: edit(o, m, held[o])
+                        if when == "after_backward" else None)
+    train_with_backward(a, oa, b, ob, range(4, 6))
+    assert counts.kept > kept  # (updates did run during backward)
+    assert_models_close(a, b)
+    assert_states_close(oa, a, ob, b)
+    steps = {int(v["step"]) for v in oa.state_dict()["state"].values()}
+    assert steps == {int(v["step"]) for v in ob.state_dict()["state"].values()}
+    assert steps == ({6} if edit is not reset_entries else {3})
+    oa.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["state_dict", "save"])
+def test_a_tensor_taken_before_state_dict_or_save_stays_the_live_state(disk_dir, tmp_path, checkpoint):
+    a, oa, b, ob = backward_pair(disk_dir, 3)
+    mine = [oa.state[p]["exp_avg"] for p in a.parameters()]
+    theirs = [ob.state[p]["exp_avg"] for p in b.parameters()]
+    oa.state_dict() if checkpoint == "state_dict" else oa.save(str(tmp_path / "saved"))
+    for t in mine + theirs:
+        t.mul_(0.5)
+    assert torch.equal(oa.state_dict()["state"][0]["exp_avg"], mine[0])  # (applied: exported)
+    train_with_backward(a, oa, b, ob, range(3, 5))
+    assert_models_close(a, b)
+    assert_states_close(oa, a, ob, b)
+    oa.close()
+
+
+def test_an_edit_through_a_tensor_taken_before_a_step_is_refused(disk_dir):
+    """torch's tensors are its live states, stepped in place; smartinf.optim's are read from
+    the devices, live until the next step: an edit through one after that step would be lost,
+    so it is refused, naming what happened and what to do, and the run goes on without it."""
+    a, oa, b, ob = backward_pair(disk_dir, 2)
+    taken = oa.state[next(a.parameters())]["exp_avg"]
+    train_with_backward(a, oa, b, ob, [2])
+    taken.mul_(0.5)
+    before = [p.detach().clone() for p in a.parameters()]
+    with pytest.raises(ValueError, match=r"changed in place.*'exp_avg'.*nothing was written.*"
+                                         r"again after each step"):
+        train_with_backward(a, oa, a, oa, [3])
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+    train_with_backward(a, oa, b, ob, range(3, 5))  # (the edit dropped, as torch never saw it)
+    assert_models_close(a, b)
+    oa.close()
+
+
+@pytest.mark.parametrize("restart", ["zero_", "replaced"])
+def test_a_warm_restart_exports_and_steps_as_torchs(disk_dir, restart):
+    """``step`` set to 0, the moments kept: torch's state_dict still holds every entry (at
+    step 0), and the next step's bias correction is step 1's."""
+    a, oa, b, ob = backward_pair(disk_dir, 6)
+    for opt in (oa, ob):
+        for s in opt.state.values():
+            if restart == "zero_":
+                s["step"].zero_()
+            else:
+                s["step"] = torch.tensor(0.0)
+    mine, theirs = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sorted(mine) == sorted(theirs) and len(theirs) == 4
+    for k, entry in theirs.items():
+        assert float(mine[k]["step"]) == float(entry["step"]) == 0.0
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert_close_fp32(mine[k][n].numpy(), entry[n].numpy(), f"{k}.{n}")
+    train_with_backward(a, oa, b, ob, [6])
+    assert_models_close(a, b)
+    assert_states_close(oa, a, ob, b)
+    assert int(oa.state[next(a.parameters())]["step"]) == 1
+    oa.close()

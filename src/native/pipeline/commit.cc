@@ -301,11 +301,19 @@ void Pipeline::close() {
   if (devices_.empty()) return;
   std::exception_ptr error;
   try {
+    bool failed = false;  // a step in progress (its caller failed) is undone alone first
     const bool forget = step_in_progress();
-    wait_step();
-    if (forget) {
+    auto undo = undo_;
+    try {
+      wait_step();
+    } catch (...) {
+      if (!forget) throw;
+      failed = true;
+    }
+    if (forget && logs_or_rewritten()) {
       back_to_durable();
     } else {
+      if (forget) undo_updates(std::move(undo), failed);
       land();
       if (step_ > durable_step_ || rewritten()) make_durable(step_);  // one copy: new states too
       land();

@@ -163,7 +163,7 @@ class Pipeline {
   // the pipeline goes back to durable_step() (discard()), as with a log or a directory of
   // one copy written over.
   std::vector<size_t> undo_step();
-  // Forgets a step in progress as discard() does, else makes the committed steps durable;
+  // Undoes a step in progress as undo_step() does, then makes the committed steps durable;
   // persists the layout.
   void close();
 

@@ -65,7 +65,8 @@ StateStore::StateStore(const std::string& dir, const StoreConfig& config,
   std::string text;
   bool resume = read_file(manifest_path_, text);
   if (resume) manifest_ = Manifest::parse(text, manifest_path_);
-  if (resume && config.if_exists != "resume" && holds_run()) {
+  // (overwrite: any manifest goes, a run that never committed or was being rewritten too)
+  if (resume && config.if_exists != "resume" && (holds_run() || config.if_exists == "overwrite")) {
     if (config.if_exists != "overwrite")
       throw std::invalid_argument(
           dir + " holds the states of an earlier run (step " + std::to_string(manifest_.step) +

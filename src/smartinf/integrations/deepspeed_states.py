@@ -16,6 +16,8 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
 
 from smartinf.step import edits
+from smartinf.pipeline import at_exit
+from smartinf.pipeline import checkpoint
 from smartinf.pipeline.checkpoint import restore_devices, save_devices
 from smartinf.pipeline.devices import rank_directory
 from smartinf.step.driver import Driver, stored_rule
@@ -62,8 +64,10 @@ class StoredStates:
         ranks.refuse_moved(self._summed, dist.get_rank(), dist.get_world_size(),
                            rank_directory(self.settings.devices[0], dist.get_rank()), if_exists)
         with ranks.opening_together(self._summed, dist.get_rank(), dist.get_world_size()):
-            self.pipeline = self._all_ranks(lambda: self._open_pipeline(if_exists))
+            self.pipeline = self._all_ranks(lambda: (checkpoint.refuse_never_committed(
+                self._dirs, if_exists), self._open_pipeline(if_exists))[1])
         self._agree_on_step()
+        at_exit.register_front_end(self, "settle")  # its tail drained at exit, then the pipeline closed
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
                               self._compress)
         # With a log every rank seals its step's log before any rank updates (_agree_on_step)
@@ -119,21 +123,9 @@ class StoredStates:
         return t
 
     def _all_ranks(self, action: Any) -> Any:
-        """Runs ``action`` on every rank; if it fails on any, it fails on all (a rank left
-        waiting in the next collective would hang)."""
-        error: Optional[BaseException] = None
-        try:
-            result = action()
-        except (ValueError, OSError) as e:
-            error, result = e, None
-        failed = torch.tensor([float(error is not None)], device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if error is not None:
-            raise error
-        if failed.item():
-            raise RuntimeError("another rank could not open its smartinf directories (its error "
-                               "says why); nothing was changed here")
-        return result
+        """Runs ``action`` (opening the pipeline) on every rank; if it fails on any, it fails
+        on all (a rank left waiting in the next collective would hang)."""
+        return ranks.on_every_rank(action, self._summed, Pipeline.close)
 
     def _agree_on_step(self) -> None:
         """Every rank opens at one durable step (``step.ranks.agree_on_step``); with a log,

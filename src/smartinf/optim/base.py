@@ -184,6 +184,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         session.begin()
         try:
             self.state.apply()  # what was written through opt.state, before the update
+            self.state.step_begins()  # (its entries read again after it)
             # even if the step is skipped: the caller's weights stand
             self._adopt(self._edited(now))
             phases.mark("edits")
@@ -332,3 +333,11 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if self.pipeline is None:
             return f"smartinf.optim.{type(self).__name__}(laid out by the first step)"
         return f"smartinf.optim.{type(self).__name__}({len(self._plan)} sub-groups on {self.pipeline!r})"
+
+
+# Kept out of torch.compile's graphs (torch's recipe compiles ``opt.step``): the step is the
+# devices' work, its host buffers no graph's inputs (traced, a dtype view of a staging buffer
+# failed in AOT autograd); graph breaks, as torch marks its own optimizers' state_dict.
+for _name in ("step", "state_dict", "load_state_dict"):
+    setattr(_StorageOptimizer, _name, torch.compiler.disable(getattr(_StorageOptimizer, _name)))
+del _name

@@ -54,6 +54,9 @@ class ParamHooks:
         # Before a gradient is written or an update starts: the last step done (its tail;
         # set before ``register``, which then hooks each param's gradient for it)
         self.before: Optional[Callable[[], None]] = None
+        # Whether a sub-group's states hold an edit not applied yet (``opt.state``): its update
+        # waits for step(), which applies the edit first, as torch's next step sees it
+        self.edited: Callable[[Any], bool] = lambda sg: False
 
     def register(self, plan: Sequence[Any]) -> None:
         """Hooks for the params of ``plan``'s sub-groups, and their buffers."""
@@ -90,10 +93,14 @@ class ParamHooks:
             self._stale = set()
             self._averaged = {}
 
+    # The hooks run in autograd's engine, inside torch.compile's frame where a compiled
+    # function calls backward: kept out of its graphs, as the step is.
+    @torch.compiler.disable
     def _gradient(self, grad: torch.Tensor) -> None:
         """A gradient computed, before it is accumulated into ``.grad`` (maybe in place)."""
         self.before()
 
+    @torch.compiler.disable
     def _accumulated(self, p: torch.Tensor) -> None:
         if self.before is not None:
             self.before()
@@ -111,6 +118,7 @@ class ParamHooks:
                            "step() from now on", e)
             self.speculation.enabled = False
 
+    @torch.compiler.disable
     def averaged(self, pairs: list) -> None:
         """DDP's averaged gradients of a bucket's params: each sub-group whose params all have
         theirs starts its update from them (what DDP then puts into ``.grad``)."""
@@ -127,7 +135,8 @@ class ParamHooks:
                     self._start(sg, self._averaged)
 
     def _start(self, sg: Any, given: Optional[dict] = None) -> None:
-        if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id):
+        if (sg.device.type != "cuda" and not self._on_cpu) or not self.speculation.may_start(sg.id) \
+                or self.edited(sg):
             return
         if self.speculation.pipeline.gpu_of(sg.id) is not None:
             return  # updated on the GPU at step(), where its gradient is: milliseconds

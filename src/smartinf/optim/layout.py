@@ -6,7 +6,6 @@ optimizer is made, or by the first step where FSDP2's sharding or a GPU budget o
 is still to come; param groups added later."""
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Optional, Sequence
 
@@ -18,9 +17,11 @@ from smartinf.optim import gradients, sharding, subgroups
 from smartinf.optim import options as optim_options
 from smartinf.optim.ddp import DdpTrigger
 from smartinf.optim.hooks import ParamHooks
-from smartinf.optim.sharding import Sharding
+from smartinf.optim.sharding import Ranks, Sharding
 from smartinf.optim.subgroups import Subgroup
 from smartinf.optim.tail import BackgroundStep
+from smartinf.pipeline import at_exit
+from smartinf.pipeline import checkpoint
 from smartinf.pipeline.devices import resolve_devices
 from smartinf.pipeline.pipeline import Pipeline
 from smartinf.pipeline.settings import PipelineSettings
@@ -63,15 +64,18 @@ class Layout:
         if measured:  # what a resumed run's GPU holds, or the first step left
             gpu_memory_budget = self._held_gpu if self._held_gpu is not None else gpu_budget.measured()
         # FSDP2: each rank's shards, and what must hold across the ranks (refused first where
-        # the sharding is not FSDP2's)
+        # the sharding is not FSDP2's); the ranks that open one run together: FSDP2's, else
+        # the default process group's of several (DDP, a torchrun job)
         self._sharding = Sharding(self._trained())
+        together = self._sharding if self._sharding.active else Ranks.default()
         storage, self.placement = optim_options.placed(self._trained(), storage, devices,
                                                        gpu_memory_budget, if_exists)
         settings = PipelineSettings.resolve(if_exists=if_exists, **storage)
-        if self._sharding.active and settings.copies == "log":
-            raise ValueError("copies='log' over FSDP2-sharded params: the ranks would have to "
-                             "agree on a logged step when they reopen, which smartinf.optim "
-                             "does not do yet (docs/fsdp.md); take copies=2 or copies=1")
+        if together.active and settings.copies == "log":
+            raise ValueError(f"copies='log' in a run of {together.world} ranks (FSDP2, DDP): "
+                             f"the ranks would have to agree on a logged step when they "
+                             f"reopen, which smartinf.optim does not do yet (docs/fsdp.md); "
+                             f"take copies=2 or copies=1")
         # the states in host memory the GPU updates too (the cpu devices keep the rest)
         settings, host = optim_options.host_states(settings, devices, gpu_memory_budget, gpu_host_states)
         # int8/int4 states: small tensors in sub-groups of their own, with fp32 moments
@@ -90,26 +94,33 @@ class Layout:
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
         ranks.leave_cleanly()
-        if self._sharding.active:  # (before anything is written)
-            ranks.refuse_moved(self._sharding.sum, self._sharding.rank, self._sharding.world,
-                               getattr(devices[0], "path", devices[0]), if_exists)
-        opening = ranks.opening_together(self._sharding.sum, self._sharding.rank, self._sharding.world) \
-            if self._sharding.active else contextlib.nullcontext()
-        with opening:
-            pipeline = optim_options.open_pipeline(self._plan, self._small, devices,
-                                                   self._rule(self.param_groups[0]), settings,
-                                                   gpu_memory_budget, gpu_twins, host)
+        first = getattr(devices[0], "path", devices[0])
+        if together.active:  # (before anything is written)
+            ranks.refuse_moved(together.sum, together.rank, together.world, first, if_exists)
+        else:
+            ranks.refuse_alone_in_ranks_run(first, if_exists)
+
+        def open_here() -> Pipeline:
+            checkpoint.refuse_never_committed(devices, if_exists)
+            return optim_options.open_pipeline(self._plan, self._small, devices,
+                                               self._rule(self.param_groups[0]), settings,
+                                               gpu_memory_budget, gpu_twins, host)
+        if together.active:  # every rank opens, or all raise
+            with ranks.opening_together(together.sum, together.rank, together.world):
+                pipeline = ranks.on_every_rank(open_here, together.sum, Pipeline.close)
+        else:
+            pipeline = open_here()
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
-            if self._sharding.active:  # every rank at one durable step before any is attached
-                ranks.agree_on_step(pipeline, self._sharding.sum, self._sharding.rank,
-                                    self._sharding.world, [d.path for d in pipeline.devices],
-                                    settings.copies)
+            if together.active:  # every rank at one durable step before any is attached
+                ranks.agree_on_step(pipeline, together.sum, together.rank, together.world,
+                                    [d.path for d in pipeline.devices], settings.copies)
             self._attach(pipeline, self._plan)
         except BaseException:
             pipeline.close()
             raise
         self.pipeline = pipeline
+        at_exit.register_front_end(self)  # close() at exit if the script does not: no step lost
         # Updates started during backward: not with top-k compression, whose error feedback
         # a retracted update would have advanced, and where backward runs on the CPU only
         # when asked (speculate_on_cpu).
@@ -123,6 +134,7 @@ class Layout:
                                          params=subgroups.flat_params(sg) if self._split else None),
                                      lambda sg: overrides(self._rule(self.param_groups[sg.group])),
                                      gradients.flat)
+            self._hooks.edited = self.state.edited  # (opt.state's edits wait for step())
             # The step finished while the next forward runs, where updates start during
             # backward and the forward runs on a GPU (or SMARTINF_STEP_TAIL_ON_CPU)
             if gpu or defaults.step_tail_on_cpu():

@@ -297,6 +297,8 @@ def _choose(params: Sequence[torch.Tensor], given: dict, devices: list,
         master=given.get("master", None if formats == "auto" else "fp32"),
         commit_every=given.get("commit_every"), copies=given.get("copies"), if_exists=if_exists,
         processes=_rank_and_world()[1], commit_waits=given.get("commit_waits"),
-        # (FSDP2: no log, whose step the ranks would have to agree on: docs/fsdp.md)
-        overlap=given.get("overlap", True if sharded.active else None),
+        # (several ranks, FSDP2's or DDP's: no log chosen, whose step the ranks would have
+        # to agree on: docs/fsdp.md; one given is refused at open, saying so)
+        overlap=given.get("overlap", True if (sharded.active or _rank_and_world()[1] > 1)
+                          and given.get("copies") != "log" else None),
         memory_budget=None if budget is None else defaults.parse_bytes(budget, "memory_budget"))

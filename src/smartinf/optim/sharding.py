@@ -7,7 +7,8 @@ mesh's process group (``Sharding``): the gradients' norm and their inf/NaN, so e
 clips by the same coefficient and skips the same steps, and the durable step every rank
 opens at. ``state_dict()`` gives each state as a DTensor of the param's global shape and
 placements, so ``torch.distributed.checkpoint`` saves it sharded and loads it at another
-world size.
+world size. Without FSDP2, the ranks of the default process group (``Ranks.default``: DDP,
+any torchrun job of several processes) agree on that step through the same sum.
 """
 from __future__ import annotations
 
@@ -49,35 +50,31 @@ def announced(params: Sequence[torch.Tensor]) -> bool:
         plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
 
 
-class Sharding:
-    """The process group an optimizer's sharded params live on, and what it reduces over it."""
+class Ranks:
+    """A process group's ranks and what they sum over it, on the device of its collectives
+    (inactive: no group, a process alone)."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        meshes = {(p.device_mesh.device_type, tuple(p.device_mesh.mesh.flatten().tolist())): p
-                  for p in params if is_sharded(p)}  # (each fully_shard call: a mesh object)
-        self.group = None
-        if not meshes:
-            return
-        for p in params:
-            if not is_sharded(p):
-                raise ValueError(f"a param of shape {tuple(p.shape)} is a plain tensor beside "
-                                 f"FSDP2-sharded ones: shard the whole model (fully_shard on "
-                                 f"the root too), or give smartinf.optim only sharded params")
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (_dtensor().Shard(0),):
-                raise ValueError(f"a param of shape {tuple(p.shape)} is a DTensor on a "
-                                 f"{p.device_mesh.ndim}-D mesh with placements "
-                                 f"{tuple(p.placements)}: smartinf.optim takes FSDP2's "
-                                 f"fully_shard over a 1-D mesh (Shard(0)); HSDP and tensor "
-                                 f"parallelism are not supported")
-        if len(meshes) > 1:
-            raise ValueError("the params are sharded over more than one device mesh: "
-                             "smartinf.optim takes one FSDP2 mesh")
-        mesh = next(iter(meshes.values())).device_mesh
-        self.group = mesh.get_group()
-        self.rank = torch.distributed.get_rank(self.group)
-        self.world = torch.distributed.get_world_size(self.group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if mesh.device_type == "cuda" else torch.device(mesh.device_type)  # its collectives'
+    rank, world, device = 0, 1, torch.device("cpu")  # (inactive)
+
+    def __init__(self, group: Any = None, device: Optional[torch.device] = None) -> None:
+        self.group = group
+        if group is not None:
+            self.rank = torch.distributed.get_rank(group)
+            self.world = torch.distributed.get_world_size(group)
+            self.device = device
+
+    @classmethod
+    def default(cls) -> "Ranks":
+        """The default process group's ranks where ``torch.distributed`` runs several (DDP,
+        any torchrun job): they open one run's directories, ``rank%05d`` each; else
+        inactive. nccl reduces CUDA tensors (on this rank's GPU), gloo (and a
+        ``"cpu:gloo,cuda:nccl"`` pair) CPU ones."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return cls()
+        group = dist.group.WORLD
+        return cls(group, torch.device("cuda", torch.cuda.current_device())
+                   if str(dist.get_backend(group)) == "nccl" else torch.device("cpu"))
 
     @property
     def active(self) -> bool:
@@ -95,6 +92,34 @@ class Sharding:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank."""
         return bool(self.sum(torch.tensor([float(flag)])).item())
+
+
+class Sharding(Ranks):
+    """The process group an optimizer's sharded params live on, and what it reduces over it."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        meshes = {(p.device_mesh.device_type, tuple(p.device_mesh.mesh.flatten().tolist())): p
+                  for p in params if is_sharded(p)}  # (each fully_shard call: a mesh object)
+        super().__init__()
+        if not meshes:
+            return
+        for p in params:
+            if not is_sharded(p):
+                raise ValueError(f"a param of shape {tuple(p.shape)} is a plain tensor beside "
+                                 f"FSDP2-sharded ones: shard the whole model (fully_shard on "
+                                 f"the root too), or give smartinf.optim only sharded params")
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (_dtensor().Shard(0),):
+                raise ValueError(f"a param of shape {tuple(p.shape)} is a DTensor on a "
+                                 f"{p.device_mesh.ndim}-D mesh with placements "
+                                 f"{tuple(p.placements)}: smartinf.optim takes FSDP2's "
+                                 f"fully_shard over a 1-D mesh (Shard(0)); HSDP and tensor "
+                                 f"parallelism are not supported")
+        if len(meshes) > 1:
+            raise ValueError("the params are sharded over more than one device mesh: "
+                             "smartinf.optim takes one FSDP2 mesh")
+        mesh = next(iter(meshes.values())).device_mesh
+        super().__init__(mesh.get_group(), torch.device("cuda", torch.cuda.current_device())
+                         if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 
     @staticmethod
     def state(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,16 @@ devices when first looked into (``state_dict()``'s arrays: fp32, on the CPU, in 
 unlinked file as ``torch_state`` exports them), and remembers what it handed out. What is
 written through it (a value replaced, a tensor changed in place, an entry cleared or
 deleted) reaches the devices at the next ``step()`` (or ``state_dict()``, ``save()``,
-``close()``), before the update, as a step of its own (``apply``): never an empty entry that
-reads as no state, never an edit dropped. An entry read is a snapshot of its step: the next
-step forgets it, and the next look reads the states again.
+``close()``), before the update and before any update started during backward (those of an
+edited sub-group wait for ``step()``, or are retracted there), as a step of its own
+(``apply``): never an empty entry that reads as no state, never an edit dropped. The tensors
+handed out stay the live states until the next step (across ``state_dict()`` and ``save()``);
+that step forgets the entry, the next look reads the states again, and an edit through a
+tensor handed out before it is refused (``check``), not lost.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -47,24 +51,29 @@ class ParamState(dict):
     def __init__(self, view: "StateView", param: torch.Tensor) -> None:
         super().__init__()
         self._view, self._param = view, param
-        self._step: Optional[int] = None  # the pipeline step it was read at (None: not read)
-        self._handed: dict = {}  # name -> (tensor, its local version) as read
+        self._read = False  # read since the last step (False: the next look reads the states)
+        self._handed: dict = {}  # name -> (tensor, its local version) as the devices hold it
         self._touched = False  # replaced, deleted or cleared through the dict
+        self._steps_read = 0  # the step count it said as read
 
     def _fill(self) -> None:
-        if self._step is not None and (self._step == self._view.step_count() or self.dirty()):
-            return  # (an edit not yet applied stays what the caller sees)
+        if self._read:
+            return  # (the states as read, or as the caller changed them since)
         dict.clear(self)
         dict.update(self, self._view.read(self._param))
-        self._step = self._view.step_count()
+        self.kept()
+
+    def kept(self) -> None:
+        """What the entry holds is what the devices hold: edits are told from here on."""
+        self._read = True
         self._handed = {n: (t, local(t)._version) for n, t in dict.items(self)
                         if isinstance(t, torch.Tensor)}
         self._touched = False
         self._steps_read = self._view.stored_steps(self)
 
     def dirty(self) -> bool:
-        """Whether the caller changed the entry since it was read."""
-        if self._step is None:
+        """Whether the caller changed the entry since it was read (or last applied)."""
+        if not self._read:
             return False
         if self._touched:
             return True
@@ -74,7 +83,7 @@ class ParamState(dict):
     def forget(self) -> None:
         """Drops what was read (the next look reads the states again)."""
         dict.clear(self)
-        self._step, self._handed, self._touched = None, {}, False
+        self._read, self._handed, self._touched = False, {}, False
 
     for _name in ("__getitem__", "__contains__", "__iter__", "__len__", "__repr__", "__eq__",
                   "__ne__", "keys", "values", "items", "get"):
@@ -102,6 +111,9 @@ class StateView(defaultdict):
         super().__init__(dict)
         self._opt = opt
         self._cache: Optional[tuple] = None  # (step, sub-group id, its arrays): one at a time
+        # (param, name, a weak reference to a tensor handed out before a step, its version
+        # then): an edit through one is refused, the step having changed the states under it
+        self._outdated: list = []
 
     def __missing__(self, key: Any) -> Any:
         if self._stores(key):
@@ -182,10 +194,28 @@ class StateView(defaultdict):
         return dict, ({k: (v.copy() if isinstance(v, ParamState) else v) for k, v in dict.items(self)},)
 
     def forget(self) -> None:
-        """Drops every entry's read states and unapplied edits (a state_dict loaded over them)."""
-        self._cache = None
+        """Drops every entry's read states and unapplied edits (a state_dict loaded over them),
+        and those through tensors handed out before the last step."""
+        self._cache, self._outdated = None, []
         for e in self._entries():
             e.forget()
+
+    def step_begins(self) -> None:
+        """A step changes the states (after ``apply``): each entry read is forgotten (the next
+        look reads the step's states) and the tensors it handed out are recorded, so that an
+        edit through one later is refused (``check``) rather than lost."""
+        self._cache = None
+        self._outdated = [r for r in self._outdated if r[2]() is not None]
+        for e in self._entries():
+            self._outdated += [(e._param, n, weakref.ref(t), local(t)._version)
+                               for n, (t, _) in e._handed.items()]
+            e.forget()
+
+    def edited(self, sg: subgroups.Subgroup) -> bool:
+        """Whether the caller changed an entry of ``sg``'s params that is not applied yet (its
+        update during backward waits for ``step()``, which applies the edit first)."""
+        return any(isinstance(e := dict.get(self, s.param), ParamState) and e.dirty()
+                   for s in sg.slices)
 
     def _entries(self) -> list[ParamState]:
         return [e for e in dict.values(self) if isinstance(e, ParamState)]
@@ -202,7 +232,7 @@ class StateView(defaultdict):
                 if s.param is not param:
                     continue
                 steps = opt.pipeline.subgroup_steps(sg.id)
-                if steps == 0 and not opt._sharding.active:
+                if not torch_state.holds_states(opt, sg, steps):
                     return {}
                 stored = self._arrays(sg)
                 if not entry:
@@ -230,14 +260,42 @@ class StateView(defaultdict):
 
     def _writes(self) -> tuple[dict, list]:
         """The entries the caller changed, by param, and each sub-group they touch with the
-        one step count it keeps (checked)."""
+        one step count it keeps (checked). The updates started during backward of those
+        sub-groups read the states before the edit: retracted first (``step()`` redoes them),
+        so that the count is the one before them."""
+        self._refuse_outdated_edits()
         dirty = {id(e._param): e for e in self._entries() if e.dirty()}
-        return dirty, [(sg, self._steps(sg, dirty)) for sg in self._opt._plan
-                       if any(id(s.param) in dirty for s in sg.slices)]
+        touched = [sg for sg in self._opt._plan if any(id(s.param) in dirty for s in sg.slices)]
+        if touched and self._opt._speculation is not None:
+            self._opt._speculation.drop([sg.id for sg in touched], "states edited")
+        return dirty, [(sg, self._steps(sg, dirty)) for sg in touched]
+
+    def _refuse_outdated_edits(self) -> None:
+        """Raises once for edits through tensors handed out before the last step, changed in
+        place or put back into an entry (then dropped: a step after the error, or
+        ``close()``, goes on without them). (torch's are the live states, stepped in place.)"""
+        alive = [(p, n, t, version) for p, n, ref, version in self._outdated if (t := ref()) is not None]
+        holders = {id(v): e for e in self._entries() if e._read for v in dict.values(e)}
+        edited = [(p, n) for p, n, t, version in alive
+                  if local(t)._version != version or id(t) in holders]
+        if edited:
+            self._outdated = []
+            for _, _, t, _ in alive:
+                if id(t) in holders:
+                    holders[id(t)].forget()
+            raise ValueError(
+                f"tensors taken from opt.state before a step() were changed in place or put "
+                f"back into it after that step "
+                f"({', '.join(f'{n!r} of a param of shape {tuple(p.shape)}' for p, n in edited)}): "
+                f"smartinf.optim reads opt.state from its devices, and a tensor handed out is "
+                f"the live state only until the next step() (state_dict() and save() keep it), "
+                f"so the edit was dropped and nothing was written. Take the tensor from "
+                f"opt.state again after each step() (opt.state[p]['exp_avg'].mul_(0.5))")
 
     def apply(self) -> None:
         """Writes the entries the caller changed onto the devices, as a step of their own
-        (FSDP2: every rank takes one, edited or not), then forgets every entry read. Refused
+        (FSDP2: every rank takes one, edited or not); every entry read stays what the devices
+        hold, its tensors the live states (a step forgets them: ``step_begins``). Refused
         (nothing written) where a sub-group's params would end with different step counts:
         the devices keep one a sub-group."""
         opt = self._opt
@@ -245,9 +303,7 @@ class StateView(defaultdict):
         dirty, writes = self._writes()
         anywhere = opt._sharding.any(bool(dirty)) if opt._sharding.active else bool(dirty)
         if not anywhere:
-            return self.forget()
-        if opt._speculation is not None:
-            opt._speculation.drop([sg.id for sg, _ in writes])
+            return
         with opt.pipeline.step():
             for sg, steps in writes:
                 states = torch_state.read(opt, sg)
@@ -264,7 +320,9 @@ class StateView(defaultdict):
                             part[:] = local(value).detach().reshape(-1)[s.start:s.stop] \
                                 .to("cpu", torch.float32).numpy()
                 opt.pipeline.write_states(sg.id, states, steps)
-        self.forget()
+        for e in self._entries():  # (their tensors stay the live states)
+            if e._read:
+                e.kept()
 
     def _steps(self, sg: subgroups.Subgroup, dirty: dict) -> int:
         """The one step count ``sg`` keeps after its params' edits, checked."""

@@ -34,13 +34,12 @@ MASTER = "fp32_master"  # state_dict key of a low-precision param's fp32 master 
 
 def export(opt: Any) -> dict:
     """torch's optimizer ``state_dict`` of ``opt``'s states (see the module)."""
-    _check_room(opt)
+    held = [(sg, steps) for sg in opt._plan
+            if holds_states(opt, sg, steps := opt.pipeline.subgroup_steps(sg.id))]
+    _check_room(opt, held)
     ids = subgroups.param_ids(opt.param_groups)
     per_param: dict[int, dict] = {}
-    for sg in opt._plan:
-        steps = opt.pipeline.subgroup_steps(sg.id)
-        if steps == 0 and not opt._sharding.active:
-            continue  # initial states: torch has none either (FSDP2: every entry, see below)
+    for sg, steps in held:
         stored = read(opt, sg, opt._driver.host_arrays(
             1 + len(opt.pipeline.optimizer.state_names), sg.numel))
         group = opt.param_groups[sg.group]
@@ -66,6 +65,20 @@ def export(opt: Any) -> dict:
                    [(k, n, weakref.ref(t), t._version) for k, v in state.items()
                     for n, t in v.items() if isinstance(t, torch.Tensor)])
     return {"state": state, "param_groups": _packed_groups(opt, ids)}
+
+
+def holds_states(opt: Any, sg: Subgroup, steps: int) -> bool:
+    """Whether torch's optimizer holds states for ``sg``'s params: stepped; at step 0 only
+    where its states are not the initial ones (a warm restart: ``step`` set to 0, the moments
+    kept; read only where a step, a load or an earlier run may have written them); FSDP2:
+    always (every entry, see ``_empty_shards``)."""
+    if steps > 0 or opt._sharding.active:
+        return True
+    if not (opt._stepped or opt.pipeline.resumed(sg.id)):
+        return False
+    initial = opt.pipeline.optimizer.initial_state
+    stored = read(opt, sg)
+    return any(bool((stored[n] != initial).any()) for n in opt.pipeline.optimizer.state_names)
 
 
 def hooked_save(opt: Any, make: Callable[[], dict]) -> dict:
@@ -236,14 +249,13 @@ def one_step_count(sg: Subgroup, counts: set, what: str, instead: str) -> int:
     return counts.pop()
 
 
-def _export_bytes(opt: Any) -> int:
-    """The bytes ``export``'s files take: each stepped param's states (and master), fp32,
-    a file each, in whole pages."""
+def _export_bytes(opt: Any, held: list) -> int:
+    """The bytes ``export``'s files take: the states (and master) of each param of the
+    sub-groups ``held`` (those with states, and their step counts), fp32, a file each, in
+    whole pages."""
     arrays, counted = len(opt.pipeline.optimizer.state_names), set()
     nbytes = 0
-    for sg in opt._plan:
-        if opt.pipeline.subgroup_steps(sg.id) == 0:
-            continue
+    for sg, _ in held:
         for s in sg.slices:
             if id(s.param) not in counted:
                 counted.add(id(s.param))
@@ -252,11 +264,11 @@ def _export_bytes(opt: Any) -> int:
     return nbytes
 
 
-def _check_room(opt: Any) -> None:
-    """Refuses ``export`` before its first file where the first device directory's file
-    system lacks the room its files take."""
+def _check_room(opt: Any, held: list) -> None:
+    """Refuses ``export`` of the sub-groups ``held`` before its first file where the first
+    device directory's file system lacks the room its files take."""
     directory = opt.pipeline.devices[0].path
-    need, free = _export_bytes(opt), shutil.disk_usage(directory).free
+    need, free = _export_bytes(opt, held), shutil.disk_usage(directory).free
     if need > free:
         raise OSError(errno.ENOSPC, f"state_dict() puts the states in unlinked files in "
                       f"{directory} (the first device directory: page cache, so a model larger "

@@ -12,6 +12,7 @@ has them), so no copy passes through Python buffers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from smartinf.pipeline.devices import SMALL_DIRECTORY
 STATES = "states.bin"
 MANIFEST = "manifest"
 
+logger = logging.getLogger("smartinf")
+
 
 def manifest_fields(directory: str) -> Optional[dict]:
     """The ``key value`` lines of the manifest a directory holds, as strings (the format
@@ -31,6 +34,20 @@ def manifest_fields(directory: str) -> Optional[dict]:
             return dict(line.strip().partition(" ")[::2] for line in f if line.strip())
     except OSError:
         return None
+
+
+def never_committed(directory: str) -> bool:
+    """Whether ``directory`` holds a run killed before its first durable commit: a manifest
+    (written when a pipeline claims the directory) of no step and no sub-group (the first
+    durable commit, or a close, records them) over states laid out (a pipeline closed or
+    failed before any sub-group was added leaves an empty states file: nothing happened)."""
+    fields = manifest_fields(directory)
+    try:
+        laid_out = os.path.getsize(os.path.join(directory, STATES)) > 0
+    except OSError:
+        laid_out = False
+    return fields is not None and laid_out and fields.get("step", "0") == "0" \
+        and fields.get("subgroups", "0") == "0"
 
 
 def stored_subgroups(directory: str) -> list[int]:
@@ -120,3 +137,26 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def refuse_never_committed(devices: list, if_exists: str) -> None:
+    """A run killed before its first durable commit (``never_committed``) holds
+    nothing to resume: with ``if_exists="error"`` refused, as any run a directory holds (a
+    framework that restored its model's weights of a later step would otherwise get fresh
+    states beside them); with ``"resume"`` it starts at step 0 from the model's weights,
+    said at warning level."""
+    paths = [str(getattr(d, "path", d)) for d in devices]
+    found = [p for p in paths if never_committed(p)]
+    if not found or if_exists == "overwrite":
+        return
+    if if_exists == "resume":
+        logger.warning("%s holds a run that never committed a step (stopped before its first "
+                       "durable commit): nothing to resume; it starts at step 0 from the "
+                       "model's weights, in the run's format", ", ".join(found))
+        return
+    raise ValueError(f"{', '.join(found)} holds a run that never committed a step: it was "
+                     f"stopped before its first durable commit (every commit_every steps), so "
+                     f"nothing there can be resumed, and the model's weights may be those of a "
+                     f"later step than fresh states. Pass if_exists='overwrite' to start afresh "
+                     f"from the model's weights, or if_exists='resume' to take it at step 0 "
+                     f"(the same fresh states, its format kept)")

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from smartinf import _native, defaults, update_rules
-from smartinf.pipeline import buffers
+from smartinf.pipeline import at_exit, buffers
 from smartinf.planning import space, twins
 from smartinf.planning import io_schedule as schedules
 from smartinf.pipeline.checkpoint import MANIFEST, manifest_fields
@@ -100,7 +100,7 @@ class Pipeline(Steps, States):
     __slots__ = ("_native", "_devices", "_gpus", "optimizer", "settings", "_param_dtype", "_inflight",
                  "_small",
                  "_final_stats", "_final_device_stats", "_resumed", "io_schedules", "twins",
-                 "_params_unchecked")
+                 "_params_unchecked", "__weakref__")
 
     def __init__(
         self,
@@ -176,11 +176,13 @@ class Pipeline(Steps, States):
         self._small = bool(small)
         if small:
             self._gpus.append(None)  # the small sub-groups' device, last
+        space.check_opening([d.path for d in self._devices] + ([small] if small else []), held)
         self._native = _native.NativePipeline(specs, self.optimizer.name,
                                               float(self.optimizer.initial_state), settings,
                                               small, [int(n) for n in small_sizes or ()] if small else [],
                                               bool(defer_logged_step))
-        _check_disk(self, subgroup_sizes, small_sizes or (), small, held, gradient_bytes)
+        _check_disk(self, subgroup_sizes, small_sizes or (), small, held, gradient_bytes, specs)
+        at_exit.register_pipeline(self)  # closed at exit if still open: no step lost
         for note in self._native.notes():
             if note not in _warned:
                 _warned.add(note)
@@ -309,7 +311,7 @@ class Pipeline(Steps, States):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # (``at_exit`` closes one still open at interpreter exit)
         with contextlib.suppress(Exception):
             self.close()
 
@@ -342,18 +344,26 @@ def _host_budgets(specs: list, memory_budget: int) -> dict:
 
 
 def _check_disk(pipe: Pipeline, sizes: Sequence[int], small: Sequence[int], small_dir: str,
-                held: set, gradient_bytes: int) -> None:
-    """Before any sub-group is added: the sub-groups to come fit their file systems, or
-    ``pipe`` is closed and refused (``space.check_disk``), the directories it made (not in
-    ``held``) left as they were found."""
+                held: set, gradient_bytes: int, specs: list) -> None:
+    """Before any sub-group is added: the sub-groups to come and their commits fit their file
+    systems, or ``pipe`` is closed and refused (``space.check_disk``), the directories it made
+    (not in ``held``) left as they were found."""
     if not sizes and not small:
         return
     dirs = [d.path for d in pipe._devices] + ([small_dir] if small_dir else [])
+    settings = pipe.settings
+    # a split master runs with bf16 params: said by param_dtype, else by 2-byte gradients
+    split = pipe._param_dtype == buffers.BF16 or (pipe._param_dtype is None and gradient_bytes == 2)
+    resident = settings.memory_budget * sum(_native.device_kind(s.kind)["host_budget"] for s in specs) + \
+        sum(s.options.get("memory_budget", 0) for s in specs if s.kind == "cuda")
     try:  # copies=1 refuses a sub-group placed to stream here
         grow = pipe._native.planned_bytes([int(n) for n in (*sizes, *small)],
                                           [False] * len(sizes) + [True] * len(small), gradient_bytes)
-        space.check_disk(dirs, grow, sum(sizes) + sum(small), pipe.settings.state_dtype,
-                         pipe.settings.master, pipe.settings.copies)
+        planned = space.Planned([int(n) for n in (*sizes, *small)], settings.chunk,
+                                pipe._native.state_arrays, gradient_bytes,
+                                int(pipe._native.stats().get("slots", 4)), split, resident)
+        space.check_disk(dirs, grow, sum(sizes) + sum(small), settings.state_dtype,
+                         settings.master, settings.copies, planned)
     except (OSError, ValueError):
         pipe.close()
         for d in dirs:  # those this open made (nothing held) are left as they were found

@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 
 from smartinf import defaults
 from smartinf.planning import space
-from smartinf.pipeline.checkpoint import LOG_FILES, MANIFEST, STATES, manifest_copies, manifest_fields
+from smartinf.pipeline.checkpoint import (LOG_FILES, MANIFEST, STATES, manifest_copies,
+                                         manifest_fields, never_committed)
 from smartinf.planning.io_schedule import find_record, load_record
 from smartinf.planning.model import state_bytes_per_param
 from smartinf.planning.placement import place, predict_placed, recorded_rates
@@ -122,8 +123,8 @@ def _disk_need(params: float, state_bytes: float, directories: Sequence[str],
 
 def _held_run(directories: Sequence[str]) -> Optional[dict]:
     """The format of the run the first directory holds (``state_dtype``, ``master``,
-    ``copies``, from its manifest), and the bytes every directory's states files and logs
-    hold, its devices' sub-directories' too (the GPU's ``gpu/`` and ``gpu-host/``, the small
+    ``copies``, from its manifest; its durable ``step``), and the bytes every directory's
+    states files and logs hold, its devices' sub-directories' too (the GPU's ``gpu/`` and ``gpu-host/``, the small
     tensors' ``fp32-moments/``: at 13 B ``gpu-host/`` holds most) (``held``: space a resumed
     or overwritten run takes back); None where it holds none."""
     found = manifest_fields(directories[0])
@@ -131,7 +132,9 @@ def _held_run(directories: Sequence[str]) -> Optional[dict]:
         return None
     fields = {"state_dtype": "fp32", "master": "fp32"}  # before version 7
     fields.update({k: v for k, v in found.items() if k in fields})
-    return dict(fields, copies=manifest_copies(found), held={d: _held_bytes(d) for d in directories})
+    step = int(found["step"]) if found.get("step", "").isdigit() else 0
+    return dict(fields, copies=manifest_copies(found), step=step,
+                held={d: _held_bytes(d) for d in directories})
 
 
 def _held_bytes(directory: str) -> int:
@@ -328,7 +331,10 @@ def choose(params: int, directories: Sequence[str], *, bf16_params: bool = True,
             + ". Give more directories (file systems) or a larger one, or more host memory.")
     best, why = _pick(fitting, len(weighed))
     if run and if_exists == "resume":
-        why = f"resumes the run in {directories[0]} in its format; " + why
+        why = (f"the run in {directories[0]} never committed a step: it starts at step 0 "
+               f"from the model's weights, in the run's format; " if never_committed(directories[0])
+               else f"resumes the run in {directories[0]} in its format, at its durable "
+               f"step {run['step']}; ") + why
     why += _ruled_out(best, weighed, fitting)
     less = weighed[weighed.index(best) + 1:]
     refused = [f"{r['state_dtype']}/{r['master']} ({r['refused']})" for r in less if r["refused"]]

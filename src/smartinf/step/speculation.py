@@ -130,9 +130,9 @@ class Speculation:
         return sum(not (f.launched.done() and (f.launched.exception() is not None
                                                or f.launched.result().done())) for f in flights)
 
-    def drop(self, subgroups: Collection[int]) -> None:
-        """Retracts the updates of ``subgroups`` now: the caller edited their params since
-        the last step, and they started from the stored masters."""
+    def drop(self, subgroups: Collection[int], reason: str = "params edited") -> None:
+        """Retracts the updates of ``subgroups`` now: the caller edited their params (or
+        states: ``reason``) since the last step, and they started from the stored ones."""
         with self._lock:
             flights = {sg: self._flights.pop(sg) for sg in subgroups if sg in self._flights}
             for sg in flights:
@@ -141,7 +141,7 @@ class Speculation:
             f.future()  # launched (its inputs on the host), so it can be retracted
             self.pipeline.retract(sg)
             self.counts.retracted += 1
-            self.counts.reasons["params edited"] = self.counts.reasons.get("params edited", 0) + 1
+            self.counts.reasons[reason] = self.counts.reasons.get(reason, 0) + 1
 
     def take(self, scale: Optional[float], hyper_of: Callable[[int], dict],
              later: Optional[Callable[[int, concurrent.futures.Future], None]] = None
