@@ -105,6 +105,12 @@ def run(rank: int, world: int, port: int, config: dict) -> None:
     record = {"loss": [], "params": [], "skipped": [], "torch_params": [], "first": first}
     for step in range(first, config["steps"]):
         g = torch.Generator().manual_seed(100 + step)
+        if step == config.get("reset_at"):  # both moments reset through opt.state, as users do
+            for o in (opt, ref_opt) if ref_opt is not None else (opt,):
+                for p in m.parameters() if o is opt else ref.parameters():
+                    s = o.state[p]
+                    s["exp_avg"].zero_()
+                    s["exp_avg_sq"].zero_()
         if step == config.get("edit_at") and rank == 0:  # one rank's shard edited between steps
             with torch.no_grad():
                 next(m.parameters())._local_tensor.mul_(0.5)

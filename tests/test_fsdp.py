@@ -213,6 +213,19 @@ def test_params_replaced_after_the_optimizer_was_made(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_moment_reset_through_opt_state_is_torchs(tmp_path, world):
+    """Both moments reset through ``opt.state`` between steps 3 and 4 (a loss spike's cure),
+    updates starting during backward: torch's AdamW over the same gradients after every
+    step. (An in-place op on a DTensor bumps its own version counter, not its local shard's:
+    the reset was not seen, and the run went on as without it.)"""
+    got = train(tmp_path, "both", world, optim="both", reset_at=3)
+    for step, (a, b) in enumerate(zip(got["params"], got["torch_params"]), 1):
+        for i, (p, q) in enumerate(zip(a, b)):
+            assert_close_fp32(p.numpy(), q.numpy(), f"param {i} after step {step}")
+    assert got["counts"]["kept"] > 0  # (updates during backward ran)
+
+
 def test_a_shard_edited_on_one_rank_between_steps(tmp_path):
     """Rank 0 alone halves its shard of a weight before step 3: the edit becomes its master
     (as torch's AdamW steps the edited param), and every rank writes the edits as a step of

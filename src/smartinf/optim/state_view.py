@@ -28,6 +28,13 @@ from smartinf.optim import torch_state
 from smartinf.optim.torch_state import _export_tensor, one_step_count
 
 
+def _written(t: torch.Tensor) -> tuple:
+    """What tells that ``t`` was written in place: its version counter and its local
+    shard's (an in-place op on a DTensor bumps the DTensor's counter, not its local
+    tensor's; one through ``to_local()`` bumps the local's)."""
+    return t._version, local(t)._version
+
+
 def _filled(method: Callable) -> Callable:
     def call(self: "ParamState", *args: Any, **kwargs: Any) -> Any:
         self._fill()
@@ -66,7 +73,7 @@ class ParamState(dict):
     def kept(self) -> None:
         """What the entry holds is what the devices hold: edits are told from here on."""
         self._read = True
-        self._handed = {n: (t, local(t)._version) for n, t in dict.items(self)
+        self._handed = {n: (t, _written(t)) for n, t in dict.items(self)
                         if isinstance(t, torch.Tensor)}
         self._touched = False
         self._steps_read = self._view.stored_steps(self)
@@ -77,7 +84,7 @@ class ParamState(dict):
             return False
         if self._touched:
             return True
-        return any(dict.get(self, n) is not t or local(t)._version != v
+        return any(dict.get(self, n) is not t or _written(t) != v
                    for n, (t, v) in self._handed.items())
 
     def forget(self) -> None:
@@ -207,7 +214,7 @@ class StateView(defaultdict):
         self._cache = None
         self._outdated = [r for r in self._outdated if r[2]() is not None]
         for e in self._entries():
-            self._outdated += [(e._param, n, weakref.ref(t), local(t)._version)
+            self._outdated += [(e._param, n, weakref.ref(t), _written(t))
                                for n, (t, _) in e._handed.items()]
             e.forget()
 
@@ -277,7 +284,7 @@ class StateView(defaultdict):
         alive = [(p, n, t, version) for p, n, ref, version in self._outdated if (t := ref()) is not None]
         holders = {id(v): e for e in self._entries() if e._read for v in dict.values(e)}
         edited = [(p, n) for p, n, t, version in alive
-                  if local(t)._version != version or id(t) in holders]
+                  if _written(t) != version or id(t) in holders]
         if edited:
             self._outdated = []
             for _, _, t, _ in alive:
