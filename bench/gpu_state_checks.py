@@ -199,6 +199,7 @@ def ddp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
         try:
             opt = so.AdamW(ddp.parameters(), lr=1e-2, devices=[cfg["dir"]], commit_every=2,
                            if_exists=cfg["if_exists"])
+            opt._laid_out()  # (on a GPU a budget of "auto" waits for the first step: open now)
         except Exception as e:
             record["error"] = f"{type(e).__name__}: {e}"
         else:
