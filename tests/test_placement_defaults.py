@@ -22,6 +22,16 @@ def box(monkeypatch, memory: int) -> None:
     monkeypatch.setattr(space, "available_memory", lambda: memory)
 
 
+def rank_zero_of(monkeypatch, world: int) -> None:
+    """This process as rank 0 of ``world`` to the planner, whose collectives at open (the
+    ranks' agreement) find the others' contributions zeros: no rank's directory holds a run."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: None)
+
+
 def made(tmp_path, name="run", **options):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
@@ -189,9 +199,7 @@ def test_ddps_ranks_of_one_host_share_its_memory(tmp_path, monkeypatch):
     LOCAL_WORLD_SIZE) each plan a share of its memory, not all of it each."""
     box(monkeypatch, plan.MIN_RESERVE + (40 << 20))  # 40 MB for states beyond the reserve
     _, alone = made(tmp_path, "alone")
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    rank_zero_of(monkeypatch, 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     _, shared = made(tmp_path, "shared")
     assert alone.pipeline.settings.memory_budget == 2 * alone.placement.weighed[0]["whole"]
@@ -206,9 +214,7 @@ def test_ranks_keep_the_chosen_interval_exactly(tmp_path, monkeypatch):
     """Ranks would put a commit off each by its own disk, and reopen at durable steps more than
     a commit apart: with a world of several, the interval chosen is kept exactly."""
     box(monkeypatch, 64 << 30)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    rank_zero_of(monkeypatch, 2)
     _, opt = made(tmp_path)
     assert opt.pipeline.settings.commit_every == plan.RESIDENT_COMMIT_EVERY
     assert opt.pipeline.settings.commit_waits is True
