@@ -200,6 +200,9 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         void discard() except +raise_py_error nogil
         vector[size_t] undo_step() except +raise_py_error nogil
         void close() except +raise_py_error nogil
+        uint64_t park() except +raise_py_error nogil
+        void unpark() except +raise_py_error nogil
+        cbool parked()
         cbool closed()
         uint64_t step()
         uint64_t durable_step()
@@ -574,6 +577,20 @@ cdef class NativePipeline:
     def close(self):
         with nogil:
             self.p.close()
+
+    def park(self) -> int:
+        cdef uint64_t freed
+        with nogil:
+            freed = self.p.park()
+        return freed
+
+    def unpark(self):
+        with nogil:
+            self.p.unpark()
+
+    @property
+    def parked(self) -> bool:
+        return self.p.parked()
 
     @property
     def closed(self) -> bool:

@@ -3,6 +3,7 @@
 // device, the kernel on the GPU over a mirror of the slot.
 
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -91,6 +92,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     check(cudaSetDevice(gpu_), "selecting GPU " + std::to_string(gpu_));
     // The host slots page-locked, so the copies to the GPU run at the link's speed.
     const size_t io = store::align_up(g.chunk * 4);
+    io_bytes_ = io;
     try {
       for (size_t i = 0; i < slots_.size(); ++i) {
         check(cudaHostRegister(slots_.memory(i), slots_.slot_bytes(), cudaHostRegisterPortable),
@@ -162,6 +164,77 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
     if (!host_memory_) states_to_gpu(i, bytes);
   }
   char* host_twin() const override { return static_cast<char*>(host_twin_); }
+
+  // Between phases of a run (Pipeline::park, no job running): the resident states copied
+  // into (pageable) host memory, byte for byte, and every GPU buffer of the budget and the
+  // slots freed; unpark() allocates them again and copies the states back. A budget in host
+  // memory has nothing to give back. Nothing changes where park or unpark throws.
+  uint64_t park() override {
+    if (parked_ || host_memory_) return 0;
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    std::unique_ptr<char[]> host;
+    if (resident_bytes_) {
+      require_host_memory(resident_bytes_, dir_ + "'s states parked in host memory");
+      host.reset(new char[resident_bytes_]);
+      check(cudaMemcpy(host.get(), resident_, resident_bytes_, cudaMemcpyDeviceToHost),
+            "parking the resident states in host memory");
+    }
+    parked_states_ = std::move(host);
+    parked_ = true;
+    uint64_t freed = resident_bytes_;
+    cudaFree(resident_);
+    resident_ = nullptr;
+    for (Mirror& m : mirrors_) {
+      for (void** p : {&m.own_states, &m.own_grad, &m.own_out}) {
+        cudaFree(*p);
+        *p = nullptr;
+      }
+      m.states = m.out = nullptr;
+      m.grad = nullptr;
+      m.resident = false;
+      freed += geometry_.states_bytes() + 2 * io_bytes_;
+    }
+    return freed;
+  }
+  void unpark() override {
+    if (!parked_) return;
+    check(cudaSetDevice(gpu_), "selecting the GPU");
+    std::vector<void*> made;  // freed again if any allocation fails: still parked
+    auto allocate = [&](size_t bytes, const char* what) {
+      void* p = nullptr;
+      const cudaError_t e = cudaMalloc(&p, bytes);
+      if (e != cudaSuccess) {
+        for (void* q : made) cudaFree(q);
+        check(e, std::string("allocating ") + what + " again (unpark): " +
+                     std::to_string(bytes) + " bytes; free GPU memory and call it again");
+      }
+      made.push_back(p);
+      return p;
+    };
+    void* resident = resident_bytes_ ? allocate(resident_bytes_, "the memory budget") : nullptr;
+    for (size_t i = 0; i < mirrors_.size(); ++i) {
+      allocate(geometry_.states_bytes(), "a slot's states");
+      allocate(io_bytes_, "a slot's gradient");
+      allocate(io_bytes_, "a slot's params");
+    }
+    if (resident) {
+      const cudaError_t e = cudaMemcpy(resident, parked_states_.get(), resident_bytes_,
+                                       cudaMemcpyHostToDevice);
+      if (e != cudaSuccess) {
+        for (void* q : made) cudaFree(q);
+        check(e, "the parked states back to the GPU");
+      }
+    }
+    resident_ = resident;
+    for (size_t i = 0; i < mirrors_.size(); ++i) {
+      Mirror& m = mirrors_[i];
+      const size_t at = (resident ? 1 : 0) + 3 * i;
+      m.own_states = made[at], m.own_grad = made[at + 1], m.own_out = made[at + 2];
+      m.states = m.own_states, m.grad = m.own_grad, m.out = m.own_out;
+    }
+    parked_states_.reset();
+    parked_ = false;
+  }
   void resident_to_host(uint64_t at, void* dst, size_t bytes) const override {
     check(cudaSetDevice(gpu_), "selecting the GPU");
     check(cudaMemcpyAsync(dst, resident(at), bytes, cudaMemcpyDeviceToHost, persist_stream_),
@@ -332,6 +405,9 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   }
 
   void* resident(uint64_t at) const {
+    if (parked_)
+      throw std::logic_error(describe() + "'s resident states are parked in host memory: "
+                             "unpark() first");
     if (at >= resident_bytes_ || at % store::kAlign != 0)
       throw std::out_of_range("resident states at byte " + std::to_string(at) + " of " +
                               std::to_string(resident_bytes_));
@@ -403,6 +479,9 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
   uint64_t resident_bytes_ = 0;
   void* host_twin_ = nullptr;  // CudaOptions::host_twin: page-locked, resident_bytes_ of it
   cudaStream_t persist_stream_ = nullptr;  // the background lane's copies to the host
+  size_t io_bytes_ = 0;  // a slot's gradient or params buffer on the GPU
+  bool parked_ = false;  // park(): the GPU's buffers freed, the resident states below
+  std::unique_ptr<char[]> parked_states_;
 };
 
 }  // namespace

@@ -118,6 +118,14 @@ class Device {
   // buffers): its states are copied there when the commit is queued, and the resident
   // copy may be updated at once (CudaOptions::host_twin).
   virtual char* host_twin() const { return nullptr; }
+  // The device's own memory handed back between phases of a run (DeepSpeed's
+  // offload_states): resident states in a GPU's memory copied byte for byte into host memory
+  // and the GPU's allocations (budget and slot mirrors) freed; returns the GPU bytes freed
+  // (0: nothing of its own to free, as a cpu device's). unpark() allocates them again and
+  // copies the states back. Only while no job runs (Pipeline::park); while parked, binding
+  // resident states throws.
+  virtual uint64_t park() { return 0; }
+  virtual void unpark() {}
   // A split master's checksum of the params its states were emitted with, 8 bytes at
   // `offset` of the states slot `slot` is bound to: read when the params come back, written
   // after the update. In the slot's host states; a GPU's resident states hold their own.

@@ -301,6 +301,10 @@ void Pipeline::close() {
   if (devices_.empty()) return;
   std::exception_ptr error;
   try {
+    if (parked_) {  // the steps not yet durable are written from the devices' memory
+      for (Unit& u : devices_) u.device->unpark();
+      parked_ = false;
+    }
     bool failed = false;  // a step in progress (its caller failed) is undone alone first
     const bool forget = step_in_progress();
     auto undo = undo_;
@@ -332,6 +336,33 @@ void Pipeline::close() {
   }
   devices_.clear();
   if (error) std::rethrow_exception(error);
+}
+
+uint64_t Pipeline::park() {
+  std::lock_guard lock(mu_);
+  if (parked_) return 0;
+  require_open();
+  if (step_in_progress())
+    throw std::invalid_argument("a step is in progress: commit() or discard() it before park()");
+  land();  // (its background writes read the resident states)
+  uint64_t freed = 0;
+  parked_ = true;
+  try {
+    for (Unit& u : devices_) freed += u.device->park();
+  } catch (...) {
+    for (Unit& u : devices_) u.device->unpark();
+    parked_ = false;
+    throw;
+  }
+  return freed;
+}
+
+void Pipeline::unpark() {
+  std::lock_guard lock(mu_);
+  if (devices_.empty()) throw std::invalid_argument("the pipeline is closed");
+  if (!parked_) return;
+  for (Unit& u : devices_) u.device->unpark();  // (one that fails: again, the rest no-ops)
+  parked_ = false;
 }
 
 void Pipeline::seal_logs() {

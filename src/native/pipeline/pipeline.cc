@@ -277,6 +277,9 @@ Pipeline::~Pipeline() {
 
 void Pipeline::require_open() const {
   if (devices_.empty()) throw std::invalid_argument("the pipeline is closed");
+  if (parked_)
+    throw std::invalid_argument("the pipeline's states are parked in host memory (park(), "
+                                "DeepSpeed's offload_states): unpark() (reload_states) first");
 }
 
 namespace {

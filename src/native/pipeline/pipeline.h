@@ -164,8 +164,16 @@ class Pipeline {
   // one copy written over.
   std::vector<size_t> undo_step();
   // Undoes a step in progress as undo_step() does, then makes the committed steps durable;
-  // persists the layout.
+  // persists the layout (parked: unparked first).
   void close();
+  // Between steps (none in progress; a durable commit written in the background landed
+  // first): each device's own memory given back, its resident states in a GPU's memory
+  // copied into host memory (Device::park); returns the GPU bytes freed. Until unpark(),
+  // which copies them back, every other call but close() is refused. DeepSpeed's
+  // offload_states / reload_states.
+  uint64_t park();
+  void unpark();
+  bool parked() const { return parked_; }
 
   bool closed() const { return devices_.empty(); }
   uint64_t step() const { return step_; }
@@ -303,6 +311,7 @@ class Pipeline {
   std::map<std::string, double> last_hyper_;
   std::vector<std::string> notes_;
   uint64_t step_ = 0, durable_step_ = 0;
+  bool parked_ = false;  // park()
   std::optional<PendingCommit> pending_;
   // Speculative updates of the step in progress: each sub-group's placement before it.
   std::map<size_t, std::pair<Placement, std::shared_ptr<Completion>>> speculative_;

@@ -32,8 +32,9 @@ files get the devices' fp32 masters (for ``zero_to_fp32``), and DeepSpeed's fp32
 
 The code: ``deepspeed_config`` (the blocks of the config), ``deepspeed_zero3`` (the
 optimizer: layout and step), ``deepspeed_overlap`` (updates during backward and the step's
-tail), ``deepspeed_states`` (DeepSpeed's accessors, checkpoints, the ranks' agreement);
-this module, the engine and ``initialize``.
+tail), ``deepspeed_states`` (DeepSpeed's accessors, checkpoints, the ranks' agreement),
+``deepspeed_offload`` (``engine.offload_states()`` / ``reload_states()``); this module, the
+engine and ``initialize``.
 """
 from __future__ import annotations
 
@@ -93,16 +94,6 @@ def _with_torch_adam(config: dict) -> dict:
     return config
 
 
-OFFLOAD_REFUSED = (
-    "engine.offload_states()/reload_states() move DeepSpeed's optimizer states (FusedAdam's) and "
-    "the engine's buffers between the GPU and the host; with a \"smartinf\" block the fp32 masters "
-    "and moments are already off the GPU, on the smartinf devices, except what a \"gpu\" budget "
-    "keeps there, and moving the bf16 params and gradient buffers under its updates is not "
-    "supported. To leave the GPU free between phases, keep no states there (\"gpu\": "
-    "{\"memory_budget\": 0, \"host_states\": false}) and call torch.cuda.empty_cache(); "
-    "offload_states and reload_states are not needed then")
-
-
 class SmartInfEngine(DeepSpeedEngine):
     """DeepSpeed's engine with :class:`SmartInfinityStage3` and checkpoints that carry the
     smartinf device directories."""
@@ -110,14 +101,6 @@ class SmartInfEngine(DeepSpeedEngine):
     def _configure_zero_optimizer(self, optimizer: Any) -> Any:
         with _named(stage3, "DeepSpeedZeroOptimizer_Stage3", SmartInfinityStage3):
             return super()._configure_zero_optimizer(optimizer)
-
-    def offload_states(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: see ``OFFLOAD_REFUSED``."""
-        raise RuntimeError(OFFLOAD_REFUSED)
-
-    def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        """Refused, as ``offload_states``."""
-        raise RuntimeError(OFFLOAD_REFUSED)
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:

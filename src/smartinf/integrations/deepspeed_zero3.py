@@ -4,7 +4,7 @@ the devices, the kept-whole and small params in sub-groups of their own, ``auto`
 and its step (DeepSpeed's overflow check, loss scale, norm and clipping; the updates through
 the ``StepSession``, now or, with overlap, in the tail). Updates during backward:
 ``deepspeed_overlap``; accessors, checkpoints and the ranks' agreement: ``deepspeed_states``;
-the kept-whole params: ``deepspeed_kept_whole``."""
+the kept-whole params: ``deepspeed_kept_whole``; ``offload_states``: ``deepspeed_offload``."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -28,6 +28,7 @@ from smartinf.integrations.deepspeed_norm import norm_groups
 from smartinf.integrations.deepspeed_kept_whole import KeptWhole
 from smartinf.integrations.deepspeed_overlap import Overlap
 from smartinf.integrations.deepspeed_states import StoredStates
+from smartinf.integrations.deepspeed_offload import OffloadStates
 
 logger = logging.getLogger("smartinf")
 
@@ -53,7 +54,8 @@ def _give_back_freed_pinned_memory() -> None:
         empty()
 
 
-class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, stage3.DeepSpeedZeroOptimizer_Stage3):
+class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, OffloadStates,
+                          stage3.DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 whose per-sub-group optimizer step runs in a :class:`smartinf.Pipeline`."""
 
     def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any,

@@ -1,6 +1,7 @@
 """A ``Pipeline``'s states between steps: read (``read_states``: the fp32 masters and the
 rule's states, a split master rebuilt from the params) and replaced as part of the current
-step (``write_states``, ``write_master``)."""
+step (``write_states``, ``write_master``); parked in host memory between phases (``park``,
+``unpark``)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -74,3 +75,20 @@ class States:
         held = [buffers.host_buffer(k, states[k], numel, [buffers.F32], writable=False)
                 if k in states else None for k in names]
         native.write_states(sg, [b.address if b else 0 for b in held], int(steps))
+
+    def park(self) -> int:
+        """Between steps: the devices' own memory given back, resident states in a GPU's
+        memory copied byte for byte into host memory and the GPU's buffers freed (a durable
+        commit written in the background lands first). Returns the GPU bytes freed (0 where
+        the states are in host memory already). Until ``unpark()`` every other call but
+        ``close()`` is refused (``close()`` unparks). DeepSpeed's ``offload_states``."""
+        return self._open().park()
+
+    def unpark(self) -> None:
+        """The parked states back in the GPU's memory, as they were (``park``)."""
+        self._open().unpark()
+
+    @property
+    def parked(self) -> bool:
+        """Whether ``park()`` holds the states in host memory now."""
+        return not self.closed and self._native.parked
