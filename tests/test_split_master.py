@@ -390,7 +390,8 @@ def test_xxh3_by_lanes_is_libxxhash(tmp_path):
     cxx = shutil.which("g++") or pytest.skip("no C++ compiler here")
     exe = tmp_path / "xxh3_lanes_match"
     built = subprocess.run([cxx, "-std=c++17", "-O2", f"-I{root / 'src' / 'native'}",
-                            str(root / "tests" / "native" / "xxh3_lanes_match.cc"), "-lxxhash",
+                            f"-I{root / 'third_party' / 'xxhash'}", "-DXXH_INLINE_ALL",
+                            str(root / "tests" / "native" / "xxh3_lanes_match.cc"),
                             "-o", str(exe)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]
     ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
