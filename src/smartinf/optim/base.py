@@ -151,7 +151,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             gradients.forget_amp(self)
             raise
 
-    def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool) -> Any:
+    def _step(self, closure: Optional[Callable[[], Any]], grad_scale: float, found_inf: bool,
+              checked: bool = False) -> Any:
         phases = Phases()  # (open_and_drain, norm, edits, take, updates)
         self.last_step_phases = phases.seconds
         self._laid_out()
@@ -174,19 +175,19 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
         if self._sharding.active:  # every rank skips the step where any found inf/NaN
             found_inf = self._sharding.any(found_inf)
-        scale, norm = (None, None) if found_inf else \
-            gradients.scale(grad_scale, list(grads.values()), self.max_grad_norm, self._sharding)
-        if norm is not None:
+        scale, norm, staged = gradients.decide(grads, grad_scale, found_inf, checked, self)
+        if norm is not None:  # (only clipping takes it)
             self.last_grad_norm = norm
         phases.mark("norm")
         self.state.check()  # (edits written through opt.state: refused before anything changes)
         session = self._session
         session.begin()
         try:
+            staged.drop_if(staged and any(map(self.state.edited, self._plan)))  # (see drop_if)
             self.state.apply()  # what was written through opt.state, before the update
             self.state.step_begins()  # (its entries read again after it)
             # even if the step is skipped: the caller's weights stand
-            self._adopt(self._edited(now))
+            self._adopt(staged.drop_if(self._edited(now)))
             phases.mark("edits")
             # The updates started during backward that assumed rightly; the others retracted.
             try:
@@ -225,7 +226,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         def finish() -> None:
             session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept}, rest,
                         lambda i, b: self._driver.send(
-                            i, gradients.flat(self._plan[i], grads), b, scale,
+                            i, staged.take(self._plan[i], grads, b), b, scale,
                             hyper[self._plan[i].group],
                             params=subgroups.flat_params(self._plan[i]) if self._split else None),
                         self._finish)
