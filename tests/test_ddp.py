@@ -155,7 +155,10 @@ def _reopen(rank: int, world: int, port: int, config: dict) -> None:
         record["step"] = {float(v["step"]) for v in opt.state_dict()["state"].values()}
         opt.close()
     torch.save(record, f"{config['out']}.{rank}")
-    dist.destroy_process_group()
+    # Gone without tearing down: DDP's reducer, freed as this returns, destroyed gloo's group
+    # with the GIL held while gloo's thread freed a collective's tensors, which takes the GIL
+    # (a deadlock seen once in CI; a script's exit is step/ranks.py's leave_cleanly).
+    os._exit(0)
 
 
 def reopen(tmp_path, name: str, directory, world: int = 2, **config) -> list:
