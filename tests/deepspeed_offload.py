@@ -96,15 +96,17 @@ def offload_round_trips(make_model: Callable, root: Path, batches: Callable, tra
     return out
 
 
-def gpu_round_trip(out: Path) -> None:
+def gpu_round_trip(out: Path, shape: str = "small") -> None:
     """On a GPU, world 1: the states in the GPU's memory (a budget that holds them all),
     two steps, offload_states(): the GPU memory in use (the device's, the pipeline's
     allocations being CUDA's, not torch's) falls by at least the states' bytes, and stays
     so through a 'generation' phase; reload_states(), two more steps: params and states
     equal an engine's that never offloaded (python tests/deepspeed_offload.py OUT.json
-    under torchrun; tests/test_deepspeed.py's GPU test)."""
+    under torchrun; tests/test_deepspeed.py's GPU test). ``shape`` "xl": GPT-2 XL's (48 layers
+    of 1600, 1.5 B params, fp32 states: 17.7 GB; the issue's acceptance, bench/measured)."""
     import json
     import sys
+    import time
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.gpt.data import Language, batches
     from examples.gpt.model import GPT, GPTConfig
@@ -115,8 +117,10 @@ def gpu_round_trip(out: Path) -> None:
 
     def make(name: str) -> object:
         c = config(str(root / name))
-        c["smartinf"].update(gpu={"memory_budget": "2GiB", "host_states": False}, memory_budget=0)
-        model = GPT(GPTConfig(lang.vocab_size, 64, 512, 8, 8), seed=5)
+        budget = "20GiB" if shape == "xl" else "2GiB"
+        c["smartinf"].update(gpu={"memory_budget": budget, "host_states": False}, memory_budget=0)
+        dims = (1600, 48, 25) if shape == "xl" else (512, 8, 8)
+        model = GPT(GPTConfig(lang.vocab_size, 64, *dims), seed=5)
         return smartinf_ds.initialize(model=model, model_parameters=model.parameters(), config=c)[0]
 
     def step(eng: object, data: object) -> float:
@@ -139,19 +143,22 @@ def gpu_round_trip(out: Path) -> None:
     resident = [i for i in range(pipe.num_subgroups) if pipe.resident(i)]
     states = sum(pipe.numel(i) for i in resident) * 4 * (1 + len(pipe.optimizer.state_names))
     before = used()
+    clock = time.perf_counter()
     eng.offload_states()
-    offloaded = used()
+    offloaded, offload_s = used(), time.perf_counter() - clock
     phase = torch.empty(states // 2, dtype=torch.float16, device="cuda")  # 'generation' fills it
     during = used()
     del phase
+    clock = time.perf_counter()
     eng.reload_states()
-    after = used()
+    after, reload_s = used(), time.perf_counter() - clock
     losses[0] += [step(eng, data) for _ in range(2)]
     losses[1] += [step(same, twin) for _ in range(2)]
     equal = all(torch.equal(a, b) for a, b in zip(snapshot(eng), snapshot(same)))
     result = {"subgroups": pipe.num_subgroups, "resident": len(resident), "states": states,
               "freed": eng.optimizer.offloaded_bytes, "before": before, "offloaded": offloaded,
-              "during": during, "after": after, "losses": losses, "equal": equal}
+              "during": during, "after": after,
+              "offload_s": offload_s, "reload_s": reload_s, "losses": losses, "equal": equal}
     out.write_text(json.dumps(result, indent=1))
     for e in (eng, same):
         e.destroy()
@@ -159,4 +166,4 @@ def gpu_round_trip(out: Path) -> None:
 
 if __name__ == "__main__":
     import sys
-    gpu_round_trip(Path(sys.argv[1]))
+    gpu_round_trip(Path(sys.argv[1]), *sys.argv[2:3])

@@ -400,3 +400,43 @@ def test_a_durable_commit_due_while_the_last_is_written_waits_or_is_put_off(disk
         assert again.step_count == 5
         assert_same(states(again), final)
     assert_same(final, train(os.path.join(disk_dir, "plain"), 5)[-1][1])
+
+
+def test_a_new_directory_of_two_copies_is_written_first_by_its_first_durable_commit(tmp_path):
+    """Resident sub-groups' first states stay in memory until the first durable commit
+    (GPT-2 XL: 18.7 GB were written by the first step): a run stopped before it reopens
+    afresh from the model; a failure that must go back to a durable commit before it closes
+    the pipeline once they were updated, and leaves them as made before (copies=1:
+    test_one_copy.py)."""
+    d = str(tmp_path / "d")
+    all_states = sum(FP32_BYTES.values())
+    plain = train(str(tmp_path / "plain"), 3)
+    made = states(open_pipe(str(tmp_path / "made")))
+    pipe = open_pipe(d, memory_budget=all_states, commit_every=3)
+    assert pipe.stats["storage_write"] == 0
+    pipe.discard()  # nothing updated: as made
+    assert_same(states(pipe), made)
+    for step in range(3):
+        assert pipe.stats["storage_write"] == 0
+        run_step(pipe, step)
+    landed(pipe)
+    assert pipe.durable_step_count == 3 and pipe.stats["storage_write"] == all_states
+    pipe.close()
+    with open_pipe(d, memory_budget=all_states, commit_every=3, if_exists="resume") as pipe:
+        assert pipe.step_count == 3
+        assert_same(states(pipe), plain[2][1])
+
+    e = str(tmp_path / "e")
+    child = os.fork()
+    if child == 0:  # stopped after two steps, before its first durable commit
+        p = open_pipe(e, memory_budget=all_states, commit_every=3)
+        run_step(p, 0)
+        run_step(p, 1)
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    with open_pipe(e, memory_budget=all_states, commit_every=3, if_exists="resume") as pipe:
+        assert pipe.step_count == 0 and not any(pipe.resumed(i) for i in range(len(SIZES)))
+        assert_same(states(pipe), made)
+        run_step(pipe, 0)
+        with pytest.raises(RuntimeError, match="before the first durable commit that writes them"):
+            pipe.discard()

@@ -18,13 +18,25 @@ bool Pipeline::rewritten() const {
   });
 }
 
+bool Pipeline::unwritten() const {
+  return std::any_of(placement_.begin(), placement_.end(), [](const Placement& p) { return p.unwritten; });
+}
+
+// Updated since it was made, before any durable commit wrote it: nothing stored to go back to.
+bool Pipeline::lost_unwritten() const {
+  return std::any_of(placement_.begin(), placement_.end(),
+                     [](const Placement& p) { return p.unwritten && p.steps > 0; });
+}
+
 void Pipeline::lose_one_copy(const std::string& why) {
   abandon();
   throw std::runtime_error(why + ": directories of one copy (copies=1) hold no step while "
-                           "their states are written over in place, or before their first "
-                           "durable commit: their states are lost, and the pipeline is closed. "
-                           "Restore a checkpoint, or reopen them with if_exists=\"overwrite\" "
-                           "to start afresh");
+                           "their states are written over in place, and no directory holds a "
+                           "sub-group's states before the first durable commit that writes "
+                           "them: those states are lost, and the pipeline is closed. Restore "
+                           "a checkpoint, or reopen the directories with if_exists=\"overwrite\" "
+                           "(or a run before its first durable commit with \"resume\") to "
+                           "start afresh from the model");
 }
 
 void Pipeline::finish_on_reopen(const std::string& why) {
@@ -41,7 +53,8 @@ void Pipeline::back_to_durable() {
   } catch (...) {
     if (devices_.empty()) throw;  // abandoned: nothing to go back to
   }
-  if (rewritten()) lose_one_copy("going back to step " + std::to_string(durable_step_));
+  if (rewritten() || lost_unwritten())
+    lose_one_copy("going back to step " + std::to_string(durable_step_));
   for (Unit& u : devices_)
     if (u.store->logs() && u.store->reused())
       finish_on_reopen("step " + std::to_string(durable_step_ + 1) + " failed");
@@ -49,7 +62,7 @@ void Pipeline::back_to_durable() {
   try {
     for (size_t sg = 0; sg < placement_.size(); ++sg) {
       Placement& p = placement_[sg];
-      if (!p.dirty) continue;
+      if (!p.dirty || p.unwritten) continue;  // (unwritten: as made, held in memory)
       p.forgotten();
       if (p.resident == device::kOwnStates) continue;
       std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);  // the committed copy, again
@@ -100,7 +113,7 @@ void Pipeline::flush() {
   if (step_in_progress())
     throw std::invalid_argument("a step is in progress: commit() or discard() it before flush()");
   land();
-  if (step_ > durable_step_ || rewritten()) make_durable(step_);  // one copy: new states too
+  if (step_ > durable_step_ || rewritten() || unwritten()) make_durable(step_);  // new states too
   land();
 }
 
@@ -244,7 +257,7 @@ void Pipeline::land() {
   }
   // Their committed copy is now what the commit wrote; one updated since stays dirty (its
   // states ahead in resident memory, its other extents behind).
-  for (const auto& [sg, steps] : c.subgroups) placement_[sg].landed(steps);
+  for (const auto& [sg, steps] : c.subgroups) placement_[sg].committed(steps);
   durable_step_ = c.step;
 }
 
@@ -319,7 +332,7 @@ void Pipeline::close() {
     } else {
       if (forget) undo_updates(std::move(undo), failed);
       land();
-      if (step_ > durable_step_ || rewritten()) make_durable(step_);  // one copy: new states too
+      if (step_ > durable_step_ || rewritten() || unwritten()) make_durable(step_);  // new states too
       land();
     }
   } catch (...) {

@@ -290,6 +290,8 @@ class Pipeline {
   // every step: refused, naming what would hold it (`id`, `numel` params on `unit`).
   void refuse_streamed_one_copy(int64_t id, uint64_t numel, size_t unit) const;
   bool rewritten() const;  // a directory of one copy written over since its durable step
+  bool unwritten() const;  // some sub-group's states not yet on storage (Placement::unwritten)
+  bool lost_unwritten() const;  // ... and updated since: going back to a durable commit loses it
   bool logs_or_rewritten() const;  // a failure goes back to the durable step (back_to_durable)
   [[noreturn]] void lose_one_copy(const std::string& why);  // abandons, then says so
   // A directory with a log whose step was partly written where the step before was:

@@ -170,16 +170,20 @@ size_t Pipeline::add_subgroup(uint64_t numel, const float* init, uint64_t finger
     if (created) {
       const float* arrays[device::kMaxStateArrays] = {init};
       std::vector<Job> jobs = init_jobs(p, store.record(p.local).copy, arrays);
-      // One copy: a resident sub-group's first states reach storage at the first durable
-      // commit, not now (13 B: 51 GB written before the first step); until then the
-      // directory says it holds no step.
-      const bool later = options_.copies == 1 && p.resident != device::kOwnStates;
-      if (later) {
-        store.begin_rewrite();
+      // A resident sub-group's first states reach storage at the first durable commit, not
+      // now (13 B: 51 GB written before the first step, GPT-2 XL 18.7 GB); until then the
+      // directory holds no step of it (a crash restarts from the model), and a failure that
+      // must go back to a durable commit loses it (back_to_durable). A streamed one's
+      // states live on storage: written now.
+      if (p.resident != device::kOwnStates) {
+        store.begin_rewrite();  // (one copy: the directory says so)
         for (Job& job : jobs) job.write_back = false;
-        p.updated(0, true);
+        p.made();
+        u.ring->make_resident(jobs, options_.compute_threads ? options_.compute_threads
+                                                             : device::default_compute_threads());
+      } else {
+        submit_and_wait(unit, jobs);
       }
-      submit_and_wait(unit, jobs);
     } else {  // states from disk: checked against their checksums before any use
       std::vector<Job> jobs = chunk_jobs(p, JobKind::verify);
       const bool known = std::any_of(jobs.begin(), jobs.end(), [](const Job& j) { return *j.src.sum; });

@@ -23,6 +23,9 @@ struct Placement {
   bool dirty = false;
   bool behind = false;  // resident and dirty, but its shadow extents not written since
   bool was_dirty = false;  // dirty before the step in progress wrote it
+  // Made by this pipeline and resident, its states not yet on storage: the first durable
+  // commit that holds it writes them (so no byte is written before that commit falls due).
+  bool unwritten = false;
   uint64_t steps = 0;
   // A second copy of its resident states (kOwnStates: none), given at a background commit
   // from what is left of the budget: while the pending commit writes `resident`, the next
@@ -57,10 +60,20 @@ struct Placement {
     std::swap(resident, twin);
     pinned = false;
   }
+  // Made in resident memory, written by the first durable commit.
+  void made() {
+    updated(0, true);
+    unwritten = true;
+  }
   // A durable commit at `committed` steps landed: the committed copy is its states, unless
-  // it was updated since.
+  // it was updated since, or never written (that commit did not hold it).
   void landed(uint64_t committed) {
-    if (steps == committed) dirty = behind = false;
+    if (!unwritten && steps == committed) dirty = behind = false;
+  }
+  // A durable commit that held it, at `committed` steps, landed: its states are on storage.
+  void committed(uint64_t at) {
+    unwritten = false;
+    landed(at);
   }
   // Back to the durable commit: its working copy forgotten.
   void forgotten() { dirty = behind = false; }

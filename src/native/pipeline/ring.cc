@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <deque>
+#include <thread>
 #include <stdexcept>
 #include <utility>
 
@@ -286,6 +287,56 @@ void Ring::load_loop() {
     finish_load(loading.front());
     loading.pop_front();
   }
+}
+
+// The host's import of a chunk (a split master's low halves and params sums, the moments
+// coded) is the work, one thread's per chunk: on the ring's load stage alone, 13 B's states
+// took 62 s to make; each slot's thread takes the next chunk as it comes free.
+void Ring::make_resident(std::vector<Job>& jobs, unsigned threads) {
+  // The slots free now (the load stage, idle, holds one while it waits for a job): none,
+  // and the load stage makes them, one after another.
+  const size_t lanes = std::min<size_t>(threads, jobs.size());
+  std::vector<size_t> slots;
+  while (slots.size() < lanes)
+    if (const std::optional<size_t> slot = free_slots_.try_pop()) slots.push_back(*slot);
+    else break;
+  if (slots.empty()) {
+    for (Job& job : jobs) push(job);
+    if (!jobs.empty()) jobs.front().completion->wait();
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> errors(slots.size());
+  const auto lane = [&](size_t l) {
+    try {
+      for (size_t c; (c = next.fetch_add(1)) < jobs.size();) {
+        const Job& job = jobs[c];
+        device_.bind_states(slots[l], job.resident);
+        device_.init_states(slots[l], job.imported, job.fill, job.dst.numel);
+      }
+    } catch (...) {
+      errors[l] = std::current_exception();
+      next = jobs.size();
+    }
+    try {
+      device_.bind_states(slots[l], device::kOwnStates);
+    } catch (...) {
+    }
+  };
+  {
+    Timer t(counters_.busy_ns[kCompute]);
+    std::vector<std::thread> others;
+    for (size_t l = 1; l < slots.size(); ++l) others.emplace_back(lane, l);
+    lane(0);
+    for (std::thread& t : others) t.join();
+  }
+  for (size_t slot : slots) free_slots_.push(slot);
+  uint64_t bytes = 0;
+  for (const Job& job : jobs)
+    for (const float* a : job.imported) bytes += a ? job.dst.numel * 4 : 0;
+  counters_.host_to_device += bytes;
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 bool Ring::update_hashes_params(const Job& job) const {

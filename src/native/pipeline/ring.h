@@ -132,6 +132,11 @@ class Ring {
   // lane; its completion is done when the write is, with the write's error if any. On a
   // device with a host twin the states are copied there first, before this returns.
   void persist(Job job);
+  // Init jobs of a resident sub-group whose states reach storage at the first durable
+  // commit (write_back false), run now on up to `threads` of the ring's free slots at once
+  // (each a thread of its own, taking chunks as it comes free; none free: pushed); returns
+  // when all are made, rethrowing the first error.
+  void make_resident(std::vector<Job>& jobs, unsigned threads);
 
   const Counters& counters() const { return counters_; }
   // The chunks found foreign since the last call (in any job kind that sends params in).

@@ -41,6 +41,7 @@ void Pipeline::retract(size_t sg) {
 void Pipeline::restore(size_t sg, Placement before) {
   const bool held = pending_ && std::any_of(pending_->subgroups.begin(), pending_->subgroups.end(),
                                             [&](const auto& e) { return e.first == sg; });
+  before.unwritten = placement_[sg].unwritten;  // (a commit since may have written it)
   if (!held) {  // a commit that held it landed since: as land() would have left it
     before.released();
     before.landed(devices_[before.unit].store->record(before.local).steps);
