@@ -43,7 +43,9 @@ case ${1:-} in
     while :; do
       mkdir -p "${OUT:?}/lease" && cp -r "$L/out/." "$OUT/lease/" 2>/dev/null
       cp "$L/log" "$OUT/lease/log" 2>/dev/null
-      grep -q "^== done" "$L/log" 2>/dev/null && break
+      if grep -q "^== done" "$L/log" 2>/dev/null; then  # (what the last step wrote after the copy)
+        cp -r "$L/out/." "$OUT/lease/" 2>/dev/null; cp "$L/log" "$OUT/lease/log"; break
+      fi
       [ "$(date +%s)" -ge "$end" ] && break
       sleep 10
     done

@@ -22,6 +22,7 @@ from smartinf.pipeline.checkpoint import restore_devices, save_devices
 from smartinf.pipeline.devices import rank_directory
 from smartinf.step.driver import Driver, stored_rule
 from smartinf.pipeline.pipeline import Pipeline
+from smartinf.step.phases import Phases
 from smartinf.step.rounding import to_bf16
 from smartinf.step import ranks
 from smartinf.step.session import StepSession
@@ -45,9 +46,13 @@ def logged_step_decision(steps: list, pending: list) -> str:
 class StoredStates:
     """Mixed into ``SmartInfinityStage3``."""
 
-    def _open(self, measured: Optional[int] = None, if_exists: Optional[str] = None) -> None:
+    def _open(self, measured: Optional[int] = None, if_exists: Optional[str] = None,
+              phases: Optional[Phases] = None) -> None:
         """This rank's pipeline opened (a GPU budget of "auto" sized: ``measured`` by the first
-        step, or ``for_this_gpu``'s), its sub-groups registered (``_attach``)."""
+        step, or ``for_this_gpu``'s), its sub-groups registered (``_attach``); where the first
+        step opens it, its ``phases`` marked (``open_plan``, ``open_pipeline``, ``open_attach``:
+        where the first step's seconds went)."""
+        phases = phases or Phases()
         given = self.settings.pipeline.if_exists
         if_exists = if_exists or given
         sizing = dataclasses.replace(self.settings, pipeline=dataclasses.replace(
@@ -58,6 +63,7 @@ class StoredStates:
                               1 + len(rule.state_names))
         self.settings = dataclasses.replace(
             fitted, pipeline=dataclasses.replace(fitted.pipeline, if_exists=given))
+        phases.mark("open_plan")
         self._devices = self.settings.rank_devices(dist.get_rank(), self._gpu)
         self._dirs = self.settings.rank_paths(dist.get_rank(), self._gpu)
         ranks.leave_cleanly()
@@ -67,6 +73,7 @@ class StoredStates:
             self.pipeline = self._all_ranks(lambda: (checkpoint.refuse_never_committed(
                 self._dirs, if_exists), self._open_pipeline(if_exists))[1])
         self._agree_on_step()
+        phases.mark("open_pipeline")
         at_exit.register_front_end(self, "settle")  # its tail drained at exit, then the pipeline closed
         self._driver = Driver(self.pipeline, max(int(n) for n in self.fp16_partitioned_groups_flat_numel),
                               self._compress)
@@ -81,6 +88,7 @@ class StoredStates:
             edits.ParamWatch(lambda i: [self.fp16_partitioned_groups_flat[i]])
         self._whole = edits.ParamWatch(lambda p: [p.data])
         self._attach()
+        phases.mark("open_attach")
 
     def _opened(self) -> Pipeline:
         """The pipeline, opened now if the first step was to size its GPU budget and something

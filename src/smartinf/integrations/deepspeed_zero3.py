@@ -149,7 +149,9 @@ class SmartInfinityStage3(Overlap, StoredStates, KeptWhole, OffloadStates,
         forward runs)."""
         phases = Phases()
         if self.pipeline is None:  # the first step: the GPU budget from what the iteration took
-            self._open(measured_gpu_budget())
+            budget = measured_gpu_budget()
+            phases.mark("open_budget")
+            self._open(budget, phases=phases)
             self._start_speculation()
         if self._tail is not None:
             self._tail.drain()  # a step without a backward since the last one
