@@ -155,7 +155,11 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
               checked: bool = False) -> Any:
         phases = Phases()  # (open_and_drain, norm, edits, take, updates)
         self.last_step_phases = phases.seconds
-        self._laid_out()
+        self._opening_phases = phases  # (the first step's open marks its parts: open_*)
+        try:
+            self._laid_out()
+        finally:
+            self._opening_phases = None
         if self._tail is not None:
             self._tail.drain()  # (a step without a backward since the last one)
         phases.mark("open_and_drain")

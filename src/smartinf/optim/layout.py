@@ -28,6 +28,7 @@ from smartinf.pipeline.settings import PipelineSettings
 from smartinf.planning import gpu_budget
 from smartinf.step import edits, ranks
 from smartinf.step.driver import Driver, overrides
+from smartinf.step.phases import Phases
 from smartinf.step.session import StepSession
 from smartinf.step.speculation import Speculation
 
@@ -58,6 +59,8 @@ class Layout:
         """Plans the sub-groups over the params in the groups now and opens them on the
         devices (resumed where the directories hold them), with the hooks that start updates
         during backward."""
+        # (the first step's phases, where it opens them: where its seconds went)
+        phases = getattr(self, "_opening_phases", None) or Phases()
         storage, compress = dict(storage), self.compress
         devices = resolve_devices(devices)
         measured = gpu_memory_budget == "auto"
@@ -93,6 +96,7 @@ class Layout:
         if measured:  # (the states' bytes, where less)
             gpu_memory_budget = optim_options.fit_gpu_budget(
                 gpu_memory_budget, self._plan, settings, 1 + len(self._rule(self.param_groups[0]).state_names))
+        phases.mark("open_plan")
         ranks.leave_cleanly()
         first = getattr(devices[0], "path", devices[0])
         if together.active:  # (before anything is written)
@@ -110,6 +114,7 @@ class Layout:
                 pipeline = ranks.on_every_rank(open_here, together.sum, Pipeline.close)
         else:
             pipeline = open_here()
+        phases.mark("open_pipeline")
         self._driver = Driver(pipeline, max((sg.numel for sg in self._plan), default=1), compress)
         try:
             if together.active:  # every rank at one durable step before any is attached
@@ -119,6 +124,7 @@ class Layout:
         except BaseException:
             pipeline.close()
             raise
+        phases.mark("open_attach")
         self.pipeline = pipeline
         at_exit.register_front_end(self)  # close() at exit if the script does not: no step lost
         # Updates started during backward: not with top-k compression, whose error feedback
