@@ -37,6 +37,14 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE)
 	@$(PY) -c "import smartinf; print('smartinf built with', smartinf.build_info())"
 	touch $@ $(VENV)/.built-demo
 
+# DeepSpeed's CPU ops that the tests load (DS_ACCELERATOR=cpu), compiled before they run, two
+# at once: in a fresh clone's tests the workers waited for them, about 2 minutes.
+$(VENV)/.ds-ops: $(VENV)/.built
+	(DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder as B; B().load()") & a=$$!; \
+	(DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import CPULionBuilder as L, ShareMemCommBuilder as S; L().load(); S().load()") & b=$$!; \
+	wait $$a && wait $$b
+	touch $@
+
 # What the demo needs, no more (the project and matplotlib): a first `make demo` skips
 # DeepSpeed, transformers and the test tools; `make test` adds them.
 $(VENV)/.built-demo: $(VENV)/.deps $(NATIVE)
@@ -60,7 +68,7 @@ demo: $(VENV)/.built-demo
 # The tests run in TEST_WORKERS processes (pytest-xdist): 2, what CI's 2 cores take
 # (docs/testing.md says how the suite is split; TEST_WORKERS=1: one process).
 TEST_WORKERS ?= 2
-test: setup csim
+test: setup csim $(VENV)/.ds-ops
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 bench: setup
