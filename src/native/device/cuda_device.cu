@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "device/compute_pool.h"
 #include "device/cuda_checksum.h"
 #include "device/cuda_update.h"
 #include "device/host_states.h"
@@ -423,7 +424,7 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       check(cudaHostAlloc(&resident_, bytes, cudaHostAllocPortable),
             "page-locking a host memory budget of " + std::to_string(bytes) + " bytes");
       resident_bytes_ = bytes;
-      std::memset(resident_, 0, bytes);
+      zero_in_parallel(resident_, bytes);
       return;
     }
     size_t free = 0, total = 0;
