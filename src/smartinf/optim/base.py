@@ -155,11 +155,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
               checked: bool = False) -> Any:
         phases = Phases()  # (open_and_drain, norm, edits, take, updates)
         self.last_step_phases = phases.seconds
-        self._opening_phases = phases  # (the first step's open marks its parts: open_*)
-        try:
-            self._laid_out()
-        finally:
-            self._opening_phases = None
+        self._laid_out(phases=phases)  # (the first step's open marks its parts: open_*)
         if self._tail is not None:
             self._tail.drain()  # (a step without a backward since the last one)
         phases.mark("open_and_drain")

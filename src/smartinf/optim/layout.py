@@ -38,7 +38,7 @@ logger = logging.getLogger("smartinf")
 class Layout:
     """Mixed into ``_StorageOptimizer`` (its ``param_groups``, ``_layout``, ``_rule``, ...)."""
 
-    def _laid_out(self, force: bool = True) -> bool:
+    def _laid_out(self, force: bool = True, phases: Optional[Phases] = None) -> bool:
         """Whether the states are laid out: laid out now unless they wait (then only where
         ``force``: the first step) for FSDP2's sharding to come (Accelerate's prepare() and
         the Trainer's shard the model after the optimizer is made and put the sharded params
@@ -51,16 +51,15 @@ class Layout:
             for group in self.param_groups:  # (the params put in since __init__)
                 optim_options.check_group(self, group)
                 optim_options.check_params(self, group)
-            self._open(**self._layout)
+            self._open(**self._layout, phases=phases)
         return self.pipeline is not None
 
     def _open(self, devices: Any, storage: dict, if_exists: str, gpu_memory_budget: Any,
-              gpu_twins: Any, gpu_host_states: Any) -> None:
+              gpu_twins: Any, gpu_host_states: Any, phases: Optional[Phases] = None) -> None:
         """Plans the sub-groups over the params in the groups now and opens them on the
         devices (resumed where the directories hold them), with the hooks that start updates
         during backward."""
-        # (the first step's phases, where it opens them: where its seconds went)
-        phases = getattr(self, "_opening_phases", None) or Phases()
+        phases = phases or Phases()  # (the first step's: where its seconds went)
         storage, compress = dict(storage), self.compress
         devices = resolve_devices(devices)
         measured = gpu_memory_budget == "auto"
