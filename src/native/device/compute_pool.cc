@@ -212,14 +212,9 @@ std::vector<int> rank_cores() {
           order.begin() + static_cast<long>(std::min(order.size(), lo + share))};
 }
 
-void zero_in_parallel(void* p, size_t bytes) {
+void zero_in_parallel(ComputePool& pool, void* p, size_t bytes) {
   constexpr size_t kPiece = size_t{2} << 20;
   const size_t pieces = (bytes + kPiece - 1) / kPiece;
-  if (pieces <= 1) {
-    std::memset(p, 0, bytes);
-    return;
-  }
-  ComputePool pool(static_cast<unsigned>(std::min<size_t>(default_compute_threads(), pieces)));
   pool.run(pieces, 1, [&](uint64_t lo, uint64_t hi) {
     char* at = static_cast<char*>(p) + lo * kPiece;
     std::memset(at, 0, std::min(hi * kPiece, bytes) - lo * kPiece);

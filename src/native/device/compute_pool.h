@@ -68,11 +68,10 @@ class ComputePool {
 // The threads this process may run on (its CPU affinity), at least 1.
 unsigned usable_cores();
 
-// Zeroes `bytes` at `p` on threads of this rank's cores (default_compute_threads of them):
-// a budget touched at creation takes its page faults, and the zeroing, in parallel (5 GB in
-// 2.7 s on one core of the 2-core VM, 1.4 s on two; a GPU's 40 GB host budget at 13 B had
-// been zeroed on one of the H200 host's 16 cores).
-void zero_in_parallel(void* p, size_t bytes);
+// Zeroes `bytes` at `p` on `pool`'s threads: a budget touched at creation takes its page
+// faults, and the zeroing, in parallel (5 GB in 2.7 s on one core of the 2-core VM, 1.4 s
+// on two; a GPU's 40 GB host budget at 13 B had been zeroed on one of the H200 host's 16).
+void zero_in_parallel(ComputePool& pool, void* p, size_t bytes);
 
 // The update's threads when none are given: the usable cores, less one where there are
 // many (8 or more): the pool's parts finish together, so a core also running the ring's

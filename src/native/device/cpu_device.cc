@@ -45,7 +45,7 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
       if (!mem)
         throw std::invalid_argument("cannot allocate a memory budget of " +
                                     std::to_string(resident_bytes_) + " bytes for " + dir_);
-      zero_in_parallel(mem, resident_bytes_);  // touched now: the budget is held from creation
+      zero_in_parallel(*pool_, mem, resident_bytes_);  // touched now: the budget is held from creation
       resident_.reset(mem);
     }
   }

@@ -424,7 +424,8 @@ class CudaDevice final : public SlottedDevice<HostSlots> {
       check(cudaHostAlloc(&resident_, bytes, cudaHostAllocPortable),
             "page-locking a host memory budget of " + std::to_string(bytes) + " bytes");
       resident_bytes_ = bytes;
-      zero_in_parallel(resident_, bytes);
+      ComputePool pool(default_compute_threads());  // (the rank's cores; none of its own after)
+      zero_in_parallel(pool, resident_, bytes);
       return;
     }
     size_t free = 0, total = 0;

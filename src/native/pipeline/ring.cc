@@ -289,6 +289,18 @@ void Ring::load_loop() {
   }
 }
 
+// An init job's states made in the slot, bound already: arrays from the host cross the
+// host link; filled ones are made on the device.
+void Ring::init_chunk(const Job& job, size_t slot) {
+  uint64_t bytes = 0;
+  for (const float* a : job.imported) bytes += a ? job.dst.numel * 4 : 0;
+  Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
+  const Deadline link = reserve_host(true, bytes);
+  device_.init_states(slot, job.imported, job.fill, job.dst.numel);
+  counters_.host_to_device += bytes;
+  finish_host(link);
+}
+
 // The host's import of a chunk (a split master's low halves and params sums, the moments
 // coded) is the work, one thread's per chunk: on the ring's load stage alone, 13 B's states
 // took 62 s to make; each slot's thread takes the next chunk as it comes free.
@@ -312,7 +324,7 @@ void Ring::make_resident(std::vector<Job>& jobs, unsigned threads) {
       for (size_t c; (c = next.fetch_add(1)) < jobs.size();) {
         const Job& job = jobs[c];
         device_.bind_states(slots[l], job.resident);
-        device_.init_states(slots[l], job.imported, job.fill, job.dst.numel);
+        init_chunk(job, slots[l]);
       }
     } catch (...) {
       errors[l] = std::current_exception();
@@ -323,18 +335,11 @@ void Ring::make_resident(std::vector<Job>& jobs, unsigned threads) {
     } catch (...) {
     }
   };
-  {
-    Timer t(counters_.busy_ns[kCompute]);
-    std::vector<std::thread> others;
-    for (size_t l = 1; l < slots.size(); ++l) others.emplace_back(lane, l);
-    lane(0);
-    for (std::thread& t : others) t.join();
-  }
+  std::vector<std::thread> others;
+  for (size_t l = 1; l < slots.size(); ++l) others.emplace_back(lane, l);
+  lane(0);
+  for (std::thread& t : others) t.join();
   for (size_t slot : slots) free_slots_.push(slot);
-  uint64_t bytes = 0;
-  for (const Job& job : jobs)
-    for (const float* a : job.imported) bytes += a ? job.dst.numel * 4 : 0;
-  counters_.host_to_device += bytes;
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
 }
@@ -353,16 +358,7 @@ bool Ring::start_load(Job& job, size_t slot, Loading& l) {
   try {
     device_.bind_states(slot, job.resident);
     if (job.kind == JobKind::init) {
-      // Arrays from the host cross the host link; filled ones are made on the device.
-      uint64_t bytes = 0;
-      for (const float* a : job.imported) bytes += a ? job.dst.numel * 4 : 0;
-      Timer t(counters_.busy_ns[bytes ? kHostToDevice : kCompute]);
-      const Deadline link = reserve_host(true, bytes);
-      device_.init_states(slot, job.imported, job.fill, job.dst.numel);
-      counters_.host_to_device += bytes;
-      finish_host(link);
-    }
-    if (job.kind == JobKind::init) {
+      init_chunk(job, slot);
       if (job.write_back)
         writing_.push(Loaded{std::move(job), slot});
       else  // resident, reaching storage at the first durable commit

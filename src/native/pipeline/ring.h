@@ -170,6 +170,7 @@ class Ring {
   // Starts a job's load in `slot`; false when it is done with (init: handed to the
   // writer; or failed), true when it is under way.
   bool start_load(Job& job, size_t slot, Loading& loading);
+  void init_chunk(const Job& job, size_t slot);
   static bool reads_storage(const Job& job);  // loads its states from storage
   // A split master's sent params hashed by the device's update (Kernel::sent_sum), not here.
   bool update_hashes_params(const Job& job) const;
