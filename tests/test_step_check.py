@@ -131,3 +131,39 @@ def test_gradscaler_check_is_not_done_again(disk_dir, no_speculation, monkeypatc
     oa.step()
     assert oa.last_step_skipped and oa.pipeline.step_count == 3
     oa.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_walk_pieces_copies_checks_and_hashes_every_piece_of_every_part(threads, dtype):
+    """The native walk under the check and the digest (store/host_pieces.h), at sizes the
+    models above never reach: parts of several pieces and a short last one, an inf/NaN in
+    any piece of any part found (and the largest finite value, the smallest non-finite's
+    neighbour, not), the copies exact and each piece's hash the XXH3 of it."""
+    from smartinf import _native
+    piece = 4096
+    magnitude, exponent = gradients._EXPONENT[dtype]
+    sizes = [5 * piece // dtype.itemsize + 7, 3, piece // dtype.itemsize]
+    srcs = [torch.randn(n).to(dtype) for n in sizes]
+    srcs[0][-1] = torch.finfo(dtype).max  # (finite: the walk must not stop at it)
+    dsts = [torch.empty_like(s) for s in srcs]
+    walk = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in zip(dsts, srcs)]
+    ok, sums = _native.walk_pieces(walk, piece, threads, dtype.itemsize, magnitude, exponent,
+                                   hash=True)
+    assert ok and all(torch.equal(d.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                                  s.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+                      for d, s in zip(dsts, srcs))
+    for s, part_sums in zip(srcs, sums):
+        nbytes = s.numel() * s.element_size()
+        assert part_sums == [_native.checksum(s.data_ptr() + a, min(piece, nbytes - a))
+                             for a in range(0, nbytes, piece)]
+    for bad in (math.inf, -math.inf, math.nan):
+        for p, at in ((0, 4 * piece // dtype.itemsize + 1), (2, 0), (0, sizes[0] - 2)):
+            srcs[p][at] = bad
+            assert not _native.walk_pieces([(0, a, n) for _, a, n in walk], piece, threads,
+                                           dtype.itemsize, magnitude, exponent)[0]
+            assert not gradients.finite(srcs)
+            srcs[p][at] = 1.0
+    assert _native.walk_pieces([(0, a, n) for _, a, n in walk], piece, threads,
+                               dtype.itemsize, magnitude, exponent)[0]

@@ -83,9 +83,20 @@ cdef extern from "store/layout.h" namespace "smartinf::store":
 
 cdef extern from "store/checksum.h" namespace "smartinf::store":
     uint64_t extent_checksum(const void*, size_t) nogil
-    void c_piece_checksums "smartinf::store::piece_checksums"(const void*, size_t, size_t, uint64_t*, unsigned) nogil
-    void c_copy_piece_checksums "smartinf::store::copy_piece_checksums"(void*, const void*, size_t, size_t, uint64_t*) nogil
     uint64_t c_params_checksum "smartinf::store::params_checksum"(const void*, size_t) nogil
+
+
+cdef extern from "store/host_pieces.h" namespace "smartinf::store":
+    cdef struct HostPart:
+        void* dst
+        const void* src
+        size_t bytes
+    cdef struct FiniteCheck:
+        unsigned width
+        uint32_t magnitude
+        uint32_t exponent
+    vector[size_t] first_pieces(const vector[HostPart]&, size_t)
+    cbool c_walk_pieces "smartinf::store::walk_pieces"(const vector[HostPart]&, size_t, unsigned, const FiniteCheck&, uint64_t*) nogil
 
 
 cdef extern from "device/registry.h" namespace "smartinf::device":
@@ -222,12 +233,31 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         vector[string] notes()
 
 
-def piece_checksums(uintptr_t address, size_t nbytes, size_t piece, unsigned threads) -> list:
-    """The extent checksum of each ``piece`` bytes of ``nbytes`` at address, by ``threads``."""
-    cdef vector[uint64_t] out = vector[uint64_t]((nbytes + piece - 1) // piece)
+def walk_pieces(parts, size_t piece, unsigned threads, unsigned width=0,
+                uint32_t magnitude=0, uint32_t exponent=0, bint hash=False) -> tuple:
+    """Host parts, (dst address or 0, src address, bytes) each, walked piece by piece on
+    ``threads`` threads (store/host_pieces.h): copied where dst is given, checked for
+    inf/NaN where ``width`` is (2 or 4, with the format's ``magnitude`` and ``exponent``
+    masks), hashed where ``hash``. Returns (finite, each part's list of its pieces' XXH3s, or
+    None)."""
+    cdef vector[HostPart] c_parts
+    cdef HostPart part
+    for dst, src, nbytes in parts:
+        part.dst = <void*><uintptr_t>dst
+        part.src = <const void*><uintptr_t>src
+        part.bytes = nbytes
+        c_parts.push_back(part)
+    cdef FiniteCheck check
+    check.width, check.magnitude, check.exponent = width, magnitude, exponent
+    cdef vector[size_t] first = first_pieces(c_parts, piece)
+    cdef vector[uint64_t] sums = vector[uint64_t](first.back() if hash else 0)
+    cdef uint64_t* out = sums.data() if hash else <uint64_t*>NULL
+    cdef cbool ok
     with nogil:
-        c_piece_checksums(<const void*>address, nbytes, piece, out.data(), threads)
-    return list(out)
+        ok = c_walk_pieces(c_parts, piece, threads, check, out)
+    if not hash:
+        return ok, None
+    return ok, [[sums[k] for k in range(first[p], first[p + 1])] for p in range(c_parts.size())]
 
 
 def params_checksum(uintptr_t address, size_t numel, bint gpu=False) -> int:
@@ -254,14 +284,6 @@ def queue_gpu_unit_sums(uintptr_t parts, size_t count, size_t chunks, uintptr_t 
     added into ``sums`` (uint64 pairs, there)."""
     with nogil:
         c_queue_gpu_unit_sums(<const DigestPart*>parts, count, chunks, <uint64_t*>sums, gpu, <void*>stream)
-
-
-def copy_piece_checksums(uintptr_t dst, uintptr_t src, size_t nbytes, size_t piece) -> list:
-    """Copies ``nbytes`` from src to dst; the checksums of the pieces, as piece_checksums."""
-    cdef vector[uint64_t] out = vector[uint64_t]((nbytes + piece - 1) // piece)
-    with nogil:
-        c_copy_piece_checksums(<void*>dst, <const void*>src, nbytes, piece, out.data())
-    return list(out)
 
 
 def checksum(uintptr_t address, size_t nbytes) -> int:

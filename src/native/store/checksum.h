@@ -5,8 +5,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <thread>
-#include <vector>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -54,40 +52,6 @@ inline uint64_t params_checksum(const void* bf16_params, size_t numel) {
 // bytes): a reopened chunk's stored sum is compared with it where the new one differs.
 inline uint64_t whole_params_checksum(const void* bf16_params, size_t numel) {
   return extent_checksum(bf16_params, numel * 2);
-}
-
-}  // namespace smartinf::store
-
-namespace smartinf::store {
-
-// A digest of `bytes` at `data` (smartinf.edits, the params a model holds on the host): the
-// XXH3 of each `piece` bytes, into out[(bytes + piece - 1) / piece], computed by `threads`
-// threads (the memory's bandwidth, not one core's, bounds it).
-inline void piece_checksums(const void* data, size_t bytes, size_t piece, uint64_t* out,
-                            unsigned threads) {
-  const size_t pieces = (bytes + piece - 1) / piece;
-  const auto run = [&](size_t from, size_t to) {
-    for (size_t i = from; i < to; ++i)
-      out[i] = extent_checksum(static_cast<const char*>(data) + i * piece,
-                               std::min(piece, bytes - i * piece));
-  };
-  threads = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, pieces)));
-  std::vector<std::thread> workers;
-  for (unsigned t = 1; t < threads; ++t)
-    workers.emplace_back(run, pieces * t / threads, pieces * (t + 1) / threads);
-  run(0, pieces / threads);
-  for (std::thread& w : workers) w.join();
-}
-
-// The same pieces' checksums of `src` while copying it to `dst`: each piece hashed where it
-// was just written, in cache, so the digest costs the copy little more.
-inline void copy_piece_checksums(void* dst, const void* src, size_t bytes, size_t piece,
-                                 uint64_t* out) {
-  for (size_t i = 0, at = 0; at < bytes; ++i, at += piece) {
-    const size_t n = std::min(piece, bytes - at);
-    std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, n);
-    out[i] = extent_checksum(static_cast<char*>(dst) + at, n);
-  }
 }
 
 }  // namespace smartinf::store

@@ -126,15 +126,17 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
             return
         hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
         srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
-        pieces = []
-        for h, s, src in zip(held, sg.slices, srcs):
-            if hashed:
-                pieces.append(edits.copy(h.detach().view(-1)[s.start:s.stop], src))
+        pieces = None
+        if hashed:  # (every slice in one walk, on every core)
+            pieces = edits.copy([(h.detach().view(-1)[s.start:s.stop], src)
+                                 for h, s, src in zip(held, sg.slices, srcs)])
+            for h in held:
                 torch.autograd.graph.increment_version(h)  # written, as copy_ says
-            else:
+        else:
+            for s, src in zip(sg.slices, srcs):
                 subgroups.write(s.param, s.start, s.stop, src)
         if self._watch is not None:
-            self._watch.record(sg.id, pieces if hashed else None)
+            self._watch.record(sg.id, pieces)
         self._landed(sg)
 
     # -- step -------------------------------------------------------------------------

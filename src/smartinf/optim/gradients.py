@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
-import numpy
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from smartinf import update_rules
+from smartinf import _native, update_rules
 from smartinf.optim.sharding import Sharding, local
 from smartinf.optim.subgroups import Subgroup
 
@@ -153,47 +151,25 @@ def gather_checked(sgs: Sequence[Subgroup], grads: dict,
 def finite(parts: Sequence[torch.Tensor]) -> bool:
     """Whether no element of ``parts`` is inf/NaN: on the host, their bits' exponents,
     piece by piece on every core (exact: no sum to overflow, no fp64 pass again)."""
-    pieces: dict = {}  # dtype -> (None, bits) pieces
+    walks: dict = {}  # dtype -> (the tensors walked, kept alive; their parts)
     for t in parts:
         t = t.reshape(-1)
         if not t.is_cpu or t.dtype not in _EXPONENT or not t.is_contiguous():
             if not bool(torch.isfinite(t).all()):
                 return False
             continue
-        bits = _uint(t)
-        pieces.setdefault(t.dtype, []).extend(
-            (None, bits[a:a + PIECE]) for a in range(0, len(bits), PIECE))
-    return all(_copy(p, dtype, True) for dtype, p in pieces.items())
+        held, walk = walks.setdefault(t.dtype, ([], []))
+        held.append(t)
+        walk.append((0, t.data_ptr(), t.numel() * t.element_size()))
+    return all(_walk(walk, dtype, True) for dtype, (_, walk) in walks.items())
 
 
-#: elements copied then checked at a time (``gather_checked``): 256 KiB of fp32, in L2
-PIECE = 64 << 10
-#: per dtype: its bits as numpy's unsigned type, the bits but the sign, the exponent all ones
-_EXPONENT = {torch.float32: (numpy.uint32, 0x7FFFFFFF, 0x7F800000),
-             torch.float16: (numpy.uint16, 0x7FFF, 0x7C00),
-             torch.bfloat16: (numpy.uint16, 0x7FFF, 0x7F80)}
-
-
-class _Check:
-    """A piece's bits hold no inf/NaN: an exponent of all ones, so with the sign cleared the
-    bits are at least that exponent's (a scratch of one piece, kept)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        kind, magnitude, self.exponent = _EXPONENT[dtype]
-        self.magnitude = kind(magnitude)
-        self.scratch = numpy.empty(PIECE, kind)
-
-    def __call__(self, bits: numpy.ndarray) -> bool:
-        out = self.scratch[:len(bits)]
-        numpy.bitwise_and(bits, self.magnitude, out=out)
-        return int(out.max()) < self.exponent
-
-
-def _uint(t: torch.Tensor) -> numpy.ndarray:
-    """A flat contiguous host float tensor's bits as numpy unsigned integers (bf16 has no
-    numpy dtype)."""
-    kind = _EXPONENT[t.dtype][0]
-    return t.view(torch.int32 if kind is numpy.uint32 else torch.int16).numpy().view(kind)
+#: bytes walked (copied, then checked) at a time (``gather_checked``): in L2
+PIECE = 256 << 10
+#: per dtype: the bits but the sign, the exponent all ones (store/host_pieces.h's check)
+_EXPONENT = {torch.float32: (0x7FFFFFFF, 0x7F800000),
+             torch.float16: (0x7FFF, 0x7C00),
+             torch.bfloat16: (0x7FFF, 0x7F80)}
 
 
 def parts(sg: Subgroup, grads: dict) -> list[torch.Tensor]:
@@ -219,50 +195,33 @@ def _gathered(sg: Subgroup, grads: dict, into: torch.Tensor, check: bool = False
             sg.slices[0].stop - sg.slices[0].start == gs[0].numel():
         whole = gs[0].view(-1)  # (the gradient itself: no copy)
         return False if check and not finite([whole]) else whole
-    step = PIECE if check else sg.numel
-    pieces = []
+    held, walk = [], []
     for s, g in zip(sg.slices, gs):
         dst = into[s.offset:s.offset + s.stop - s.start]
         if g is None:
             dst.zero_()
             continue
-        d, n = _uint(dst), _uint(g.reshape(-1)[s.start:s.stop].contiguous())
-        pieces.extend((d[a:a + step], n[a:a + step]) for a in range(0, len(n), step))
+        src = g.reshape(-1)[s.start:s.stop].contiguous()
+        held.append(src)
+        walk.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
     # (checked: before any update, every core's; else beside the updates, one thread)
-    return into[:sg.numel] if _copy(pieces, sg.dtype, check) else False
+    return into[:sg.numel] if _walk(walk, sg.dtype, check) else False
 
 
-#: threads that gather and check the gradients before the first update (numpy's copy and
-#: ops release the GIL): 22 M fp32 gradients in 8.9 ms on two against 14.0 on one, the
-#: 2-core VM at load 1.7 (the check's arithmetic, numpy's, runs at ~10 GB/s a thread)
+#: threads that gather and check the gradients before the first update: 22 M fp32
+#: gradients gathered and checked in ms on two against ms on one (the 2-core VM)
 _THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1))
-_POOL: list = []  # (a ThreadPoolExecutor, made at its first use)
 
 
-def _copy(pieces: list, dtype: torch.dtype, check: bool) -> bool:
-    """Each (dst, src) piece copied (dst None: none), and where ``check``d tested for inf/NaN
-    right after, on up to ``_THREADS`` threads taking pieces as they come (a thread another
-    process holds delays one piece, not a share); False where a piece holds inf/NaN."""
-    tasks, bad = iter(pieces), []
-
-    def work() -> None:
-        test = _Check(dtype) if check else None
-        for d, n in tasks:  # (a list iterator's next is atomic under the GIL)
-            if bad:
-                return
-            if d is not None:  # (None: checked where it is)
-                numpy.copyto(d, n)
-            if test is not None and not test(n if d is None else d):
-                bad.append(True)
-    helpers = min(_THREADS - 1, len(pieces) - 1) if check else 0
-    if helpers > 0 and not _POOL:
-        _POOL.append(ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="smartinf-gather"))
-    running = [_POOL[0].submit(work) for _ in range(helpers)] if helpers > 0 else []
-    work()
-    for r in running:
-        r.result()
-    return not bad
+def _walk(walk: list, dtype: torch.dtype, check: bool) -> bool:
+    """The (dst, src, bytes) parts copied (dst 0: none) and where ``check``ed tested for
+    inf/NaN right after, piece by piece (``_native.walk_pieces``: every core before the first
+    update, else one thread beside the updates); False where a piece holds inf/NaN."""
+    if not check:
+        return _native.walk_pieces(walk, PIECE, 1)[0]
+    magnitude, exponent = _EXPONENT[dtype]
+    return _native.walk_pieces(walk, PIECE, _THREADS, dtype.itemsize, magnitude, exponent)[0]
 
 
 def total_norm(grads: Sequence[torch.Tensor], dtype: torch.dtype,

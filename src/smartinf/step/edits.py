@@ -60,12 +60,9 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
     """The digest of flat tensors (one sub-group's slices of params, in order), computed
     where they live."""
     if parts[0].device.type == "cpu":
-        sums = []
-        for t in parts:
-            t = t.detach().contiguous()
-            sums.append(_native.piece_checksums(t.data_ptr(), t.numel() * t.element_size(),
-                                                PIECE, _THREADS))
-        return fold(sums)
+        held = [t.detach().contiguous() for t in parts]  # (alive through the walk)
+        return fold(_native.walk_pieces([(0, t.data_ptr(), t.numel() * t.element_size())
+                                         for t in held], PIECE, _THREADS, hash=True)[1])
     if _native_takes(parts):
         return native_digests(parts[0].device, [parts])[0]
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
@@ -176,11 +173,12 @@ def fold(sums: Sequence[Sequence[int]]) -> int:
     return h
 
 
-def copy(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
-    """Copies ``src`` into ``dst`` (host tensors of one dtype, contiguous, of one size) and
-    returns the checksums of ``dst``'s pieces, as ``digest`` takes them (``fold``)."""
-    return _native.copy_piece_checksums(dst.data_ptr(), src.data_ptr(),
-                                        dst.numel() * dst.element_size(), PIECE)
+def copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
+    """Copies each pair's ``src`` into its ``dst`` (host tensors of one dtype, contiguous, of
+    one size) on every core, and returns the checksums of each ``dst``'s pieces, as
+    ``digest`` takes them (``fold``)."""
+    return _native.walk_pieces([(d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
+                                for d, s in pairs], PIECE, _THREADS, hash=True)[1]
 
 
 def _words_digest(b: torch.Tensor) -> torch.Tensor:
