@@ -4,7 +4,7 @@
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.map cimport map as cmap
-from libcpp.memory cimport shared_ptr
+from libcpp.memory cimport make_shared, shared_ptr
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
@@ -136,6 +136,13 @@ cdef extern from "device/xrt_device.h" namespace "smartinf::device":
     XrtBandwidth time_xrt(const XrtOptions&, const string&, uint64_t) except +raise_py_error nogil
 
 
+cdef extern from "device/device.h" namespace "smartinf::device":
+    cdef cppclass CallerParts:
+        vector[uint64_t] start
+        vector[const void*] grad
+        vector[void*] out
+
+
 cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
     cdef cppclass DeviceSpec:
         string kind
@@ -189,6 +196,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         const int32_t* index
         uint64_t nnz
         const void* ready
+        shared_ptr[CallerParts] parts
 
     cdef cppclass Pipeline:
         Pipeline(const PipelineOptions&) except +raise_py_error nogil
@@ -196,6 +204,7 @@ cdef extern from "pipeline/pipeline.h" namespace "smartinf::pipeline":
         shared_ptr[Completion] update(size_t, const Gradient&, void*, DType,
                                       const UpdateHyper&, cbool, cbool) except +raise_py_error nogil
         cbool retractable(size_t) except +raise_py_error nogil
+        cbool takes_parts(size_t) except +raise_py_error nogil
         void retract(size_t) except +raise_py_error nogil
         void write_states(size_t, const float* const*, uint64_t) except +raise_py_error nogil
         void read_states(size_t, float* const*, const void*) except +raise_py_error nogil
@@ -506,10 +515,22 @@ cdef class NativePipeline:
 
     def update(self, size_t sg, uintptr_t grad, int grad_dtype, cbool compressed, uintptr_t index,
                uint64_t nnz, uintptr_t out, int out_dtype, dict hyper,
-               cbool speculative=False, cbool log_only=False, uintptr_t ready=0) -> NativeCompletion:
+               cbool speculative=False, cbool log_only=False, uintptr_t ready=0,
+               list parts=None) -> NativeCompletion:
+        """``parts``: (first param, gradient address, params address) of each part of the
+        sub-group (takes_parts), ``grad`` and ``out`` then 0."""
         cdef Gradient g
         g.data, g.dtype, g.compressed = <const void*>grad, <DType>grad_dtype, compressed
         g.index, g.nnz, g.ready = <const int32_t*>index, nnz, <const void*>ready
+        cdef shared_ptr[CallerParts] held
+        if parts is not None:
+            held = make_shared[CallerParts]()
+            for start, part_grad, part_out in parts:
+                held.get().start.push_back(start)
+                held.get().grad.push_back(<const void*><uintptr_t>part_grad)
+                held.get().out.push_back(<void*><uintptr_t>part_out)
+            held.get().start.push_back(self.p.numel(sg))
+            g.parts = held
         cdef UpdateHyper h  # kernels::Hyper's defaults; a rule sends the fields it reads
         h.lr, h.weight_decay, h.grad_scale = hyper["lr"], hyper["weight_decay"], hyper["grad_scale"]
         if "beta1" in hyper:
@@ -524,6 +545,12 @@ cdef class NativePipeline:
         with nogil:
             done.c = self.p.update(sg, g, <void*>out, <DType>out_dtype, h, speculative, log_only)
         return done
+
+    def takes_parts(self, size_t sg) -> bool:
+        cdef cbool r
+        with nogil:
+            r = self.p.takes_parts(sg)
+        return r
 
     def retractable(self, size_t sg) -> bool:
         cdef cbool r

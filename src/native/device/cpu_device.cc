@@ -105,6 +105,7 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
     if (layout.split()) kernel.params_sums = params_sums_[i].data();
     if (layout.split() && k.sent_sum) kernel.sent_sums = sent_sums_[i].data();
     pool_->run(numel, kGrain, [&, &k = kernel](uint64_t lo, uint64_t hi) {
+      if (k.parts) return by_parts(s, k, numel, lo, hi);
       const Slot part = part_of(s, k, lo);
       DType grad = k.grad;
       if (k.compressed) {
@@ -131,6 +132,33 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
   }
 
   bool hashes_params() const override { return true; }
+
+  bool takes_parts(const store::StateLayout& layout) const override {
+    return layout.moments == store::Moments::fp32 && !layout.split();
+  }
+
+  // The update of params [lo, hi) of the chunk from and into the caller's parts
+  // (Kernel::parts), cut where a part ends: fp32 states, element by element, so a cut
+  // changes no bit.
+  void by_parts(const Slot& s, const Kernel& k, size_t numel, uint64_t lo, uint64_t hi) const {
+    const CallerParts& parts = *k.parts;
+    const size_t gsize = kernels::dtype_size(k.grad), osize = kernels::dtype_size(k.param);
+    size_t j = std::upper_bound(parts.start.begin(), parts.start.end(), k.base + lo) -
+               parts.start.begin() - 1;
+    for (uint64_t at = lo; at < hi; ++j) {
+      const uint64_t end = std::min<uint64_t>(hi, parts.start[j + 1] - k.base);
+      if (end <= at) continue;  // (an empty part)
+      const uint64_t into = k.base + at - parts.start[j];
+      Slot piece = s;
+      piece.grad = const_cast<char*>(static_cast<const char*>(parts.grad[j])) + into * gsize;
+      piece.out = static_cast<char*>(parts.out[j]) + into * osize;
+      if (k.copy_from != kOwnStates)
+        through_cache(piece, k, k.grad, numel, at, end, resident_at(k.copy_from));
+      else
+        run_update(piece, k, k.grad, end - at, geometry_.layout, numel, at);
+      at = end;
+    }
+  }
 
   // The update of params [lo, hi) reading fp32 states at `from` (the twin) and writing the
   // slot's: each piece's arrays copied into a buffer of this thread, updated there while in

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kernels/numeric.h"
 #include "kernels/rules.h"
@@ -21,6 +22,17 @@ using kernels::kMaxStateArrays;
 
 inline constexpr uint64_t kOwnStates = UINT64_MAX;  // bind_states: the slot's own memory
 
+// A sub-group's gradient and params where the caller holds them, in parts (a model's
+// params are many tensors): part i is params [start[i], start[i + 1]) of the sub-group, its
+// gradient at grad[i], its params written to out[i]. The cpu device updates from and into
+// them where they lie (takes_parts), so the host neither gathers the gradients into one
+// buffer nor copies the params back out of one.
+struct CallerParts {
+  std::vector<uint64_t> start;  // parts + 1, from 0 to the sub-group's size
+  std::vector<const void*> grad;
+  std::vector<void*> out;
+};
+
 // What COMPUTE does to one chunk: the update rule with this step's scalars
 // (kernels/rules.h), and how the gradient arrived (dense in `grad`, or `nnz` top-k pairs
 // to decompress first).
@@ -30,7 +42,10 @@ struct Kernel {
   DType param = DType::f32;  // dtype of the updated params sent out
   bool compressed = false;
   uint64_t nnz = 0;          // compressed: pairs in this chunk
-  uint64_t base = 0;         // compressed: sub-group position of the chunk's first param
+  uint64_t base = 0;         // compressed, parts: sub-group position of the chunk's first param
+  // The gradient and params in the caller's parts (takes_parts), the slot's grad and out
+  // then unused; null: in the slot's (or bound) buffers.
+  const CallerParts* parts = nullptr;
   // Split master (store/layout.h): the bf16 params sent in (in `out`) are not the ones
   // emitted with the stored low halves, so they are the masters as they are.
   bool adopt = false;
@@ -148,6 +163,9 @@ class Device {
   // gradient and params at the caller's buffers (bind_caller) instead of copying them in
   // and out.
   virtual bool reaches(const void*) const { return host_memory(); }
+  // Whether compute() takes a Kernel's parts (CallerParts): fp32 states updated element by
+  // element, so a chunk's params may be cut anywhere.
+  virtual bool takes_parts(const store::StateLayout&) const { return false; }
   // Slot `slot`'s dense gradient and params for one job (null: the slot's own buffers), and
   // the event of the caller's stream after which its buffers hold what it queued (a
   // cudaEvent_t for the cuda device, whose slot's stream waits for it before anything of the

@@ -102,6 +102,9 @@ struct Gradient {
   // it queued for them (a cudaEvent_t), which the device's stream waits for before reading
   // them (Device::bind_caller), where the caller's thread would wait; null: ready now.
   const void* ready = nullptr;
+  // Dense gradient and params in the caller's parts (takes_parts): `data` and update()'s
+  // `out` unused.
+  std::shared_ptr<const device::CallerParts> parts;
 };
 
 class Pipeline {
@@ -130,6 +133,9 @@ class Pipeline {
   // one with a twin, whose update copies into the twin first). update(speculative=true)
   // needs it.
   bool retractable(size_t sg) const;
+  // Whether `sg`'s update takes its gradient and params in the caller's parts
+  // (Gradient::parts): its device works in host memory on fp32 states element by element.
+  bool takes_parts(size_t sg) const;
   // Forgets `sg`'s speculative update of the step in progress once it is done (its params
   // out, its writes finished): the sub-group is as before it, to be updated again or not.
   void retract(size_t sg);

@@ -57,6 +57,7 @@ struct Job {
   float fill[device::kMaxStateArrays] = {};
   float* exported[device::kMaxStateArrays] = {};  // read: the state arrays to the host
   device::Kernel kernel{};
+  std::shared_ptr<const device::CallerParts> parts;  // kernel.parts, held while the job runs
   // Where the states are held: a byte of the device's resident memory, or streamed
   // through the slot (kOwnStates).
   uint64_t resident = device::kOwnStates;

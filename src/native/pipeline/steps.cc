@@ -22,6 +22,12 @@ bool Pipeline::retractable(size_t sg) const {
   return !updated_[sg] && (p.resident == device::kOwnStates ? !p.dirty : twin_fits(p));
 }
 
+bool Pipeline::takes_parts(size_t sg) const {
+  std::lock_guard lock(mu_);
+  const Unit& u = devices_[placed(sg).unit];
+  return !u.store->logs() && u.device->takes_parts(u.layout);
+}
+
 void Pipeline::retract(size_t sg) {
   std::lock_guard lock(mu_);
   placed(sg);
@@ -129,6 +135,20 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
   std::lock_guard lock(mu_);
   const Placement& p = placed(sg);
   if (!step_in_progress()) kept_.clear();  // a new step: the last failed one's kept are its own
+  if (g.parts) {
+    const Unit& u = devices_[p.unit];
+    const uint64_t numel = u.store->record(p.local).numel;
+    const device::CallerParts& parts = *g.parts;
+    if (g.compressed || log_only || u.store->logs() || !u.device->takes_parts(u.layout))
+      throw std::invalid_argument("sub-group " + std::to_string(sg) + "'s update cannot take its "
+                                  "gradient and params in parts (see takes_parts()): gather "
+                                  "them into one buffer each");
+    if (parts.start.size() != parts.grad.size() + 1 || parts.grad.size() != parts.out.size() ||
+        parts.start.front() != 0 || parts.start.back() != numel ||
+        !std::is_sorted(parts.start.begin(), parts.start.end()))
+      throw std::invalid_argument("sub-group " + std::to_string(sg) + "'s parts do not cover its " +
+                                  std::to_string(numel) + " params in order");
+  }
   store::StateStore& logs = *devices_[p.unit].store;
   if (log_only && !logs.logs())
     throw std::invalid_argument("log_only is for directories made with copies='log'");
@@ -234,6 +254,12 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
       job.input = g.index + first[c];
       job.values = static_cast<const char*>(g.data) + first[c] * gsize;
       job.kernel.nnz = first[c + 1] - first[c];
+      job.kernel.base = c * options_.chunk;
+    } else if (g.parts) {  // (the device finds its parts: nothing to bind, nothing to copy)
+      job.input = nullptr;
+      job.output = nullptr;
+      job.parts = g.parts;
+      job.kernel.parts = g.parts.get();
       job.kernel.base = c * options_.chunk;
     } else {
       job.input = static_cast<const char*>(g.data) + c * options_.chunk * gsize;

@@ -56,6 +56,7 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         storage, full = optim_options.split(options, self.torch_class, defaults)
         self.pipeline: Optional[Pipeline] = None  # none until laid out (_laid_out)
         self._tail = None  # the step finishing in the background (optim/tail.py), once laid out
+        self._in_place: frozenset = frozenset()  # sub-groups that take parts (layout._attach)
         super().__init__(params, full)
         self.compress = compress
         self.max_grad_norm = max_grad_norm
@@ -113,30 +114,8 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                               self._speculation)
 
     def _scatter(self, sg: Subgroup, flat: torch.Tensor) -> None:
-        """Puts masters (or updated params) into the model, as what it now holds (host
-        params of its dtype hashed as they are copied: ``edits.copy``; on a GPU, one
-        multi-tensor copy, the digest taken of ``flat``, the same bytes)."""
-        held = [local(s.param) for s in sg.slices]
-        contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held)
-        if contiguous and flat.is_cuda and sg.device == flat.device:
-            subgroups.copy_into(sg, held, flat)
-            if self._watch is not None:
-                self._watch.record_parts(sg.id, [flat])
-            self._landed(sg)
-            return
-        hashed = self._watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
-        srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
-        pieces = None
-        if hashed:  # (every slice in one walk, on every core)
-            pieces = edits.copy([(h.detach().view(-1)[s.start:s.stop], src)
-                                 for h, s, src in zip(held, sg.slices, srcs)])
-            for h in held:
-                torch.autograd.graph.increment_version(h)  # written, as copy_ says
-        else:
-            for s, src in zip(sg.slices, srcs):
-                subgroups.write(s.param, s.start, s.stop, src)
-        if self._watch is not None:
-            self._watch.record(sg.id, pieces)
+        """Puts masters (or updated params) into the model (``subgroups.put``)."""
+        subgroups.put(sg, flat, self._watch)
         self._landed(sg)
 
     # -- step -------------------------------------------------------------------------
@@ -177,7 +156,9 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
                  if (g := gradients.dense(p, self, self._stored, self.rule_class)) is not None}
         if self._sharding.active:  # every rank skips the step where any found inf/NaN
             found_inf = self._sharding.any(found_inf)
-        scale, norm, staged = gradients.decide(grads, grad_scale, found_inf, checked, self)
+        # host sub-groups updated from the model's gradients into its params where they lie
+        parts = gradients.in_place(self._plan, grads, self._in_place if self._tail is None else ())
+        scale, norm, staged = gradients.decide(grads, grad_scale, found_inf, checked, self, parts)
         if norm is not None:  # (only clipping takes it)
             self.last_grad_norm = norm
         phases.mark("norm")
@@ -225,13 +206,17 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         if later:  # updated in the order the next forward needs them
             rest = self._tail.ordered(rest)
 
+        def send(i: int, b: int) -> Any:
+            sg = self._plan[i]
+            if i in parts:  # (written as it runs: a failure from now on restores them)
+                session.landed(i)
+                return self._driver.send(i, parts[i][0], b, scale, hyper[sg.group], out=parts[i][1])
+            return self._driver.send(i, staged.take(sg, grads, b), b, scale, hyper[sg.group],
+                                     params=subgroups.flat_params(sg) if self._split else None)
+
         def finish() -> None:
-            session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept}, rest,
-                        lambda i, b: self._driver.send(
-                            i, staged.take(self._plan[i], grads, b), b, scale,
-                            hyper[self._plan[i].group],
-                            params=subgroups.flat_params(self._plan[i]) if self._split else None),
-                        self._finish)
+            session.now({sg.id: kept[sg.id] for sg in active if sg.id in kept}, rest, send,
+                        lambda i, b: self._finish(i, b, i in parts))
         if later:  # while the next forward runs, each param's use waiting for its own sub-group
             self._tail.start({sg.id: self._held(sg) for sg in active}, finish)
         else:
@@ -239,8 +224,11 @@ class _StorageOptimizer(Layout, InBackground, torch.optim.Optimizer):
         phases.mark("updates")
         return loss
 
-    def _finish(self, i: int, buffer: int) -> None:
+    def _finish(self, i: int, buffer: int, in_place: bool = False) -> None:
         sg = self._plan[i]
+        if in_place:
+            subgroups.written_in_place(sg, self._watch)
+            return self._landed(sg)
         out = self._driver.out(buffer, sg.dtype, sg.numel)
         self._scatter(sg, out)
         # A host buffer's copies to the GPU land before anything reuses it (states read into

@@ -89,8 +89,30 @@ class Staged(dict):
         return through
 
 
+def in_place(plan: Sequence[Subgroup], grads: dict, takes: Any) -> dict:
+    """{sub-group id: (its gradient's parts, its params' parts)} of the sub-groups in ``takes``
+    (``Pipeline.takes_parts``) whose every slice has a contiguous host gradient of the
+    sub-group's dtype and contiguous host params: updated where the model holds them. The
+    others are gathered into staging and their params copied back out."""
+    found = {}
+    for sg in plan:
+        if sg.id not in takes:
+            continue
+        gs, ps = [], []
+        for s in sg.slices:
+            g, p = grads.get(id(s.param)), local(s.param)
+            if g is None or not (g.is_cpu and p.is_cpu and g.dtype == p.dtype == sg.dtype and
+                                 g.is_contiguous() and p.is_contiguous()):
+                break
+            gs.append(g.view(-1)[s.start:s.stop])
+            ps.append(p.detach().view(-1)[s.start:s.stop])
+        else:
+            found[sg.id] = (gs, ps)
+    return found
+
+
 def decide(grads: dict, grad_scale: float, found_inf: bool, scaler_checked: bool,
-           opt: Any) -> tuple:
+           opt: Any, parts: Any = ()) -> tuple:
     """(the gradients' scale, None where the step is skipped; their norm where ``opt``'s
     clipping took one; ``Staged``). No pass over the gradients of their own where nothing
     clips: GradScaler's found_inf where it checked them (as torch's fused optimizers take it),
@@ -111,12 +133,14 @@ def decide(grads: dict, grad_scale: float, found_inf: bool, scaler_checked: bool
         return (*scale(grad_scale, list(grads.values()), max_grad_norm, sharding), staged)
     if scaler_checked:
         return grad_scale, None, staged
-    if fused:
+    if fused:  # (those updated in place, ``parts``, are read where they are)
         active = [sg for sg in plan if any(id(s.param) in grads for s in sg.slices)]
-        first = active[:staging.depth]
+        first = [sg for sg in active if sg.id not in parts][:staging.depth]
         flats, ok = gather_checked(first, grads, [staging.grad(b, sg.dtype, sg.numel)
                                                   for b, sg in enumerate(first)])
-        ok = ok and finite([g for sg in active[len(first):] for g in parts(sg, grads)])
+        gathered = {sg.id for sg in first}
+        ok = ok and finite([g for sg in active if sg.id not in gathered
+                            for g in parts_of(sg, grads)])
         staged.update({sg.id: (b, flats[sg.id]) for b, sg in enumerate(first) if sg.id in flats})
     else:
         ok = finite(list(grads.values()))
@@ -142,7 +166,7 @@ def gather_checked(sgs: Sequence[Subgroup], grads: dict,
         if flat_ is False:
             return staged, False
         if flat_ is None:
-            ok = finite(parts(sg, grads)) and ok
+            ok = finite(parts_of(sg, grads)) and ok
         else:
             staged[sg.id] = flat_
     return staged, ok
@@ -172,7 +196,7 @@ _EXPONENT = {torch.float32: (0x7FFFFFFF, 0x7F800000),
              torch.bfloat16: (0x7FFF, 0x7F80)}
 
 
-def parts(sg: Subgroup, grads: dict) -> list[torch.Tensor]:
+def parts_of(sg: Subgroup, grads: dict) -> list[torch.Tensor]:
     """The parts of the sub-group's params' gradients it holds."""
     return [g.reshape(-1)[s.start:s.stop] for s in sg.slices
             if (g := grads.get(id(s.param))) is not None]

@@ -225,6 +225,10 @@ class Layout:
 
     def _attach(self, pipeline: Pipeline, plan: Sequence[Subgroup]) -> None:
         subgroups.attach(self, pipeline, plan)
+        # Host sub-groups whose updates read the model's gradients and write its params where
+        # they lie (Pipeline.takes_parts; not with top-k compression, which sends its own)
+        self._in_place |= {sg.id for sg in plan if sg.device.type == "cpu" and
+                           self.compress is None and pipeline.takes_parts(sg.id)}
 
     def _gather_params(self, sg: Subgroup) -> torch.Tensor:
         """The sub-group's params as the model holds them, fp32, in staging buffer 0."""

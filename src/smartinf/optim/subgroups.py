@@ -16,6 +16,7 @@ from torch._utils import _unflatten_dense_tensors
 from smartinf.optim.sharding import local
 from smartinf.pipeline.checkpoint import stored_subgroups
 from smartinf.pipeline.devices import GPU_DIRECTORY, GPU_HOST_DIRECTORY
+from smartinf.step import edits
 from smartinf.step.rounding import round_to
 
 logger = logging.getLogger("smartinf")
@@ -149,6 +150,42 @@ def write(p: torch.Tensor, start: int, stop: int, src: torch.Tensor) -> None:
     whole = p.detach().reshape(-1).clone()
     whole[start:stop].copy_(src)
     p.detach().copy_(whole.view(p.shape))
+
+
+def put(sg: Subgroup, flat: torch.Tensor, watch: Any) -> None:
+    """Puts masters (or updated params) ``flat`` into the model, as what it now holds
+    (``watch``'s digest: host params of the sub-group's dtype hashed as they are copied,
+    ``edits.copy``; on a GPU, one multi-tensor copy, the digest taken of ``flat``, the same
+    bytes)."""
+    held_ = [local(s.param) for s in sg.slices]
+    contiguous = flat.dtype == sg.dtype and all(h.is_contiguous() for h in held_)
+    if contiguous and flat.is_cuda and sg.device == flat.device:
+        copy_into(sg, held_, flat)
+        if watch is not None:
+            watch.record_parts(sg.id, [flat])
+        return
+    hashed = watch is not None and contiguous and flat.is_cpu and sg.device.type == "cpu"
+    srcs = [flat[s.offset:s.offset + s.stop - s.start] for s in sg.slices]
+    pieces = None
+    if hashed:  # (every slice in one walk, on every core)
+        pieces = edits.copy([(h.detach().view(-1)[s.start:s.stop], src)
+                             for h, s, src in zip(held_, sg.slices, srcs)])
+        for h in held_:
+            torch.autograd.graph.increment_version(h)  # written, as copy_ says
+    else:
+        for s, src in zip(sg.slices, srcs):
+            write(s.param, s.start, s.stop, src)
+    if watch is not None:
+        watch.record(sg.id, pieces)
+
+
+def written_in_place(sg: Subgroup, watch: Any) -> None:
+    """The sub-group's params written where the model holds them by its update
+    (``Pipeline.takes_parts``): marked written, as ``copy_`` marks them, and their digest
+    taken there."""
+    for s in sg.slices:
+        torch.autograd.graph.increment_version(local(s.param))
+    watch.record(sg.id)
 
 
 def param_ids(param_groups: Sequence[dict]) -> dict[int, int]:

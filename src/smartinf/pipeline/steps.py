@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -133,7 +133,10 @@ class Steps:
         (fp32/fp16/bf16; with ``master="split"`` bf16, holding the current params on entry).
         On a ``CudaDevice`` (``gpu_of(sg)``) ``grad`` and ``out`` may be CUDA tensors on its
         GPU: read and written there (a split master's params checksummed there too), nothing
-        crosses PCIe (what the caller's current stream queued is waited for first). Keyword ``overrides`` replace the optimizer's hyper-parameters
+        crosses PCIe (what the caller's current stream queued is waited for first). Where
+        ``takes_parts(sg)``, ``grad`` and ``out`` may be lists of parts (a model's gradients
+        and params where it holds them, in the sub-group's order: pairs of one size), read and
+        written where they lie. Keyword ``overrides`` replace the optimizer's hyper-parameters
         for this update (``lr=``, ``weight_decay=``, ``betas=``, ``momentum=`` ...:
         schedulers, param groups). Each sub-group is updated at most once per step; the
         step becomes durable with ``commit()`` (or ``with pipe.step():``).
@@ -151,8 +154,17 @@ class Steps:
         allowed = [self._param_dtype] if self._param_dtype is not None else \
             [buffers.F32, buffers.F16, buffers.BF16]
         gpu = self.gpu_of(sg)
-        o = buffers.host_buffer("out", out, numel, allowed, writable=True, gpu=gpu)
-        if isinstance(grad, Compressed):
+        parts = None
+        if isinstance(grad, (list, tuple)) and all(isinstance(g, torch.Tensor) for g in grad):
+            # parts (takes_parts): no flat buffer either side
+            if not native.takes_parts(sg):
+                raise ValueError(f"sub-group {sg}'s update cannot take its gradient and params "
+                                 f"in parts (a cpu device's fp32 states only, without a log): "
+                                 f"pass one buffer each")
+            g, o, parts = _caller_parts(numel, grad, out, allowed)
+            index, nnz, keep, spans = None, 0, (g.owner, o.owner), []
+        elif isinstance(grad, Compressed):
+            o = buffers.host_buffer("out", out, numel, allowed, writable=True, gpu=gpu)
             if grad.numel != numel:
                 raise ValueError(f"the compressed gradient is of {grad.numel} params, "
                                  f"sub-group {sg} has {numel}")
@@ -163,6 +175,7 @@ class Steps:
             keep = (g.owner, index.owner, o.owner)
             spans = [(g, nnz), (index, nnz)]
         else:
+            o = buffers.host_buffer("out", out, numel, allowed, writable=True, gpu=gpu)
             g = buffers.host_buffer("grad", grad, numel, [buffers.F32, buffers.F16, buffers.BF16],
                                     writable=False, gpu=gpu)
             index, nnz, keep, spans = None, 0, (g.owner, o.owner), [(g, numel)]
@@ -183,7 +196,7 @@ class Steps:
         done = native.update(sg, g.address, g.dtype, index is not None,
                              index.address if index else 0, nnz, o.address, o.dtype, hyper,
                              bool(speculative), bool(log_only),
-                             ready.cuda_event if ready is not None else 0)
+                             ready.cuda_event if ready is not None else 0, parts)
         future = UpdateFuture(done, keep + (ready,))  # (the event too, until every chunk waited)
         self._inflight.append(future)
         return future
@@ -193,6 +206,12 @@ class Steps:
         it reads untouched (a streamed sub-group not updated since the last durable commit;
         a resident one with a twin, see ``overlap``), and it was not updated in this step."""
         return self._open().retractable(self._subgroup(sg))
+
+    def takes_parts(self, sg: int) -> bool:
+        """Whether ``update(sg, ...)`` takes its gradient and params as lists of parts: the
+        sub-group's device updates in host memory (a cpu device) fp32 states, element by
+        element, and no log is kept (``copies="log"`` hashes one flat gradient)."""
+        return self._open().takes_parts(self._subgroup(sg))
 
     def retract(self, sg: int) -> None:
         """Takes back ``sg``'s speculative update of the step in progress (waiting for it):
@@ -306,6 +325,39 @@ class Steps:
             raise ValueError(f"an update cannot change the rule from {self.optimizer.name} to "
                              f"{rule.name}: it is fixed for the directories")
         return rule
+
+
+def _caller_parts(numel: int, grads: Sequence[Any], outs: Sequence[Any],
+                  allowed: Sequence[int]) -> tuple:
+    """(a Buffer of the gradient's dtype, one of the params', holding the parts; each part's
+    (first param, gradient address, params address)) of a sub-group's gradient and params in
+    parts: pairs of contiguous host tensors of one size, of one dtype a side, covering the
+    sub-group, no gradient overlapping any params."""
+    if len(grads) != len(outs) or not grads:
+        raise ValueError(f"{len(grads)} gradient parts and {len(outs)} params parts: give one "
+                         f"params part for each gradient part")
+    if sum(int(g.numel()) for g in grads) != numel:
+        raise ValueError(f"the gradient parts hold {sum(int(g.numel()) for g in grads)} "
+                         f"elements, the sub-group has {numel}")
+    gs = [buffers.host_buffer(f"grad part {i}", g, g.numel(), [buffers.F32, buffers.F16, buffers.BF16],
+                              writable=False) for i, g in enumerate(grads)]
+    os_ = [buffers.host_buffer(f"out part {i}", o, g.numel(), allowed, writable=True)
+           for i, (g, o) in enumerate(zip(grads, outs))]
+    if len({b.dtype for b in gs}) > 1 or len({b.dtype for b in os_}) > 1:
+        raise TypeError("the gradient parts, and the params parts, must each be of one dtype")
+    starts = [0]
+    for g in grads[:-1]:
+        starts.append(starts[-1] + int(g.numel()))
+    spans = sorted((b.address, b.address + int(g.numel()) * g.element_size(), side)
+                   for side, bs, ts in ((0, gs, grads), (1, os_, outs)) for b, g in zip(bs, ts))
+    last_end = {0: 0, 1: 0}
+    for begin, end, side in spans:  # (sorted by start: a part overlaps an earlier one of the
+        if begin < last_end[1 - side]:  # other side where it starts before that one ends)
+            raise ValueError("a gradient part and a params part overlap; give out its own memory")
+        last_end[side] = max(last_end[side], end)
+    holder = (tuple(b.owner for b in gs), tuple(b.owner for b in os_))
+    return (buffers.Buffer(0, gs[0].dtype, holder[0]), buffers.Buffer(0, os_[0].dtype, holder[1]),
+            [(start, g.address, o.address) for start, g, o in zip(starts, gs, os_)])
 
 
 def _overlaps(a: buffers.Buffer, a_numel: int, out: buffers.Buffer, numel: int) -> bool:

@@ -88,6 +88,10 @@ class Driver:
         is there. With a split master ``params`` are the sub-group's current params (flat, on
         their device), sent in with the gradient through the same buffer. ``speculative``:
         see ``Pipeline.update``."""
+        if isinstance(grad, list):  # parts, read and written where they lie (takes_parts)
+            self._outs.pop(buffer, None)
+            return self.pipeline.update(sg, grad, out, grad_scale=scale, speculative=speculative,
+                                        log_only=self._logging, **hyper)
         gpu = self.pipeline.gpu_of(sg)
         on_its_gpu = grad.is_cuda and grad.device.index == gpu
         if self.compress is not None:
