@@ -153,3 +153,23 @@ def test_a_failed_step_puts_back_the_params_its_updates_wrote_in_place(disk_dir,
     ob.step()
     assert_models_close(a, b)
     oa.close()
+
+
+def test_a_gradient_in_a_params_memory_is_gathered_not_refused(disk_dir, no_speculation):
+    """A gradient set to a view of a param's own storage (odd, but torch steps it): that
+    sub-group is gathered as before, not updated in place, and steps as torch's."""
+    import smartinf.optim as so
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(300))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    oa = so.AdamW(a, lr=1e-2, devices=[disk_dir], subgroup_size=100_000, chunk=256)
+    ob = torch.optim.AdamW(b, lr=1e-2)
+    for params in (a, b):
+        params[0].grad = torch.randn(600, generator=torch.Generator().manual_seed(1))
+    a[1].grad = a[0].detach()[300:]  # (its values as b's gradient holds them)
+    b[1].grad = b[0].detach()[300:].clone()
+    oa.step()
+    ob.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach(), q.detach())
+    oa.close()

@@ -106,8 +106,10 @@ def in_place(plan: Sequence[Subgroup], grads: dict, takes: Any) -> dict:
                 break
             gs.append(g.view(-1)[s.start:s.stop])
             ps.append(p.detach().view(-1)[s.start:s.stop])
-        else:
-            found[sg.id] = (gs, ps)
+        else:  # (a gradient in a param's own memory, however odd, is read before it is written)
+            held = {t.untyped_storage().data_ptr() for t in ps}
+            if not any(t.untyped_storage().data_ptr() in held for t in gs):
+                found[sg.id] = (gs, ps)
     return found
 
 
