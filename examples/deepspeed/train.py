@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -393,6 +394,11 @@ def leave_without_teardown() -> None:
     DeepSpeed 0.19's CPU ops (2 ranks, CPU Adam) abort now and then at exit ("terminate
     called without an active exception") after a successful run."""
     torch.distributed.destroy_process_group()
+    # os._exit skips multiprocessing's exit, which ends daemonic children: ZenFlow's optimizer
+    # process (--mode zenflow) outlived every run, waiting on its control block
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
