@@ -77,6 +77,9 @@ def summarize(record: dict, read_bw: float, write_bw: float) -> dict:
             "model_step_s": predicted and predicted["step_s"],
             "model_window": [window[0]["step"], window[-1]["step"]],
             "fwd_bwd_without_waits_s": fwd_bwd, "measured_iteration_s": measured_iteration,
+            # the iteration against its compute measured in the same run (issue 89: every GPU
+            # record's ratio is to that): start to start where kept, else its phases
+            "iteration_to_compute": (wall or median["fwd_s"] + median["bwd_s"] + median["step_s"]) / fwd_bwd,
             "model_iteration_s": model_iteration,
             "model_over_measured": model_iteration / measured_iteration if predicted else None,
             "storage_limit_s": limit, "params": n, "losses": [s["loss"] for s in record["steps"]]}
@@ -152,6 +155,7 @@ def main() -> None:
               f"iteration {m['iteration_s']:6.2f} s  storage {m['storage_bytes_per_param']:5.1f} B/param"
               f"  {m['disk_bps'] / 1e9:4.2f} GB/s  limit {m['storage_limit_s']:6.2f} s"
               f"  mean step {m['mean_step_s']:6.2f} s"
+              f"  {m['iteration_to_compute']:4.2f}x compute ({m['fwd_bwd_without_waits_s']:.2f} s)"
               + (f"  x ZI {m['iteration_speedup_over_zero_infinity']:5.2f}"
                  if "iteration_speedup_over_zero_infinity" in m else "")
               + (f"  / ZO {m['iteration_to_zero_offload']:4.2f} (mean {m['mean_iteration_to_zero_offload']:4.2f})"
