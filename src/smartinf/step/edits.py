@@ -60,9 +60,7 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
     """The digest of flat tensors (one sub-group's slices of params, in order), computed
     where they live."""
     if parts[0].device.type == "cpu":
-        held = [t.detach().contiguous() for t in parts]  # (alive through the walk)
-        return fold(_native.walk_pieces([(0, t.data_ptr(), t.numel() * t.element_size())
-                                         for t in held], PIECE, _THREADS, hash=True)[1])
+        return host_digests([parts])[0]
     if _native_takes(parts):
         return native_digests(parts[0].device, [parts])[0]
     raw = [t.detach().contiguous().view(-1).view(torch.uint8) for t in parts]
@@ -71,13 +69,31 @@ def digest(parts: Sequence[torch.Tensor]) -> Digest:
     return _words_digest(b) if weights is None else _matmul_digest(b, weights)
 
 
+def host_digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+    """``digest`` of each key's host parts, all in one walk on every core (a walk a key left
+    the cores waiting for each other at its end)."""
+    held = [[t.detach().contiguous() for t in parts] for parts in keys_parts]  # (alive through it)
+    sums = _native.walk_pieces([(0, t.data_ptr(), t.numel() * t.element_size())
+                                for parts in held for t in parts], PIECE, _THREADS, hash=True)[1]
+    out, at = [], 0
+    for parts in held:
+        out.append(fold(sums[at:at + len(parts)]))
+        at += len(parts)
+    return out
+
+
 def digests(keys_parts: Sequence[Sequence[torch.Tensor]]) -> list:
     """``digest`` of each key's parts, the small ones on a GPU together (``SMALL``): what a
     key's digest is depends on its own parts only, never on the others in the call."""
     out: list = [None] * len(keys_parts)
     small: dict = {}
     native: dict = {}
+    host = [i for i, parts in enumerate(keys_parts) if parts[0].device.type == "cpu"]
+    for i, d in zip(host, host_digests([keys_parts[i] for i in host])):
+        out[i] = d
     for i, parts in enumerate(keys_parts):
+        if out[i] is not None:
+            continue
         if parts[0].device.type != "cpu" and _native_takes(parts):
             native.setdefault(parts[0].device, []).append(i)
         elif parts[0].device.type != "cpu" and sum(t.numel() * t.element_size() for t in parts) <= SMALL:
