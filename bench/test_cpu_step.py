@@ -12,7 +12,9 @@ acceptance: at most 1.0 at 23 M) and of their fastest steps (on a shared VM, wha
 when others leave it the cores), torch's default (foreach) AdamW beside them, smartinf's
 phases (``last_step_phases``) and the machine's load average, since on a shared 2-core VM
 other processes' threads move every number. The two runs' params are compared at the end:
-the same steps taken. Results: ``bench/results/cpu_step.json``.
+the same steps taken. Results: ``bench/results/cpu_step.json``. And the first step
+(``-k first``): the optimizer made and its first step taken, against torch's fused AdamW's
+first step (``bench/results/cpu_first_step.json``).
 """
 from __future__ import annotations
 
@@ -115,3 +117,47 @@ def test_cpu_step_against_torch_fused(benchmark, tmp_path, numel):
           f"{result['ratio_of_minima']:.2f}x); smartinf's phases "
           + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result["smartinf_phases_median_ms"].items())
           + " ms")
+
+
+@pytest.mark.parametrize("numel", SIZES, ids=[f"{n / 1e6:.0f}M" for n in SIZES])
+def test_first_step_against_torch_fused(tmp_path, numel):
+    """The README's optimizer made and its first step taken, against torch's fused AdamW's
+    (whose states are made by that step), each on its own copy of the model, in one process
+    (issue 89: the first step in seconds, no state written before the first durable commit):
+    seconds of each, smartinf's first step by phase (its ``open_*`` parts), and the bytes
+    it wrote to storage by then (none: the states are written by the first commit, step
+    10). Results: ``bench/results/cpu_first_step.json``."""
+    ours_params = model_params(numel)
+    fused_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    generator = torch.Generator().manual_seed(1)
+    for p, q in zip(ours_params, fused_params):
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+        q.grad = p.grad
+    seconds = {}
+    t0 = time.perf_counter()
+    torch_opt = torch.optim.AdamW(fused_params, lr=1e-4, fused=True)
+    torch_opt.step()
+    seconds["torch_fused"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ours = smartinf.optim.AdamW(ours_params, lr=1e-4, devices=[str(tmp_path / "states")])
+    seconds["smartinf_made"] = time.perf_counter() - t0
+    ours.step()
+    seconds["smartinf"] = time.perf_counter() - t0
+    written = ours.pipeline.stats["storage_write"]
+    phases = dict(ours.last_step_phases)
+    ours.close()
+    for a, b in zip(ours_params, fused_params):  # the same step taken (fp32 tolerance)
+        torch.testing.assert_close(a.detach(), b.detach())
+    result = {"params": sum(p.numel() for p in ours_params), "seconds": seconds,
+              "ratio_to_torch_fused": seconds["smartinf"] / seconds["torch_fused"],
+              "first_step_phases_s": phases, "storage_written_by_step_1": written,
+              "load_average_1min": os.getloadavg()[0], "cpus": len(os.sched_getaffinity(0))}
+    path = os.path.join(RESULTS, "cpu_first_step.json")
+    recorded = json.load(open(path)) if os.path.exists(path) else {}
+    recorded[f"{numel / 1e6:.0f}M"] = result
+    with open(path, "w") as f:
+        json.dump(recorded, f, indent=2, sort_keys=True)
+    print(f"\n{result['params'] / 1e6:.1f} M fp32 params: smartinf made in "
+          f"{seconds['smartinf_made']:.2f} s, to the end of its first step "
+          f"{seconds['smartinf']:.2f} s, torch fused {seconds['torch_fused']:.2f} s "
+          f"({result['ratio_to_torch_fused']:.1f}x); {written / 1e6:.1f} MB written by step 1")

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <utility>
@@ -219,6 +222,35 @@ void zero_in_parallel(ComputePool& pool, void* p, size_t bytes) {
     char* at = static_cast<char*>(p) + lo * kPiece;
     std::memset(at, 0, std::min(hi * kPiece, bytes) - lo * kPiece);
   });
+}
+
+ZeroedMemory::ZeroedMemory(ComputePool& pool, size_t bytes) : bytes_(bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  data_ = p;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  constexpr size_t kPiece = size_t{2} << 20;
+  pool.run((bytes + kPiece - 1) / kPiece, 1, [&](uint64_t lo, uint64_t hi) {
+    char* at = static_cast<char*>(data_);
+    for (size_t b = lo * kPiece, end = std::min(hi * kPiece, bytes); b < end; b += page)
+      *reinterpret_cast<volatile char*>(at + b) = 0;
+  });
+}
+
+ZeroedMemory::~ZeroedMemory() {
+  if (data_) munmap(data_, bytes_);
+}
+
+ZeroedMemory::ZeroedMemory(ZeroedMemory&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+ZeroedMemory& ZeroedMemory::operator=(ZeroedMemory&& other) noexcept {
+  if (this != &other) {
+    if (data_) munmap(data_, bytes_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
 }
 
 unsigned usable_cores() {

@@ -26,10 +26,6 @@ void stream_copy(float* dst, const float* src, size_t n) {
   for (; i < n; ++i) dst[i] = src[i];
 }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
 class CpuDevice final : public SlottedDevice<HostSlots> {
  public:
   CpuDevice(std::string dir, const SlotGeometry& g, const CpuOptions& options)
@@ -41,12 +37,12 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
     resident_bytes_ = store::align_up(options.resident_bytes);
     require_host_memory(resident_bytes_, dir_);
     if (resident_bytes_) {
-      void* mem = std::aligned_alloc(store::kAlign, resident_bytes_);
-      if (!mem)
+      try {  // (page aligned, for O_DIRECT)
+        resident_ = ZeroedMemory(*pool_, resident_bytes_);
+      } catch (const std::bad_alloc&) {
         throw std::invalid_argument("cannot allocate a memory budget of " +
                                     std::to_string(resident_bytes_) + " bytes for " + dir_);
-      zero_in_parallel(*pool_, mem, resident_bytes_);  // touched now: the budget is held from creation
-      resident_.reset(mem);
+      }
     }
   }
 
@@ -228,7 +224,7 @@ class CpuDevice final : public SlottedDevice<HostSlots> {
   // it was sent (split master).
   std::vector<std::vector<uint64_t>> params_sums_, sent_sums_;
   uint64_t resident_bytes_ = 0;
-  std::unique_ptr<void, FreeDeleter> resident_;
+  ZeroedMemory resident_;
 };
 
 }  // namespace
