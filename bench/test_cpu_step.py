@@ -46,6 +46,15 @@ def model_params(numel: int, seed: int = 0) -> list[torch.nn.Parameter]:
     return [p for _ in range(layers) for p in torch.nn.Linear(WIDTH, WIDTH).parameters()]
 
 
+def record(name: str, numel: int, result: dict) -> None:
+    """``result`` under its size's key in ``bench/results/<name>`` (the other sizes kept)."""
+    path = os.path.join(RESULTS, name)
+    recorded = json.load(open(path)) if os.path.exists(path) else {}
+    recorded[f"{numel / 1e6:.0f}M"] = result
+    with open(path, "w") as f:
+        json.dump(recorded, f, indent=2, sort_keys=True)
+
+
 def median_ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 
@@ -104,11 +113,7 @@ def test_cpu_step_against_torch_fused(benchmark, tmp_path, numel):
               "load_average_1min": load, "cpus": len(os.sched_getaffinity(0)),
               "torch_threads": torch.get_num_threads(), "placement": str(ours.placement)}
     benchmark.extra_info.update(result)
-    path = os.path.join(RESULTS, "cpu_step.json")
-    recorded = json.load(open(path)) if os.path.exists(path) else {}
-    recorded[f"{numel / 1e6:.0f}M"] = result
-    with open(path, "w") as f:
-        json.dump(recorded, f, indent=2, sort_keys=True)
+    record("cpu_step.json", numel, result)
     print(f"\n{result['params'] / 1e6:.1f} M fp32 params, {STEPS} steps each, alternated "
           f"(load average {load[0]:.1f} -> {load[1]:.1f} on {result['cpus']} CPUs): median step "
           + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items())
@@ -152,11 +157,7 @@ def test_first_step_against_torch_fused(tmp_path, numel):
               "ratio_to_torch_fused": seconds["smartinf"] / seconds["torch_fused"],
               "first_step_phases_s": phases, "storage_written_by_step_1": written,
               "load_average_1min": os.getloadavg()[0], "cpus": len(os.sched_getaffinity(0))}
-    path = os.path.join(RESULTS, "cpu_first_step.json")
-    recorded = json.load(open(path)) if os.path.exists(path) else {}
-    recorded[f"{numel / 1e6:.0f}M"] = result
-    with open(path, "w") as f:
-        json.dump(recorded, f, indent=2, sort_keys=True)
+    record("cpu_first_step.json", numel, result)
     print(f"\n{result['params'] / 1e6:.1f} M fp32 params: smartinf made in "
           f"{seconds['smartinf_made']:.2f} s, to the end of its first step "
           f"{seconds['smartinf']:.2f} s, torch fused {seconds['torch_fused']:.2f} s "
