@@ -271,6 +271,8 @@ class Pipeline {
   // A resident sub-group's twin, from what is left of its device's budget, if it has none
   // and one fits (kept from then on); whether it has one.
   bool twin_fits(const Placement& p) const;
+  // Whether unit `u`'s updates take the caller's parts (takes_parts; mu_ held).
+  static bool parts_taken(const Unit& u);
   // A new sub-group's `bytes` of states, with its twin where `u` keeps twins, fit in what
   // is left of u's budget.
   static bool fits_resident(const Unit& u, uint64_t used, uint64_t bytes);

@@ -22,10 +22,13 @@ bool Pipeline::retractable(size_t sg) const {
   return !updated_[sg] && (p.resident == device::kOwnStates ? !p.dirty : twin_fits(p));
 }
 
+bool Pipeline::parts_taken(const Unit& u) {
+  return !u.store->logs() && u.device->takes_parts(u.layout);  // (a log hashes one flat gradient)
+}
+
 bool Pipeline::takes_parts(size_t sg) const {
   std::lock_guard lock(mu_);
-  const Unit& u = devices_[placed(sg).unit];
-  return !u.store->logs() && u.device->takes_parts(u.layout);
+  return parts_taken(devices_[placed(sg).unit]);
 }
 
 void Pipeline::retract(size_t sg) {
@@ -139,7 +142,7 @@ std::shared_ptr<Completion> Pipeline::update(size_t sg, const Gradient& g, void*
     const Unit& u = devices_[p.unit];
     const uint64_t numel = u.store->record(p.local).numel;
     const device::CallerParts& parts = *g.parts;
-    if (g.compressed || log_only || u.store->logs() || !u.device->takes_parts(u.layout))
+    if (g.compressed || log_only || !parts_taken(u))
       throw std::invalid_argument("sub-group " + std::to_string(sg) + "'s update cannot take its "
                                   "gradient and params in parts (see takes_parts()): gather "
                                   "them into one buffer each");

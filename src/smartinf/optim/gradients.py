@@ -1,7 +1,8 @@
 """A ``smartinf.optim`` step's gradients as torch's optimizers take them: each param's dense
-and checked (``dense``), each sub-group's as one flat tensor (``flat``, on the host gathered
-into staging), checked for inf/NaN as they are gathered (``gather_checked``) or where they are
-(``finite``), and the factor they are multiplied by after clipping (``scale``: the norm, which
+and checked (``dense``), each sub-group's in parts where the model holds them (``in_place``:
+host sub-groups whose update reads and writes them there) or as one flat tensor (``flat``, on
+the host gathered into staging), checked for inf/NaN as they are gathered (``gather_checked``)
+or where they are (``finite``), and the factor they are multiplied by after clipping (``scale``: the norm, which
 checks them too), with torch.amp.GradScaler's loss scale and inf flag (``amp``)."""
 from __future__ import annotations
 
